@@ -1,0 +1,72 @@
+"""braid: one collective, every path between GPUs at once.
+
+    import torch.distributed as dist, braid
+    dist.init_process_group("nccl")            # or "gloo" for CPU tensors
+    braid.init()                               # the default communicator over the world group
+    braid.all_gather_into_tensor(out, x)       # split across NVLink copy engines, NCCL, PCIe...
+
+Every op also exists as a method of `braid.Communicator`.
+"""
+from __future__ import annotations
+
+from .comm import Communicator
+from .errors import (BraidError, BraidTimeoutError, LaneFailureError, LaneUnavailableError, MisuseError,
+                     PeerMismatchError)
+from .executor import Handle
+
+__version__ = "0.1.0"
+
+_default: Communicator | None = None
+
+
+def init(lanes: list[str] | None = None) -> Communicator:
+    """Create (or return) the default communicator over the torch.distributed world."""
+    global _default
+    if _default is None or _default.closed:
+        _default = Communicator(lanes=lanes)
+    return _default
+
+
+def default() -> Communicator:
+    if _default is None or _default.closed:
+        raise MisuseError("no braid communicator: call braid.init() after dist.init_process_group()")
+    return _default
+
+
+def close() -> None:
+    global _default
+    if _default is not None:
+        _default.close()
+        _default = None
+
+
+def send(tensor, dst, async_op=False):
+    return default().send(tensor, dst, async_op=async_op)
+
+
+def recv(tensor, src, async_op=False):
+    return default().recv(tensor, src, async_op=async_op)
+
+
+def broadcast(tensor, src=0, async_op=False):
+    return default().broadcast(tensor, src, async_op=async_op)
+
+
+def all_gather_into_tensor(output, input, async_op=False):
+    return default().all_gather_into_tensor(output, input, async_op=async_op)
+
+
+def all_gather(output_list, input, async_op=False):
+    return default().all_gather(output_list, input, async_op=async_op)
+
+
+def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, async_op=False):
+    return default().all_to_all_single(output, input, output_split_sizes, input_split_sizes, async_op=async_op)
+
+
+__all__ = [
+    "Communicator", "Handle", "init", "default", "close",
+    "send", "recv", "broadcast", "all_gather_into_tensor", "all_gather", "all_to_all_single",
+    "BraidError", "BraidTimeoutError", "LaneFailureError", "LaneUnavailableError", "MisuseError",
+    "PeerMismatchError",
+]

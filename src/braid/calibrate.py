@@ -1,0 +1,172 @@
+"""First calibration: time each lane alone at each op, fit latency + bandwidth, refine, cache.
+
+Stage 1 of FlexLink's balancer, in its simplest form (the full two-stage balancer is the next
+issue; this module's output, a LaneCost per lane and op, is what it will start from):
+
+1. every lane alone, at two sizes -> LaneCost(latency, bandwidth) by a straight-line fit;
+2. all lanes together with the equal-finish split of those costs, each lane timed on its own
+   stream -> each lane's bandwidth re-estimated from the bytes it moved and its time while the
+   others ran (lanes that share links slow each other); repeated `rounds` times.
+
+The result is cached in BRAID_CACHE_DIR under a key of everything that makes it valid (GPU model
+and count, peer topology, driver, torch and NCCL versions, world size), read by rank 0 and
+broadcast so every rank plans from the same numbers.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import envs
+from .planner.model import LaneCost, choose_shares, fit
+
+log = logging.getLogger("braid")
+
+GPU_SIZES = (4 << 20, 256 << 20)
+CPU_SIZES = (256 << 10, 8 << 20)
+
+
+def machine_key(comm) -> dict:
+    key = {"world_size": comm.world_size, "torch": torch.__version__, "lanes": sorted(comm.lanes_for(comm.device))}
+    if comm.cuda:
+        n = torch.cuda.device_count()
+        key.update(gpu=torch.cuda.get_device_name(comm.device), gpus=n,
+                   peer=[[int(i == j or torch.cuda.can_device_access_peer(i, j)) for j in range(n)] for i in range(n)],
+                   cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())),
+                   driver=_driver_version())
+    else:
+        key.update(cpu=platform.processor() or platform.machine(), cores=os.cpu_count())
+    return key
+
+
+def _driver_version() -> str:
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            return f.readline().strip()
+    except OSError:
+        return ""
+
+
+def cache_path(comm) -> str:
+    digest = hashlib.sha1(json.dumps(machine_key(comm), sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(envs.get("BRAID_CACHE_DIR"), f"calib-{digest}.json")
+
+
+def load(comm) -> dict | None:
+    if envs.get("BRAID_CALIBRATE") in ("off", "force"):
+        return None
+    try:
+        with open(cache_path(comm)) as f:
+            obj = json.load(f)
+        return obj["table"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def save(comm, table: dict) -> str:
+    path = cache_path(comm)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"key": machine_key(comm), "created": time.strftime("%Y-%m-%d %H:%M:%S"), "table": table}, f, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+def time_call(comm, fn, iters: int, warmup: int = 1) -> float:
+    """Microseconds per call, the slowest rank's (every rank calls this together)."""
+    for _ in range(warmup):
+        fn()
+    _sync(comm)
+    dist.barrier(group=comm.gloo_group)
+    if comm.cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        mine = start.elapsed_time(end) * 1e3 / iters
+    else:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        mine = (time.perf_counter() - t0) * 1e6 / iters
+    return _max_over_ranks(comm, [mine])[0]
+
+
+def _sync(comm) -> None:
+    if comm.cuda:
+        torch.cuda.synchronize(comm.device)
+
+
+def _max_over_ranks(comm, values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=comm.gloo_group)
+    return t.tolist()
+
+
+def calibrate_op(comm, op: str, lanes: list[str], sizes=None, iters: int = 5, rounds: int = 2) -> dict[str, LaneCost]:
+    """LaneCost for each lane at `op` (collective over every rank)."""
+    from .workloads import make
+    sizes = sizes or (GPU_SIZES if comm.cuda else CPU_SIZES)
+    small, large = sizes
+    costs: dict[str, LaneCost] = {}
+    loads = {n: make(comm, op, n, torch.uint8 if not comm.cuda else torch.bfloat16) for n in sizes}
+    for lane in lanes:
+        with comm.fixed_shares({lane: 1.0}):
+            ta = time_call(comm, loads[small].braid, iters)
+            tb = time_call(comm, loads[large].braid, iters)
+        costs[lane] = fit(loads[small].nbytes, ta, loads[large].nbytes, tb)
+    big = loads[large]
+    for _ in range(rounds):
+        shares = choose_shares(costs, big.nbytes)
+        if len(shares) < 2:
+            break
+        with comm.fixed_shares(shares):
+            for _ in range(2):
+                big.braid()
+            _sync(comm)
+            times: dict[str, float] = {}
+            for _ in range(iters):
+                big.braid()
+                if big.participates and comm.last_handle is not None:
+                    for k, v in comm.last_handle.lane_times_us().items():
+                        times[k] = times.get(k, 0.0) + v / iters
+        names = sorted(shares)
+        slowest = _max_over_ranks(comm, [times.get(k, 0.0) for k in names])
+        for k, t in zip(names, slowest):
+            # bytes this lane moved, scaled back to the op's size, over its time beside the others
+            frac = shares.get(k, 0.0)
+            if frac <= 0 or t <= costs[k].latency_us:
+                continue
+            costs[k] = LaneCost(costs[k].latency_us, frac * big.nbytes / (t - costs[k].latency_us) / 1e3)
+    return costs
+
+
+def calibrate(comm, ops=("send_recv", "broadcast", "all_gather", "all_to_all_single"), save_to_disk: bool = True,
+              sizes=None) -> dict:
+    """Calibrate every op on every usable lane, agree across ranks, install and cache the result."""
+    lanes = comm.lanes_for(comm.device)
+    table = {}
+    t0 = time.perf_counter()
+    for op in ops:
+        if op == "send_recv" and comm.world_size < 2:
+            continue
+        costs = calibrate_op(comm, op, lanes, sizes=sizes) if len(lanes) > 1 else {}
+        table[f"{op}/{comm.world_size}"] = {k: c.to_dict() for k, c in costs.items()}
+    box = [table]
+    dist.broadcast_object_list(box, src=0, group=comm.gloo_group)
+    table = box[0]
+    comm.set_calibration(table)
+    if save_to_disk and comm.rank == 0:
+        path = save(comm, table)
+        log.info("braid: calibration saved to %s (%.1f s)", path, time.perf_counter() - t0)
+    return table

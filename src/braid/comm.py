@@ -1,0 +1,437 @@
+"""The Communicator: braid's ops over a torch.distributed world, split across lanes.
+
+Each op: check arguments locally -> decide the split (shares) -> either NCCL's own op when NCCL
+alone is best (small messages), or: exchange call descriptors through the node segment (every
+rank sees every rank's sizes, dtype, IPC handle), check that they agree, plan, and run the plan on
+the lanes. Calls return at once; `async_op=False` makes the current stream wait (GPU) or blocks
+until done (CPU), like torch.distributed.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import socket
+import weakref
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from . import envs
+from .collectives import check_rank, flat_bytes, input_bytes, output_bytes, same_dtype, split_bytes
+from .errors import LaneUnavailableError, MisuseError, PeerMismatchError
+from .executor import Handle, execute
+from .node import Layout, NodeSegment
+from .planner.model import LaneCost, choose_shares
+from .planner.plan import (CPU_LANES, GPU_LANES, LaneKind, all_gather_movement, all_to_all_movement,
+                           broadcast_movement, p2p_movement, split)
+from .planner.rings import COLL, PAIR, RingCursor, ring_id
+
+log = logging.getLogger("braid")
+
+# Lane costs before any calibration (HARDWARE.md orders of magnitude; CPU: a guess the
+# calibration replaces). Bandwidth is the op's algorithm bandwidth on that lane alone.
+DEFAULT_COSTS = {
+    "ce": LaneCost(12.0, 360.0), "nccl": LaneCost(10.0, 320.0), "host": LaneCost(30.0, 30.0),
+    "gloo": LaneCost(150.0, 1.0), "shm": LaneCost(60.0, 2.0),
+}
+P2P_DESC_BYTES = 2048
+OPS = ("send_recv", "broadcast", "all_gather", "all_to_all_single")
+
+
+class Communicator:
+    """braid over the default torch.distributed group (one process per GPU, or CPU processes).
+
+    Lanes: nccl, ce and host for CUDA tensors; gloo and shm for CPU tensors. `lanes` (or
+    BRAID_LANES) restricts them; unavailable lanes are skipped with one log line.
+    """
+
+    def __init__(self, group=None, lanes: list[str] | None = None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise MisuseError("braid.Communicator needs torch.distributed initialised first: "
+                              "dist.init_process_group('nccl' or 'gloo') (torchrun sets the rendezvous)")
+        if group is not None and group is not dist.group.WORLD and dist.get_world_size(group) != dist.get_world_size():
+            raise MisuseError("braid supports the default (world) group in this version; pass group=None")
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.closed = False
+        self._fixed: dict[str, dict[str, float]] | None = None
+        self.last_handle: Handle | None = None
+        self.calib: dict[str, dict[str, LaneCost]] = {}
+        self.calib_digest = "default"
+        wanted = lanes if lanes is not None else envs.get("BRAID_LANES")
+        self.wanted = None if wanted is None else {LaneKind(x).value for x in wanted}
+
+        self.gloo_group = dist.new_group(backend="gloo")
+        self.cuda = torch.cuda.is_available() and dist.is_nccl_available() and "nccl" in str(dist.get_backend()).lower()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+        ids = [None] * self.world_size
+        dist.all_gather_object(ids, (socket.gethostname(), _boot_id(), os.getpid(),
+                                     self.device.index if self.cuda else -1), group=self.gloo_group)
+        self.single_node = len({(h, b) for h, b, _, _ in ids}) == 1
+        if self.cuda and len({d for *_, d in ids}) != self.world_size:
+            raise MisuseError(f"two ranks use the same GPU ({[d for *_, d in ids]}); call "
+                              f"torch.cuda.set_device(local_rank) before creating the communicator")
+
+        self.layout = self.segment = self.segment_tensor = self.seg_dev_ptr = None
+        self.ring_cursors: dict[tuple, RingCursor] = {}
+        if self.single_node:
+            self._open_segment()
+        self.nccl_group = None
+        if self.cuda:
+            self.nccl_group = dist.new_group(backend="nccl")
+            warm = torch.zeros(1, device=self.device)
+            dist.all_reduce(warm, group=self.nccl_group)   # create the NCCL communicator now
+        self._lanes = self._make_lanes()
+        self._closer = weakref.finalize(self, _finalize, self.segment, self.seg_dev_ptr)
+        self.load_calibration()
+
+    # set-up -----------------------------------------------------------------------------------
+    def _open_segment(self) -> None:
+        mib = envs.get("BRAID_HOST_BUFFER_MB")
+        self.layout = Layout(self.world_size, mib << 20, envs.get("BRAID_HOST_CHUNK_KB") << 10)
+        name = [NodeSegment.new_name() if self.rank == 0 else None]
+        if self.rank == 0:
+            self.segment = NodeSegment(name[0], self.layout, self.rank, create=True)
+        dist.broadcast_object_list(name, src=0, group=self.gloo_group)
+        try:
+            if self.rank != 0:
+                self.segment = NodeSegment(name[0], self.layout, self.rank, create=False)
+        finally:
+            dist.barrier(group=self.gloo_group)
+            if self.rank == 0:
+                self.segment.unlink()          # nothing stays in /dev/shm, even after a crash
+        self.segment_tensor = torch.frombuffer(self.segment.mm, dtype=torch.uint8)
+        for r in range(self.world_size):
+            self.ring_cursors[ring_id(COLL, r)] = RingCursor(self.layout.coll_rings[r].num_slots)
+            for d in range(self.world_size):
+                if d != r:
+                    self.ring_cursors[ring_id(PAIR, r, d)] = RingCursor(self.layout.pair_rings[(r, d)].num_slots)
+        if self.cuda:
+            try:
+                from .lanes import _cuda
+                self.seg_dev_ptr = _cuda.host_register(self.segment.address, self.layout.total_bytes)
+            except (OSError, Exception) as exc:   # no driver symbol, registration refused
+                log.warning("braid: cannot pin the node segment (%s); ce and host lanes are off", exc)
+                self.seg_dev_ptr = None
+
+    def _make_lanes(self) -> dict[str, object]:
+        from .lanes.gloo import GlooLane
+        from .lanes.shm import ShmLane
+        lanes: dict[str, object] = {"gloo": GlooLane(self.gloo_group), "shm": ShmLane(self)}
+        if self.cuda:
+            from .lanes.ce import CeLane
+            from .lanes.host import HostLane
+            from .lanes.nccl import NcclLane
+            lanes["nccl"] = NcclLane(self.nccl_group, self.device)
+            lanes["ce"] = CeLane(self, self.device)
+            lanes["host"] = HostLane(self, self.device)
+        self.unavailable: dict[str, str] = {}
+        for name, lane in list(lanes.items()):
+            ok, why = lane.available()
+            if not ok:
+                self.unavailable[name] = why
+                if self.wanted is None or name in self.wanted:
+                    log.info("braid: lane %s is not available: %s", name, why)
+        if self.wanted is not None:
+            for name in self.wanted:
+                if name not in lanes:
+                    self.unavailable[name] = "needs CUDA tensors and an NCCL backend" if name in ("nccl", "ce", "host") else "unknown"
+        return lanes
+
+    def lane(self, name: str):
+        return self._lanes[name]
+
+    def lanes_for(self, device: torch.device) -> list[str]:
+        """Lane names usable here for tensors on `device`, in plan order."""
+        kinds = GPU_LANES if device.type == "cuda" else CPU_LANES
+        return [k.value for k in kinds if k.value in self._lanes and k.value not in self.unavailable
+                and (self.wanted is None or k.value in self.wanted)]
+
+    def ring_chunk(self, p2p: bool) -> int:
+        if p2p:
+            return next(iter(self.layout.pair_rings.values())).slot_bytes
+        return self.layout.coll_rings[0].slot_bytes
+
+    # shares -----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def fixed_shares(self, shares: dict[str, float] | None, op: str = "*") -> Iterator[None]:
+        """Use these shares for every op (or one op) inside the block (tests, calibration, bench)."""
+        old = self._fixed
+        self._fixed = None if shares is None else {**(old or {}), op: dict(shares)}
+        try:
+            yield
+        finally:
+            self._fixed = old
+
+    def shares_for(self, op: str, nbytes: int, lanes: list[str]) -> dict[str, float]:
+        if not lanes:
+            raise LaneUnavailableError(f"{op}: no lane can move these tensors here "
+                                       f"(unavailable: {self.unavailable}, BRAID_LANES={self.wanted})")
+        if self._fixed is not None:
+            fixed = self._fixed.get(op, self._fixed.get("*"))
+            if fixed is not None:
+                missing = [k for k, v in fixed.items() if v > 0 and k not in lanes]
+                if missing:
+                    raise LaneUnavailableError(f"{op}: lanes {missing} were asked for but are not available here: "
+                                               f"{ {k: self.unavailable.get(k, 'not usable for this device') for k in missing} }")
+                return {k: v for k, v in fixed.items() if v > 0}
+        table = self.calib.get(f"{op}/{self.world_size}", {})
+        costs = {k: table.get(k, DEFAULT_COSTS[k]) for k in lanes}
+        return choose_shares(costs, nbytes)
+
+    def _native_ok(self, shares: dict[str, float]) -> bool:
+        return list(shares) == ["nccl"] and not envs.get("BRAID_CHECK")
+
+    # descriptor exchange --------------------------------------------------------------------------
+    def _exchange(self, desc: dict, inp: torch.Tensor | None, lanes: list[str], peer: int | None = None) -> list:
+        desc = dict(desc, lanes=lanes, calib=self.calib_digest, rank=self.rank)
+        if "ce" in lanes:
+            desc.update(self._lanes["ce"].descriptor(inp))
+        if self.segment is not None:
+            if peer is None:
+                return self.segment.exchange_collective(desc, list(range(self.world_size)))
+            got = [None] * self.world_size
+            got[self.rank] = desc
+            got[peer] = self.segment.exchange_pair(desc, peer)
+            return got
+        if peer is not None:   # no shared segment: the pair swaps descriptors through gloo
+            got = [None] * self.world_size
+            got[self.rank] = desc
+            data = json.dumps(desc).encode()
+            mine = torch.zeros(P2P_DESC_BYTES, dtype=torch.uint8)
+            mine[:4] = torch.tensor(list(len(data).to_bytes(4, "little")), dtype=torch.uint8)
+            mine[4:4 + len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+            theirs = torch.zeros(P2P_DESC_BYTES, dtype=torch.uint8)
+            first = self.rank < peer
+            for step in (0, 1):
+                if (step == 0) == first:
+                    dist.send(mine, peer, group=self.gloo_group)
+                else:
+                    dist.recv(theirs, peer, group=self.gloo_group)
+            raw = bytes(theirs.tolist())
+            got[peer] = json.loads(raw[4:4 + int.from_bytes(raw[:4], "little")])
+            return got
+        got = [None] * self.world_size
+        dist.all_gather_object(got, desc, group=self.gloo_group)
+        return got
+
+    @staticmethod
+    def _agree(op: str, descs: list, keys: tuple[str, ...]) -> None:
+        present = [(r, d) for r, d in enumerate(descs) if d is not None]
+        for key in keys:
+            values = {r: d.get(key) for r, d in present}
+            if len(set(map(json.dumps, values.values()))) > 1:
+                raise PeerMismatchError(f"{op}: ranks disagree on {key}: {values}. Every rank must pass "
+                                        f"matching arguments to the same call.")
+
+    @staticmethod
+    def _agreed_lanes(descs: list) -> list[str]:
+        sets = [set(d["lanes"]) for d in descs if d is not None]
+        first = next(d["lanes"] for d in descs if d is not None)
+        return [k for k in first if all(k in s for s in sets)]
+
+    # the common path of every op ---------------------------------------------------------------------
+    def _run(self, op: str, desc: dict, size: int, inp, outs, movement_of, native, agree_keys,
+             async_op: bool, peer: int | None = None, always_exchange: bool = False) -> Handle | None:
+        self._check_open()
+        device = (inp if inp is not None else outs[0]).device
+        lanes = self.lanes_for(device)
+        shares = self.shares_for(op, size, lanes) if not always_exchange else None
+        if shares is not None and self._native_ok(shares) and native is not None:
+            handle = Handle(native=native(self.nccl_group))
+        else:
+            descs = self._exchange(desc, inp, lanes, peer)
+            self._agree(op, descs, agree_keys + ("calib",))
+            size, movement = movement_of(descs)
+            agreed = self._agreed_lanes(descs)
+            shares = self.shares_for(op, size, agreed)
+            if self._native_ok(shares) and native is not None:
+                handle = Handle(native=native(self.nccl_group))
+            else:
+                align = 4096 if device.type == "cuda" else 64
+                plan = split(movement, shares, size, align=align, min_split=envs.get("BRAID_MIN_SPLIT_KB") << 10)
+                handle = execute(self, plan, inp, outs, descs, peer)
+        if handle.plan is None:
+            handle.plan = _native_plan(op, self.world_size, size)
+        self.last_handle = handle
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    # ops ----------------------------------------------------------------------------------------
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        op = "all_gather"
+        dev = self._device_for(input)
+        ib = input_bytes(input, "input", dev, op)
+        ob = output_bytes(output, "output", dev, op)
+        same_dtype(input, output, op)
+        if ob.numel() != ib.numel() * self.world_size:
+            raise MisuseError(f"{op}: output has {output.numel()} elements, need input.numel() * world_size = "
+                              f"{input.numel()} * {self.world_size}")
+        n = ib.numel()
+        desc = {"op": op, "dtype": str(input.dtype), "nbytes": n}
+        return self._run(op, desc, n, ib, [ob], lambda d: (n, all_gather_movement(self.world_size, n, False)),
+                         lambda g: dist.all_gather_into_tensor(ob, ib, group=g, async_op=True),
+                         ("op", "dtype", "nbytes"), async_op)
+
+    def all_gather(self, output_list: list[torch.Tensor], input: torch.Tensor, async_op: bool = False):
+        op = "all_gather"
+        dev = self._device_for(input)
+        ib = input_bytes(input, "input", dev, op)
+        if not isinstance(output_list, (list, tuple)) or len(output_list) != self.world_size:
+            raise MisuseError(f"{op}: output_list must be a list of world_size={self.world_size} tensors")
+        outs = []
+        for i, o in enumerate(output_list):
+            outs.append(output_bytes(o, f"output_list[{i}]", dev, op))
+            same_dtype(input, o, op, ("input", f"output_list[{i}]"))
+            if o.numel() != input.numel():
+                raise MisuseError(f"{op}: output_list[{i}] has {o.numel()} elements, input has {input.numel()}")
+        n = ib.numel()
+        desc = {"op": op, "dtype": str(input.dtype), "nbytes": n}
+        return self._run(op, desc, n, ib, outs, lambda d: (n, all_gather_movement(self.world_size, n, True)),
+                         lambda g: dist.all_gather(list(outs), ib, group=g, async_op=True),
+                         ("op", "dtype", "nbytes"), async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
+        op = "broadcast"
+        dev = self._device_for(tensor)
+        check_rank(src, self.world_size, "src", op)
+        tb = output_bytes(tensor, "tensor", dev, op)
+        n = tb.numel()
+        desc = {"op": op, "dtype": str(tensor.dtype), "nbytes": n, "root": src}
+        inp = tb if self.rank == src else None
+        return self._run(op, desc, n, inp, [tb], lambda d: (n, broadcast_movement(self.world_size, n, src)),
+                         lambda g: dist.broadcast(tb, src=src, group=g, async_op=True),
+                         ("op", "dtype", "nbytes", "root"), async_op)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
+                          input_split_sizes=None, async_op: bool = False):
+        op = "all_to_all_single"
+        dev = self._device_for(input)
+        ib = input_bytes(input, "input", dev, op)
+        ob = output_bytes(output, "output", dev, op)
+        same_dtype(input, output, op)
+        ins = split_bytes(input_split_sizes, input, self.world_size, "input", op)
+        outs = split_bytes(output_split_sizes, output, self.world_size, "output", op)
+        w = self.world_size
+        desc = {"op": op, "dtype": str(input.dtype), "in": ins, "out": outs}
+
+        def movement_of(descs):
+            matrix = [descs[s]["in"] for s in range(w)]
+            for d in range(w):
+                for s in range(w):
+                    if descs[d]["out"][s] != matrix[s][d]:
+                        raise PeerMismatchError(
+                            f"{op}: rank {s} sends {matrix[s][d]} bytes to rank {d}, but rank {d} expects "
+                            f"{descs[d]['out'][s]} bytes from rank {s} (input/output split sizes disagree)")
+            size = max(max(sum(row) for row in matrix), max(sum(matrix[s][d] for s in range(w)) for d in range(w)))
+            return size, all_to_all_movement(matrix)
+
+        def native(g):
+            return dist.all_to_all_single(ob, ib, list(outs), list(ins), group=g, async_op=True)
+
+        return self._run(op, desc, sum(ins), ib, [ob], movement_of, native, ("op", "dtype"), async_op,
+                         always_exchange=len(self.lanes_for(dev)) > 1 or envs.get("BRAID_CHECK"))
+
+    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False):
+        return self._p2p(tensor, dst, sending=True, async_op=async_op)
+
+    def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False):
+        return self._p2p(tensor, src, sending=False, async_op=async_op)
+
+    def _p2p(self, tensor, peer, sending: bool, async_op: bool):
+        op = "send_recv"
+        dev = self._device_for(tensor)
+        check_rank(peer, self.world_size, "dst" if sending else "src", "send" if sending else "recv", me=self.rank)
+        if sending:
+            tb = input_bytes(tensor, "tensor", dev, "send")
+            inp, outs = tb, []
+        else:
+            tb = output_bytes(tensor, "tensor", dev, "recv")
+            inp, outs = None, [tb]
+        n = tb.numel()
+        src, dst = (self.rank, peer) if sending else (peer, self.rank)
+        desc = {"op": op, "dtype": str(tensor.dtype), "nbytes": n, "src": src, "dst": dst}
+
+        def native(g):
+            return (dist.isend(tb, dst=peer, group=g) if sending else dist.irecv(tb, src=peer, group=g))
+
+        return self._run(op, desc, n, inp, outs, lambda d: (n, p2p_movement(self.world_size, src, dst, n)),
+                         native, ("op", "dtype", "nbytes", "src", "dst"), async_op, peer=peer)
+
+    # helpers -----------------------------------------------------------------------------------------
+    def _device_for(self, t) -> torch.device:
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            if not self.cuda:
+                raise MisuseError("CUDA tensor passed, but this communicator has no GPU lanes "
+                                  "(initialise torch.distributed with the 'nccl' backend)")
+            return self.device
+        return torch.device("cpu")
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise MisuseError("this braid communicator was closed")
+
+    # calibration -------------------------------------------------------------------------------------
+    def calibration_key(self) -> dict:
+        from .calibrate import machine_key
+        return machine_key(self)
+
+    def load_calibration(self) -> None:
+        """Rank 0 reads the cached calibration (if any) and every rank takes the same copy."""
+        from .calibrate import load
+        box = [load(self) if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self.gloo_group)
+        self.set_calibration(box[0] or {})
+
+    def set_calibration(self, table: dict) -> None:
+        self.calib = {op: {k: LaneCost(**v) if isinstance(v, dict) else v for k, v in lanes.items()}
+                      for op, lanes in table.items()}
+        text = json.dumps({op: {k: c.to_dict() for k, c in v.items()} for op, v in self.calib.items()}, sort_keys=True)
+        self.calib_digest = hashlib.sha1(text.encode()).hexdigest()[:12] if self.calib else "default"
+
+    def close(self) -> None:
+        """Release lanes, pinned memory and the shared segment. Idempotent; no collective calls."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        for lane in self._lanes.values():
+            lane.close()
+        self._closer()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _finalize(segment, seg_dev_ptr) -> None:
+    if seg_dev_ptr is not None and segment is not None and not segment.closed:
+        try:
+            from .lanes import _cuda
+            _cuda.host_unregister(segment.address)
+        except Exception as exc:   # at interpreter exit the driver may be gone already
+            log.debug("braid: unregister at close failed: %s", exc)
+    if segment is not None:
+        segment.close()
+
+
+def _native_plan(op: str, world_size: int, size: int):
+    from .planner.plan import Plan
+    return Plan(op, world_size, size, {"nccl": 1.0}, {"nccl": []}, [])
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""

@@ -1,0 +1,124 @@
+"""Every BRAID_* setting, typed, in one place.
+
+Only this module reads the environment. Each setting is parsed when it is read (so a test can
+change it with `braid.envs.override(...)`), and has a meaning, its values and a default below.
+Rejected: reading os.environ in the lanes themselves (settings then hide in many files and tests
+have to patch the environment of a library).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+from .errors import MisuseError
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    doc: str
+
+
+def _bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected 0/1/true/false, got {text!r}")
+
+
+def _lanes(text: str) -> tuple[str, ...] | None:
+    text = text.strip().lower()
+    if text in ("", "auto"):
+        return None
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise ValueError(f"expected a positive number, got {value}")
+    return value
+
+
+_SETTINGS: dict[str, Setting] = {}
+
+
+def _define(name: str, parse: Callable[[str], Any], default: Any, doc: str) -> None:
+    _SETTINGS[name] = Setting(name, parse, default, doc)
+
+
+_define("BRAID_LANES", _lanes, None,
+        "Comma list of lanes braid may use (nccl, ce, host, gloo, shm), or 'auto' for every "
+        "available lane for the tensor's device. Lanes named here but not available are skipped "
+        "with one log line.")
+_define("BRAID_HOST_BUFFER_MB", _positive_int, 64,
+        "Pinned shared host memory per rank for the host and shm lanes, in MiB. Half feeds the "
+        "collective ring, half the point-to-point rings.")
+_define("BRAID_HOST_CHUNK_KB", _positive_int, 4096,
+        "Chunk (slot) size of the host and shm lanes in KiB; FlexLink used 4 MB slots.")
+_define("BRAID_CHECK", _bool, False,
+        "1: check every call across ranks (sizes, dtypes, roots, split sizes) even where braid "
+        "would otherwise take NCCL's own path without an exchange.")
+_define("BRAID_TIMEOUT_S", _positive_float, 300.0,
+        "Seconds a rank waits for its peers to reach the same call before raising BraidTimeoutError.")
+_define("BRAID_CACHE_DIR", str, os.path.join(os.path.expanduser("~"), ".cache", "braid"),
+        "Where lane calibrations are cached (one JSON per machine/software key).")
+_define("BRAID_CALIBRATE", str, "auto",
+        "auto: use the cached calibration or measure one on first use; force: measure again; "
+        "off: never measure, use the built-in lane model.")
+_define("BRAID_MIN_SPLIT_KB", _positive_int, 256,
+        "Pieces of a transfer smaller than this are not split across lanes.")
+_define("BRAID_LOG_LEVEL", str, "WARNING", "Log level of the 'braid' logger.")
+
+
+def get(name: str) -> Any:
+    """Value of setting `name`, parsed; the default when unset."""
+    setting = _SETTINGS[name]
+    raw = os.environ.get(name)
+    if raw is None:
+        return setting.default
+    try:
+        return setting.parse(raw)
+    except ValueError as exc:
+        raise MisuseError(f"{name}={raw!r} is invalid: {exc}. {setting.doc}") from None
+
+
+def describe() -> list[tuple[str, str, str]]:
+    """(name, default, meaning) for every setting, for docs and `braid env`."""
+    return [(s.name, repr(s.default), s.doc) for s in _SETTINGS.values()]
+
+
+@contextlib.contextmanager
+def override(**values: Any) -> Iterator[None]:
+    """Set BRAID_* settings for the duration of a block (tests, bench). Values are strings or
+    objects whose str() parses; None removes the setting."""
+    old = {}
+    for key, value in values.items():
+        if key not in _SETTINGS:
+            raise MisuseError(f"unknown setting {key}; known: {sorted(_SETTINGS)}")
+        old[key] = os.environ.get(key)
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = ",".join(value) if isinstance(value, (list, tuple)) else str(value)
+    try:
+        yield
+    finally:
+        for key, value in old.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -1,0 +1,80 @@
+"""Runs a plan: posts each lane's part, makes this rank's local copies, and joins them in a Handle.
+
+Timeline of one call on a GPU rank (time runs right):
+
+    caller stream  --[start event]--[local copies]-------------------------[wait lanes]-->
+    ce stream                  \\--[arrive][pull pieces from peers][finish][wait readers]--/
+    host producer              \\--[D2H chunk][D2H chunk]...--\\                          /
+    host consumer              \\--[wait full][H2D chunk]...---[join producer]-----------/
+    nccl stream                \\--[NCCL sends/recvs]-------------------------------------/
+
+`wait()` only makes the caller's current stream wait (no CPU block), like NCCL's Work.wait().
+On CPU lanes the lanes are worker threads and `wait()` joins them.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .lanes.base import LaneRun, OpContext
+from .planner.plan import Plan
+
+
+class Handle:
+    """What an async braid call returns (torch's Work shape: wait, is_completed)."""
+
+    def __init__(self, runs: list[LaneRun] | None = None, native=None, after: Callable[[], None] | None = None,
+                 plan: Plan | None = None):
+        self.runs = runs or []
+        self.native = native
+        self.after = after
+        self.plan = plan
+        self._waited = False
+
+    def wait(self, timeout=None) -> bool:
+        if self._waited:
+            return True
+        self._waited = True
+        for run in self.runs:
+            run.join()
+        if self.native is not None:
+            self.native.wait()
+        if self.after is not None:
+            self.after()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(r.done() for r in self.runs) and (self.native is None or self.native.is_completed())
+
+    def lane_times_us(self) -> dict[str, float]:
+        """Each lane's own time for this call (blocks until they are done)."""
+        return {str(r.kind): r.elapsed_us() for r in self.runs}
+
+    @property
+    def shares(self) -> dict[str, float]:
+        return dict(self.plan.shares) if self.plan is not None else {}
+
+
+def execute(comm, plan: Plan, inp: torch.Tensor | None, outs: list[torch.Tensor],
+            descs: list[dict | None], peer: int | None = None) -> Handle:
+    cuda = comm_device_is_cuda(inp, outs)
+    ctx = OpContext(comm=comm, plan=plan, inp=inp, outs=outs, descs=descs, peer=peer)
+    if cuda:
+        ctx.start_event = torch.cuda.Event()
+        ctx.start_event.record(torch.cuda.current_stream())
+    runs = []
+    for name, transfers in plan.lanes.items():
+        if transfers:
+            runs.append(comm.lane(name).post(ctx, transfers))
+    for c in plan.local:
+        if c.rank == comm.rank and c.nbytes:
+            outs[c.buf][c.dst_off: c.dst_off + c.nbytes].copy_(inp[c.src_off: c.src_off + c.nbytes],
+                                                               non_blocking=True)
+    return Handle(runs, plan=plan)
+
+
+def comm_device_is_cuda(inp, outs) -> bool:
+    for t in ([inp] if inp is not None else []) + list(outs):
+        return t.is_cuda
+    return False

@@ -1,0 +1,110 @@
+"""The few CUDA driver calls braid needs, through ctypes on libcuda.
+
+Why ctypes and not cuda-bindings: the calls are few (IPC handles, async copies between raw
+pointers, stream memory operations, host registration), their C signatures are stable across
+driver versions, and ctypes costs ~1 us a call with no dependency to pin. Every call is checked
+and raises LaneFailureError with the driver's error name.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+from ..errors import LaneFailureError
+
+CU_STREAM_WAIT_VALUE_GEQ = 0x0
+CU_STREAM_WRITE_VALUE_DEFAULT = 0x0
+CU_MEMHOSTREGISTER_PORTABLE = 0x1
+CU_MEMHOSTREGISTER_DEVICEMAP = 0x2
+CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1
+IPC_HANDLE_BYTES = 64
+
+
+class IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
+
+
+_u64 = ctypes.c_uint64
+_vp = ctypes.c_void_p
+
+
+@functools.lru_cache(maxsize=1)
+def lib() -> ctypes.CDLL:
+    """libcuda, with argument types declared. Raises OSError when there is no driver."""
+    cu = ctypes.CDLL("libcuda.so.1")
+    sigs = {
+        "cuGetErrorName": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
+        "cuMemGetAddressRange_v2": [ctypes.POINTER(_u64), ctypes.POINTER(ctypes.c_size_t), _u64],
+        "cuIpcGetMemHandle": [ctypes.POINTER(IpcHandle), _u64],
+        "cuIpcOpenMemHandle_v2": [ctypes.POINTER(_u64), IpcHandle, ctypes.c_uint],
+        "cuIpcCloseMemHandle": [_u64],
+        "cuMemcpyAsync": [_u64, _u64, ctypes.c_size_t, _vp],
+        "cuStreamWaitValue32_v2": [_vp, _u64, ctypes.c_uint32, ctypes.c_uint],
+        "cuStreamWriteValue32_v2": [_vp, _u64, ctypes.c_uint32, ctypes.c_uint],
+        "cuMemHostRegister_v2": [_vp, ctypes.c_size_t, ctypes.c_uint],
+        "cuMemHostUnregister": [_vp],
+        "cuMemHostGetDevicePointer_v2": [ctypes.POINTER(_u64), _vp, ctypes.c_uint],
+    }
+    for name, args in sigs.items():
+        fn = getattr(cu, name)
+        fn.argtypes = args
+        fn.restype = ctypes.c_int
+    return cu
+
+
+def check(rc: int, what: str) -> None:
+    if rc != 0:
+        name = ctypes.c_char_p()
+        lib().cuGetErrorName(rc, ctypes.byref(name))
+        raise LaneFailureError(f"CUDA driver call {what} failed: {(name.value or b'?').decode()} ({rc})")
+
+
+def address_range(ptr: int) -> tuple[int, int]:
+    base, size = _u64(), ctypes.c_size_t()
+    check(lib().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr), "cuMemGetAddressRange")
+    return base.value, size.value
+
+
+def ipc_handle(base: int) -> bytes:
+    h = IpcHandle()
+    check(lib().cuIpcGetMemHandle(ctypes.byref(h), base), "cuIpcGetMemHandle")
+    return ctypes.string_at(ctypes.addressof(h), IPC_HANDLE_BYTES)
+
+
+def ipc_open(handle: bytes) -> int:
+    h = IpcHandle()
+    ctypes.memmove(ctypes.addressof(h), handle, IPC_HANDLE_BYTES)
+    ptr = _u64()
+    check(lib().cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
+    return ptr.value
+
+
+def ipc_close(ptr: int) -> None:
+    check(lib().cuIpcCloseMemHandle(ptr), "cuIpcCloseMemHandle")
+
+
+def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
+    check(lib().cuMemcpyAsync(dst, src, nbytes, stream), "cuMemcpyAsync")
+
+
+def wait_value(stream: int, addr: int, value: int) -> None:
+    check(lib().cuStreamWaitValue32_v2(stream, addr, value & 0xFFFFFFFF, CU_STREAM_WAIT_VALUE_GEQ),
+          "cuStreamWaitValue32")
+
+
+def write_value(stream: int, addr: int, value: int) -> None:
+    check(lib().cuStreamWriteValue32_v2(stream, addr, value & 0xFFFFFFFF, CU_STREAM_WRITE_VALUE_DEFAULT),
+          "cuStreamWriteValue32")
+
+
+def host_register(ptr: int, nbytes: int) -> int:
+    """Pin and map host memory for every context; returns the device pointer of `ptr`."""
+    check(lib().cuMemHostRegister_v2(ptr, nbytes, CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP),
+          "cuMemHostRegister")
+    dptr = _u64()
+    check(lib().cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), ptr, 0), "cuMemHostGetDevicePointer")
+    return dptr.value
+
+
+def host_unregister(ptr: int) -> None:
+    check(lib().cuMemHostUnregister(ptr), "cuMemHostUnregister")

@@ -1,0 +1,81 @@
+"""`shm` lane: CPU tensors through the node's POSIX shared-memory rings.
+
+The producer copies a chunk into a ring slot and bumps the ring's `full` counter; each consumer
+polls it, copies the chunk out and bumps its `done` counter. The schedule (which chunk, which
+slot, whom to wait for) is planner/rings.py's, shared with the GPU `host` lane. One worker thread
+per call alternates between producing and consuming whatever is ready, so a rank never blocks on
+its own ring while a peer waits for it.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .. import envs
+from ..errors import BraidTimeoutError
+from ..node import geq
+from ..planner.plan import LaneKind, Transfer
+from ..planner.rings import schedule
+from .base import Lane, LaneRun, OpContext
+
+
+class ShmLane(Lane):
+    kind = LaneKind.SHM
+    device_type = "cpu"
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    def available(self) -> tuple[bool, str]:
+        if self.comm.segment is None:
+            return False, "ranks are not all on one node (no shared segment)"
+        return True, ""
+
+    def post(self, ctx: OpContext, transfers: list[Transfer]) -> LaneRun:
+        comm = self.comm
+        produce, consume = schedule(transfers, comm.rank, comm.world_size, comm.ring_chunk(ctx.plan.p2p),
+                                    comm.ring_cursors, ctx.plan.p2p)
+        seg, lay, me = comm.segment, comm.layout, comm.rank
+        ring_mem = comm.segment_tensor
+        inp, outs = ctx.inp, ctx.outs
+        timeout = envs.get("BRAID_TIMEOUT_S")
+
+        def run() -> None:
+            pi = ci = 0
+            idle_since = None
+            while pi < len(produce) or ci < len(consume):
+                progressed = False
+                if pi < len(produce):
+                    st = produce[pi]
+                    if all(geq(seg.get(lay.done_counter(st.ring, c)), v) for c, v in st.wait_for):
+                        off = lay.ring(st.ring).slot_offset(st.slot)
+                        ring_mem[off: off + st.nbytes].copy_(inp[st.src_off: st.src_off + st.nbytes])
+                        seg.set(lay.full_counter(st.ring), st.g + 1)
+                        pi += 1
+                        progressed = True
+                if ci < len(consume):
+                    st = consume[ci]
+                    if geq(seg.get(lay.full_counter(st.ring)), st.g + 1):
+                        off = lay.ring(st.ring).slot_offset(st.slot)
+                        for b, doff in st.dsts:
+                            outs[b][doff: doff + st.nbytes].copy_(ring_mem[off: off + st.nbytes])
+                        seg.set(lay.done_counter(st.ring, me), st.g + 1)
+                        ci += 1
+                        progressed = True
+                if progressed:
+                    idle_since = None
+                    continue
+                now = time.monotonic()
+                if idle_since is None:
+                    idle_since = now
+                time.sleep(0.00002)
+                if now - idle_since > 0.5:
+                    peer = consume[ci].producer if ci < len(consume) else None
+                    if peer is not None:
+                        seg.check_alive(peer)
+                    if now - idle_since > timeout:
+                        raise BraidTimeoutError(f"shm lane on rank {me} made no progress for {timeout:.0f} s "
+                                                f"(waiting on rank {peer}); a peer stopped or called another op")
+
+        return LaneRun(self.kind, thread_fn=run)

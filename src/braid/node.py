@@ -1,0 +1,253 @@
+"""The node segment: one POSIX shared-memory segment per communicator and node.
+
+It holds everything ranks of one node share:
+- counters (u32, one per 64-byte line): mailbox sequence numbers, the `ce` lane's arrive/finish
+  counters, the host rings' full/done counters. GPUs write and wait on them with stream memory
+  operations (the segment is pinned and mapped); CPUs poll them.
+- mailboxes: each rank posts a small JSON descriptor of its call (sizes, dtype, IPC handle); every
+  rank reads all, checks that they agree, and plans from the same facts.
+- ring slots for the `host` and `shm` lanes (see planner/rings.py).
+
+Hygiene: the segment is created by local rank 0 with O_CREAT|O_EXCL, mode 0600 and a random name,
+opened by the others, and unlinked as soon as everyone has mapped it, so nothing is left in
+/dev/shm after a crash; the mappings go away with the processes or at `close()`.
+
+Counters compare wrap-aware (as the GPU's GEQ wait does): a >= b iff (a - b) mod 2^32 < 2^31.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import secrets
+import struct
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import envs
+from .errors import BraidTimeoutError, LaneFailureError, PeerMismatchError
+
+log = logging.getLogger("braid")
+
+LINE = 64                  # bytes between counters (no false sharing between writers)
+COLL_MBOX_BYTES = 16384    # one collective descriptor (all_to_all splits for large worlds fit)
+P2P_MBOX_BYTES = 2048
+PAGE = 4096
+MAGIC = 0x42524149         # "BRAI"
+
+
+def geq(a: int, b: int) -> bool:
+    return ((a - b) & 0xFFFFFFFF) < 0x80000000
+
+
+def _align(n: int, a: int = PAGE) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class RingGeometry:
+    offset: int        # byte offset of slot 0 in the segment
+    num_slots: int
+    slot_bytes: int
+
+    def slot_offset(self, slot: int) -> int:
+        return self.offset + slot * self.slot_bytes
+
+
+class Layout:
+    """Where everything lives in the segment, computed identically on every rank."""
+
+    def __init__(self, world_size: int, host_buffer_bytes: int, chunk_bytes: int):
+        n = world_size
+        self.world_size = n
+        names = [("mbox_coll", n), ("mbox_p2p", n * n),
+                 ("ce_arrive", n), ("ce_finish", n), ("ce_p2p_arrive", n * n), ("ce_p2p_finish", n * n),
+                 ("coll_full", n), ("coll_done", n * n), ("pair_full", n * n), ("pair_done", n * n),
+                 ("pid", n)]
+        self.counter_base: dict[str, int] = {}
+        idx = 0
+        for name, count in names:
+            self.counter_base[name] = idx
+            idx += count
+        self.num_counters = idx
+        off = _align(PAGE + idx * LINE)
+        self.mbox_coll_off = off
+        off = _align(off + n * 2 * COLL_MBOX_BYTES)
+        self.mbox_p2p_off = off
+        off = _align(off + n * n * 2 * P2P_MBOX_BYTES)
+        # rings: per rank half the budget for the collective ring, half split over pair rings
+        half = max(host_buffer_bytes // 2, 2 * PAGE)
+        coll_chunk = max(PAGE, min(chunk_bytes, half // 2) // PAGE * PAGE)
+        pair_budget = half // max(n - 1, 1)
+        pair_chunk = max(PAGE, min(chunk_bytes, pair_budget // 4) // PAGE * PAGE)
+        self.coll_rings: list[RingGeometry] = []
+        self.pair_rings: dict[tuple[int, int], RingGeometry] = {}
+        for r in range(n):
+            slots = max(2, half // coll_chunk)
+            self.coll_rings.append(RingGeometry(off, slots, coll_chunk))
+            off = _align(off + slots * coll_chunk)
+            for d in range(n):
+                if d == r:
+                    continue
+                pslots = max(2, pair_budget // pair_chunk)
+                self.pair_rings[(r, d)] = RingGeometry(off, pslots, pair_chunk)
+                off = _align(off + pslots * pair_chunk)
+        self.data_offset = self.mbox_coll_off
+        self.total_bytes = off
+
+    def counter(self, name: str, *index: int) -> int:
+        """Byte offset of a counter; 2-D counters take (row, col)."""
+        flat = index[0] if len(index) == 1 else index[0] * self.world_size + index[1]
+        return PAGE + (self.counter_base[name] + flat) * LINE
+
+    def ring(self, rid: tuple) -> RingGeometry:
+        return self.coll_rings[rid[1]] if rid[0] == "coll" else self.pair_rings[(rid[1], rid[2])]
+
+    def full_counter(self, rid: tuple) -> int:
+        return self.counter("coll_full", rid[1]) if rid[0] == "coll" else self.counter("pair_full", rid[1], rid[2])
+
+    def done_counter(self, rid: tuple, consumer: int) -> int:
+        if rid[0] == "coll":
+            return self.counter("coll_done", rid[1], consumer)
+        return self.counter("pair_done", rid[1], rid[2])
+
+
+class NodeSegment:
+    """The mapped segment plus the mailbox protocol. One per communicator per process."""
+
+    def __init__(self, name: str, layout: Layout, rank: int, create: bool):
+        self.name = name
+        self.layout = layout
+        self.rank = rank
+        path = f"/dev/shm/{name}"
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, layout.total_bytes)
+            self.mm = mmap.mmap(fd, layout.total_bytes)
+        finally:
+            os.close(fd)
+        self.buf = np.frombuffer(self.mm, dtype=np.uint8)
+        self.u32 = np.frombuffer(self.mm, dtype=np.uint32, count=(PAGE + layout.num_counters * LINE) // 4)
+        if create:
+            struct.pack_into("<II", self.mm, 0, MAGIC, layout.world_size)
+        self.set(layout.counter("pid", rank), os.getpid())
+        self.coll_seq = 0
+        self.p2p_seq: dict[tuple[int, int], int] = {}
+        self.closed = False
+
+    @staticmethod
+    def new_name() -> str:
+        return f"braid-{os.getpid()}-{secrets.token_hex(12)}"
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(f"/dev/shm/{self.name}")
+        except FileNotFoundError:
+            pass
+
+    @property
+    def address(self) -> int:
+        return int(self.buf.ctypes.data)
+
+    # counters -------------------------------------------------------------------------------
+    def get(self, off: int) -> int:
+        return int(self.u32[off // 4])
+
+    def set(self, off: int, value: int) -> None:
+        self.u32[off // 4] = value & 0xFFFFFFFF
+
+    def wait_geq(self, off: int, value: int, what: str, peer: int, deadline: float) -> None:
+        """Poll a counter until it reaches value; raise on timeout or a dead peer."""
+        spins = 0
+        while not geq(self.get(off), value):
+            spins += 1
+            if spins < 200:
+                continue
+            time.sleep(0.00002 if spins < 2000 else 0.0005)
+            if spins % 256 == 0:
+                self.check_alive(peer)
+                if time.monotonic() > deadline:
+                    raise BraidTimeoutError(
+                        f"rank {self.rank} waited {envs.get('BRAID_TIMEOUT_S'):.0f} s for rank {peer} "
+                        f"({what}); the peer did not make the matching call. Check that every rank "
+                        f"issues the same collectives in the same order (BRAID_TIMEOUT_S to change the limit).")
+
+    def check_alive(self, peer: int) -> None:
+        pid = self.get(self.layout.counter("pid", peer))
+        if pid and pid != os.getpid():
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                raise LaneFailureError(f"rank {peer} (pid {pid}) has exited; braid cannot complete "
+                                       f"the call on rank {self.rank}") from None
+            except PermissionError:
+                pass
+
+    def abort(self) -> None:
+        """Release every waiter (GPU stream waits included): push every counter far ahead."""
+        for i in range(self.layout.num_counters - self.layout.world_size):
+            idx = (PAGE + i * LINE) // 4
+            self.u32[idx] = (int(self.u32[idx]) + 0x40000000) & 0xFFFFFFFF
+
+    # mailboxes ----------------------------------------------------------------------------------
+    def exchange_collective(self, desc: dict, participants: list[int]) -> list[dict]:
+        """Post this rank's descriptor for the next collective and read every rank's."""
+        self.coll_seq += 1
+        seq = self.coll_seq
+        lay = self.layout
+
+        def slot(r: int) -> int:
+            return lay.mbox_coll_off + (r * 2 + seq % 2) * COLL_MBOX_BYTES
+
+        self._write(slot(self.rank), COLL_MBOX_BYTES, desc)
+        self.set(lay.counter("mbox_coll", self.rank), seq)
+        deadline = time.monotonic() + envs.get("BRAID_TIMEOUT_S")
+        out = []
+        for r in participants:
+            if r != self.rank:
+                self.wait_geq(lay.counter("mbox_coll", r), seq, f"collective #{seq} {desc.get('op')}", r, deadline)
+            out.append(self._read(slot(r)))
+        return out
+
+    def exchange_pair(self, desc: dict, peer: int) -> dict:
+        """Post this rank's descriptor for the next call with `peer` and read the peer's."""
+        key = (min(self.rank, peer), max(self.rank, peer))
+        seq = self.p2p_seq.get(key, 0) + 1
+        self.p2p_seq[key] = seq
+        lay = self.layout
+
+        def slot(w: int, r: int) -> int:
+            return lay.mbox_p2p_off + ((w * lay.world_size + r) * 2 + seq % 2) * P2P_MBOX_BYTES
+
+        self._write(slot(self.rank, peer), P2P_MBOX_BYTES, desc)
+        self.set(lay.counter("mbox_p2p", self.rank, peer), seq)
+        deadline = time.monotonic() + envs.get("BRAID_TIMEOUT_S")
+        self.wait_geq(lay.counter("mbox_p2p", peer, self.rank), seq, f"{desc.get('op')} #{seq}", peer, deadline)
+        return self._read(slot(peer, self.rank))
+
+    def _write(self, off: int, cap: int, desc: dict) -> None:
+        data = json.dumps(desc, separators=(",", ":")).encode()
+        if len(data) + 4 > cap:
+            raise PeerMismatchError(f"call descriptor of {len(data)} bytes exceeds the mailbox ({cap})")
+        struct.pack_into("<I", self.mm, off, len(data))
+        self.mm[off + 4: off + 4 + len(data)] = data
+
+    def _read(self, off: int) -> dict:
+        (n,) = struct.unpack_from("<I", self.mm, off)
+        return json.loads(bytes(self.mm[off + 4: off + 4 + n]))
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.u32 = None
+        self.buf = None
+        try:
+            self.mm.close()
+        except BufferError:
+            log.warning("braid: node segment still referenced at close; it is freed at exit")

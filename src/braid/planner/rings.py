@@ -1,0 +1,126 @@
+"""Chunk schedules for the host-memory lanes (GPU `host`, CPU `shm`).
+
+Each rank owns rings of slots in the node's shared host segment:
+- its collective ring, which any rank may read (a chunk can have several consumers: the host lane
+  stages an all_gather piece once and every peer reads it);
+- one pair ring per peer, for send/recv, read by that peer only (a pair's chunks must not depend on
+  what the sender does with other ranks, which the receiver cannot know).
+
+Chunks of a ring are numbered g = 0, 1, 2, ... for the life of the communicator; chunk g sits in
+slot g % num_slots. Counters (monotonic, in host memory):
+    full[ring]            = g + 1 once the producer has staged chunk g
+    done[ring][consumer]  = g + 1 once that consumer has read chunk g
+Before staging chunk g the producer waits until every consumer of chunk g - num_slots has read it.
+A consumer reads its chunks of a ring in g order, so done[ring][c] >= g + 1 means c has read every
+chunk of that ring up to g that was addressed to it: waits are simple >= comparisons, which both the
+GPU (stream memory operations) and the CPU (polling) can do.
+
+Deadlock freedom: producers wait only on consumers and consumers only on producers, and every
+consumer visits each ring's chunks in that ring's order, so no cycle of waits can form.
+
+Pure python, no torch.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .plan import Transfer
+
+COLL = "coll"
+PAIR = "pair"
+
+
+def ring_id(kind: str, src: int, dst: int | None = None) -> tuple:
+    return (COLL, src) if kind == COLL else (PAIR, src, dst)
+
+
+@dataclass
+class RingCursor:
+    """What every rank remembers about one ring between ops."""
+    num_slots: int
+    next_g: int = 0
+    # consumers of the last num_slots chunks (producer side: whom to wait for before reuse)
+    recent: deque = field(default_factory=deque)
+
+
+@dataclass(frozen=True)
+class ProduceStep:
+    ring: tuple
+    g: int
+    slot: int
+    src_off: int
+    nbytes: int
+    wait_for: tuple[tuple[int, int], ...]   # (consumer rank, done value needed)
+
+
+@dataclass(frozen=True)
+class ConsumeStep:
+    ring: tuple
+    producer: int
+    g: int
+    slot: int
+    nbytes: int
+    dsts: tuple[tuple[int, int], ...]       # (output buffer index, byte offset) on this rank
+
+
+def chunk_transfers(transfers: list[Transfer], chunk: int) -> list[Transfer]:
+    """A producer's transfers cut into chunks, round-robin across transfers so that every
+    consumer receives a steady stream instead of waiting for the transfers before its own."""
+    queues = []
+    for t in transfers:
+        pieces = [t.piece(a, min(a + chunk, t.nbytes)) for a in range(0, t.nbytes, chunk)]
+        queues.append(deque(pieces))
+    out = []
+    while queues:
+        for q in list(queues):
+            out.append(q.popleft())
+            if not q:
+                queues.remove(q)
+    return out
+
+
+def schedule(transfers: list[Transfer], rank: int, world_size: int, chunk: int,
+             cursors: dict[tuple, RingCursor], p2p: bool) -> tuple[list[ProduceStep], list[ConsumeStep]]:
+    """This rank's produce and consume steps for the host lane's part of one op, and advance the
+    ring cursors (every participating rank calls this with the same transfers, so every rank's
+    cursors stay equal)."""
+    by_ring: dict[tuple, list[Transfer]] = {}
+    for t in transfers:
+        if p2p:
+            for d, b, off in t.dsts:
+                single = Transfer(t.src, t.src_off, t.nbytes, ((d, b, off),))
+                by_ring.setdefault(ring_id(PAIR, t.src, d), []).append(single)
+        else:
+            by_ring.setdefault(ring_id(COLL, t.src), []).append(t)
+    produce: list[ProduceStep] = []
+    consume_lists: list[list[ConsumeStep]] = []
+    for rid in sorted(by_ring):
+        cur = cursors[rid]
+        mine: list[ConsumeStep] = []
+        for piece in chunk_transfers(by_ring[rid], chunk):
+            g = cur.next_g
+            cur.next_g += 1
+            consumers = tuple(sorted({d for d, _, _ in piece.dsts}))
+            if piece.src == rank:
+                wait = ()
+                if len(cur.recent) == cur.num_slots:
+                    old_g, old_consumers = cur.recent[0]
+                    wait = tuple((c, old_g + 1) for c in old_consumers)
+                produce.append(ProduceStep(rid, g, g % cur.num_slots, piece.src_off, piece.nbytes, wait))
+            cur.recent.append((g, consumers))
+            while len(cur.recent) > cur.num_slots:
+                cur.recent.popleft()
+            here = tuple((b, off) for d, b, off in piece.dsts if d == rank)
+            if here:
+                mine.append(ConsumeStep(rid, piece.src, g, g % cur.num_slots, piece.nbytes, here))
+        consume_lists.append(mine)
+    # interleave consumption across producers (round-robin), keeping each ring's order
+    consume: list[ConsumeStep] = []
+    queues = [deque(c) for c in consume_lists if c]
+    while queues:
+        for q in list(queues):
+            consume.append(q.popleft())
+            if not q:
+                queues.remove(q)
+    return produce, consume

@@ -1,0 +1,103 @@
+"""Ready-to-run ops for the calibration and the bench: braid's call and the baseline's, on the same
+buffers, with a check of braid's output against the baseline's.
+
+Sizes follow nccl-tests: `nbytes` is the per-rank input of all_gather, the whole buffer of
+broadcast and send/recv, and the per-rank input of all_to_all_single. `hot_fraction` (all_to_all
+only) sends that fraction of rank 0's bytes to rank 1 (`hot`: one hot pair carrying nbytes,
+every other pair `cold_nbytes`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+BUS_FACTOR = {  # nccl-tests PERFORMANCE.md
+    "all_gather": lambda n: (n - 1) / n,
+    "all_to_all_single": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "send_recv": lambda n: 1.0,
+}
+
+
+@dataclass
+class Workload:
+    op: str
+    nbytes: int            # reported size
+    algbytes: int          # bytes counted for algbw (nccl-tests: per-rank size * n for all_gather)
+    braid: Callable[[], object]
+    baseline: Callable[[], object]
+    wrong: Callable[[], int]        # elements where braid differs from the baseline (run both first)
+    participates: bool = True
+
+
+def _rand(numel: int, dtype: torch.dtype, device, gen_seed: int) -> torch.Tensor:
+    g = torch.Generator(device="cpu").manual_seed(gen_seed)
+    if dtype.is_floating_point:
+        return torch.randn(numel, generator=g, dtype=torch.float32).to(dtype).to(device)
+    if dtype == torch.bool:
+        return (torch.randint(0, 2, (numel,), generator=g) > 0).to(device)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -1000), min(info.max, 1000), (numel,), generator=g, dtype=torch.int64).to(dtype).to(device)
+
+
+def make(comm, op: str, nbytes: int, dtype: torch.dtype = torch.bfloat16, device=None,
+         hot_nbytes: int | None = None, cold_nbytes: int | None = None, seed: int = 0) -> Workload:
+    """Buffers and callables for one op at one size on this rank."""
+    device = device or comm.device
+    w, r = comm.world_size, comm.rank
+    esz = torch.empty(0, dtype=dtype).element_size()
+    numel = max(nbytes // esz, 1)
+    seed = seed * 1000 + r
+    if op == "all_gather":
+        x = _rand(numel, dtype, device, seed)
+        out = torch.empty(numel * w, dtype=dtype, device=device)
+        ref = torch.empty_like(out)
+        return Workload(op, numel * esz, numel * esz * w,
+                        lambda: comm.all_gather_into_tensor(out, x),
+                        lambda: dist.all_gather_into_tensor(ref, x),
+                        lambda: int((out.view(torch.uint8) != ref.view(torch.uint8)).sum()))
+    if op == "broadcast":
+        x = _rand(numel, dtype, device, 7 + seed - r)
+        buf = torch.empty_like(x)
+        ref = torch.empty_like(x)
+
+        def run_braid():
+            buf.copy_(x) if r == 0 else buf.fill_(0)
+            comm.broadcast(buf, 0)
+
+        def run_base():
+            ref.copy_(x) if r == 0 else ref.fill_(0)
+            dist.broadcast(ref, 0)
+        return Workload(op, numel * esz, numel * esz, run_braid, run_base,
+                        lambda: int((buf.view(torch.uint8) != ref.view(torch.uint8)).sum()))
+    if op == "send_recv":
+        x = _rand(numel, dtype, device, seed)
+        out = torch.empty_like(x)
+        ref = torch.empty_like(x)
+        if r == 0:
+            return Workload(op, numel * esz, numel * esz, lambda: comm.send(x, 1), lambda: dist.send(x, 1), lambda: 0)
+        if r == 1:
+            return Workload(op, numel * esz, numel * esz, lambda: comm.recv(out, 0), lambda: dist.recv(ref, 0),
+                            lambda: int((out.view(torch.uint8) != ref.view(torch.uint8)).sum()))
+        return Workload(op, numel * esz, numel * esz, lambda: None, lambda: None, lambda: 0, participates=False)
+    if op == "all_to_all_single":
+        if hot_nbytes is not None:
+            cold = (cold_nbytes or 0) // esz
+            mat = [[0 if s == d else cold for d in range(w)] for s in range(w)]
+            mat[0][1] = hot_nbytes // esz
+        else:
+            per = numel // w
+            mat = [[per] * w for _ in range(w)]
+        ins, outs = mat[r], [mat[s][r] for s in range(w)]
+        x = _rand(sum(ins), dtype, device, seed)
+        out = torch.empty(sum(outs), dtype=dtype, device=device)
+        ref = torch.empty_like(out)
+        size = max(sum(row) for row in mat) * esz
+        return Workload(op, size, size,
+                        lambda: comm.all_to_all_single(out, x, outs, ins),
+                        lambda: dist.all_to_all_single(ref, x, outs, ins),
+                        lambda: int((out.view(torch.uint8) != ref.view(torch.uint8)).sum()))
+    raise ValueError(f"unknown op {op!r}; known: {sorted(BUS_FACTOR)}")
