@@ -33,7 +33,7 @@ def worker(rank, world, port, args):
     if rank == 0:
         print(f"world {world}: ipc handle+range {t_ipc:.1f} us/call; descriptor exchange {t_ex:.1f} us/call", flush=True)
     t0 = time.perf_counter()
-    table = calibrate(comm, ops=args.ops.split(","), save_to_disk=False)
+    table = calibrate(comm, ops=sorted({"all_to_all_single" if o == "hot" else o for o in args.ops.split(",")}), save_to_disk=False)
     if rank == 0:
         print(f"calibration {time.perf_counter()-t0:.1f}s", flush=True)
         for op, lanes in table.items():
@@ -42,7 +42,10 @@ def worker(rank, world, port, args):
                ("ce+host", "model-ce-host")]
     for op in args.ops.split(","):
         for n in [parse_size(s) for s in args.sizes.split(",")]:
-            wl = make(comm, op, n, torch.bfloat16)
+            if op == "hot":
+                wl = make(comm, "all_to_all_single", n, torch.bfloat16, hot_nbytes=n, cold_nbytes=8 << 20)
+            else:
+                wl = make(comm, op, n, torch.bfloat16)
             row = {}
             wl.baseline(); wl.braid(); torch.cuda.synchronize()
             wrong = int(torch.tensor(wl.wrong()))
@@ -61,7 +64,7 @@ def worker(rank, world, port, args):
                     if name == "model":
                         model_shares = shares
             if rank == 0:
-                bf = BUS_FACTOR[op](world)
+                bf = BUS_FACTOR["all_to_all_single" if op == "hot" else op](world)
                 cells = " ".join(f"{k}={v:8.0f}us({wl.algbytes/v/1e3*bf:6.1f})" for k, v in row.items())
                 print(f"{op:18s} {n>>20:5d}MiB wrong={wrong} ratio(model)={row['nccl']/row['model']:.3f} shares={ {k: round(v,3) for k,v in model_shares.items()} } | {cells}", flush=True)
     braid.close(); dist.destroy_process_group()

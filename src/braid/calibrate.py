@@ -29,8 +29,11 @@ from .planner.model import LaneCost, choose_shares, fit
 
 log = logging.getLogger("braid")
 
-GPU_SIZES = (4 << 20, 256 << 20)
-CPU_SIZES = (256 << 10, 8 << 20)
+# (floor size, two sizes for the latency/bandwidth line). The line is fitted where the device is
+# the bottleneck (host-side work hides behind the transfer there); the floor is the end-to-end time
+# of a small call, host-side work included.
+GPU_SIZES = (1 << 20, 64 << 20, 512 << 20)
+CPU_SIZES = (64 << 10, 1 << 20, 8 << 20)
 
 
 def machine_key(comm) -> dict:
@@ -117,14 +120,16 @@ def calibrate_op(comm, op: str, lanes: list[str], sizes=None, iters: int = 5, ro
     """LaneCost for each lane at `op` (collective over every rank)."""
     from .workloads import make
     sizes = sizes or (GPU_SIZES if comm.cuda else CPU_SIZES)
-    small, large = sizes
+    tiny, small, large = sizes
     costs: dict[str, LaneCost] = {}
     loads = {n: make(comm, op, n, torch.uint8 if not comm.cuda else torch.bfloat16) for n in sizes}
     for lane in lanes:
         with comm.fixed_shares({lane: 1.0}):
+            floor = time_call(comm, loads[tiny].braid, iters * 4, warmup=2)
             ta = time_call(comm, loads[small].braid, iters)
             tb = time_call(comm, loads[large].braid, iters)
-        costs[lane] = fit(loads[small].nbytes, ta, loads[large].nbytes, tb)
+        line = fit(loads[small].nbytes, ta, loads[large].nbytes, tb)
+        costs[lane] = LaneCost(line.latency_us, line.bw_gbps, floor)
     big = loads[large]
     for _ in range(rounds):
         shares = choose_shares(costs, big.nbytes)
@@ -147,7 +152,8 @@ def calibrate_op(comm, op: str, lanes: list[str], sizes=None, iters: int = 5, ro
             frac = shares.get(k, 0.0)
             if frac <= 0 or t <= costs[k].latency_us:
                 continue
-            costs[k] = LaneCost(costs[k].latency_us, frac * big.nbytes / (t - costs[k].latency_us) / 1e3)
+            costs[k] = LaneCost(costs[k].latency_us, frac * big.nbytes / (t - costs[k].latency_us) / 1e3,
+                                costs[k].floor_us)
     return costs
 
 

@@ -53,7 +53,9 @@ class Handle:
 
     @property
     def shares(self) -> dict[str, float]:
-        return dict(self.plan.shares) if self.plan is not None else {}
+        if self.plan is None:
+            return {"nccl": 1.0} if self.native is not None else {}
+        return dict(self.plan.shares)
 
 
 def execute(comm, plan: Plan, inp: torch.Tensor | None, outs: list[torch.Tensor],

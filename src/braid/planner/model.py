@@ -29,14 +29,18 @@ MIN_SHARE = 0.02
 
 @dataclass(frozen=True)
 class LaneCost:
+    """latency + bytes / bandwidth on the device, never below `floor_us`: the smallest time a call
+    on this lane takes end to end (host-side work such as the descriptor exchange), which hides
+    behind the transfer for large messages but bounds small ones."""
     latency_us: float
     bw_gbps: float   # 1 GB/s = 1e3 bytes per microsecond
+    floor_us: float = 0.0
 
     def time_us(self, nbytes: float) -> float:
-        return self.latency_us + nbytes / (self.bw_gbps * 1e3)
+        return max(self.floor_us, self.latency_us + nbytes / (self.bw_gbps * 1e3))
 
     def to_dict(self) -> dict:
-        return {"latency_us": self.latency_us, "bw_gbps": self.bw_gbps}
+        return {"latency_us": self.latency_us, "bw_gbps": self.bw_gbps, "floor_us": self.floor_us}
 
 
 def fit(size_a: int, time_a_us: float, size_b: int, time_b_us: float) -> LaneCost:
@@ -74,7 +78,8 @@ def equal_finish(costs: dict[str, LaneCost], nbytes: int) -> dict[str, float]:
 
 
 def predicted_time_us(costs: dict[str, LaneCost], shares: dict[str, float], nbytes: int) -> float:
-    """The slowest lane's time for this split, plus the multi-lane overhead when split."""
+    """The slowest lane's time for this split (each lane at least its floor), plus the
+    multi-lane overhead when split."""
     slowest = max(costs[k].time_us(f * nbytes) for k, f in shares.items())
     return slowest + (MULTI_LANE_OVERHEAD_US if len(shares) > 1 else 0.0)
 

@@ -1,0 +1,71 @@
+"""The `braid` command (also `python -m braid`).
+
+    braid bench      --op all_gather --sizes 1M:1G [--json out.json] [--plot out.png]
+    braid calibrate  [--nproc N]      measure every lane per op, cache it, print the LaneCosts
+    braid env                         every BRAID_* setting, its value and meaning
+    braid topo                        GPUs, peer access, and which lanes braid can use here
+
+bench/calibrate/topo spawn one rank per GPU (2 CPU ranks without GPUs), or run inside torchrun:
+    torchrun --nproc-per-node 4 -m braid bench --op all
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import bench
+
+
+def _bench(args: argparse.Namespace) -> int:
+    return bench.launch(bench.config_from_args("bench", args), args.nproc)
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    return bench.launch(bench.config_from_args("calibrate", args), args.nproc)
+
+
+def _topo(args: argparse.Namespace) -> int:
+    return bench.launch(bench.config_from_args("topo", args), args.nproc)
+
+
+def _env(args: argparse.Namespace) -> int:
+    bench.print_env()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="braid", description="braid: one collective split across every path "
+                                     "between GPUs. Benchmark, calibrate and inspect it.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("bench", help="time braid against NCCL (or gloo on CPU) over a size sweep",
+                       description="Time braid against its baseline (NCCL on GPUs, gloo on CPUs) across N ranks, "
+                                   "nccl-tests style. Spawns the ranks itself, or joins torchrun's world.")
+    bench.add_bench_arguments(p)
+    p.set_defaults(func=_bench)
+
+    p = sub.add_parser("calibrate", help="measure every lane per op, cache and print the lane costs",
+                       description="Run braid.calibrate.calibrate over the ops on N ranks, cache the result "
+                                   "(BRAID_CACHE_DIR) and print each lane's latency and bandwidth.")
+    bench.add_calibrate_arguments(p)
+    p.set_defaults(func=_calibrate)
+
+    p = sub.add_parser("env", help="print every BRAID_* setting", description="Every BRAID_* setting: value, "
+                       "default and meaning.")
+    p.set_defaults(func=_env)
+
+    p = sub.add_parser("topo", help="GPUs, peer access and the lanes braid can use here",
+                       description="Start N ranks and report the lanes braid finds (and why others are off), "
+                                   "the GPUs and their peer access.")
+    bench.add_launch_arguments(p)
+    p.set_defaults(func=_topo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Shared helpers for braid's CPU tests.
+
+`run_world(fn, world_size, ...)` starts `world_size` fresh processes (spawn), each with a gloo
+process group on a free local port, runs `fn(rank, world_size, *args)` in every one and returns
+their results (whatever `fn` returns, JSON-serialisable). A worker's exception comes back to the
+parent as `WorkerError` carrying the worker's traceback. A world that has not finished within
+`timeout` seconds is terminated and the test fails (no hung CI).
+
+Workers are spawned, not forked: every world imports torch afresh, so each test function runs
+many cases inside one world to amortise the start-up.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import socket
+import tempfile
+import time
+import traceback
+from multiprocessing.connection import wait as mp_wait
+
+import pytest
+import torch.multiprocessing as mp
+
+# Settings every worker gets unless the test says otherwise: small rings so that every transfer
+# of more than a few hundred KiB wraps around the ring many times, a bounded wait, no calibration
+# from the user's cache.
+DEFAULT_WORKER_ENV = {
+    "BRAID_HOST_BUFFER_MB": "2",
+    "BRAID_HOST_CHUNK_KB": "64",
+    "BRAID_TIMEOUT_S": "30",
+    "BRAID_CALIBRATE": "off",
+    "OMP_NUM_THREADS": "1",
+}
+
+WORLD_TIMEOUT_S = 120.0
+
+
+class WorkerError(AssertionError):
+    """One or more workers of a world failed (the message holds their tracebacks)."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def braid_shm_entries() -> set[str]:
+    """Names in /dev/shm that braid created (its segments are called braid-<pid>-<hex>)."""
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("braid-")}
+    except FileNotFoundError:
+        return set()
+
+
+def _entry(rank: int, fn, world_size: int, port: int, args: tuple, env: dict, outdir: str,
+           init_pg: bool) -> None:
+    """Body of every worker process."""
+    os.environ.update(env)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    out = pathlib.Path(outdir)
+    try:
+        import torch
+        import torch.distributed as dist
+        torch.set_num_threads(1)
+        if init_pg:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=60))
+        result = fn(rank, world_size, *args)
+        (out / f"result-{rank}.json").write_text(json.dumps(result))
+    except BaseException:
+        (out / f"error-{rank}.txt").write_text(traceback.format_exc())
+        os._exit(1)
+    try:
+        import braid
+        braid.close()
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except BaseException:
+        (out / f"error-{rank}.txt").write_text("at shutdown:\n" + traceback.format_exc())
+        os._exit(1)
+
+
+def run_world(fn, world_size: int, *args, env: dict | None = None, timeout: float = WORLD_TIMEOUT_S,
+              allowed_exit: dict[int, int] | None = None, init_pg: bool = True) -> list:
+    """Run fn(rank, world_size, *args) in `world_size` spawned processes; return their results.
+
+    `allowed_exit` maps rank -> the exit code that rank is expected to end with (a test that kills a
+    worker on purpose); any other non-zero exit fails the test, terminates the rest of the world and
+    raises WorkerError with every worker's traceback. After `timeout` seconds everything left is
+    terminated and WorkerError says which ranks hung.
+    """
+    allowed_exit = dict(allowed_exit or {})
+    full_env = dict(DEFAULT_WORKER_ENV)
+    full_env["BRAID_CACHE_DIR"] = tempfile.mkdtemp(prefix="braid-test-cache-")
+    full_env.update(env or {})
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="braid-test-world-") as outdir:
+        procs = [ctx.Process(target=_entry, args=(r, fn, world_size, port, args, full_env, outdir, init_pg),
+                             daemon=True, name=f"braid-test-rank{r}")
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        live = {p.sentinel: r for r, p in enumerate(procs)}
+        failed: list[int] = []
+        hung = False
+        while live:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                hung = True
+                break
+            for sentinel in mp_wait(list(live), timeout=min(left, 1.0)):
+                r = live.pop(sentinel)
+                procs[r].join()          # reap now: a dead peer must not linger as a zombie
+                code = procs[r].exitcode
+                if code != allowed_exit.get(r, 0):
+                    failed.append(r)
+            if failed:
+                break
+        stragglers = [r for r in live.values()]
+        for r in stragglers:
+            procs[r].terminate()
+        for r in stragglers:
+            procs[r].join(5)
+            if procs[r].is_alive():
+                procs[r].kill()
+                procs[r].join(5)
+        if hung or failed:
+            parts = []
+            for r in range(world_size):
+                f = pathlib.Path(outdir) / f"error-{r}.txt"
+                status = ("hung (terminated)" if hung and r in stragglers else
+                          "terminated after a peer failed" if r in stragglers else
+                          f"exit code {procs[r].exitcode}")
+                parts.append(f"--- rank {r}: {status}\n" + (f.read_text() if f.exists() else ""))
+            what = f"world of {world_size} did not finish within {timeout:.0f} s" if hung else \
+                f"ranks {failed} failed"
+            raise WorkerError(f"{getattr(fn, '__name__', fn)}: {what}\n" + "\n".join(parts))
+        results = []
+        for r in range(world_size):
+            f = pathlib.Path(outdir) / f"result-{r}.json"
+            results.append(json.loads(f.read_text()) if f.exists() else None)
+        return results
+
+
+@pytest.fixture
+def world():
+    """The run_world helper as a fixture."""
+    return run_world
