@@ -37,7 +37,7 @@ def worker(rank, world, port, args):
     if rank == 0:
         print(f"calibration {time.perf_counter()-t0:.1f}s", flush=True)
         for op, lanes in table.items():
-            print("  ", op, {k: (round(v['latency_us'], 1), round(v['bw_gbps'], 1)) for k, v in lanes.items()}, flush=True)
+            print("  ", op, {k: (round(v['latency_us'], 1), round(v['bw_gbps'], 1), round(v['floor_us'], 1)) for k, v in lanes.items()}, flush=True)
     configs = [("model", None), ("ce", {"ce": 1.0}), ("host", {"host": 1.0}), ("nccl-p2p", {"nccl": 1.0}),
                ("ce+host", "model-ce-host")]
     for op in args.ops.split(","):
@@ -55,8 +55,10 @@ def worker(rank, world, port, args):
                 if sh == "model-ce-host":
                     continue
                 if name == "nccl-p2p":
-                    with braid.envs.override(BRAID_CHECK=1), comm.fixed_shares(sh):
+                    comm.check = True
+                    with comm.fixed_shares(sh):
                         row[name] = time_call(comm, wl.braid, args.iters)
+                    comm.check = False
                     continue
                 with comm.fixed_shares(sh) if sh else _null():
                     row[name] = min(time_call(comm, wl.braid, args.iters) for _ in range(2))

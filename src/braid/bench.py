@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import json
 import logging
 import math
@@ -20,10 +21,12 @@ import os
 import platform
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +38,7 @@ GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NV
 DTYPES = ("bfloat16", "float16", "float32", "float64", "int8", "uint8", "int32", "int64")
 GPU_SIZES = (1 << 20, 1 << 30)
 CPU_SIZES = (64 << 10, 64 << 20)
+WRONG_EXIT = 3          # exit status when braid's output differs from the baseline's
 NO_GPU_LINE = "no GPU: running braid's CPU lanes (gloo+shm) against gloo"
 
 
@@ -269,6 +273,9 @@ def launch(cfg: Config, nproc: int | None) -> int:
         print(f"braid {cfg.task}: a rank failed:{exc}", file=sys.stderr)
         return 1
     except mp.ProcessExitedException as exc:
+        if exc.exit_code == WRONG_EXIT:
+            print(f"braid {cfg.task}: braid's output differed from the baseline's (#wrong above)", file=sys.stderr)
+            return WRONG_EXIT
         print(f"braid {cfg.task}: a rank died: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -292,10 +299,9 @@ def _init_rank(local_rank: int, world: int | None, port: int | None) -> bool:
         kwargs = dict(init_method=f"tcp://127.0.0.1:{port}", rank=local_rank, world_size=world)
     if cuda:
         torch.cuda.set_device(local_rank)
-        try:
-            dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank), **kwargs)
-        except TypeError:      # torch without device_id
-            dist.init_process_group("nccl", **kwargs)
+        if "device_id" in inspect.signature(dist.init_process_group).parameters:
+            kwargs["device_id"] = torch.device("cuda", local_rank)   # eager NCCL init, bound to this GPU
+        dist.init_process_group("nccl", **kwargs)
     else:
         dist.init_process_group("gloo", **kwargs)
         size = world or int(os.environ["WORLD_SIZE"])
@@ -321,19 +327,29 @@ def _worker(local_rank: int, cfg: Config, world: int | None, port: int | None) -
     the launcher or torchrun ends them); the process exit releases the memory."""
     if cfg.lanes:
         os.environ["BRAID_LANES"] = ",".join(cfg.lanes)
-    cuda = _init_rank(local_rank, world, port)
-    _setup_logging(dist.get_rank())
-    import braid
-    comm = braid.init()
-    after = None
-    if cfg.task == "bench":
-        after = _bench(comm, cfg.resolved(cuda))
-    elif cfg.task == "calibrate":
-        _calibrate(comm, cfg)
-    elif cfg.task == "topo":
-        _topo(comm)
-    else:
-        raise ValueError(f"unknown task {cfg.task!r}")
+    try:
+        cuda = _init_rank(local_rank, world, port)
+        _setup_logging(dist.get_rank())
+        # torch >= 2.13 flags dist.all_gather_into_tensor (the baseline's call) as deprecated on every call
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+        import braid
+        comm = braid.init()
+        after = None
+        if cfg.task == "bench":
+            after = _bench(comm, cfg.resolved(cuda))
+        elif cfg.task == "calibrate":
+            _calibrate(comm, cfg)
+        elif cfg.task == "topo":
+            _topo(comm)
+        else:
+            raise ValueError(f"unknown task {cfg.task!r}")
+    except BaseException:
+        # No teardown: peers may sit in a collective that will never complete. The traceback goes to
+        # the launcher (mp.spawn) or torchrun, which end the other ranks. Should the exit itself hang
+        # (an NCCL communicator torn down mid-call), SIGALRM's default action ends this process.
+        if hasattr(signal, "alarm"):
+            signal.alarm(30)
+        raise
     braid.close()
     dist.destroy_process_group()
     if after is not None:
@@ -413,7 +429,7 @@ def _row_cells(p: dict) -> list[str]:
 
 
 class PlainUi:
-    WIDTHS = (12, 11, 9, 11, 8, 8, 7, 11, 10, 6)
+    WIDTHS = (12, 11, 10, 11, 8, 8, 7, 12, 12, 7)
 
     def __init__(self, total: int):
         self.total, self.done = total, 0
@@ -463,6 +479,8 @@ class RichUi:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
         self.Group = Group
         self.console = Console()
+        if not self.console.is_terminal:     # a log file or a pipe: no 80-column squeeze
+            self.console = Console(width=200)
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), console=self.console)
         self.task = self.progress.add_task("sweep", total=total)
@@ -471,24 +489,29 @@ class RichUi:
         self.live.start()
 
     def line(self, text: str = "") -> None:
-        self.console.print(text, highlight=False, markup=False)
+        self.console.print(text, highlight=False, markup=False, soft_wrap=True)
 
     def start_op(self, op: str, title: str, baseline: str) -> None:
+        from rich import box
         from rich.table import Table
-        self.table = Table(title=title, title_justify="left", header_style="bold")
-        heads = [("size (B)", "right"), ("count", "right"), ("type", "left"), ("time_us", "right"),
-                 ("algbw GB/s", "right"), ("busbw GB/s", "right"), ("#wrong", "right"),
-                 (f"{baseline} us", "right"), (f"{baseline} busbw", "right"), ("ratio", "right"), ("shares", "left")]
+        self.table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
+                           caption=f"size in bytes, time in us, bandwidth in GB/s; ratio = {baseline} time / braid time",
+                           caption_justify="left")
+        heads = [("size", "right"), ("count", "right"), ("type", "left"), ("time_us", "right"),
+                 ("algbw", "right"), ("busbw", "right"), ("#wrong", "right"),
+                 (f"{baseline}_us", "right"), (f"{baseline}_busbw", "right"), ("ratio", "right"), ("shares", "left")]
         for name, justify in heads:
             self.table.add_column(name, justify=justify, no_wrap=True)
         self.live.update(self.Group(self.table, self.progress))
 
     def row(self, p: dict) -> None:
-        cells = _row_cells(p)
+        from rich.text import Text
+        cells = [Text(c) for c in _row_cells(p)]
         if p["wrong"]:
-            cells[6] = f"[bold red]{cells[6]}[/]"
+            cells[6].stylize("bold red")
         r = p["ratio"]
-        cells[9] = f"[green]{cells[9]}[/]" if r >= 1.05 else (f"[red]{cells[9]}[/]" if r < 0.95 else cells[9])
+        if r >= 1.05 or r < 0.95:
+            cells[9].stylize("green" if r >= 1.05 else "red")
         self.table.add_row(*cells)
 
     def status(self, what: str) -> None:
@@ -565,19 +588,27 @@ def _bench(comm, cfg: Config):
     dtype = getattr(torch, cfg.dtype)
     esz = torch.empty(0, dtype=dtype).element_size()
     baseline = "nccl" if comm.cuda else "gloo"
-    info = machine_info(comm) if r0 else {}
+    info = machine_info(comm)
 
-    ops = list(cfg.ops)
     if world < 2:
-        raise SystemExit("braid bench needs at least 2 ranks")
+        from .errors import MisuseError
+        raise MisuseError("braid bench needs at least 2 ranks")
     skewed = cfg.hot_bytes is not None
-    plan = [(op, None if (op == "all_to_all_single" and skewed) else n)
-            for op in ops for n in (cfg.size_list() if not (op == "all_to_all_single" and skewed) else [0])]
+    plan = []      # (op, nbytes); nbytes None: the skewed all_to_all_single point
+    for op in cfg.ops:
+        plan += [(op, None)] if (op == "all_to_all_single" and skewed) else [(op, n) for n in cfg.size_list()]
 
     ui = make_ui(len(plan), cfg.plain) if r0 else None
     say = ui.line if r0 else (lambda text="": None)
+    results: list[dict] = []
+    bad = 0
     try:
         lanes = comm.lanes_for(comm.device)
+        if cfg.shares and any(k not in lanes for k in cfg.shares):
+            from .errors import MisuseError
+            raise MisuseError(f"--shares {format_shares(cfg.shares)}: lanes "
+                              f"{[k for k in cfg.shares if k not in lanes]} are not usable here "
+                              f"(usable: {lanes}; unavailable: {comm.unavailable}); `braid topo` says why")
         say(header_line("bench", info))
         if not comm.cuda and os.environ.get("RANK") is not None:
             say(NO_GPU_LINE)
@@ -590,7 +621,6 @@ def _bench(comm, cfg: Config):
             + f" | baseline: {baseline}")
         say(_calibrate_for_bench(comm, cfg, say))
 
-        results: list[dict] = []
         common = {"world_size": world, "dtype": cfg.dtype, "lanes": lanes, "iters": cfg.iters, "warmup": cfg.warmup,
                   "repeat": cfg.repeat, "calibration": comm.calib_digest, "fixed_shares": cfg.shares, **info}
         if skewed:
@@ -602,13 +632,13 @@ def _bench(comm, cfg: Config):
                     if r0:
                         ui.end_op()
                         title = f"{op}  world {world}  {info['machine']}"
-                        if op == "all_to_all_single" and skewed:
+                        if nbytes is None:
                             title += f"  hot 0->1 {_human(cfg.hot_bytes)}B, cold {_human(cfg.cold_bytes)}B"
                         ui.start_op(op, title, baseline)
                     current = op
                 if r0:
-                    ui.status(f"{op} {_human(nbytes) + 'B' if nbytes else 'skewed'}")
-                if op == "all_to_all_single" and skewed:
+                    ui.status(f"{op} {'skewed' if nbytes is None else _human(nbytes) + 'B'}")
+                if nbytes is None:
                     load = make(comm, op, 0, dtype, hot_nbytes=cfg.hot_bytes, cold_nbytes=cfg.cold_bytes)
                 else:
                     load = make(comm, op, nbytes, dtype)
@@ -635,20 +665,24 @@ def _bench(comm, cfg: Config):
                     ui.advance()
                     if cfg.json_path:
                         _write_json(cfg.json_path, results)
+                bad += wrong or 0
                 del load
         if r0:
             ui.end_op()
-            bad = sum(p["wrong"] or 0 for p in results)
             if cfg.check:
-                say(f"# {'all outputs match the baseline' if not bad else f'{bad} wrong bytes in total'}")
+                say(f"# {'all outputs match the baseline' if not bad else f'FAILED: {bad} wrong bytes in total'}")
             if cfg.json_path:
                 say(f"# results written to {cfg.json_path}")
     finally:
         if r0:
             ui.close()
-    if r0 and cfg.plot_path:
-        return lambda: plot(results, cfg.plot_path, info)
-    return None
+
+    def after() -> None:
+        if r0 and cfg.plot_path:
+            plot(results, cfg.plot_path, info)
+        if bad:
+            sys.exit(WRONG_EXIT)
+    return after
 
 
 def _point(op, load, esz, dtype, world, t_braid, t_base, wrong, got, baseline, factor, common) -> dict:
@@ -727,7 +761,7 @@ def plot(results: list[dict], path: str, info: dict) -> bool:
     for ax in list(axes.flat)[len(ops):]:
         ax.set_visible(False)
     fig.suptitle(f"braid vs {base_name}: {info.get('machine', '')}, torch {info.get('torch', '')}, "
-                 f"NCCL {info.get('nccl') or 'n/a'}, {info.get('date', '')}", fontsize=9)
+                 f"NCCL {info.get('nccl') or 'n/a'}, {info.get('date', '').replace('T', ' ')}", fontsize=9)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -758,12 +792,12 @@ def _calibrate(comm, cfg: Config) -> None:
     path = cal.save(comm, merged)
     print(f"measured in {seconds:.1f} s")
     print()
-    print(f"{'op/world':<22}{'lane':<7}{'latency_us':>12}{'bw_GB/s':>10}")
+    print(f"{'op/world':<22}{'lane':<7}{'latency_us':>12}{'bw_GB/s':>10}{'floor_us':>10}")
     for key, costs in table.items():
         if not costs:
-            print(f"{key:<22}{'-':<7}{'(one lane: nothing to split)':>22}")
+            print(f"{key:<22}{'-':<7}  (one lane: nothing to split)")
         for lane, c in costs.items():
-            print(f"{key:<22}{lane:<7}{c['latency_us']:>12.1f}{c['bw_gbps']:>10.2f}")
+            print(f"{key:<22}{lane:<7}{c['latency_us']:>12.1f}{c['bw_gbps']:>10.2f}{c.get('floor_us', 0.0):>10.1f}")
     sizes = (1 << 20, 64 << 20, 1 << 30) if comm.cuda else (256 << 10, 8 << 20, 64 << 20)
     print()
     print("split the model picks:")
@@ -835,7 +869,7 @@ def _topo(comm) -> None:
             state = "not available: needs CUDA tensors and an NCCL backend"
         else:
             state = "not available"
-        print(f"  {name:<5} ({tensors} tensors)  {state}")
+        print(f"  {name:<5} {'(' + tensors + ' tensors)':<15} {state}")
     differ = [v for v in views if (v["gpu_lanes"], v["cpu_lanes"]) != (views[0]["gpu_lanes"], views[0]["cpu_lanes"])]
     for v in differ:
         print(f"  rank {v['rank']} differs: CUDA lanes {v['gpu_lanes']}, CPU lanes {v['cpu_lanes']}")

@@ -63,6 +63,8 @@ class Communicator:
         self.calib: dict[str, dict[str, LaneCost]] = {}
         self.calib_digest = "default"
         self._share_cache: dict = {}
+        self._native_cache: dict = {}
+        self.check = envs.get("BRAID_CHECK")   # read once, when the communicator is created
         self._plan_cache: dict = {}
         wanted = lanes if lanes is not None else envs.get("BRAID_LANES")
         self.wanted = None if wanted is None else {LaneKind(x).value for x in wanted}
@@ -164,6 +166,7 @@ class Communicator:
         """Use these shares for every op (or one op) inside the block (tests, calibration, bench)."""
         old = self._fixed
         self._fixed = None if shares is None else {**(old or {}), op: dict(shares)}
+        self._native_cache.clear()
         try:
             yield
         finally:
@@ -187,13 +190,49 @@ class Communicator:
             table = self.calib.get(f"{op}/{self.world_size}", {})
             costs = {k: table.get(k, DEFAULT_COSTS[k]) for k in lanes}
             shares = choose_shares(costs, nbytes)
+            if len(shares) == 1 and "nccl" in lanes:
+                # one lane: NCCL's own call, the path the user had; braid leaves it only to split
+                shares = {"nccl": 1.0}
             if len(self._share_cache) > 4096:
                 self._share_cache.clear()
             self._share_cache[key] = shares
         return shares
 
     def _native_ok(self, shares: dict[str, float]) -> bool:
-        return list(shares) == ["nccl"] and not envs.get("BRAID_CHECK")
+        return list(shares) == ["nccl"] and not self.check
+
+    def _native_for(self, op: str, nbytes: int) -> bool:
+        """Cached: will this op at this size go to NCCL's own call? (the small-message fast path)"""
+        if self._fixed is not None or self.check:
+            return False
+        key = (op, nbytes, self.calib_digest)
+        hit = self._native_cache.get(key)
+        if hit is None:
+            lanes = self.lanes_for(self.device)
+            hit = bool(lanes) and self._native_ok(self.shares_for(op, nbytes, lanes))
+            if len(self._native_cache) > 4096:
+                self._native_cache.clear()
+            self._native_cache[key] = hit
+        return hit
+
+    def _fast_ok(self, *tensors) -> bool:
+        """Cheap checks for the fast path: CUDA tensors on our device, contiguous. Anything else
+        takes the full path, which validates and explains."""
+        if not self.cuda or self.closed:
+            return False
+        idx = self.device.index
+        for t in tensors:
+            if type(t) is not torch.Tensor or not t.is_cuda or t.get_device() != idx or not t.is_contiguous():
+                return False
+        return True
+
+    def _finish(self, work, async_op: bool):
+        handle = Handle(native=work)
+        self.last_handle = handle
+        if async_op:
+            return handle
+        work.wait()
+        return None
 
     # descriptor exchange --------------------------------------------------------------------------
     def _exchange(self, desc: dict, inp: torch.Tensor | None, lanes: list[str], peer: int | None = None) -> list:
@@ -285,6 +324,11 @@ class Communicator:
     # ops ----------------------------------------------------------------------------------------
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         op = "all_gather"
+        if (self._fast_ok(output, input) and input.dtype == output.dtype
+                and output.numel() == input.numel() * self.world_size
+                and self._native_for(op, input.numel() * input.element_size())):
+            return self._finish(dist.all_gather_into_tensor(output, input, group=self.nccl_group, async_op=True),
+                                async_op)
         dev = self._device_for(input)
         ib = input_bytes(input, "input", dev, op)
         ob = output_bytes(output, "output", dev, op)
@@ -318,6 +362,9 @@ class Communicator:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         op = "broadcast"
+        if (self._fast_ok(tensor) and type(src) is int and 0 <= src < self.world_size
+                and self._native_for(op, tensor.numel() * tensor.element_size())):
+            return self._finish(dist.broadcast(tensor, src=src, group=self.nccl_group, async_op=True), async_op)
         dev = self._device_for(tensor)
         check_rank(src, self.world_size, "src", op)
         tb = output_bytes(tensor, "tensor", dev, op)
@@ -365,6 +412,11 @@ class Communicator:
 
     def _p2p(self, tensor, peer, sending: bool, async_op: bool):
         op = "send_recv"
+        if (self._fast_ok(tensor) and type(peer) is int and 0 <= peer < self.world_size and peer != self.rank
+                and self._native_for(op, tensor.numel() * tensor.element_size())):
+            g = self.nccl_group
+            work = dist.isend(tensor, dst=peer, group=g) if sending else dist.irecv(tensor, src=peer, group=g)
+            return self._finish(work, async_op)
         dev = self._device_for(tensor)
         check_rank(peer, self.world_size, "dst" if sending else "src", "send" if sending else "recv", me=self.rank)
         if sending:
@@ -413,6 +465,7 @@ class Communicator:
                       for op, lanes in table.items()}
         text = json.dumps({op: {k: c.to_dict() for k, c in v.items()} for op, v in self.calib.items()}, sort_keys=True)
         self.calib_digest = hashlib.sha1(text.encode()).hexdigest()[:12] if self.calib else "default"
+        self._native_cache.clear()
 
     def close(self) -> None:
         """Release lanes, pinned memory and the shared segment. Idempotent; no collective calls."""

@@ -102,7 +102,10 @@ class CeLane(GpuLaneMixin, Lane):
         else:
             _cuda.write_value(sh, arrive(me, None), seq)
         waited = set()
-        for t in transfers:
+        # pull from peers in rotated order (rank r starts at r+1): at any moment each source is
+        # read by one puller instead of all pulling from rank 0 first (a 2x egress hot spot)
+        world = comm.world_size
+        for t in sorted(transfers, key=lambda t: ((t.src - me) % world, t.src_off)):
             mine = [(b, off) for d, b, off in t.dsts if d == me]
             if not mine:
                 continue
