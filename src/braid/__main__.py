@@ -11,6 +11,7 @@ bench/calibrate/topo spawn one rank per GPU (2 CPU ranks without GPUs), or run i
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from . import bench
@@ -64,7 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:      # `braid env | head`: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

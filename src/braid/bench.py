@@ -383,7 +383,7 @@ def nccl_version() -> str | None:
 def machine_info(comm) -> dict:
     from . import __version__
     info = {"host": socket.gethostname(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "torch": torch.__version__, "nccl": nccl_version(), "braid": __version__,
+            "torch": torch.__version__, "nccl": nccl_version(), "braid_version": __version__,
             "world_size": comm.world_size}
     if comm.cuda:
         n = torch.cuda.device_count()
@@ -396,7 +396,7 @@ def machine_info(comm) -> dict:
 
 
 def header_line(tool: str, info: dict) -> str:
-    return (f"braid {tool} {info['braid']} | {info['machine']} | {info['date'].replace('T', ' ')} | "
+    return (f"braid {tool} {info['braid_version']} | {info['machine']} | {info['date'].replace('T', ' ')} | "
             f"torch {info['torch']} | NCCL {info['nccl'] or 'n/a'} | host {info['host']}")
 
 
@@ -748,6 +748,8 @@ def plot(results: list[dict], path: str, info: dict) -> bool:
             ax.annotate(format_shares(p["shares"]).replace(" ", "\n"), (p["nbytes"], p["busbw_gbps"]),
                         textcoords="offset points", xytext=(0, 6), ha="center", fontsize=6, color="tab:blue")
         ax.set_xscale("log", base=2)
+        if len(xs) == 1:   # one point (the skewed all_to_all): a tick at it, not at the powers of 2 around
+            ax.set_xticks(xs)
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _human(v)))
         ax.set_xlabel("size (bytes" + (", per rank)" if op in ("all_gather", "all_to_all_single") else ")"))
         ax.set_ylabel("busbw (GB/s)")
