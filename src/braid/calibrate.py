@@ -74,8 +74,14 @@ def load(comm) -> dict | None:
 
 
 def save(comm, table: dict) -> str:
+    """Merge `table` into the cached one (ops calibrated earlier stay) and write it atomically."""
     path = cache_path(comm)
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        with open(path) as f:
+            table = {**json.load(f)["table"], **table}
+    except (OSError, ValueError, KeyError):
+        pass
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump({"key": machine_key(comm), "created": time.strftime("%Y-%m-%d %H:%M:%S"), "table": table}, f, indent=1)

@@ -55,6 +55,10 @@ class Communicator:
                               "dist.init_process_group('nccl' or 'gloo') (torchrun sets the rendezvous)")
         if group is not None and group is not dist.group.WORLD and dist.get_world_size(group) != dist.get_world_size():
             raise MisuseError("braid supports the default (world) group in this version; pass group=None")
+        level = str(envs.get("BRAID_LOG_LEVEL")).upper()
+        log.setLevel(getattr(logging, level, logging.WARNING))
+        if not log.handlers and not logging.getLogger().handlers:
+            logging.basicConfig(format="%(name)s %(levelname)s: %(message)s")
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.closed = False
@@ -99,11 +103,11 @@ class Communicator:
         self.layout = Layout(self.world_size, mib << 20, envs.get("BRAID_HOST_CHUNK_KB") << 10)
         name = [NodeSegment.new_name() if self.rank == 0 else None]
         if self.rank == 0:
-            self.segment = NodeSegment(name[0], self.layout, self.rank, create=True)
+            self.segment = NodeSegment(name[0], self.layout, self.rank, create=True, spin_s=self._spin_s())
         dist.broadcast_object_list(name, src=0, group=self.gloo_group)
         try:
             if self.rank != 0:
-                self.segment = NodeSegment(name[0], self.layout, self.rank, create=False)
+                self.segment = NodeSegment(name[0], self.layout, self.rank, create=False, spin_s=self._spin_s())
         finally:
             dist.barrier(group=self.gloo_group)
             if self.rank == 0:
@@ -121,6 +125,9 @@ class Communicator:
             except (OSError, Exception) as exc:   # no driver symbol, registration refused
                 log.warning("braid: cannot pin the node segment (%s); ce and host lanes are off", exc)
                 self.seg_dev_ptr = None
+
+    def _spin_s(self) -> float:
+        return 0.002 if self.cuda else 0.00005
 
     def _make_lanes(self) -> dict[str, object]:
         from .lanes.gloo import GlooLane

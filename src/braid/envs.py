@@ -77,8 +77,8 @@ _define("BRAID_TIMEOUT_S", _positive_float, 300.0,
 _define("BRAID_CACHE_DIR", str, os.path.join(os.path.expanduser("~"), ".cache", "braid"),
         "Where lane calibrations are cached (one JSON per machine/software key).")
 _define("BRAID_CALIBRATE", str, "auto",
-        "auto: use the cached calibration or measure one on first use; force: measure again; "
-        "off: never measure, use the built-in lane model.")
+        "auto: use the cached calibration when there is one for this machine (made by `braid "
+        "calibrate` or `braid bench`), else the built-in lane model; force/off: ignore the cache.")
 _define("BRAID_MIN_SPLIT_KB", _positive_int, 256,
         "Pieces of a transfer smaller than this are not split across lanes.")
 _define("BRAID_LOG_LEVEL", str, "WARNING", "Log level of the 'braid' logger.")

@@ -118,7 +118,8 @@ class Layout:
 class NodeSegment:
     """The mapped segment plus the mailbox protocol. One per communicator per process."""
 
-    def __init__(self, name: str, layout: Layout, rank: int, create: bool):
+    def __init__(self, name: str, layout: Layout, rank: int, create: bool, spin_s: float = 0.002):
+        self.spin_s = spin_s   # how long waits spin before sleeping (short where cores are few)
         self.name = name
         self.layout = layout
         self.rank = rank
@@ -164,13 +165,14 @@ class NodeSegment:
     def wait_geq(self, off: int, value: int, what: str, peer: int, deadline: float) -> None:
         """Poll a counter until it reaches value; raise on timeout or a dead peer.
 
-        Spins for the first ~2 ms (peers usually arrive within microseconds, and a sleep costs
-        60-80 us on Linux however short it is asked to be), then sleeps in 0.5 ms steps."""
+        Spins for the first `spin_s` (peers usually arrive within microseconds, and a sleep costs
+        60-80 us on Linux however short it is asked to be), then sleeps in 0.5 ms steps. CPU-only
+        communicators spin briefly: their ranks share few cores with the lanes' own threads."""
         if geq(self.get(off), value):
             return
         idx = off // 4
         u32 = self.u32
-        spin_until = time.perf_counter() + 0.002
+        spin_until = time.perf_counter() + self.spin_s
         while time.perf_counter() < spin_until:
             for _ in range(64):
                 if ((int(u32[idx]) - value) & 0xFFFFFFFF) < 0x80000000:

@@ -1,10 +1,10 @@
 """Ready-to-run ops for the calibration and the bench: braid's call and the baseline's, on the same
 buffers, with a check of braid's output against the baseline's.
 
-Sizes follow nccl-tests: `nbytes` is the per-rank input of all_gather, the whole buffer of
-broadcast and send/recv, and the per-rank input of all_to_all_single. `hot_fraction` (all_to_all
-only) sends that fraction of rank 0's bytes to rank 1 (`hot`: one hot pair carrying nbytes,
-every other pair `cold_nbytes`).
+`nbytes` is the per-rank input of all_gather (nccl-tests prints the gathered output instead; the
+bus bandwidth is the same), the whole buffer of broadcast and send/recv, and the per-rank input of
+all_to_all_single. With `hot_nbytes` (all_to_all only) rank 0 sends hot_nbytes to rank 1 and every
+other pair `cold_nbytes`. `wrong()` counts bytes that differ from the baseline's output.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class Workload:
     algbytes: int          # bytes counted for algbw (nccl-tests: per-rank size * n for all_gather)
     braid: Callable[[], object]
     baseline: Callable[[], object]
-    wrong: Callable[[], int]        # elements where braid differs from the baseline (run both first)
+    wrong: Callable[[], int]        # bytes where braid differs from the baseline (run both first)
     participates: bool = True
 
 
