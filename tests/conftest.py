@@ -21,7 +21,6 @@ import time
 import traceback
 from multiprocessing.connection import wait as mp_wait
 
-import pytest
 import torch.multiprocessing as mp
 
 # Settings every worker gets unless the test says otherwise: small rings so that every transfer
@@ -59,7 +58,13 @@ def braid_shm_entries() -> set[str]:
 def _entry(rank: int, fn, world_size: int, port: int, args: tuple, env: dict, outdir: str,
            init_pg: bool) -> None:
     """Body of every worker process."""
-    os.environ.update(env)
+    for key in [k for k in os.environ if k.startswith("BRAID_")]:
+        del os.environ[key]             # only the settings the test names
+    for key, value in env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     out = pathlib.Path(outdir)
@@ -87,13 +92,14 @@ def _entry(rank: int, fn, world_size: int, port: int, args: tuple, env: dict, ou
 
 
 def run_world(fn, world_size: int, *args, env: dict | None = None, timeout: float = WORLD_TIMEOUT_S,
-              allowed_exit: dict[int, int] | None = None, init_pg: bool = True) -> list:
+              allowed_exit: dict[int, int] | None = None, init_pg: bool = True, info: dict | None = None) -> list:
     """Run fn(rank, world_size, *args) in `world_size` spawned processes; return their results.
 
     `allowed_exit` maps rank -> the exit code that rank is expected to end with (a test that kills a
     worker on purpose); any other non-zero exit fails the test, terminates the rest of the world and
     raises WorkerError with every worker's traceback. After `timeout` seconds everything left is
-    terminated and WorkerError says which ranks hung.
+    terminated and WorkerError says which ranks hung. `info`, if given, receives the workers'
+    process ids under "pids" (rank order).
     """
     allowed_exit = dict(allowed_exit or {})
     full_env = dict(DEFAULT_WORKER_ENV)
@@ -107,6 +113,8 @@ def run_world(fn, world_size: int, *args, env: dict | None = None, timeout: floa
                  for r in range(world_size)]
         for p in procs:
             p.start()
+        if info is not None:
+            info["pids"] = [p.pid for p in procs]
         deadline = time.monotonic() + timeout
         live = {p.sentinel: r for r, p in enumerate(procs)}
         failed: list[int] = []
@@ -148,9 +156,3 @@ def run_world(fn, world_size: int, *args, env: dict | None = None, timeout: floa
             f = pathlib.Path(outdir) / f"result-{r}.json"
             results.append(json.loads(f.read_text()) if f.exists() else None)
         return results
-
-
-@pytest.fixture
-def world():
-    """The run_world helper as a fixture."""
-    return run_world

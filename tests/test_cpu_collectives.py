@@ -166,6 +166,28 @@ def _all_gather_worker(rank, w, seed, case_list):
                 for r in range(w):
                     check(outs[r], srcs[r], f"all_gather list {form} shares={shares} [{r}]")
                 done += 1
+            # in place: the input is this rank's slot of the output
+            n = 50_003
+            srcs = [make((seed, "ag-inplace", li, r), n, torch.float64) for r in range(w)]
+            expected = torch.cat(srcs)
+            out = poison(torch.empty(n * w, dtype=torch.float64), expected)
+            out[rank * n:(rank + 1) * n] = srcs[rank]
+            comm.all_gather_into_tensor(out, out[rank * n:(rank + 1) * n])
+            check(out, expected, f"all_gather in place shares={shares}")
+            # contiguous views at odd byte offsets inside larger buffers; the bytes around stay
+            srcs = [make((seed, "ag-offset", li, r), n, torch.int8) for r in range(w)]
+            expected = torch.cat(srcs)
+            inbuf = make((seed, "ag-offset-in", li, rank), n + 5, torch.int8)
+            inbuf[5:] = srcs[rank]
+            outbuf = make((seed, "ag-offset-out", li, rank), n * w + 10, torch.int8)
+            before = outbuf.clone()
+            out = outbuf[3:3 + n * w]
+            poison(out, expected)
+            comm.all_gather_into_tensor(out, inbuf[5:])
+            check(out, expected, f"all_gather at byte offsets shares={shares}")
+            check(outbuf[:3], before[:3], "bytes before the output view")
+            check(outbuf[3 + n * w:], before[3 + n * w:], "bytes after the output view")
+            done += 2
     return done
 
 
@@ -310,7 +332,7 @@ def _every_op_worker(rank, w, seed, case_list):
 
 def _expect(op: str, w: int, n_cases: int) -> int:
     if op == "ag":
-        return n_cases + 4 * len(LANE_SETS)
+        return n_cases + 6 * len(LANE_SETS)
     if op == "bc":
         return n_cases + w
     if op == "p2p":
@@ -330,6 +352,38 @@ def test_op_every_dtype_size_and_lane_set(op, world_size):
         case_list = cases(large_dtypes=["float32", "int8", "bool"])
     results = run_world(WORKERS[op], world_size, 1000 + world_size, case_list, env=ENV)
     assert results == [_expect(op, world_size, len(case_list))] * world_size, results
+
+
+def _world_of_one_worker(rank, w, seed):
+    """One rank: every op is a local copy (send/recv has no peer and is refused)."""
+    import braid
+    from braid import MisuseError
+    comm = braid.init()
+    n = 0
+    for shares in LANE_SETS:
+        with fixed(comm, shares):
+            x = make((seed, "one"), 10_001, torch.bfloat16)
+            out = poison(torch.empty(10_001, dtype=torch.bfloat16), x)
+            comm.all_gather_into_tensor(out, x)
+            check(out, x, f"world of one all_gather {shares}")
+            outs = [poison(torch.empty(10_001, dtype=torch.bfloat16), x)]
+            comm.all_gather(outs, x)
+            check(outs[0], x, f"world of one all_gather list {shares}")
+            t = x.clone()
+            comm.broadcast(t, 0)
+            check(t, x, f"world of one broadcast {shares}")
+            out = poison(torch.empty(10_001, dtype=torch.bfloat16), x)
+            comm.all_to_all_single(out, x)
+            check(out, x, f"world of one all_to_all_single {shares}")
+            try:
+                comm.send(x, 0)
+            except MisuseError:
+                n += 1
+    return n
+
+
+def test_world_of_one():
+    assert run_world(_world_of_one_worker, 1, 11, env=ENV) == [len(LANE_SETS)]
 
 
 def test_every_op_world_of_four():
@@ -373,7 +427,8 @@ def _default_settings_worker(rank, w, seed):
 
 
 def test_default_settings_and_module_level_api():
-    env = {"BRAID_HOST_BUFFER_MB": "64", "BRAID_HOST_CHUNK_KB": "4096"}
+    # the default 4 MiB slots; a 16 MiB buffer per rank keeps /dev/shm use small (Docker: 64 MiB)
+    env = {"BRAID_HOST_BUFFER_MB": "16", "BRAID_HOST_CHUNK_KB": None, "BRAID_MIN_SPLIT_KB": None}
     results = run_world(_default_settings_worker, 3, 77, env=env)
     assert len({tuple(r) for r in results}) == 1, results
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import envs
-from .planner.model import LaneCost, choose_shares, fit
+from .planner.model import LaneCost, fit
 
 log = logging.getLogger("braid")
 
@@ -138,7 +138,7 @@ def calibrate_op(comm, op: str, lanes: list[str], sizes=None, iters: int = 5, ro
         costs[lane] = LaneCost(line.latency_us, line.bw_gbps, floor)
     big = loads[large]
     for _ in range(rounds):
-        shares = choose_shares(costs, big.nbytes)
+        shares = comm.split_rule(op, costs, big.nbytes)
         if len(shares) < 2:
             break
         with comm.fixed_shares(shares):

@@ -25,7 +25,7 @@ from .collectives import check_rank, flat_bytes, input_bytes, output_bytes, same
 from .errors import LaneUnavailableError, MisuseError, PeerMismatchError
 from .executor import Handle, execute
 from .node import Layout, NodeSegment
-from .planner.model import LaneCost, choose_shares
+from .planner.model import LaneCost, choose_with_native
 from .planner.plan import (CPU_LANES, GPU_LANES, LaneKind, all_gather_movement, all_to_all_movement,
                            broadcast_movement, p2p_movement, split)
 from .planner.rings import COLL, PAIR, RingCursor, ring_id
@@ -196,14 +196,17 @@ class Communicator:
         if shares is None:
             table = self.calib.get(f"{op}/{self.world_size}", {})
             costs = {k: table.get(k, DEFAULT_COSTS[k]) for k in lanes}
-            shares = choose_shares(costs, nbytes)
-            if len(shares) == 1 and "nccl" in lanes:
-                # one lane: NCCL's own call, the path the user had; braid leaves it only to split
-                shares = {"nccl": 1.0}
+            shares = self.split_rule(op, costs, nbytes)
             if len(self._share_cache) > 4096:
                 self._share_cache.clear()
             self._share_cache[key] = shares
         return shares
+
+    def split_rule(self, op: str, costs: dict[str, LaneCost], nbytes: int) -> dict[str, float]:
+        """Shares from lane costs. braid's broadcast lanes are stars from the root (every peer
+        reads the root), which only pays for 2 ranks; beyond that the copy engines sit out."""
+        exclude = ("ce",) if op == "broadcast" and self.world_size > 2 else ()
+        return choose_with_native(costs, nbytes, "nccl", exclude)
 
     def _native_ok(self, shares: dict[str, float]) -> bool:
         return list(shares) == ["nccl"] and not self.check
@@ -385,6 +388,12 @@ class Communicator:
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
                           input_split_sizes=None, async_op: bool = False):
         op = "all_to_all_single"
+        if (not input_split_sizes and not output_split_sizes and self._fast_ok(output, input)
+                and input.dtype == output.dtype and input.numel() == output.numel() and input.dim() > 0
+                and input.shape[0] % self.world_size == 0
+                and self._native_for(op, input.numel() * input.element_size())):
+            return self._finish(dist.all_to_all_single(output, input, group=self.nccl_group, async_op=True),
+                                async_op)
         dev = self._device_for(input)
         ib = input_bytes(input, "input", dev, op)
         ob = output_bytes(output, "output", dev, op)
@@ -408,8 +417,11 @@ class Communicator:
         def native(g):
             return dist.all_to_all_single(ob, ib, list(outs), list(ins), group=g, async_op=True)
 
+        # Without split sizes the traffic is balanced by contract (as for NCCL), so every rank
+        # knows the whole matrix and can pick the path alone; uneven splits must be exchanged first.
+        balanced = not input_split_sizes and not output_split_sizes
         return self._run(op, desc, sum(ins), ib, [ob], movement_of, native, ("op", "dtype"), async_op,
-                         always_exchange=len(self.lanes_for(dev)) > 1 or envs.get("BRAID_CHECK"))
+                         always_exchange=not balanced and (len(self.lanes_for(dev)) > 1 or self.check))
 
     def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False):
         return self._p2p(tensor, dst, sending=True, async_op=async_op)

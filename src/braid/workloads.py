@@ -89,15 +89,16 @@ def make(comm, op: str, nbytes: int, dtype: torch.dtype = torch.bfloat16, device
             mat = [[0 if s == d else cold for d in range(w)] for s in range(w)]
             mat[0][1] = hot_nbytes // esz
         else:
-            per = numel // w
+            per = max(numel // w, 1)
             mat = [[per] * w for _ in range(w)]
         ins, outs = mat[r], [mat[s][r] for s in range(w)]
         x = _rand(sum(ins), dtype, device, seed)
         out = torch.empty(sum(outs), dtype=dtype, device=device)
         ref = torch.empty_like(out)
         size = max(sum(row) for row in mat) * esz
+        splits = (outs, ins) if hot_nbytes is not None else (None, None)   # balanced: no split sizes
         return Workload(op, size, size,
-                        lambda: comm.all_to_all_single(out, x, outs, ins),
-                        lambda: dist.all_to_all_single(ref, x, outs, ins),
+                        lambda: comm.all_to_all_single(out, x, *splits),
+                        lambda: dist.all_to_all_single(ref, x, *splits),
                         lambda: int((out.view(torch.uint8) != ref.view(torch.uint8)).sum()))
     raise ValueError(f"unknown op {op!r}; known: {sorted(BUS_FACTOR)}")
