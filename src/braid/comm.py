@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from . import envs
 from .collectives import check_rank, flat_bytes, input_bytes, output_bytes, same_dtype, split_bytes
-from .errors import LaneUnavailableError, MisuseError, PeerMismatchError
+from .errors import LaneFailureError, LaneUnavailableError, MisuseError, PeerMismatchError
 from .executor import Handle, execute
 from .node import Layout, NodeSegment
 from .planner.model import LaneCost, choose_with_native
@@ -94,7 +94,8 @@ class Communicator:
             warm = torch.zeros(1, device=self.device)
             dist.all_reduce(warm, group=self.nccl_group)   # create the NCCL communicator now
         self._lanes = self._make_lanes()
-        self._closer = weakref.finalize(self, _finalize, self.segment, self.seg_dev_ptr)
+        self.watchdog = _Watchdog(self.segment, self.rank, self.world_size) if self.segment is not None and self.cuda else None
+        self._closer = weakref.finalize(self, _finalize, self.segment, self.seg_dev_ptr, self.watchdog)
         self.load_calibration()
 
     # set-up -----------------------------------------------------------------------------------
@@ -466,6 +467,9 @@ class Communicator:
     def _check_open(self) -> None:
         if self.closed:
             raise MisuseError("this braid communicator was closed")
+        if self.watchdog is not None and self.watchdog.failed:
+            raise LaneFailureError(f"braid communicator is broken: {self.watchdog.failed}; "
+                                   f"create a new process group and communicator")
 
     # calibration -------------------------------------------------------------------------------------
     def calibration_key(self) -> dict:
@@ -504,7 +508,44 @@ class Communicator:
         self.close()
 
 
-def _finalize(segment, seg_dev_ptr) -> None:
+class _Watchdog:
+    """Watches the peers' processes while GPU work may wait on them. If one exits, it releases
+    every stream wait on the node's counters (so no GPU stream waits forever for a dead peer) and
+    marks the communicator broken: the next call raises LaneFailureError. Checks once a second."""
+
+    def __init__(self, segment: NodeSegment, rank: int, world_size: int):
+        import threading
+        self.failed = ""
+        self._stop = threading.Event()
+        self._segment, self._rank, self._world = segment, rank, world_size
+        self._thread = threading.Thread(target=self._run, name="braid-watchdog", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from .errors import LaneFailureError as _Dead
+        while not self._stop.wait(1.0):
+            for peer in range(self._world):
+                if peer == self._rank:
+                    continue
+                try:
+                    self._segment.check_alive(peer)
+                except _Dead as exc:
+                    self.failed = str(exc)
+                    log.warning("braid: %s; releasing this rank's pending waits", exc)
+                    self._segment.abort()
+                    return
+                except Exception:   # segment closed under us
+                    return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2.0)
+
+
+def _finalize(segment, seg_dev_ptr, watchdog=None) -> None:
+    if watchdog is not None:
+        watchdog.stop()
     if seg_dev_ptr is not None and segment is not None and not segment.closed:
         try:
             from .lanes import _cuda
