@@ -137,7 +137,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "per-rank input of all_gather and all_to_all_single, the message of broadcast and send_recv")
     p.add_argument("--factor", type=_factor, default=2.0, help="size step factor (default 2)")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="element type (default: bfloat16 on GPU, float32 on CPU)")
-    p.add_argument("--iters", type=_positive_int, default=None, help="timed calls per measurement (default: 20 GPU, 5 CPU)")
+    p.add_argument("--iters", type=_positive_int, default=None,
+                   help="timed calls per measurement, at least (default: 20 GPU, 5 CPU; raised for small calls so "
+                        "each measurement spans ~20 ms, unless --fixed-iters)")
+    p.add_argument("--fixed-iters", action="store_true", help="time exactly --iters calls at every size")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls before each measurement (default: 5 GPU, 1 CPU)")
     p.add_argument("--repeat", type=_positive_int, default=2,
                    help="baseline/braid measurements alternate this many times; the min of each is kept (default 2)")
@@ -176,6 +179,7 @@ class Config:
     factor: float = 2.0
     dtype: str | None = None
     iters: int | None = None
+    auto_iters: bool = True
     warmup: int | None = None
     repeat: int = 2
     lanes: list[str] | None = None
@@ -218,7 +222,7 @@ def config_from_args(task: str, args: argparse.Namespace) -> Config:
         if args.hot_bytes is not None and "all_to_all_single" not in ops:
             notes.append("--hot-bytes/--cold-bytes only apply to all_to_all_single; ignored")
         return Config(task, ops=ops, sizes=args.sizes, factor=args.factor, dtype=args.dtype, iters=args.iters,
-                      warmup=args.warmup, repeat=args.repeat, lanes=args.lanes, shares=args.shares,
+                      auto_iters=not args.fixed_iters, warmup=args.warmup, repeat=args.repeat, lanes=args.lanes, shares=args.shares,
                       calibrate=args.calibrate, hot_bytes=args.hot_bytes,
                       cold_bytes=(args.cold_bytes or 0) if args.hot_bytes is not None else None,
                       json_path=args.json_path, plot_path=args.plot_path, check=args.check, plain=args.plain,
@@ -650,9 +654,14 @@ def _bench(comm, cfg: Config):
                     wrong = _sum_over_ranks(comm, load.wrong() if load.participates else 0)
                 comm.last_handle = None
                 t_base = t_braid = math.inf
+                iters = cfg.iters
+                if cfg.auto_iters:
+                    # small calls: time enough of them that each measurement spans >= ~20 ms
+                    probe = cal.time_call(comm, load.baseline, 3, cfg.warmup)
+                    iters = max(cfg.iters, min(2000, int(20_000 / max(probe, 1.0))))
                 for _ in range(cfg.repeat):
-                    t_base = min(t_base, cal.time_call(comm, load.baseline, cfg.iters, cfg.warmup))
-                    t_braid = min(t_braid, cal.time_call(comm, load.braid, cfg.iters, cfg.warmup))
+                    t_base = min(t_base, cal.time_call(comm, load.baseline, iters, cfg.warmup))
+                    t_braid = min(t_braid, cal.time_call(comm, load.braid, iters, cfg.warmup))
                 handle = comm.last_handle if load.participates else None
                 mine = (handle.shares, handle.lane_times_us()) if handle is not None else None
                 got = [None] * world

@@ -210,7 +210,11 @@ class Communicator:
         return choose_with_native(costs, nbytes, "nccl", exclude)
 
     def _native_ok(self, shares: dict[str, float]) -> bool:
-        return list(shares) == ["nccl"] and not self.check
+        """One lane that is a library of its own (NCCL, gloo): call its collective directly."""
+        return len(shares) == 1 and next(iter(shares)) in ("nccl", "gloo") and not self.check
+
+    def _native_group(self, shares: dict[str, float]):
+        return self.nccl_group if "nccl" in shares else self.gloo_group
 
     def _native_for(self, op: str, nbytes: int) -> bool:
         """Cached: will this op at this size go to NCCL's own call? (the small-message fast path)"""
@@ -301,7 +305,7 @@ class Communicator:
         lanes = self.lanes_for(device)
         shares = self.shares_for(op, size, lanes) if not always_exchange else None
         if shares is not None and self._native_ok(shares) and native is not None:
-            handle = Handle(native=native(self.nccl_group))
+            handle = Handle(native=native(self._native_group(shares)))
         else:
             descs = self._exchange(desc, inp, lanes, peer)
             self._agree(op, descs, agree_keys + ("calib",))
@@ -309,7 +313,7 @@ class Communicator:
             agreed = self._agreed_lanes(descs)
             shares = self.shares_for(op, size, agreed)
             if self._native_ok(shares) and native is not None:
-                handle = Handle(native=native(self.nccl_group))
+                handle = Handle(native=native(self._native_group(shares)))
             else:
                 handle = execute(self, self._plan(mkey, build, shares, size, device), inp, outs, descs, peer)
         self.last_handle = handle
