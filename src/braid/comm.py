@@ -299,13 +299,14 @@ class Communicator:
 
     # the common path of every op ---------------------------------------------------------------------
     def _run(self, op: str, desc: dict, size: int, inp, outs, movement_of, native, agree_keys,
-             async_op: bool, peer: int | None = None, always_exchange: bool = False) -> Handle | None:
+             async_op: bool, peer: int | None = None, always_exchange: bool = False,
+             multi=None) -> Handle | None:
         self._check_open()
         device = (inp if inp is not None else outs[0]).device
         lanes = self.lanes_for(device)
         shares = self.shares_for(op, size, lanes) if not always_exchange else None
         if shares is not None and self._native_ok(shares) and native is not None:
-            handle = Handle(native=native(self._native_group(shares)))
+            handle = _as_handle(native(self._native_group(shares)))
         else:
             descs = self._exchange(desc, inp, lanes, peer)
             self._agree(op, descs, agree_keys + ("calib",))
@@ -313,7 +314,9 @@ class Communicator:
             agreed = self._agreed_lanes(descs)
             shares = self.shares_for(op, size, agreed)
             if self._native_ok(shares) and native is not None:
-                handle = Handle(native=native(self._native_group(shares)))
+                handle = _as_handle(native(self._native_group(shares)))
+            elif multi is not None:
+                handle = multi(descs, shares, self._plan(mkey, build, shares, size, device), agreed)
             else:
                 handle = execute(self, self._plan(mkey, build, shares, size, device), inp, outs, descs, peer)
         self.last_handle = handle
@@ -459,6 +462,137 @@ class Communicator:
         return self._run(op, desc, n, inp, outs, lambda d: (n, ("p2p", src, dst, n), lambda: p2p_movement(self.world_size, src, dst, n)),
                          native, ("op", "dtype", "nbytes", "src", "dst"), async_op, peer=peer)
 
+    # reductions -----------------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
+        """In place, like torch.distributed.all_reduce."""
+        return self._reduction("all_reduce", tensor, tensor, op, None, async_op)
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
+                              async_op: bool = False):
+        """output (numel m) = reduction over ranks of input[rank*m:(rank+1)*m]."""
+        return self._reduction("reduce_scatter", output, input, op, None, async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op=dist.ReduceOp.SUM,
+                       async_op: bool = False):
+        """List form: input_list[d] is this rank's contribution to rank d (copied into one buffer)."""
+        if not isinstance(input_list, (list, tuple)) or len(input_list) != self.world_size:
+            raise MisuseError(f"reduce_scatter: input_list must hold world_size={self.world_size} tensors")
+        for i, t in enumerate(input_list):
+            if not isinstance(t, torch.Tensor) or t.numel() != output.numel() or t.dtype != output.dtype:
+                raise MisuseError(f"reduce_scatter: input_list[{i}] must be a tensor of {output.numel()} "
+                                  f"{output.dtype} elements like the output")
+        flat = torch.cat([t.reshape(-1) for t in input_list]) if output.numel() else output.new_empty(0)
+        return self._reduction("reduce_scatter", output, flat, op, None, async_op)
+
+    def reduce(self, tensor: torch.Tensor, dst: int = 0, op=dist.ReduceOp.SUM, async_op: bool = False):
+        """The reduction lands in `tensor` on rank dst; other ranks' tensors are left unchanged."""
+        check_rank(dst, self.world_size, "dst", "reduce")
+        return self._reduction("reduce", tensor, tensor, op, dst, async_op)
+
+    def _reduction(self, opname: str, output, input, op, root, async_op):
+        from .collectives.reduce import check_reduce_dtype, op_name, reduce_slots, torch_op
+        from .planner.plan import chunk_bounds, gather_chunks_movement, reduce_scatter_movement
+        name = op_name(op)
+        dev = self._device_for(input)
+        if opname == "all_reduce" or opname == "reduce":
+            ob = output_bytes(output, "tensor", dev, opname)
+            ib = ob
+            numel = output.numel()
+        else:
+            ib = input_bytes(input, "input", dev, opname)
+            ob = output_bytes(output, "output", dev, opname)
+            same_dtype(input, output, opname)
+            if input.numel() != output.numel() * self.world_size:
+                raise MisuseError(f"{opname}: input has {input.numel()} elements, need output.numel() * "
+                                  f"world_size = {output.numel()} * {self.world_size}")
+            numel = input.numel()
+        check_reduce_dtype(output.dtype, name, opname)
+        esz = output.element_size()
+        w = self.world_size
+        bounds = chunk_bounds(numel, w, esz)
+        factor = getattr(op, "factor", 1.0)
+        desc = {"op": opname, "dtype": str(output.dtype), "nbytes": numel * esz, "red": name,
+                "factor": factor, "root": root}
+        size = numel * esz
+
+        def native(g):
+            if g is self.gloo_group and (name in ("avg", "premul_sum") or opname == "reduce"):
+                # gloo has no avg/premul-sum, and its reduce writes into non-root tensors: reduce a
+                # (scaled) copy, then divide / copy back on the ranks that own the result
+                return gloo_native(g)
+            top = torch_op(op, name)
+            if opname == "all_reduce":
+                return dist.all_reduce(output, op=top, group=g, async_op=True)
+            if opname == "reduce":
+                return dist.reduce(output, dst=root, op=top, group=g, async_op=True)
+            return dist.reduce_scatter_tensor(output, ib.view(output.dtype), op=top, group=g, async_op=True)
+
+        def gloo_native(g):
+            scale = factor if name == "premul_sum" else 1.0
+            src = input.reshape(-1) * scale if opname == "reduce_scatter" else output.reshape(-1) * scale
+            top = dist.ReduceOp.SUM if name in ("avg", "premul_sum") else torch_op(op, name)
+            if opname == "all_reduce":
+                work = dist.all_reduce(src, op=top, group=g, async_op=True)
+            elif opname == "reduce":
+                work = dist.reduce(src, dst=root, op=top, group=g, async_op=True)
+            else:
+                res = torch.empty_like(output.reshape(-1))
+                work = dist.reduce_scatter_tensor(res, src, op=top, group=g, async_op=True)
+
+            def after():
+                out = res if opname == "reduce_scatter" else src
+                if name == "avg":
+                    out.div_(w)
+                if opname != "reduce" or self.rank == root:
+                    output.reshape(-1).copy_(out)
+            return Handle(native=work, after=after)
+
+        def multi(descs, shares, plan1, agreed):
+            me = self.rank
+            cuda = dev.type == "cuda"
+            stream = self._op_stream() if cuda else None
+            ctx = torch.cuda.stream(stream) if cuda else contextlib.nullcontext()
+            with ctx:
+                if cuda:
+                    stream.wait_stream(torch.cuda.current_stream(dev))
+                mine = (bounds[me + 1] - bounds[me]) // esz
+                slots = torch.empty(w * mine, dtype=output.dtype, device=dev)
+                h1 = execute(self, plan1, ib, [ob, flat_bytes(slots)], descs)
+                h1.wait()
+                if opname == "reduce_scatter":
+                    reduce_slots(slots, w, name, output.reshape(-1), factor)
+                    runs = h1.runs
+                else:
+                    target = output if (opname == "all_reduce" or me == root) else torch.empty_like(output)
+                    red = target.reshape(-1)[bounds[me] // esz: bounds[me + 1] // esz]
+                    reduce_slots(slots, w, name, red, factor)
+                    src = flat_bytes(target)
+                    d2 = self._exchange(dict(desc, op=f"{opname}/gather"), src, agreed)
+                    mv = gather_chunks_movement(w, bounds, None if opname == "all_reduce" else root)
+                    plan2 = self._plan(("gather", tuple(bounds), root), lambda: mv, shares, size, dev)
+                    h2 = execute(self, plan2, src, [ob], d2)
+                    h2.wait()
+                    runs = h1.runs + h2.runs
+                event = None
+                if cuda:
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    for t in (output, input, slots):
+                        if t.numel():
+                            t.record_stream(stream)
+            return Handle(runs, plan=plan1, event=event)
+
+        def movement_of(descs):
+            return size, ("rs", tuple(bounds)), lambda: reduce_scatter_movement(w, bounds)
+
+        return self._run(opname, desc, size, ib, [ob], movement_of, native,
+                         ("op", "dtype", "nbytes", "red", "factor", "root"), async_op, multi=multi)
+
+    def _op_stream(self):
+        if getattr(self, "_opstream", None) is None:
+            self._opstream = torch.cuda.Stream(device=self.device)
+        return self._opstream
+
     # helpers -----------------------------------------------------------------------------------------
     def _device_for(self, t) -> torch.device:
         if isinstance(t, torch.Tensor) and t.is_cuda:
@@ -510,6 +644,10 @@ class Communicator:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _as_handle(work) -> Handle:
+    return work if isinstance(work, Handle) else Handle(native=work)
 
 
 class _Watchdog:

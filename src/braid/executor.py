@@ -25,8 +25,9 @@ class Handle:
     """What an async braid call returns (torch's Work shape: wait, is_completed)."""
 
     def __init__(self, runs: list[LaneRun] | None = None, native=None, after: Callable[[], None] | None = None,
-                 plan: Plan | None = None):
+                 plan: Plan | None = None, event=None):
         self.runs = runs or []
+        self.event = event          # GPU: the call's last work (multi-phase ops on braid's op stream)
         self.native = native
         self.after = after
         self.plan = plan
@@ -36,8 +37,11 @@ class Handle:
         if self._waited:
             return True
         self._waited = True
-        for run in self.runs:
-            run.join()
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+        else:
+            for run in self.runs:
+                run.join()
         if self.native is not None:
             self.native.wait()
         if self.after is not None:
@@ -49,7 +53,10 @@ class Handle:
 
     def lane_times_us(self) -> dict[str, float]:
         """Each lane's own time for this call (blocks until they are done)."""
-        return {str(r.kind): r.elapsed_us() for r in self.runs}
+        out: dict[str, float] = {}
+        for r in self.runs:
+            out[str(r.kind)] = out.get(str(r.kind), 0.0) + r.elapsed_us()
+        return out
 
     @property
     def shares(self) -> dict[str, float]:

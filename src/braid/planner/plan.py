@@ -222,3 +222,50 @@ def split(movement: Movement, shares: dict[str, float], nbytes: int,
                 lanes[k].append(t.piece(a, b))
     return Plan(movement.op, movement.world_size, nbytes, shares, lanes, list(movement.local),
                 movement.p2p)
+
+
+# ---------------------------------------------------------------------------------------------
+# reductions: reduce-scatter into slots, then reduce on the device, then gather the chunks
+# ---------------------------------------------------------------------------------------------
+
+def chunk_bounds(numel: int, world_size: int, elem_bytes: int) -> list[int]:
+    """Byte offsets b_0=0 <= ... <= b_N of each rank's chunk of a reduction: numel elements cut
+    into world_size chunks as equal as possible (the first `numel % N` chunks one element longer)."""
+    base, extra = divmod(numel, world_size)
+    bounds, acc = [0], 0
+    for r in range(world_size):
+        acc += base + (1 if r < extra else 0)
+        bounds.append(acc * elem_bytes)
+    return bounds
+
+
+def reduce_scatter_movement(world_size: int, bounds: list[int]) -> Movement:
+    """Rank s's bytes of chunk d land in slot s of rank d's scratch (buffer 1), laid out as
+    world_size slots of that chunk's size. A rank's own contribution is a local copy into its slot,
+    so the reduction reads one [world_size, chunk] array in rank order."""
+    transfers, local = [], []
+    for d in range(world_size):
+        size = bounds[d + 1] - bounds[d]
+        if not size:
+            continue
+        for s in range(world_size):
+            if s == d:
+                local.append(LocalCopy(d, bounds[d], size, 1, d * size))
+            else:
+                transfers.append(Transfer(s, bounds[d], size, ((d, 1, s * size),)))
+    return Movement("reduce_scatter", world_size, transfers, local)
+
+
+def gather_chunks_movement(world_size: int, bounds: list[int], root: int | None) -> Movement:
+    """Rank d's reduced chunk (its input at bounds[d]) to the same place in every other rank's
+    buffer 0 (root None: the all_reduce's all-gather) or in the root's only (reduce)."""
+    transfers = []
+    for d in range(world_size):
+        size = bounds[d + 1] - bounds[d]
+        if not size:
+            continue
+        dsts = tuple((q, 0, bounds[d]) for q in range(world_size)
+                     if q != d and (root is None or q == root))
+        if dsts:
+            transfers.append(Transfer(d, bounds[d], size, dsts))
+    return Movement("gather_chunks", world_size, transfers, [])
