@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-OPS = ("all_gather", "broadcast", "send_recv", "all_to_all_single")
+OPS = ("all_gather", "broadcast", "send_recv", "all_to_all_single", "all_reduce", "reduce_scatter", "reduce")
 # NVLink multicast (NVLS) off for NCCL, torch symmetric memory and NVSHMEM: set before any CUDA/NCCL init.
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 DTYPES = ("bfloat16", "float16", "float32", "float64", "int8", "uint8", "int32", "int64")

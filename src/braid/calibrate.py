@@ -163,7 +163,8 @@ def calibrate_op(comm, op: str, lanes: list[str], sizes=None, iters: int = 5, ro
     return costs
 
 
-def calibrate(comm, ops=("send_recv", "broadcast", "all_gather", "all_to_all_single"), save_to_disk: bool = True,
+def calibrate(comm, ops=("send_recv", "broadcast", "all_gather", "all_to_all_single", "all_reduce", "reduce_scatter",
+                         "reduce"), save_to_disk: bool = True,
               sizes=None) -> dict:
     """Calibrate every op on every usable lane, agree across ranks, install and cache the result."""
     lanes = comm.lanes_for(comm.device)

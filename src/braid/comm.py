@@ -39,7 +39,7 @@ DEFAULT_COSTS = {
     "gloo": LaneCost(150.0, 1.0), "shm": LaneCost(60.0, 2.0),
 }
 P2P_DESC_BYTES = 2048
-OPS = ("send_recv", "broadcast", "all_gather", "all_to_all_single")
+OPS = ("send_recv", "broadcast", "all_gather", "all_to_all_single", "all_reduce", "reduce_scatter", "reduce")
 
 
 class Communicator:
@@ -306,7 +306,7 @@ class Communicator:
         lanes = self.lanes_for(device)
         shares = self.shares_for(op, size, lanes) if not always_exchange else None
         if shares is not None and self._native_ok(shares) and native is not None:
-            handle = _as_handle(native(self._native_group(shares)))
+            handle = _as_handle(native(self._native_group(shares)), next(iter(shares)))
         else:
             descs = self._exchange(desc, inp, lanes, peer)
             self._agree(op, descs, agree_keys + ("calib",))
@@ -314,7 +314,7 @@ class Communicator:
             agreed = self._agreed_lanes(descs)
             shares = self.shares_for(op, size, agreed)
             if self._native_ok(shares) and native is not None:
-                handle = _as_handle(native(self._native_group(shares)))
+                handle = _as_handle(native(self._native_group(shares)), next(iter(shares)))
             elif multi is not None:
                 handle = multi(descs, shares, self._plan(mkey, build, shares, size, device), agreed)
             else:
@@ -646,8 +646,10 @@ class Communicator:
         self.close()
 
 
-def _as_handle(work) -> Handle:
-    return work if isinstance(work, Handle) else Handle(native=work)
+def _as_handle(work, lane: str) -> Handle:
+    handle = work if isinstance(work, Handle) else Handle(native=work)
+    handle.native_lane = lane
+    return handle
 
 
 class _Watchdog:

@@ -28,6 +28,7 @@ class Handle:
                  plan: Plan | None = None, event=None):
         self.runs = runs or []
         self.event = event          # GPU: the call's last work (multi-phase ops on braid's op stream)
+        self.native_lane = "nccl"   # which library's own call `native` is
         self.native = native
         self.after = after
         self.plan = plan
@@ -61,7 +62,7 @@ class Handle:
     @property
     def shares(self) -> dict[str, float]:
         if self.plan is None:
-            return {"nccl": 1.0} if self.native is not None else {}
+            return {self.native_lane: 1.0} if self.native is not None else {}
         return dict(self.plan.shares)
 
 

@@ -15,6 +15,9 @@ import torch
 import torch.distributed as dist
 
 BUS_FACTOR = {  # nccl-tests PERFORMANCE.md
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "reduce": lambda n: 1.0,
     "all_gather": lambda n: (n - 1) / n,
     "all_to_all_single": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
@@ -101,4 +104,41 @@ def make(comm, op: str, nbytes: int, dtype: torch.dtype = torch.bfloat16, device
                         lambda: comm.all_to_all_single(out, x, *splits),
                         lambda: dist.all_to_all_single(ref, x, *splits),
                         lambda: int((out.view(torch.uint8) != ref.view(torch.uint8)).sum()))
+    if op in ("all_reduce", "reduce", "reduce_scatter"):
+        # timed calls reduce in place without resetting (as nccl-tests do); the check resets first
+        # and compares with a tolerance (braid reduces in rank order, NCCL in ring order)
+        x = _rand(numel, dtype, device, seed)
+        if op == "reduce_scatter":
+            per = max(numel // w, 1)
+            x = x[: per * w].contiguous() if x.numel() >= per * w else _rand(per * w, dtype, device, seed)
+            out = torch.empty(per, dtype=dtype, device=device)
+            ref = torch.empty_like(out)
+            run_braid = lambda: comm.reduce_scatter_tensor(out, x)
+            run_base = lambda: dist.reduce_scatter_tensor(ref, x)
+            size = x.numel() * esz
+            check = (out, ref)
+        else:
+            buf, rbuf = x.clone(), x.clone()
+            if op == "all_reduce":
+                run_braid = lambda: comm.all_reduce(buf)
+                run_base = lambda: dist.all_reduce(rbuf)
+            else:
+                run_braid = lambda: comm.reduce(buf, 0)
+                run_base = lambda: dist.reduce(rbuf, 0)
+            size = numel * esz
+            check = (buf, rbuf)
+
+        def wrong() -> int:
+            a, b = check
+            if op != "reduce_scatter":   # fresh inputs, one call each
+                a.copy_(x)
+                b.copy_(x)
+                run_braid()
+                run_base()
+            if op == "reduce" and r != 0:
+                return int((a != x).sum())
+            a64, b64 = a.double(), b.double()
+            tol = 0.0 if not dtype.is_floating_point else (1e-5 if dtype == torch.float32 else 2e-2)
+            return int(((a64 - b64).abs() > tol * (b64.abs() + 1) * w).sum())
+        return Workload(op, size, size, run_braid, run_base, wrong)
     raise ValueError(f"unknown op {op!r}; known: {sorted(BUS_FACTOR)}")

@@ -1,0 +1,128 @@
+"""GPU tier: reductions on every lane combination against a float64 reference and NCCL, and
+determinism (the same inputs give bitwise the same output twice and on every rank)."""
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+
+from test_gpu_collectives import LANE_SETS, _port
+
+NEEDS = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                           reason="needs 2 or more GPUs")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.int32, torch.int64, torch.uint8]
+OPS = ["sum", "avg", "product", "min", "max", "premul"]
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _inputs(n, dtype, world, seed):
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(n, generator=g) * 2 for _ in range(world)]
+    if not dtype.is_floating_point:
+        lo = 0 if dtype == torch.uint8 else -3
+        xs = [x.round().clamp(lo, 3) for x in xs]
+    return [x.to(dtype) for x in xs]
+
+
+def _expected(xs, name, dtype):
+    x64 = torch.stack([x.double() for x in xs])
+    if name in ("sum", "premul"):
+        e = (x64 * (0.5 if name == "premul" else 1.0)).sum(0)
+    elif name == "avg":
+        e = x64.mean(0)
+    elif name == "product":
+        e = x64.prod(0)
+    elif name == "min":
+        e = x64.amin(0)
+    else:
+        e = x64.amax(0)
+    if not dtype.is_floating_point:   # integer sums/products wrap like NCCL's
+        e = e.to(torch.int64).to(dtype).double()
+    return e
+
+
+def _close(got, exp, dtype, world):
+    if not dtype.is_floating_point:
+        return torch.equal(got.double(), exp)
+    tol = TOL[dtype] * world
+    return bool(((got.double() - exp).abs() <= tol * (exp.abs() + 1)).all())
+
+
+def _worker(rank, world, port, err_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
+                      TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
+                      BRAID_HOST_BUFFER_MB="8", BRAID_HOST_CHUNK_KB="512", BRAID_MIN_SPLIT_KB="1",
+                      BRAID_TIMEOUT_S="60")
+    import traceback
+    import torch.distributed as dist
+    import braid
+    from braid.collectives.reduce import PremulSum
+    try:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world)
+        dev = torch.device("cuda", rank)
+        comm = braid.init()
+        for shares in LANE_SETS:
+            with comm.fixed_shares(shares):
+                for dtype, n, name in itertools.product(DTYPES, [0, 1, 7, 4099, 300_001], OPS):
+                    if name in ("avg", "premul") and not dtype.is_floating_point:
+                        continue
+                    if name == "product" and dtype.is_floating_point and dtype != torch.float32:
+                        continue   # products of many half values under/overflow: covered in float32
+                    op = PremulSum(0.5) if name == "premul" else name
+                    xs = _inputs(n, dtype, world, seed=n * 31 + len(name))
+                    exp = _expected(xs, name, dtype)
+                    t = xs[rank].to(dev)
+                    comm.all_reduce(t, op)
+                    assert _close(t.cpu(), exp, dtype, world), f"all_reduce {shares} {dtype} n={n} {name}"
+                    t2 = xs[rank].to(dev)
+                    comm.all_reduce(t2, op)
+                    assert torch.equal(t, t2), f"all_reduce not deterministic {shares} {dtype} n={n} {name}"
+                    gathered = [torch.empty_like(t) for _ in range(world)]
+                    dist.all_gather(gathered, t)
+                    assert all(torch.equal(g, t) for g in gathered), "ranks disagree on the all_reduce result"
+                    full = torch.cat([xs[rank]] * world).to(dev)       # every chunk: this rank's data
+                    out = torch.empty(n, dtype=dtype, device=dev)
+                    comm.reduce_scatter_tensor(out, full, op)
+                    assert _close(out.cpu(), exp, dtype, world), f"reduce_scatter {shares} {dtype} n={n} {name}"
+                    t3 = xs[rank].to(dev)
+                    comm.reduce(t3, world - 1, op)
+                    if rank == world - 1:
+                        assert _close(t3.cpu(), exp, dtype, world), f"reduce {shares} {dtype} n={n} {name}"
+                    else:
+                        assert torch.equal(t3.cpu(), xs[rank]), "reduce changed a non-root tensor"
+        # against NCCL itself on a large buffer (tolerance: different summation order)
+        x = torch.randn(1 << 24, device=dev, dtype=torch.bfloat16)
+        a, b = x.clone(), x.clone()
+        with comm.fixed_shares({"ce": 0.8, "host": 0.2}):
+            comm.all_reduce(a)
+        dist.all_reduce(b)
+        assert ((a.double() - b.double()).abs() <= 0.05 * (b.double().abs() + 1)).all(), "all_reduce vs NCCL"
+        braid.close()
+        dist.destroy_process_group()
+    except BaseException:
+        with open(f"{err_path}.{rank}", "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def _run(world, tmp_path):
+    import torch.multiprocessing as mp
+    err = str(tmp_path / "err")
+    try:
+        mp.spawn(_worker, args=(world, _port(), err), nprocs=world)
+    except Exception:
+        msgs = [open(p).read() for p in (f"{err}.{r}" for r in range(world)) if os.path.exists(p)]
+        pytest.fail("\n".join(msgs) or "worker failed")
+
+
+@NEEDS
+def test_reductions_two_gpus(tmp_path):
+    _run(2, tmp_path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 4, reason="needs 4 GPUs")
+def test_reductions_four_gpus(tmp_path):
+    _run(4, tmp_path)
