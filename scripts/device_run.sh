@@ -15,7 +15,7 @@ for step in "$@"; do
     probe2) timeout 240 python3 scripts/gpu_probe.py --nproc 2 ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe2.log" | grep -v Warning ;;
     probe4) timeout 300 python3 scripts/gpu_probe.py --nproc 4 ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe4.log" | grep -v Warning ;;
     bench4|bench2) n=${step#bench};
-          timeout ${BENCH_TIMEOUT:-240} python3 -m braid bench --op all --nproc $n --sizes ${BENCH_SIZES:-1M:1G} --factor ${BENCH_FACTOR:-4} --plain \
+          timeout ${BENCH_TIMEOUT:-240} python3 -m braid bench --op ${BENCH_OP:-all} --nproc $n --sizes ${BENCH_SIZES:-1M:1G} --factor ${BENCH_FACTOR:-4} --plain \
             --json "$OUT/bench_h200x${n}.json" --plot "$OUT/bench_h200x${n}.png" 2>&1 | grep -v Warning | tee "$OUT/bench$n.log" ;;
     hot4) timeout 120 python3 -m braid bench --op all_to_all_single --nproc 4 --hot-bytes 1G --cold-bytes 8M --no-calibrate --plain \
             --json "$OUT/bench_h200x4_hot.json" 2>&1 | grep -v Warning | tee "$OUT/hot4.log" ;;
