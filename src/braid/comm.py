@@ -516,9 +516,10 @@ class Communicator:
         size = numel * esz
 
         def native(g):
-            if g is self.gloo_group and (name in ("avg", "premul_sum") or opname == "reduce"):
-                # gloo has no avg/premul-sum, and its reduce writes into non-root tensors: reduce a
-                # (scaled) copy, then divide / copy back on the ranks that own the result
+            if name == "premul_sum" or (g is self.gloo_group and (name == "avg" or opname == "reduce")):
+                # gloo has no avg/premul-sum and its reduce writes into non-root tensors; NCCL's
+                # premul-sum gave wrong bf16 results in torch 2.11 (GPU test, 2026-11-22): reduce a
+                # (scaled) copy with SUM, then divide / copy back on the ranks that own the result
                 return gloo_native(g)
             top = torch_op(op, name)
             if opname == "all_reduce":
