@@ -73,8 +73,15 @@ def _worker(rank, world, port, err_path):
             a = x.clone()
             with comm.fixed_shares(shares):
                 comm.all_reduce(a)
-            bad = int(((a.double() - ref.double()).abs() > 0.05 * (ref.double().abs() + 1)).sum())
-            assert bad == 0, f"large all_reduce {shares}: {bad} elements off NCCL's result"
+            off = ((a.double() - ref.double()).abs() > 0.05 * (ref.double().abs() + 1))
+            bad = int(off.sum())
+            if bad:
+                idx = off.nonzero().flatten()
+                per = x.numel() // world
+                chunks = torch.bincount(idx // per, minlength=world).tolist()
+                raise AssertionError(f"large all_reduce {shares} rank {rank}: {bad} elements off NCCL's result; "
+                                     f"bad per chunk {chunks}; first {idx[:3].tolist()} last {idx[-3:].tolist()}; "
+                                     f"got {a[idx[:3]].tolist()} want {ref[idx[:3]].tolist()}")
             o = torch.empty(x.numel() // world, device=dev, dtype=x.dtype)
             with comm.fixed_shares(shares):
                 comm.reduce_scatter_tensor(o, x)
