@@ -82,6 +82,12 @@ def check_shares(comm, shares, nbytes: int, what: str) -> None:
     """The call ran on the lanes it was given, and a multi-lane split really used each lane."""
     h = comm.last_handle
     assert h is not None, what
+    if h.plan is None:
+        # gloo alone: braid hands the call to gloo's own collective (no plan, no lanes of its own)
+        assert h.native is not None, what
+        assert h.shares == {"gloo": 1.0}, (what, h.shares)
+        assert shares is None or {k for k, v in shares.items() if v > 0} == {"gloo"}, (what, shares)
+        return
     got = h.shares
     assert math.isclose(sum(got.values()), 1.0, rel_tol=1e-9), (what, got)
     if shares is None:
@@ -318,6 +324,85 @@ def _a2a_worker(rank, w, seed, case_list):
     return done
 
 
+REDUCE_DTYPES = ["float32", "float16", "bfloat16", "float64", "int8", "int32", "int64", "uint8"]
+REDUCTIONS = ["sum", "avg", "product", "min", "max", "premul_sum"]
+
+
+def make_small_ints(key: tuple, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Nonzero integer values in [-3, 3] ([1, 3] unsigned): sums, products, means of up to four
+    ranks are exact in every dtype, so any summation order gives the same bits."""
+    g = torch.Generator().manual_seed(seed_of(*key))
+    if dtype == torch.uint8:
+        return torch.randint(1, 4, (numel,), generator=g).to(dtype)
+    mag = torch.randint(1, 4, (numel,), generator=g)
+    sign = torch.randint(0, 2, (numel,), generator=g) * 2 - 1
+    return (mag * sign).to(dtype)
+
+
+def reference_reduction(xs: list[torch.Tensor], name: str, factor: float) -> torch.Tensor:
+    x = torch.stack([t.reshape(-1) for t in xs]).double()
+    if name in ("sum", "premul_sum", "avg"):
+        r = (x * factor).sum(0) if name == "premul_sum" else x.sum(0)
+        if name == "avg":
+            r = r / len(xs)
+    elif name == "product":
+        r = x.prod(0)
+    elif name == "min":
+        r = x.amin(0)
+    else:
+        r = x.amax(0)
+    return r.to(xs[0].dtype)
+
+
+def _reduction_worker(rank, w, seed, case_list):
+    import torch.distributed as dist
+    import braid
+    from braid.collectives.reduce import PremulSum
+    comm = braid.init()
+    ops = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "product": dist.ReduceOp.PRODUCT,
+           "min": "min", "max": dist.ReduceOp.MAX, "premul_sum": PremulSum(0.5)}
+    done = 0
+    for ci, (li, shares, dt, n) in enumerate(case_list):
+        dtype = getattr(torch, dt)
+        usable = [r for r in REDUCTIONS if dtype.is_floating_point or r not in ("avg", "premul_sum")]
+        name = usable[ci % len(usable)]
+        op = ops[name]
+        what = f"world={w} shares={shares} {dt} n={n} {name}"
+        with fixed(comm, shares):
+            # all_reduce, in place
+            xs = [make_small_ints((seed, ci, "ar", r), n, dtype) for r in range(w)]
+            want = reference_reduction(xs, name, 0.5)
+            t = xs[rank].clone()
+            comm.all_reduce(t, op)
+            check(t, want, "all_reduce " + what)
+            check_shares(comm, shares, n * t.element_size(), "all_reduce " + what)
+            # reduce_scatter_tensor: rank r keeps chunk r of the reduction
+            xs = [make_small_ints((seed, ci, "rs", r), n * w, dtype) for r in range(w)]
+            want = reference_reduction(xs, name, 0.5)[rank * n:(rank + 1) * n]
+            out = poison(torch.empty(n, dtype=dtype), want)
+            comm.reduce_scatter_tensor(out, xs[rank].clone(), op)
+            check(out, want, "reduce_scatter_tensor " + what)
+            # reduce_scatter, list form
+            out = poison(torch.empty(n, dtype=dtype), want)
+            comm.reduce_scatter(out, [xs[rank][d * n:(d + 1) * n].clone() for d in range(w)], op)
+            check(out, want, "reduce_scatter (list) " + what)
+            # reduce to one root: the others' tensors stay as they were
+            root = ci % w
+            xs = [make_small_ints((seed, ci, "red", r), n, dtype) for r in range(w)]
+            t = xs[rank].clone()
+            comm.reduce(t, root, op)
+            check(t, reference_reduction(xs, name, 0.5) if rank == root else xs[rank], f"reduce root={root} " + what)
+        done += 1
+    # dtypes braid cannot reduce, and avg on integers, are refused on every rank
+    from braid import MisuseError
+    for bad_dtype, name in ((torch.bool, "sum"), (torch.int32, "avg"), (torch.int64, "premul_sum")):
+        try:
+            comm.all_reduce(torch.ones(4, dtype=bad_dtype), ops[name])
+        except MisuseError:
+            done += 1
+    return done
+
+
 def _every_op_worker(rank, w, seed, case_list):
     """World 4: all ops in one world."""
     total = 0
@@ -384,6 +469,13 @@ def _world_of_one_worker(rank, w, seed):
 
 def test_world_of_one():
     assert run_world(_world_of_one_worker, 1, 11, env=ENV) == [len(LANE_SETS)]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_reductions_every_dtype_size_and_lane_set(world_size):
+    case_list = cases(dtypes=REDUCE_DTYPES, large_dtypes=["float32", "bfloat16", "int64"], large=100_003)
+    results = run_world(_reduction_worker, world_size, 2000 + world_size, case_list, env=ENV)
+    assert results == [len(case_list) + 3] * world_size, results
 
 
 def test_every_op_world_of_four():
@@ -502,16 +594,20 @@ def _swap_worker(rank, w, seed):
     mine = make((seed, rank), 1000, torch.float32)
     theirs = make((seed, peer), 1000, torch.float32)
     y = poison(torch.empty(1000), theirs)
-    with comm.fixed_shares({"shm": 1.0}):
-        hs = [comm.send(mine, peer, async_op=True), comm.recv(y, peer, async_op=True)]
-        for h in hs:
-            h.wait()
-    check(y, theirs, "swap")
+    try:
+        with comm.fixed_shares({"shm": 1.0}):
+            hs = [comm.send(mine, peer, async_op=True), comm.recv(y, peer, async_op=True)]
+            for h in hs:
+                h.wait()
+        check(y, theirs, "swap")
+    except Exception as exc:      # today: PeerMismatchError on both ranks (no hang)
+        return f"{type(exc).__name__}: {exc}"
     return True
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: p2p descriptors are matched per unordered pair and the exchange "
-                   "blocks at the call, so the torch.distributed swap idiom (isend then irecv on both ranks) "
-                   "raises PeerMismatchError (comm.py _p2p / node.py exchange_pair)")
+@pytest.mark.xfail(strict=True, reason="BUG (torch.distributed divergence): p2p calls are matched per unordered "
+                   "pair in call order and the handshake blocks even with async_op=True (node.py exchange_pair), so "
+                   "the isend-then-irecv swap on both ranks pairs send with send and raises PeerMismatchError; "
+                   "torch.distributed, and braid's own NCCL and gloo-alone paths, accept it")
 def test_async_send_recv_swap_between_two_ranks():
     assert run_world(_swap_worker, 2, 8, env={"BRAID_TIMEOUT_S": "5"}, timeout=60) == [True, True]

@@ -110,9 +110,21 @@ def _checks_worker(rank, w):
     # ranks that disagree: every rank gets PeerMismatchError, none hangs -------------------------
     def mismatched_all_gather_sizes_check():
         with envs.override(BRAID_CHECK="1"):
+            checked = braid.Communicator()       # BRAID_CHECK is read when a communicator is made
+        with checked:
+            assert checked.check is True
             x = torch.ones(100 + rank)
             out = torch.empty((100 + rank) * w)
-            _expect(PeerMismatchError, lambda: comm.all_gather_into_tensor(out, x), "nbytes")
+            _expect(PeerMismatchError, lambda: checked.all_gather_into_tensor(out, x), "nbytes")
+            outs = [torch.empty(100 + rank) for _ in range(w)]
+            _expect(PeerMismatchError, lambda: checked.all_gather(outs, x), "nbytes")
+            # gloo alone would be handed to gloo's own collective; BRAID_CHECK checks it first
+            with checked.fixed_shares({"gloo": 1.0}):
+                _expect(PeerMismatchError, lambda: checked.all_gather_into_tensor(out, x), "nbytes")
+                _expect(PeerMismatchError, lambda: checked.broadcast(x, 0), "nbytes")
+            good = torch.empty(100 * w)
+            checked.all_gather_into_tensor(good, torch.full((100,), float(rank)))
+            assert good.tolist() == [float(r) for r in range(w) for _ in range(100)]
     check("mismatch_all_gather_sizes_braid_check", mismatched_all_gather_sizes_check)
 
     def mismatched_all_gather_sizes_multilane():
@@ -233,7 +245,6 @@ def _checks_worker(rank, w):
                 _expect(LaneUnavailableError, lambda: only_gloo.all_gather_into_tensor(out, x), "shm")
             only_gloo.all_gather_into_tensor(out, x * (rank + 1))
             assert out.tolist() == [float(r + 1) for r in range(w) for _ in range(100)]
-            assert only_gloo.last_handle.shares == {"gloo": 1.0}
         assert only_gloo.closed
         with envs.override(BRAID_LANES="shm"):
             with braid.Communicator() as only_shm:
@@ -241,6 +252,15 @@ def _checks_worker(rank, w):
                 only_shm.all_gather_into_tensor(out, x * (rank + 1))
                 assert only_shm.last_handle.shares == {"shm": 1.0}
     check("lane_unavailable", lane_unavailable)
+
+    def gloo_alone_reports_gloo():
+        x = torch.arange(1000, dtype=torch.float32) + rank
+        out = torch.empty(1000 * w)
+        with comm.fixed_shares({"gloo": 1.0}):
+            comm.all_gather_into_tensor(out, x)
+        assert torch.equal(out, torch.cat([torch.arange(1000, dtype=torch.float32) + r for r in range(w)]))
+        assert comm.last_handle.shares == {"gloo": 1.0}, comm.last_handle.shares
+    check("gloo_alone_handle_reports_gloo", gloo_alone_reports_gloo)
 
     def other_group():
         sub = dist.new_group([0, 1])          # collective: every rank calls it
@@ -299,6 +319,11 @@ def test_errors_in_a_world(checks, name):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a CUDA tensor on a CPU-only machine")
 def test_cuda_tensor_on_cpu_only_machine(checks):
     _assert_check(checks, "cuda_tensor_on_cpu_machine")
+
+
+def test_gloo_alone_handle_reports_gloo(checks):
+    """A call handed to gloo's own collective says so (it once reported {'nccl': 1.0})."""
+    _assert_check(checks, "gloo_alone_handle_reports_gloo")
 
 
 @pytest.mark.xfail(strict=True, reason="BUG: Communicator(lanes=[unknown]) / BRAID_LANES=unknown raises a bare "
@@ -378,7 +403,9 @@ def test_dead_peer_raises_and_leaves_no_segment(when):
         got = results[r]
         assert got is not None and got["error"] in ("LaneFailureError", "BraidTimeoutError"), (r, got)
         if got["error"] == "LaneFailureError":
-            assert f"rank {w - 1}" in got["msg"], got["msg"]
+            # the shm lane and the exchange name the dead rank; the gloo lane passes on gloo's
+            # "connection reset by peer"
+            assert f"rank {w - 1}" in got["msg"] or "lane gloo failed" in got["msg"], got["msg"]
         # before: the very first call fails; mid-way: the three calls the peer made succeed
         assert got["calls"] == 0 if when == "before" else got["calls"] >= 3, got
     assert results[w - 1] is None       # the dead rank returned nothing

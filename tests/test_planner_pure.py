@@ -1,8 +1,9 @@
 """The planner as pure tables: no processes, no torch.
 
 (a) the planner package imports without torch; (b) split() covers every destination byte exactly
-once from the right source byte; (c) the cost model: equal finish, lane choice, fit; (d) the host
-ring schedules, run through a discrete-event simulation of the counter protocol the shm lane uses.
+once from the right source byte (every op's movement, the reductions' two phases included);
+(c) the cost model: equal finish, lane choice, fit; (d) the host ring schedules, run through a
+discrete-event simulation of the counter protocol the shm lane uses.
 """
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ import textwrap
 import numpy as np
 import pytest
 
-from braid.planner import model, plan as planmod, rings
-from braid.planner.model import LaneCost, choose_shares, equal_finish, fit, predicted_time_us
-from braid.planner.plan import (LINK_GROUP, LaneKind, Plan, Transfer, all_gather_movement,
-                                all_to_all_movement, broadcast_movement, p2p_movement, split)
+from braid.planner import model
+from braid.planner.model import LaneCost, choose_shares, choose_with_native, equal_finish, fit, predicted_time_us
+from braid.planner.plan import (LINK_GROUP, LaneKind, Plan, all_gather_movement, all_to_all_movement,
+                                broadcast_movement, chunk_bounds, gather_chunks_movement, p2p_movement,
+                                reduce_scatter_movement, split)
 from braid.planner.rings import COLL, PAIR, RingCursor, ring_id, schedule
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "braid"
@@ -116,13 +118,51 @@ def expected_sources(op: str, w: int, params: dict) -> dict[tuple[int, int], np.
             exp[(d, 0)] = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     elif op == "send_recv":
         exp[(params["dst"], 0)] = ids(params["src"], 0, params["n"])
+    elif op == "reduce_scatter":
+        # reductions, phase 1: rank d's scratch (buffer 1) holds every rank's copy of chunk d, in rank order
+        b = params["bounds"]
+        for d in range(w):
+            size = b[d + 1] - b[d]
+            if size:
+                exp[(d, 1)] = np.concatenate([ids(s, b[d], size) for s in range(w)])
+    elif op == "gather_chunks":
+        # phase 2: rank d's reduced chunk to the same place in the others' outputs (or the root's);
+        # a rank's own chunk is already in place and must not be written
+        b, root = params["bounds"], params["root"]
+        for q in range(w):
+            if root is not None and q != root:
+                continue
+            arr = np.full(b[-1], NO_SOURCE, dtype=np.int64)
+            for d in range(w):
+                if d != q:
+                    arr[b[d]:b[d + 1]] = ids(d, b[d], b[d + 1] - b[d])
+            exp[(q, 0)] = arr
     return exp
+
+
+@pytest.mark.parametrize("numel,world", [(0, 3), (1, 4), (7, 3), (9, 3), (1000, 7), (100_003, 8)])
+def test_chunk_bounds(numel, world):
+    for esz in (1, 2, 4, 8):
+        b = chunk_bounds(numel, world, esz)
+        sizes = [(b[i + 1] - b[i]) // esz for i in range(world)]
+        assert b[0] == 0 and b[-1] == numel * esz and len(b) == world + 1
+        assert all((b[i + 1] - b[i]) % esz == 0 for i in range(world))
+        assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
 
 
 def random_case(rng: random.Random):
     w = rng.randint(2, 5)
-    kind = rng.choice(["all_gather", "all_gather_list", "broadcast", "all_to_all_single", "send_recv"])
+    kind = rng.choice(["all_gather", "all_gather_list", "broadcast", "all_to_all_single", "send_recv",
+                       "reduce_scatter", "gather_chunks"])
     big = rng.choice([0, 1, 7, 63, 64, 65, 1000, 4097, 100_003, 1 << 20])
+    if kind in ("reduce_scatter", "gather_chunks"):
+        esz = rng.choice([1, 2, 4, 8])
+        bounds = chunk_bounds(big // esz, w, esz)
+        if kind == "reduce_scatter":
+            return kind, w, {"bounds": bounds}, reduce_scatter_movement(w, bounds), bounds[-1]
+        root = rng.choice([None, rng.randrange(w)])
+        params = {"bounds": bounds, "root": root}
+        return kind, w, params, gather_chunks_movement(w, bounds, root), bounds[-1]
     if kind.startswith("all_gather"):
         params = {"n": big, "into_list": kind == "all_gather_list"}
         return "all_gather", w, params, all_gather_movement(w, big, params["into_list"]), big
@@ -188,7 +228,9 @@ def test_split_covers_every_destination_byte_once(seed):
     for c in plan.local:
         write(c.rank, c.src_off, c.nbytes, c.rank, c.buf, c.dst_off)
     for key in exp:
-        assert (count[key] == 1).all(), f"{op} {key}: bytes written {set(count[key].tolist())} times"
+        wanted = exp[key] != NO_SOURCE
+        assert (count[key][wanted] == 1).all(), f"{op} {key}: bytes written {set(count[key].tolist())} times"
+        assert (count[key][~wanted] == 0).all(), f"{op} {key}: bytes written that must stay"
         assert np.array_equal(got[key], exp[key]), f"{op} {key}: wrong source bytes"
 
     # pieces: one contiguous piece per lane per original transfer, cut at aligned points
@@ -260,9 +302,10 @@ def test_movements_describe_the_ops():
 # (c) the cost model
 # ---------------------------------------------------------------------------------------------
 
-def random_costs(rng: random.Random, names) -> dict[str, LaneCost]:
+def random_costs(rng: random.Random, names, floors: bool = False) -> dict[str, LaneCost]:
     return {k: LaneCost(rng.choice([0.5, 1.0, 10.0, rng.uniform(0.5, 500.0), rng.uniform(0.5, 1e5)]),
-                        rng.choice([0.1, 1.0, 30.0, rng.uniform(0.05, 500.0)])) for k in names}
+                        rng.choice([0.1, 1.0, 30.0, rng.uniform(0.05, 500.0)]),
+                        rng.choice([0.0, 0.0, rng.uniform(1.0, 2000.0)]) if floors else 0.0) for k in names}
 
 
 def finish_time_reference(costs: dict[str, LaneCost], n: float) -> float:
@@ -315,7 +358,7 @@ def test_equal_finish_degenerate_sizes():
 def test_choose_shares_rules(seed):
     rng = random.Random(seed)
     names = rng.sample([k.value for k in LaneKind], rng.randint(1, 5))
-    costs = random_costs(rng, names)
+    costs = random_costs(rng, names, floors=seed % 2 == 1)
     n = rng.choice([0, 1, 64, 4096, 1 << 20, 1 << 28, rng.randint(1, 1 << 34)])
     shares = choose_shares(costs, n)
     size = max(n, 1)
@@ -333,8 +376,53 @@ def test_choose_shares_rules(seed):
         assert min(shares.values()) >= model.MIN_SHARE
         # splitting is only chosen when it is predicted to beat the best lane alone
         assert predicted_time_us(costs, shares, size) < best_single
-        times = [costs[k].time_us(v * size) for k, v in shares.items()]
-        assert max(times) - min(times) <= 1e-6 * max(times)
+        if all(c.floor_us == 0 for c in costs.values()):
+            times = [costs[k].time_us(v * size) for k, v in shares.items()]
+            assert max(times) - min(times) <= 1e-6 * max(times)
+
+
+def test_lane_cost_floor():
+    c = LaneCost(10.0, 1.0, floor_us=100.0)
+    assert c.time_us(0) == 100.0 and c.time_us(1000) == 100.0        # 10 + 1 us is under the floor
+    assert c.time_us(1_000_000) == pytest.approx(10.0 + 1000.0)
+    assert LaneCost(**c.to_dict()) == c
+
+
+@pytest.mark.parametrize("seed", range(150))
+def test_choose_with_native_rules(seed):
+    """NCCL's own call alone, or a split over the other (non-excluded) lanes that beats it."""
+    rng = random.Random(seed)
+    names = rng.sample(["ce", "nccl", "host"], rng.randint(1, 3))
+    costs = random_costs(rng, names, floors=seed % 3 == 0)
+    exclude = tuple(rng.sample(["ce", "host"], rng.randint(0, 1)))
+    n = rng.choice([0, 1, 4096, 1 << 20, 1 << 30, rng.randint(1, 1 << 34)])
+    got = choose_with_native(costs, n, "nccl", exclude)
+    size = max(n, 1)
+    assert math.isclose(sum(got.values()), 1.0, rel_tol=1e-9)
+    if "nccl" not in costs:
+        usable = {k: c for k, c in costs.items() if k not in exclude} or costs
+        assert got == choose_shares(usable, n)
+        return
+    if got == {"nccl": 1.0}:
+        pool = {k: c for k, c in costs.items() if k != "nccl" and k not in exclude}
+        if pool:
+            alt = choose_shares(pool, size)
+            assert len(alt) == 1 or predicted_time_us(pool, alt, size) >= costs["nccl"].time_us(size)
+        return
+    assert "nccl" not in got and len(got) > 1, got           # never NCCL inside a split
+    assert not set(got) & set(exclude), (got, exclude)
+    assert predicted_time_us(costs, got, size) < costs["nccl"].time_us(size)
+
+
+def test_choose_with_native_tables():
+    gpu = {"ce": LaneCost(12.0, 360.0), "nccl": LaneCost(10.0, 320.0), "host": LaneCost(30.0, 30.0)}
+    assert choose_with_native(gpu, 4096) == {"nccl": 1.0}
+    big = choose_with_native(gpu, 1 << 30)
+    assert set(big) == {"ce", "host"} and big["ce"] > big["host"]
+    assert choose_with_native(gpu, 1 << 30, exclude=("ce",)) == {"nccl": 1.0}
+    cpu = {"gloo": LaneCost(150.0, 1.0), "shm": LaneCost(60.0, 2.0)}
+    assert choose_with_native(cpu, 1 << 30) == choose_shares(cpu, 1 << 30)
+    assert choose_with_native(cpu, 1 << 30, exclude=("gloo",)) == {"shm": 1.0}
 
 
 @pytest.mark.parametrize("n", [0, 1, 64, 1024, 16 << 10])
@@ -400,9 +488,13 @@ def fresh_cursors(w: int, slots: int) -> dict[tuple, RingCursor]:
 def random_ops(rng: random.Random, w: int, count: int):
     ops = []
     for _ in range(count):
-        kind = rng.choice(["ag", "agl", "bc", "a2a", "p2p", "p2p"])
+        kind = rng.choice(["ag", "agl", "bc", "a2a", "p2p", "p2p", "rs", "gather"])
         n = rng.choice([0, 1, rng.randint(1, 12), rng.randint(1, 60)])
-        if kind in ("ag", "agl"):
+        if kind == "rs":
+            mv = reduce_scatter_movement(w, chunk_bounds(n, w, rng.choice([1, 2])))
+        elif kind == "gather":
+            mv = gather_chunks_movement(w, chunk_bounds(n, w, 1), rng.choice([None, rng.randrange(w)]))
+        elif kind in ("ag", "agl"):
             mv = all_gather_movement(w, n, kind == "agl")
         elif kind == "bc":
             mv = broadcast_movement(w, n, rng.randrange(w))
@@ -422,7 +514,9 @@ def participants(mv, w):
 
 
 def simulate(w: int, slots: int, chunk: int, ops, rng: random.Random, exchange_barrier: bool):
-    """Run every rank's schedule through the shm lane's counter protocol; return (cursors, outputs).
+    """Run every rank's schedule through the shm lane's counter protocol.
+
+    Returns (stuck ranks, cursors, inputs, outputs, steps taken).
 
     Each rank works through its ops in order; inside an op it may take its produce head (once every
     `wait_for` done counter is reached) or its consume head (once the ring's full counter reached
@@ -450,6 +544,11 @@ def simulate(w: int, slots: int, chunk: int, ops, rng: random.Random, exchange_b
                 assert st.slot == st.g % slots and 0 < st.nbytes <= chunk
             work[r].append((k, produce, consume))
 
+    readers: dict[tuple, set] = {}       # (ring, g) -> ranks that read that chunk
+    for r in range(w):
+        for _, _, consume in work[r]:
+            for st in consume:
+                readers.setdefault((st.ring, st.g), set()).add(r)
     slot_mem: dict[tuple, list] = {}     # (ring, slot) -> (g, bytes)
     full: dict[tuple, int] = {}
     done: dict[tuple, int] = {}
@@ -496,6 +595,12 @@ def simulate(w: int, slots: int, chunk: int, ops, rng: random.Random, exchange_b
             st = produce[pos[r][1]]
             assert st.ring[1] == r, "a rank produced into another rank's ring"
             # the slot must be free: every reader of the chunk it held has read it
+            if (st.ring, st.slot) in slot_mem:
+                old_g = slot_mem[(st.ring, st.slot)][0]
+                unread = [c for c in readers.get((st.ring, old_g), ())
+                          if done.get(done_key(st.ring, c), 0) < old_g + 1]
+                assert not unread, (f"chunk {st.g} overwrites chunk {old_g} of ring {st.ring} "
+                                    f"before ranks {unread} read it")
             data = inputs[k][r][st.src_off: st.src_off + st.nbytes]
             assert len(data) == st.nbytes
             slot_mem[(st.ring, st.slot)] = (st.g, data)
