@@ -580,8 +580,6 @@ def _async_shm_overlap_worker(rank, w, seed):
     return failure
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: overlapping async calls on the shm lane run in separate threads "
-                   "that write the same ring counters out of order (lanes/shm.py post()); wrong data or a hang")
 def test_two_async_calls_in_flight_on_shm():
     results = run_world(_async_shm_overlap_worker, 2, 6, env={"BRAID_TIMEOUT_S": "3"}, timeout=150)
     assert results == [None, None], results

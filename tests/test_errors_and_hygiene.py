@@ -326,8 +326,6 @@ def test_gloo_alone_handle_reports_gloo(checks):
     _assert_check(checks, "gloo_alone_handle_reports_gloo")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: Communicator(lanes=[unknown]) / BRAID_LANES=unknown raises a bare "
-                   "ValueError from LaneKind(...) (comm.py __init__), not MisuseError")
 def test_unknown_lane_name_is_misuse(checks):
     _assert_check(checks, "init_unknown_lane_name")
 

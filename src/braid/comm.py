@@ -71,7 +71,12 @@ class Communicator:
         self.check = envs.get("BRAID_CHECK")   # read once, when the communicator is created
         self._plan_cache: dict = {}
         wanted = lanes if lanes is not None else envs.get("BRAID_LANES")
-        self.wanted = None if wanted is None else {LaneKind(x).value for x in wanted}
+        known = [k.value for k in LaneKind]
+        unknown = [x for x in (wanted or ()) if str(x) not in known]
+        if unknown:
+            raise MisuseError(f"unknown lane(s) {unknown} (from {'lanes=' if lanes is not None else 'BRAID_LANES'}); "
+                              f"valid lanes: {known}")
+        self.wanted = None if wanted is None else {LaneKind(str(x)).value for x in wanted}
 
         self.gloo_group = dist.new_group(backend="gloo")
         self.cuda = torch.cuda.is_available() and dist.is_nccl_available() and "nccl" in str(dist.get_backend()).lower()
@@ -100,12 +105,18 @@ class Communicator:
 
     # set-up -----------------------------------------------------------------------------------
     def _open_segment(self) -> None:
-        mib = envs.get("BRAID_HOST_BUFFER_MB")
-        self.layout = Layout(self.world_size, mib << 20, envs.get("BRAID_HOST_CHUNK_KB") << 10)
-        name = [NodeSegment.new_name() if self.rank == 0 else None]
-        if self.rank == 0:
-            self.segment = NodeSegment(name[0], self.layout, self.rank, create=True, spin_s=self._spin_s())
-        dist.broadcast_object_list(name, src=0, group=self.gloo_group)
+        chunk = envs.get("BRAID_HOST_CHUNK_KB") << 10
+        wanted_budget = envs.get("BRAID_HOST_BUFFER_MB") << 20   # every rank reads (and rejects) settings
+        box = [None]
+        if self.rank == 0:     # decide the size, create the segment, then tell the others its name
+            budget = _fit_shm(self.world_size, wanted_budget, chunk)
+            self.layout = Layout(self.world_size, budget, chunk)
+            box = [(NodeSegment.new_name(), budget)]
+            self.segment = NodeSegment(box[0][0], self.layout, self.rank, create=True, spin_s=self._spin_s())
+        dist.broadcast_object_list(box, src=0, group=self.gloo_group)
+        name, budget = box[0]
+        self.layout = Layout(self.world_size, budget, chunk)
+        name = [name]
         try:
             if self.rank != 0:
                 self.segment = NodeSegment(name[0], self.layout, self.rank, create=False, spin_s=self._spin_s())
@@ -645,6 +656,26 @@ class Communicator:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _fit_shm(world_size: int, budget: int, chunk: int) -> int:
+    """Shrink the per-rank host buffer so the node segment fits in /dev/shm (a container's default
+    /dev/shm is 64 MiB; writing past it kills the process with SIGBUS instead of an error)."""
+    try:
+        st = os.statvfs("/dev/shm")
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        return budget
+    need = Layout(world_size, budget, chunk).total_bytes
+    if need <= free * 0.9:
+        return budget
+    fitted = budget
+    while fitted > (64 << 10) and Layout(world_size, fitted, chunk).total_bytes > free * 0.9:
+        fitted //= 2
+    log.warning("braid: /dev/shm has %d MiB free, too little for BRAID_HOST_BUFFER_MB=%d on %d ranks; "
+                "using %d KiB per rank (host and shm lanes get slower; enlarge /dev/shm to fix)",
+                free >> 20, budget >> 20, world_size, fitted >> 10)
+    return fitted
 
 
 def _as_handle(work, lane: str) -> Handle:

@@ -192,13 +192,18 @@ class NodeSegment:
     def check_alive(self, peer: int) -> None:
         pid = self.get(self.layout.counter("pid", peer))
         if pid and pid != os.getpid():
+            dead = False
             try:
                 os.kill(pid, 0)
+                with open(f"/proc/{pid}/stat") as f:      # an exited child its parent has not reaped
+                    dead = f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
             except ProcessLookupError:
-                raise LaneFailureError(f"rank {peer} (pid {pid}) has exited; braid cannot complete "
-                                       f"the call on rank {self.rank}") from None
-            except PermissionError:
+                dead = True
+            except (PermissionError, OSError, IndexError):
                 pass
+            if dead:
+                raise LaneFailureError(f"rank {peer} (pid {pid}) has exited; braid cannot complete "
+                                       f"the call on rank {self.rank}")
 
     def abort(self) -> None:
         """Release every waiter (GPU stream waits included): push every counter far ahead."""

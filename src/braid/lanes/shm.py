@@ -26,6 +26,7 @@ class ShmLane(Lane):
 
     def __init__(self, comm):
         self.comm = comm
+        self._last: LaneRun | None = None   # calls run in call order (their chunks share the rings)
 
     def available(self) -> tuple[bool, str]:
         if self.comm.segment is None:
@@ -41,7 +42,11 @@ class ShmLane(Lane):
         inp, outs = ctx.inp, ctx.outs
         timeout = envs.get("BRAID_TIMEOUT_S")
 
+        previous = self._last
+
         def run() -> None:
+            if previous is not None and previous.thread is not None:
+                previous.thread.join()      # an earlier async call still moving: finish it first
             pi = ci = 0
             idle_since = None
             while pi < len(produce) or ci < len(consume):
@@ -78,4 +83,5 @@ class ShmLane(Lane):
                         raise BraidTimeoutError(f"shm lane on rank {me} made no progress for {timeout:.0f} s "
                                                 f"(waiting on rank {peer}); a peer stopped or called another op")
 
-        return LaneRun(self.kind, thread_fn=run)
+        self._last = LaneRun(self.kind, thread_fn=run)
+        return self._last
