@@ -39,6 +39,7 @@ DEFAULT_COSTS = {
     "gloo": LaneCost(150.0, 1.0), "shm": LaneCost(60.0, 2.0),
 }
 P2P_DESC_BYTES = 2048
+_FAST_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT)
 OPS = ("send_recv", "broadcast", "all_gather", "all_to_all_single", "all_reduce", "reduce_scatter", "reduce")
 
 
@@ -474,13 +475,30 @@ class Communicator:
                          native, ("op", "dtype", "nbytes", "src", "dst"), async_op, peer=peer)
 
     # reductions -----------------------------------------------------------------------------------
+    def _fast_reduce_ok(self, op, dtype) -> bool:
+        """NCCL's own reduction may take the call as is: a plain ReduceOp on a reducible dtype."""
+        from .collectives.reduce import REDUCE_DTYPES
+        if dtype not in REDUCE_DTYPES or type(op) is not type(dist.ReduceOp.SUM):
+            return False
+        if op in _FAST_OPS:
+            return True
+        return op == dist.ReduceOp.AVG and dtype.is_floating_point
+
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
         """In place, like torch.distributed.all_reduce."""
+        if (self._fast_ok(tensor) and self._fast_reduce_ok(op, tensor.dtype)
+                and self._native_for("all_reduce", tensor.numel() * tensor.element_size())):
+            return self._finish(dist.all_reduce(tensor, op=op, group=self.nccl_group, async_op=True), async_op)
         return self._reduction("all_reduce", tensor, tensor, op, None, async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
                               async_op: bool = False):
         """output (numel m) = reduction over ranks of input[rank*m:(rank+1)*m]."""
+        if (self._fast_ok(output, input) and input.dtype == output.dtype
+                and input.numel() == output.numel() * self.world_size and self._fast_reduce_ok(op, input.dtype)
+                and self._native_for("reduce_scatter", input.numel() * input.element_size())):
+            return self._finish(dist.reduce_scatter_tensor(output, input, op=op, group=self.nccl_group,
+                                                           async_op=True), async_op)
         return self._reduction("reduce_scatter", output, input, op, None, async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op=dist.ReduceOp.SUM,
@@ -497,6 +515,10 @@ class Communicator:
 
     def reduce(self, tensor: torch.Tensor, dst: int = 0, op=dist.ReduceOp.SUM, async_op: bool = False):
         """The reduction lands in `tensor` on rank dst; other ranks' tensors are left unchanged."""
+        if (self._fast_ok(tensor) and type(dst) is int and 0 <= dst < self.world_size
+                and self._fast_reduce_ok(op, tensor.dtype)
+                and self._native_for("reduce", tensor.numel() * tensor.element_size())):
+            return self._finish(dist.reduce(tensor, dst=dst, op=op, group=self.nccl_group, async_op=True), async_op)
         check_rank(dst, self.world_size, "dst", "reduce")
         return self._reduction("reduce", tensor, tensor, op, dst, async_op)
 
