@@ -9,12 +9,16 @@ Every op also exists as a method of `braid.Communicator`.
 """
 from __future__ import annotations
 
+import torch.distributed as _dist
+
 from .comm import Communicator
 from .errors import (BraidError, BraidTimeoutError, LaneFailureError, LaneUnavailableError, MisuseError,
                      PeerMismatchError)
+from .collectives.reduce import PremulSum
 from .executor import Handle
 
 __version__ = "0.1.0"
+_SUM = _dist.ReduceOp.SUM
 
 _default: Communicator | None = None
 
@@ -38,6 +42,22 @@ def close() -> None:
     if _default is not None:
         _default.close()
         _default = None
+
+
+def all_reduce(tensor, op=_SUM, async_op=False):
+    return default().all_reduce(tensor, op, async_op=async_op)
+
+
+def reduce_scatter_tensor(output, input, op=_SUM, async_op=False):
+    return default().reduce_scatter_tensor(output, input, op, async_op=async_op)
+
+
+def reduce_scatter(output, input_list, op=_SUM, async_op=False):
+    return default().reduce_scatter(output, input_list, op, async_op=async_op)
+
+
+def reduce(tensor, dst=0, op=_SUM, async_op=False):
+    return default().reduce(tensor, dst, op, async_op=async_op)
 
 
 def send(tensor, dst, async_op=False):
@@ -67,6 +87,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
 __all__ = [
     "Communicator", "Handle", "init", "default", "close",
     "send", "recv", "broadcast", "all_gather_into_tensor", "all_gather", "all_to_all_single",
+    "all_reduce", "reduce_scatter_tensor", "reduce_scatter", "reduce", "PremulSum",
     "BraidError", "BraidTimeoutError", "LaneFailureError", "LaneUnavailableError", "MisuseError",
     "PeerMismatchError",
 ]
