@@ -321,6 +321,14 @@ class Communicator:
             handle = _as_handle(native(self._native_group(shares)), next(iter(shares)))
         else:
             descs = self._exchange(desc, inp, lanes, peer)
+            if peer is not None and descs[peer].get("src") != desc.get("src"):
+                mine = "send" if desc["src"] == self.rank else "recv"
+                theirs = "send" if descs[peer].get("src") == peer else "recv"
+                raise PeerMismatchError(
+                    f"rank {self.rank} called {mine}() with rank {peer}, whose matching call was {theirs}(): "
+                    f"braid pairs the send/recv calls of two ranks in call order, with a blocking handshake "
+                    f"on split (large) messages. Order them so each send meets a recv (e.g. the lower rank "
+                    f"sends first); batched send/recv is not supported yet.")
             self._agree(op, descs, agree_keys + ("calib",))
             size, mkey, build = movement_of(descs)
             agreed = self._agreed_lanes(descs)
