@@ -69,6 +69,11 @@ class Communicator:
         self.calib_digest = "default"
         self._share_cache: dict = {}
         self._native_cache: dict = {}
+        from .planner.balancer import OnlineBalancer
+        self.balancer = OnlineBalancer()
+        self.adapt = True                    # stage 2 on; comm.adapt = False freezes the shares
+        self._pending: dict[str, tuple] = {}   # op -> (bucket key, shares used, handle) of its last split call
+        self.slowdown: dict[str, float] = {}   # test/bench hook: CPU lane -> time multiplier
         self.check = envs.get("BRAID_CHECK")   # read once, when the communicator is created
         self._plan_cache: dict = {}
         wanted = lanes if lanes is not None else envs.get("BRAID_LANES")
@@ -213,7 +218,39 @@ class Communicator:
             if len(self._share_cache) > 4096:
                 self._share_cache.clear()
             self._share_cache[key] = shares
+        if len(shares) > 1 and self.adapt:
+            bkey = self._bucket(op, nbytes, shares)
+            self.balancer.start(bkey, shares)
+            return self.balancer.shares(bkey)
         return shares
+
+    @staticmethod
+    def _bucket(op: str, nbytes: int, shares: dict[str, float]) -> tuple:
+        from .planner.balancer import OnlineBalancer
+        return OnlineBalancer.bucket(op, nbytes) + (tuple(sorted(shares)),)
+
+    def _observation(self, op: str):
+        """The last split call of this op, if it has finished here: (bucket, shares, lane times)."""
+        pending = self._pending.pop(op, None)
+        if pending is None:
+            return None
+        bkey, used, handle = pending
+        if not handle.is_completed():
+            return None
+        return [list(bkey[:2]) + [list(bkey[2])], used, handle.lane_times_us()]
+
+    def _learn(self, descs: list) -> None:
+        """Feed the balancer the slowest rank's lane times of the previous split call, when every
+        rank reported it (so every rank makes the same move)."""
+        obs = [d.get("obs") for d in descs if d is not None]
+        if not obs or any(o is None for o in obs):
+            return
+        keys = {json.dumps(o[:2], sort_keys=True) for o in obs}
+        if len(keys) != 1:
+            return
+        bkey = (obs[0][0][0], obs[0][0][1], tuple(obs[0][0][2]))
+        times = {k: max(o[2].get(k, 0.0) for o in obs) for k in obs[0][1]}
+        self.balancer.observe(bkey, obs[0][1], times)
 
     def split_rule(self, op: str, costs: dict[str, LaneCost], nbytes: int) -> dict[str, float]:
         """Shares from lane costs. braid's broadcast lanes are stars from the root (every peer
@@ -320,7 +357,12 @@ class Communicator:
         if shares is not None and self._native_ok(shares) and native is not None:
             handle = _as_handle(native(self._native_group(shares)), next(iter(shares)))
         else:
+            if self.adapt and peer is None:
+                desc = dict(desc, obs=self._observation(op), bal=self.balancer.version)
             descs = self._exchange(desc, inp, lanes, peer)
+            if self.adapt and peer is None:
+                self._agree(op, descs, ("bal",))
+                self._learn(descs)
             if peer is not None and descs[peer].get("src") != desc.get("src"):
                 mine = "send" if desc["src"] == self.rank else "recv"
                 theirs = "send" if descs[peer].get("src") == peer else "recv"
@@ -339,6 +381,8 @@ class Communicator:
                 handle = multi(descs, shares, self._plan(mkey, build, shares, size, device), agreed)
             else:
                 handle = execute(self, self._plan(mkey, build, shares, size, device), inp, outs, descs, peer)
+            if len(shares) > 1 and peer is None and self._fixed is None:
+                self._pending[op] = (self._bucket(op, size, shares), dict(shares), handle)
         self.last_handle = handle
         if async_op:
             return handle

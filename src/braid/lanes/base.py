@@ -42,7 +42,8 @@ class OpContext:
 class LaneRun:
     """One lane's part of one call, in flight."""
 
-    def __init__(self, kind: LaneKind, *, start=None, end=None, thread_fn: Callable[[], None] | None = None):
+    def __init__(self, kind: LaneKind, *, start=None, end=None, thread_fn: Callable[[], None] | None = None,
+                 slowdown: float = 1.0):
         self.kind = kind
         self.start, self.end = start, end          # CUDA events (GPU lanes)
         self.error: BaseException | None = None
@@ -53,6 +54,8 @@ class LaneRun:
             def body() -> None:
                 try:
                     thread_fn()
+                    if slowdown > 1.0:    # test hook: this lane behaves `slowdown` times slower
+                        time.sleep((time.perf_counter() - self.t0) * (slowdown - 1.0))
                 except BaseException as exc:     # re-raised in the caller by wait()
                     self.error = exc
                 finally:

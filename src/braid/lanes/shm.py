@@ -83,5 +83,5 @@ class ShmLane(Lane):
                         raise BraidTimeoutError(f"shm lane on rank {me} made no progress for {timeout:.0f} s "
                                                 f"(waiting on rank {peer}); a peer stopped or called another op")
 
-        self._last = LaneRun(self.kind, thread_fn=run)
+        self._last = LaneRun(self.kind, thread_fn=run, slowdown=comm.slowdown.get("shm", 1.0))
         return self._last
