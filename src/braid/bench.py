@@ -159,6 +159,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help="run baseline and braid once per size and count the bytes where they differ (default on)")
     p.add_argument("--plain", action="store_true", help="plain text output even when rich is installed")
+    p.add_argument("--trace", type=_positive_int, default=None, metavar="CALLS",
+                   help="instead of the sweep: run CALLS calls of --op at the smallest --sizes size and record "
+                        "the shares and lane times of each (the online balancer at work); --json/--plot take it")
+    p.add_argument("--slow", default=None, metavar="LANE=FACTOR@A:B",
+                   help="with --trace: make a CPU lane FACTOR times slower from call A to call B (e.g. shm=4@10:30)")
 
 
 def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
@@ -180,6 +185,8 @@ class Config:
     dtype: str | None = None
     iters: int | None = None
     auto_iters: bool = True
+    trace: int | None = None
+    slow: str | None = None
     warmup: int | None = None
     repeat: int = 2
     lanes: list[str] | None = None
@@ -222,7 +229,7 @@ def config_from_args(task: str, args: argparse.Namespace) -> Config:
         if args.hot_bytes is not None and "all_to_all_single" not in ops:
             notes.append("--hot-bytes/--cold-bytes only apply to all_to_all_single; ignored")
         return Config(task, ops=ops, sizes=args.sizes, factor=args.factor, dtype=args.dtype, iters=args.iters,
-                      auto_iters=not args.fixed_iters, warmup=args.warmup, repeat=args.repeat, lanes=args.lanes, shares=args.shares,
+                      auto_iters=not args.fixed_iters, trace=args.trace, slow=args.slow, warmup=args.warmup, repeat=args.repeat, lanes=args.lanes, shares=args.shares,
                       calibrate=args.calibrate, hot_bytes=args.hot_bytes,
                       cold_bytes=(args.cold_bytes or 0) if args.hot_bytes is not None else None,
                       json_path=args.json_path, plot_path=args.plot_path, check=args.check, plain=args.plain,
@@ -597,6 +604,8 @@ def _bench(comm, cfg: Config):
     if world < 2:
         from .errors import MisuseError
         raise MisuseError("braid bench needs at least 2 ranks")
+    if cfg.trace:
+        return _trace(comm, cfg, info)
     skewed = cfg.hot_bytes is not None
     plan = []      # (op, nbytes); nbytes None: the skewed all_to_all_single point
     for op in cfg.ops:
@@ -692,6 +701,98 @@ def _bench(comm, cfg: Config):
         if bad:
             sys.exit(WRONG_EXIT)
     return after
+
+
+def _parse_slow(text: str | None) -> tuple[str, float, int, int] | None:
+    if not text:
+        return None
+    try:
+        lane, rest = text.split("=")
+        factor, span = rest.split("@")
+        a, b = span.split(":")
+        return lane.strip(), float(factor), int(a), int(b)
+    except ValueError:
+        raise SystemExit(f"braid bench: --slow {text!r}: expected LANE=FACTOR@A:B, e.g. shm=4@10:30") from None
+
+
+def _trace(comm, cfg: Config, info: dict):
+    """Shares and lane times call by call, at one size: stage 2 of the balancer, observed."""
+    from .workloads import make
+    op = cfg.ops[0]
+    nbytes = cfg.sizes[0]
+    slow = _parse_slow(cfg.slow)
+    if slow and slow[0] not in ("shm", "gloo"):
+        raise SystemExit("braid bench: --slow injects delay into CPU lanes (shm, gloo) only; on GPUs run "
+                         "competing copy traffic beside the bench instead")
+    load = make(comm, op, nbytes, getattr(torch, cfg.dtype))
+    rows = []
+    for call in range(cfg.trace):
+        comm.slowdown = {slow[0]: slow[1]} if slow and slow[2] <= call < slow[3] else {}
+        t0 = time.perf_counter()
+        load.braid()
+        _sync(comm)
+        wall_us = (time.perf_counter() - t0) * 1e6
+        handle = comm.last_handle if load.participates else None
+        mine = (handle.shares, handle.lane_times_us(), wall_us) if handle is not None else None
+        got = [None] * comm.world_size
+        dist.all_gather_object(got, mine, group=comm.gloo_group)
+        views = [g for g in got if g is not None]
+        lane_us: dict[str, float] = {}
+        for _, times, _ in views:
+            for k, v in times.items():
+                lane_us[k] = max(lane_us.get(k, 0.0), v)
+        rows.append({"call": call, "op": op, "nbytes": nbytes, "world_size": comm.world_size,
+                     "shares": views[0][0] if views else {}, "lane_time_us": lane_us,
+                     "time_us": max(v[2] for v in views) if views else 0.0,
+                     "slowed": dict(comm.slowdown), "machine": info.get("machine"), "date": info.get("date")})
+    comm.slowdown = {}
+    if comm.rank == 0:
+        print(f"# trace: {op} {_human(nbytes)}B x {cfg.trace} calls, {comm.world_size} ranks"
+              + (f", {slow[0]} x{slow[1]:g} slower in calls {slow[2]}..{slow[3] - 1}" if slow else ""))
+        print("#  call   time_us  shares                          lane_time_us")
+        for r in rows:
+            lt = " ".join(f"{k}={v:.0f}" for k, v in r["lane_time_us"].items())
+            mark = " (slowed)" if r["slowed"] else ""
+            print(f"  {r['call']:5d} {r['time_us']:9.0f}  {format_shares(r['shares']):30s}  {lt}{mark}")
+        if cfg.json_path:
+            _write_json(cfg.json_path, rows)
+
+    def after() -> None:
+        if comm.rank == 0 and cfg.plot_path:
+            plot_trace(rows, cfg.plot_path, info)
+    return after
+
+
+def plot_trace(rows: list[dict], path: str, info: dict) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("braid bench: matplotlib is not installed; no trace plot written")
+        return False
+    lanes = sorted({k for r in rows for k in r["shares"]})
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    calls = [r["call"] for r in rows]
+    for lane in lanes:
+        ax1.plot(calls, [r["shares"].get(lane, 0.0) for r in rows], marker=".", label=lane)
+        ax2.plot(calls, [r["lane_time_us"].get(lane, 0.0) / 1e3 for r in rows], marker=".", label=lane)
+    slowed = [r["call"] for r in rows if r["slowed"]]
+    for ax in (ax1, ax2):
+        if slowed:
+            ax.axvspan(min(slowed) - 0.5, max(slowed) + 0.5, color="orange", alpha=0.15, label="lane slowed")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper right")
+    ax1.set_ylabel("share")
+    ax2.set_ylabel("lane time (ms)")
+    ax2.set_xlabel("call")
+    r0 = rows[0] if rows else {}
+    fig.suptitle(f"braid online balancer: {r0.get('op')} {_human(r0.get('nbytes', 0))}B, "
+                 f"{r0.get('world_size')} ranks, {info.get('machine', '')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def _point(op, load, esz, dtype, world, t_braid, t_base, wrong, got, baseline, factor, common) -> dict:
