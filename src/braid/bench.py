@@ -906,10 +906,19 @@ def _calibrate(comm, cfg: Config) -> None:
     print()
     print(f"{'op/world':<22}{'lane':<7}{'latency_us':>12}{'bw_GB/s':>10}{'floor_us':>10}")
     for key, costs in table.items():
+        if key.endswith("/pays"):
+            continue
         if not costs:
             print(f"{key:<22}{'-':<7}  (one lane: nothing to split)")
         for lane, c in costs.items():
             print(f"{key:<22}{lane:<7}{c['latency_us']:>12.1f}{c['bw_gbps']:>10.2f}{c.get('floor_us', 0.0):>10.1f}")
+    measured = {k[: -len("/pays")]: v for k, v in table.items() if k.endswith("/pays") and v}
+    if measured:
+        print()
+        print("split measured against the single lane (size bucket: split faster?):")
+        for key, verdicts in measured.items():
+            cells = " ".join(f"{_human(1 << int(b))}B={'yes' if ok else 'no'}" for b, ok in sorted(verdicts.items(), key=lambda kv: int(kv[0])))
+            print(f"  {key:<22}{cells}")
     sizes = (1 << 20, 64 << 20, 1 << 30) if comm.cuda else (256 << 10, 8 << 20, 64 << 20)
     print()
     print("split the model picks:")

@@ -163,6 +163,34 @@ def calibrate_op(comm, op: str, lanes: list[str], sizes=None, iters: int = 5, ro
     return costs
 
 
+PROBE_SIZES_GPU = (16 << 20, 64 << 20, 256 << 20, 1 << 30)
+PROBE_SIZES_CPU = (1 << 20, 4 << 20, 16 << 20)
+
+
+def split_pays(comm, op: str, costs: dict[str, LaneCost], iters: int = 5) -> dict[str, bool]:
+    """Per size bucket (log2 bytes): does the model's split beat the single lane, measured?
+    The cost model can be wrong near the crossover (run 2: a predicted 5% gain ran 23% slower);
+    a bucket that measured a loss keeps the single lane."""
+    from .planner.balancer import OnlineBalancer
+    from .workloads import make
+    single = "nccl" if "nccl" in costs else "gloo" if "gloo" in costs else None
+    out: dict[str, bool] = {}
+    if single is None:
+        return out
+    for n in (PROBE_SIZES_GPU if comm.cuda else PROBE_SIZES_CPU):
+        shares = comm.split_rule(op, costs, n)
+        if len(shares) < 2:
+            continue
+        load = make(comm, op, n, torch.bfloat16 if comm.cuda else torch.float32)
+        with comm.fixed_shares(shares):
+            t_split = min(time_call(comm, load.braid, iters) for _ in range(2))
+        with comm.fixed_shares({single: 1.0}):
+            t_single = min(time_call(comm, load.braid, iters) for _ in range(2))
+        out[str(OnlineBalancer.bucket(op, load.nbytes)[1])] = t_split < t_single
+        del load
+    return out
+
+
 def calibrate(comm, ops=("send_recv", "broadcast", "all_gather", "all_to_all_single", "all_reduce", "reduce_scatter",
                          "reduce"), save_to_disk: bool = True,
               sizes=None) -> dict:
@@ -175,6 +203,8 @@ def calibrate(comm, ops=("send_recv", "broadcast", "all_gather", "all_to_all_sin
             continue
         costs = calibrate_op(comm, op, lanes, sizes=sizes) if len(lanes) > 1 else {}
         table[f"{op}/{comm.world_size}"] = {k: c.to_dict() for k, c in costs.items()}
+        if costs:
+            table[f"{op}/{comm.world_size}/pays"] = split_pays(comm, op, costs)
     box = [table]
     dist.broadcast_object_list(box, src=0, group=comm.gloo_group)
     table = box[0]

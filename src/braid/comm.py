@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import socket
 import weakref
@@ -66,6 +67,7 @@ class Communicator:
         self._fixed: dict[str, dict[str, float]] | None = None
         self.last_handle: Handle | None = None
         self.calib: dict[str, dict[str, LaneCost]] = {}
+        self.pays: dict[str, dict[int, bool]] = {}
         self.calib_digest = "default"
         self._share_cache: dict = {}
         self._native_cache: dict = {}
@@ -215,6 +217,8 @@ class Communicator:
             table = self.calib.get(f"{op}/{self.world_size}", {})
             costs = {k: table.get(k, DEFAULT_COSTS[k]) for k in lanes}
             shares = self.split_rule(op, costs, nbytes)
+            if len(shares) > 1 and not self._split_measured_to_pay(op, nbytes):
+                shares = {next(k for k in ("nccl", "gloo") if k in lanes): 1.0} if ("nccl" in lanes or "gloo" in lanes) else shares
             if len(self._share_cache) > 4096:
                 self._share_cache.clear()
             self._share_cache[key] = shares
@@ -223,6 +227,15 @@ class Communicator:
             self.balancer.start(bkey, shares)
             return self.balancer.shares(bkey)
         return shares
+
+    def _split_measured_to_pay(self, op: str, nbytes: int) -> bool:
+        """The calibration's verdict for the nearest measured size bucket (True when unmeasured)."""
+        pays = self.pays.get(f"{op}/{self.world_size}")
+        if not pays:
+            return True
+        b = max(0, int(math.log2(max(nbytes, 1))))
+        nearest = min(pays, key=lambda m: (abs(m - b), -m))
+        return pays[nearest]
 
     @staticmethod
     def _bucket(op: str, nbytes: int, shares: dict[str, float]) -> tuple:
@@ -708,9 +721,12 @@ class Communicator:
         self.set_calibration(box[0] or {})
 
     def set_calibration(self, table: dict) -> None:
+        self.pays = {op[: -len("/pays")]: {int(b): bool(v) for b, v in t.items()}
+                     for op, t in table.items() if op.endswith("/pays")}
         self.calib = {op: {k: LaneCost(**v) if isinstance(v, dict) else v for k, v in lanes.items()}
-                      for op, lanes in table.items()}
-        text = json.dumps({op: {k: c.to_dict() for k, c in v.items()} for op, v in self.calib.items()}, sort_keys=True)
+                      for op, lanes in table.items() if not op.endswith("/pays")}
+        text = json.dumps({"costs": {op: {k: c.to_dict() for k, c in v.items()} for op, v in self.calib.items()},
+                           "pays": self.pays}, sort_keys=True)
         self.calib_digest = hashlib.sha1(text.encode()).hexdigest()[:12] if self.calib else "default"
         self._native_cache.clear()
 
