@@ -258,8 +258,8 @@ class Communicator:
         obs = [d.get("obs") for d in descs if d is not None]
         if not obs or any(o is None for o in obs):
             return
-        keys = {json.dumps(o[:2], sort_keys=True) for o in obs}
-        if len(keys) != 1:
+        first = obs[0]
+        if any(o[0] != first[0] or o[1] != first[1] for o in obs):
             return
         bkey = (obs[0][0][0], obs[0][0][1], tuple(obs[0][0][2]))
         times = {k: max(o[2].get(k, 0.0) for o in obs) for k in obs[0][1]}
