@@ -394,7 +394,8 @@ class Communicator:
                 handle = multi(descs, shares, self._plan(mkey, build, shares, size, device), agreed)
             else:
                 handle = execute(self, self._plan(mkey, build, shares, size, device), inp, outs, descs, peer)
-            if len(shares) > 1 and peer is None and self._fixed is None:
+            fixed_here = self._fixed is not None and self._fixed.get(op, self._fixed.get("*")) is not None
+            if len(shares) > 1 and peer is None and self.adapt and not fixed_here:
                 self._pending[op] = (self._bucket(op, size, shares), dict(shares), handle)
         self.last_handle = handle
         if async_op:
@@ -729,6 +730,10 @@ class Communicator:
                            "pays": self.pays}, sort_keys=True)
         self.calib_digest = hashlib.sha1(text.encode()).hexdigest()[:12] if self.calib else "default"
         self._native_cache.clear()
+        if getattr(self, "balancer", None) is not None:   # a new calibration restarts stage 2
+            from .planner.balancer import OnlineBalancer
+            self.balancer = OnlineBalancer()
+            self._pending.clear()
 
     def close(self) -> None:
         """Release lanes, pinned memory and the shared segment. Idempotent; no collective calls."""

@@ -75,9 +75,23 @@ def rate_step(shares: dict[str, float], times: dict[str, float], latency_us: dic
     """Re-solve equal finish from this round's per-lane rates, moving `gain` of the way there."""
     latency_us = latency_us or {}
     rates = {}
+    unmeasured = {}
     for k, f in shares.items():
-        t = max(times.get(k, 0.0) - latency_us.get(k, 0.0), 1e-9)
-        rates[k] = f / t if f > 0 else 0.0
+        t = times.get(k, 0.0) - latency_us.get(k, 0.0)
+        if f <= 0:
+            rates[k] = 0.0
+        elif t <= 0:            # no usable measurement (time within latency, or none): keep its share
+            unmeasured[k] = f
+        else:
+            rates[k] = f / t
+    if unmeasured:
+        rest = {k: v for k, v in shares.items() if k not in unmeasured}
+        if not rest or not any(rates.get(k, 0.0) for k in rest):
+            return dict(shares)
+        kept = sum(unmeasured.values())
+        sub = rate_step(_normalise(rest), {k: times.get(k, 0.0) for k in rest}, latency_us, gain, 0.0)
+        merged = {**{k: v * (1 - kept) for k, v in sub.items()}, **unmeasured}
+        return _normalise(merged, min_share)
     if not any(rates.values()):
         return dict(shares)
     # equal finish with latencies a_k: f_k = r_k (T - a_k), sum f_k = 1
