@@ -139,11 +139,12 @@ def _worker(rank, world, port, err_path):
         raise
 
 
-def _run(world, tmp_path):
+def _run(world, tmp_path, worker=None):
+    """Spawn `worker` (default: this file's) on `world` GPUs; fail with every rank's traceback."""
     import torch.multiprocessing as mp
     err = str(tmp_path / "err")
     try:
-        mp.spawn(_worker, args=(world, _port(), err), nprocs=world)
+        mp.spawn(worker or _worker, args=(world, _port(), err), nprocs=world)
     except Exception:
         msgs = [open(p).read() for p in (f"{err}.{r}" for r in range(world)) if os.path.exists(p)]
         pytest.fail("\n".join(msgs) or "worker failed")

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from test_gpu_collectives import LANE_SETS, _port
+from test_gpu_collectives import LANE_SETS, _port, _run as _run_world
 
 NEEDS = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                            reason="needs 2 or more GPUs")
@@ -128,21 +128,11 @@ def _worker(rank, world, port, err_path):
         raise
 
 
-def _run(world, tmp_path):
-    import torch.multiprocessing as mp
-    err = str(tmp_path / "err")
-    try:
-        mp.spawn(_worker, args=(world, _port(), err), nprocs=world)
-    except Exception:
-        msgs = [open(p).read() for p in (f"{err}.{r}" for r in range(world)) if os.path.exists(p)]
-        pytest.fail("\n".join(msgs) or "worker failed")
-
-
 @NEEDS
 def test_reductions_two_gpus(tmp_path):
-    _run(2, tmp_path)
+    _run_world(2, tmp_path, _worker)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 4, reason="needs 4 GPUs")
 def test_reductions_four_gpus(tmp_path):
-    _run(4, tmp_path)
+    _run_world(4, tmp_path, _worker)
