@@ -84,7 +84,6 @@ def _worker(rank, world, port, err_path):
                             comm.send(x, 1)
                         else:
                             comm.recv(y, 0)
-                            exp = torch.empty_like(x)
                     else:
                         if rank % 2 == 0:
                             comm.send(x, nxt)

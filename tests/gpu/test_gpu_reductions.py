@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from test_gpu_collectives import LANE_SETS, _port, _run as _run_world
+from test_gpu_collectives import LANE_SETS, _run as _run_world
 
 NEEDS = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                            reason="needs 2 or more GPUs")

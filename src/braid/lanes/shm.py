@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from .. import envs
 from ..errors import BraidTimeoutError
 from ..node import geq
