@@ -2,39 +2,16 @@
 candidate paths (scipy, tests only), and plan invariants. Pure; no processes."""
 from __future__ import annotations
 
+import json
 import random
 import zlib
 
-import numpy as np
 import pytest
 
 from braid.planner.router import Router, direct_only, multi_node, preset, route, signature
 
-scipy_optimize = pytest.importorskip("scipy.optimize")
-
-
-def lp_optimum(topo, matrix) -> float:
-    """min t s.t. every demand is fully routed over its candidate paths and every link's time <= t."""
-    demands = [(s, d, matrix[s][d]) for s in range(len(matrix)) for d in range(len(matrix))
-               if s != d and matrix[s][d] > 0]
-    var = [(i, p) for i, (s, d, _) in enumerate(demands) for p in topo.candidates(s, d)]
-    links = list(topo.capacity)
-    li = {e: j for j, e in enumerate(links)}
-    nv = len(var) + 1
-    c = np.zeros(nv)
-    c[-1] = 1.0
-    a_eq = np.zeros((len(demands), nv))
-    b_eq = np.array([b for _, _, b in demands], float)
-    a_ub = np.zeros((len(links), nv))
-    for k, (i, p) in enumerate(var):
-        a_eq[i, k] = 1.0
-        for e, w in p.links:
-            a_ub[li[e], k] += w / (topo.capacity[e] * 1e3)
-    a_ub[:, -1] = -1.0
-    res = scipy_optimize.linprog(c, A_ub=a_ub, b_ub=np.zeros(len(links)), A_eq=a_eq, b_eq=b_eq,
-                                 bounds=[(0, None)] * nv, method="highs")
-    assert res.status == 0
-    return res.fun
+pytest.importorskip("scipy.optimize")
+from braid.planner.lp import lp_optimum  # noqa: E402
 
 
 def matrices(n: int, rng: random.Random):
@@ -139,3 +116,23 @@ def test_router_module_has_no_torch():
     names = [a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
              for a in n.names] + [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert not any(x.split(".")[0] == "torch" for x in names)
+
+
+def test_route_cli(tmp_path, capsys):
+    from braid.__main__ import main
+    m = [[0, 1 << 30, 8 << 20, 8 << 20], [8 << 20, 0, 8 << 20, 8 << 20],
+         [8 << 20, 8 << 20, 0, 8 << 20], [8 << 20, 8 << 20, 8 << 20, 0]]
+    f = tmp_path / "m.json"
+    f.write_text(json.dumps(m))
+    out = tmp_path / "plan.json"
+    assert main(["route", "--matrix", str(f), "--topology", "mesh4", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "max link load" in text and "LP optimum" in text
+    obj = json.loads(out.read_text())
+    assert obj["lp_optimum"] > 0 and obj["max_load"] >= obj["lp_optimum"] * (1 - 1e-6)
+    assert obj["plan_time_us"] > 0 and obj["ratio"] <= 1.05
+    flows = {(x["src"], x["dst"]): sum(p["bytes"] for p in x["paths"]) for x in obj["flows"]}
+    assert flows[(0, 1)] == 1 << 30
+    f.write_text(json.dumps([[0, 1], [1, 0]]))
+    assert main(["route", "--matrix", str(f), "--topology", "mesh4"]) == 2     # wrong shape: clear error
+    assert "4 rows of 4" in capsys.readouterr().err

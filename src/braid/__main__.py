@@ -4,6 +4,7 @@
     braid calibrate  [--nproc N]      measure every lane per op, cache it, print the LaneCosts
     braid env                         every BRAID_* setting, its value and meaning
     braid topo                        GPUs, peer access, and which lanes braid can use here
+    braid route      --matrix M.json --topology h200x4   plan a traffic matrix over every path
 
 bench/calibrate/topo spawn one rank per GPU (2 CPU ranks without GPUs), or run inside torchrun:
     torchrun --nproc-per-node 4 -m braid bench --op all
@@ -27,6 +28,11 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def _topo(args: argparse.Namespace) -> int:
     return bench.launch(bench.config_from_args("topo", args), args.nproc)
+
+
+def _route(args: argparse.Namespace) -> int:
+    from . import route_cli
+    return route_cli.run(args)
 
 
 def _env(args: argparse.Namespace) -> int:
@@ -60,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the GPUs and their peer access.")
     bench.add_launch_arguments(p)
     p.set_defaults(func=_topo)
+
+    from . import route_cli
+    p = sub.add_parser("route", help="plan a traffic matrix over every path (the router)",
+                       description="Spread a traffic matrix over direct, relay, host-staged and NIC-rail paths "
+                                   "so the most loaded link is as light as possible; compare with the LP optimum.")
+    route_cli.add_arguments(p)
+    p.set_defaults(func=_route)
     return parser
 
 

@@ -1,0 +1,62 @@
+"""`braid route`: plan a traffic matrix over a topology and print the plan, the most loaded link,
+the planning time and (with scipy) the LP optimum and the ratio."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .planner.router import direct_only, preset, route
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--matrix", required=True, metavar="FILE",
+                   help="JSON list of rows of byte counts; row = source rank, column = destination")
+    p.add_argument("--topology", required=True,
+                   help="h200x2, h200x4 (measured here), mesh4, nvswitch8, nvswitch16, or multinode")
+    p.add_argument("--nodes", type=int, default=2, help="multinode: number of 8-GPU nodes (default 2)")
+    p.add_argument("--nics", type=int, default=8, help="multinode: NICs (rails) per node (default 8)")
+    p.add_argument("--json", dest="json_path", default=None, metavar="OUT", help="write the plan as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        with open(args.matrix) as f:
+            matrix = json.load(f)
+        topo = preset(args.topology, nodes=args.nodes, nics=args.nics)
+    except (OSError, ValueError) as exc:
+        print(f"braid route: {exc}", file=sys.stderr)
+        return 2
+    n = topo.num_gpus
+    if (not isinstance(matrix, list) or len(matrix) != n
+            or any(not isinstance(row, list) or len(row) != n for row in matrix)):
+        print(f"braid route: the matrix must be {n} rows of {n} byte counts for {topo.name}", file=sys.stderr)
+        return 2
+    plan = route(topo, matrix)
+    direct = direct_only(topo, matrix)
+    try:
+        from .planner.lp import lp_optimum
+        opt = lp_optimum(topo, matrix)
+    except ImportError:
+        opt = None
+    print(f"# braid route: {topo.name} ({n} GPUs)  {topo.source}")
+    print(f"#  src  dst        bytes  paths")
+    for (s, d), flows in sorted(plan.flows.items()):
+        total = sum(b for _, b in flows)
+        cells = "  ".join(f"{p.name()}={b / total:.2f}" for p, b in flows)
+        print(f"  {s:4d} {d:4d} {total:12d}  {cells}")
+    busiest = max(plan.link_load, key=lambda e: plan.link_load[e] / topo.capacity[e]) if plan.link_load else "-"
+    print(f"max link load: {plan.max_load_us:.1f} us (link {busiest}); direct paths only: {direct:.1f} us "
+          f"({direct / plan.max_load_us if plan.max_load_us else 1:.2f}x)")
+    print(f"planning time: {plan.plan_time_us:.0f} us")
+    if opt is not None:
+        print(f"LP optimum: {opt:.1f} us; router / LP = {plan.max_load_us / opt if opt else 1:.3f}")
+    else:
+        print("LP optimum: not computed (install scipy)")
+    if args.json_path:
+        obj = plan.to_dict()
+        obj.update(max_load=plan.max_load_us, lp_optimum=opt, direct_only=direct,
+                   ratio=(plan.max_load_us / opt) if opt else None, plan_time_us=plan.plan_time_us)
+        with open(args.json_path, "w") as f:
+            json.dump(obj, f, indent=1)
+    return 0
