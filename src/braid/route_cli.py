@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         opt = None
     print(f"# braid route: {topo.name} ({n} GPUs)  {topo.source}")
-    print(f"#  src  dst        bytes  paths")
+    print("#  src  dst        bytes  paths")
     for (s, d), flows in sorted(plan.flows.items()):
         total = sum(b for _, b in flows)
         cells = "  ".join(f"{p.name()}={b / total:.2f}" for p, b in flows)
