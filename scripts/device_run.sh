@@ -19,6 +19,8 @@ for step in "$@"; do
             --json "$OUT/bench_h200x${n}.json" --plot "$OUT/bench_h200x${n}.png" 2>&1 | grep -v Warning | tee "$OUT/bench$n.log" ;;
     hot4) timeout 120 python3 -m braid bench --op all_to_all_single --nproc 4 --hot-bytes 1G --cold-bytes 8M --no-calibrate --plain \
             --json "$OUT/bench_h200x4_hot.json" 2>&1 | grep -v Warning | tee "$OUT/hot4.log" ;;
+    trace4) timeout 200 python3 -m braid bench --op all_gather --nproc 4 --sizes 1G:1G --trace 40 --slow host=4@10:25 \
+            --no-calibrate --json "$OUT/trace_h200x4.json" --plot "$OUT/trace_h200x4.png" 2>&1 | grep -v Warning | tee "$OUT/trace4.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

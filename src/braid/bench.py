@@ -163,7 +163,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="instead of the sweep: run CALLS calls of --op at the smallest --sizes size and record "
                         "the shares and lane times of each (the online balancer at work); --json/--plot take it")
     p.add_argument("--slow", default=None, metavar="LANE=FACTOR@A:B",
-                   help="with --trace: make a CPU lane FACTOR times slower from call A to call B (e.g. shm=4@10:30)")
+                   help="with --trace, from call A to call B: on CPUs make the shm or gloo lane FACTOR times slower "
+                        "(e.g. shm=4@10:30); on GPUs host=N runs N x 256 MiB of competing PCIe copies beside each call")
 
 
 def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
@@ -721,13 +722,35 @@ def _trace(comm, cfg: Config, info: dict):
     op = cfg.ops[0]
     nbytes = cfg.sizes[0]
     slow = _parse_slow(cfg.slow)
-    if slow and slow[0] not in ("shm", "gloo"):
-        raise SystemExit("braid bench: --slow injects delay into CPU lanes (shm, gloo) only; on GPUs run "
-                         "competing copy traffic beside the bench instead")
+    compete = None
+    if slow and comm.cuda:
+        if slow[0] != "host":
+            raise SystemExit("braid bench: on GPUs --slow host=N@A:B runs N x 256 MiB of competing PCIe copies "
+                             "(D2H + H2D) beside each call in A..B; other GPU lanes cannot be slowed yet")
+        side = torch.cuda.Stream(device=comm.device)
+        dev_buf = torch.empty(256 << 20, dtype=torch.uint8, device=comm.device)
+        pin_a = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
+        pin_b = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
+
+        def _compete(copies: int) -> None:
+            side.wait_stream(torch.cuda.current_stream(comm.device))
+            with torch.cuda.stream(side):
+                for _ in range(copies):
+                    pin_a.copy_(dev_buf, non_blocking=True)
+                    dev_buf.copy_(pin_b, non_blocking=True)
+        compete = _compete
+    elif slow and slow[0] not in ("shm", "gloo"):
+        raise SystemExit("braid bench: on CPUs --slow slows the shm or gloo lane")
     load = make(comm, op, nbytes, getattr(torch, cfg.dtype))
     rows = []
     for call in range(cfg.trace):
-        comm.slowdown = {slow[0]: slow[1]} if slow and slow[2] <= call < slow[3] else {}
+        active = bool(slow and slow[2] <= call < slow[3])
+        if compete is not None:
+            comm.slowdown = {}
+            if active:
+                compete(max(1, int(slow[1])))
+        else:
+            comm.slowdown = {slow[0]: slow[1]} if active else {}
         t0 = time.perf_counter()
         load.braid()
         _sync(comm)
@@ -744,7 +767,8 @@ def _trace(comm, cfg: Config, info: dict):
         rows.append({"call": call, "op": op, "nbytes": nbytes, "world_size": comm.world_size,
                      "shares": views[0][0] if views else {}, "lane_time_us": lane_us,
                      "time_us": max(v[2] for v in views) if views else 0.0,
-                     "slowed": dict(comm.slowdown), "machine": info.get("machine"), "date": info.get("date")})
+                     "slowed": ({slow[0]: slow[1]} if active else {}), "machine": info.get("machine"),
+                     "date": info.get("date")})
     comm.slowdown = {}
     if comm.rank == 0:
         print(f"# trace: {op} {_human(nbytes)}B x {cfg.trace} calls, {comm.world_size} ranks"
