@@ -185,7 +185,7 @@ class RoutePlan:
 
 
 def route(topo: Topology, matrix: list[list[int]], iters: int = 120, alpha: float = 10.0,
-          min_split_bytes: int = 1 << 20) -> RoutePlan:
+          min_split_bytes: int = 1 << 20, patience: int = 12, min_iters: int = 30) -> RoutePlan:
     """Min-congestion routing of matrix[s][d] bytes over the topology's candidate paths.
 
     Frank-Wolfe on a soft maximum of the link times (the multiplicative-weights view: a link's
@@ -237,11 +237,18 @@ def route(topo: Topology, matrix: list[list[int]], iters: int = 120, alpha: floa
     x = all_or_nothing(inc.sum(axis=1))               # start: each demand on its fastest path alone
     fixed_small = small.any()
     gammas = np.linspace(0.0, 1.0, 65)
+    best_top, stale = math.inf, 0
     for it in range(iters):
         t = x @ inc
         top = t.max()
         if top <= 0:
             break
+        if top < best_top * (1 - 1e-4):
+            best_top, stale = top, 0
+        else:
+            stale += 1
+            if stale >= patience and it >= min_iters:
+                break                               # converged at this sharpness: stop early
         a = min(alpha * (1.0 + it / 10.0), 400.0)      # smooth first, sharper toward the true max
         g = np.exp(a * (t / top - 1.0))
         y = all_or_nothing(inc @ g)
