@@ -37,7 +37,7 @@ OPS = ("all_gather", "broadcast", "send_recv", "all_to_all_single", "all_reduce"
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 DTYPES = ("bfloat16", "float16", "float32", "float64", "int8", "uint8", "int32", "int64")
 GPU_SIZES = (1 << 20, 1 << 30)
-CPU_SIZES = (64 << 10, 64 << 20)
+CPU_SIZES = (256 << 10, 16 << 20)   # with factor 4: a few minutes for every op on 2 cores
 WRONG_EXIT = 3          # exit status when braid's output differs from the baseline's
 NO_GPU_LINE = "no GPU: running braid's CPU lanes (gloo+shm) against gloo"
 
@@ -133,7 +133,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="op to run, or 'all' for each in turn (default: all_gather)")
     add_launch_arguments(p)
     p.add_argument("--sizes", type=parse_size_range, default=None, metavar="MIN:MAX",
-                   help="size range, e.g. 1M:1G (default: 1M:1G on GPU, 64K:64M on CPU). The size is the "
+                   help="size range, e.g. 1M:1G (default: 1M:1G on GPU, 256K:16M in x4 steps on CPU). The size is the "
                         "per-rank input of all_gather and all_to_all_single, the message of broadcast and send_recv")
     p.add_argument("--factor", type=_factor, default=2.0, help="size step factor (default 2)")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="element type (default: bfloat16 on GPU, float32 on CPU)")
@@ -204,6 +204,8 @@ class Config:
     def resolved(self, cuda: bool) -> "Config":
         """Defaults that depend on GPU vs CPU."""
         c = Config(**self.__dict__)
+        if self.sizes is None and not cuda and self.factor == 2.0:
+            c.factor = 4.0                              # CPU default sweep: 256K, 1M, 4M, 16M
         c.sizes = self.sizes or (GPU_SIZES if cuda else CPU_SIZES)
         c.dtype = self.dtype or ("bfloat16" if cuda else "float32")
         c.iters = self.iters or (20 if cuda else 5)

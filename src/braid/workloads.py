@@ -135,14 +135,15 @@ def make(comm, op: str, nbytes: int, dtype: torch.dtype = torch.bfloat16, device
                 b.copy_(x)
                 run_braid()
                 run_base()
+            # rounding error of a sum scales with sum_i |x_i| (cancellation), not with |sum|;
+            # a collective, so every rank computes it before any rank returns
+            scale = x.abs().double()
+            dist.all_reduce(scale)
             if op == "reduce" and r != 0:
-                return int((a != x).sum())
+                return int((a != x).sum())            # non-root tensors must be left unchanged
             a64, b64 = a.double(), b.double()
             if not dtype.is_floating_point:
                 return int((a64 != b64).sum())
-            # rounding error of a sum scales with sum_i |x_i| (cancellation), not with |sum|
-            scale = x.abs().double()
-            dist.all_reduce(scale)
             if op == "reduce_scatter":
                 per = a.numel()
                 scale = scale[r * per:(r + 1) * per]     # this rank's chunk of sum_i |x_i|
