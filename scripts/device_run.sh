@@ -11,7 +11,7 @@ for step in "$@"; do
     info) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nvidia-smi topo -m | head -8;
           python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())";
           df -h /dev/shm | tail -1 ;;
-    tests) timeout 300 python3 -m pytest tests/gpu -q -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
+    tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/gpu -q -x ${TEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
     probe2) timeout 240 python3 scripts/gpu_probe.py --nproc 2 ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe2.log" | grep -v Warning ;;
     probe4) timeout 300 python3 scripts/gpu_probe.py --nproc 4 ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe4.log" | grep -v Warning ;;
     bench4|bench2) n=${step#bench};
@@ -19,8 +19,9 @@ for step in "$@"; do
             --json "$OUT/bench_h200x${n}.json" --plot "$OUT/bench_h200x${n}.png" 2>&1 | grep -v Warning | tee "$OUT/bench$n.log" ;;
     hot4) timeout 120 python3 -m braid bench --op all_to_all_single --nproc 4 --hot-bytes 1G --cold-bytes 8M --no-calibrate --plain \
             --json "$OUT/bench_h200x4_hot.json" 2>&1 | grep -v Warning | tee "$OUT/hot4.log" ;;
-    trace4) timeout 200 python3 -m braid bench --op all_gather --nproc 4 --sizes 1G:1G --trace 40 --slow host=4@10:25 \
-            --no-calibrate --json "$OUT/trace_h200x4.json" --plot "$OUT/trace_h200x4.png" 2>&1 | grep -v Warning | tee "$OUT/trace4.log" ;;
+    trace4|trace2) n=${step#trace};
+          timeout 200 python3 -m braid bench --op ${TRACE_OP:-all_gather} --nproc $n --sizes 1G:1G --trace 40 --slow ${TRACE_SLOW:-host=4@10:25} \
+            --no-calibrate --json "$OUT/trace_h200x${n}.json" --plot "$OUT/trace_h200x${n}.png" 2>&1 | grep -v Warning | tee "$OUT/trace$n.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

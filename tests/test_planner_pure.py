@@ -423,6 +423,14 @@ def test_choose_with_native_tables():
     cpu = {"gloo": LaneCost(150.0, 1.0), "shm": LaneCost(60.0, 2.0)}
     assert choose_with_native(cpu, 1 << 30) == choose_shares(cpu, 1 << 30)
     assert choose_with_native(cpu, 1 << 30, exclude=("gloo",)) == {"shm": 1.0}
+    # a lane alone beats NCCL (the copy engines' own reduction): only taken with single_ok, and
+    # only when it is faster by the margin
+    red = {"ce": LaneCost(20.0, 390.0), "nccl": LaneCost(15.0, 300.0), "host": LaneCost(30.0, 1.0)}
+    assert choose_with_native(red, 1 << 30) == {"nccl": 1.0}
+    assert choose_with_native(red, 1 << 30, single_ok=True) == {"ce": 1.0}
+    near = {"ce": LaneCost(20.0, 305.0), "nccl": LaneCost(15.0, 300.0)}
+    assert choose_with_native(near, 1 << 30, single_ok=True) == {"nccl": 1.0}
+    assert choose_with_native(red, 4096, single_ok=True) == {"nccl": 1.0}
 
 
 @pytest.mark.parametrize("n", [0, 1, 64, 1024, 16 << 10])

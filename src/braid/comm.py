@@ -25,10 +25,11 @@ from . import envs
 from .collectives import check_rank, flat_bytes, input_bytes, output_bytes, same_dtype, split_bytes
 from .errors import LaneFailureError, LaneUnavailableError, MisuseError, PeerMismatchError
 from .executor import Handle, execute
+from .lanes.base import LaneRun
 from .node import Layout, NodeSegment
 from .planner.model import LaneCost, choose_with_native
 from .planner.plan import (CPU_LANES, GPU_LANES, LaneKind, all_gather_movement, all_to_all_movement,
-                           broadcast_movement, p2p_movement, split)
+                           Plan, broadcast_movement, p2p_movement, split)
 from .planner.rings import COLL, PAIR, RingCursor, ring_id
 
 log = logging.getLogger("braid")
@@ -269,7 +270,8 @@ class Communicator:
         """Shares from lane costs. braid's broadcast lanes are stars from the root (every peer
         reads the root), which only pays for 2 ranks; beyond that the copy engines sit out."""
         exclude = ("ce",) if op == "broadcast" and self.world_size > 2 else ()
-        return choose_with_native(costs, nbytes, "nccl", exclude)
+        return choose_with_native(costs, nbytes, "nccl", exclude,
+                                  single_ok=op in ("all_reduce", "reduce_scatter"))
 
     def _native_ok(self, shares: dict[str, float]) -> bool:
         """One lane that is a library of its own (NCCL, gloo): call its collective directly."""
@@ -590,7 +592,8 @@ class Communicator:
 
     def _reduction(self, opname: str, output, input, op, root, async_op):
         from .collectives.reduce import check_reduce_dtype, op_name, reduce_slots, torch_op
-        from .planner.plan import chunk_bounds, gather_chunks_movement, reduce_scatter_movement
+        from .planner.plan import (chunk_bounds, cut_points, gather_chunks, reduce_scatter_chunks,
+                                   reduce_scatter_movement)
         name = op_name(op)
         dev = self._device_for(input)
         if opname == "all_reduce" or opname == "reduce":
@@ -648,45 +651,102 @@ class Communicator:
             return Handle(native=work, after=after)
 
         def multi(descs, shares, plan1, agreed):
+            """Split call. On GPUs the copy engines' share of every chunk runs as one pipelined
+            reduction (collectives/ce_reduce.py); the other lanes' share takes the staged path:
+            reduce-scatter into slots on those lanes, reduce, gather the reduced chunks back."""
             me = self.rank
             cuda = dev.type == "cuda"
+            elem = [(bounds[d] // esz, (bounds[d + 1] - bounds[d]) // esz) for d in range(w)]
+            ce_f = shares.get("ce", 0.0) if cuda and opname != "reduce" else 0.0
+            rest = {k: v for k, v in shares.items() if not (k == "ce" and ce_f > 0)}
+            if ce_f > 0 and rest:
+                cut = [cut_points(n * esz, [ce_f, 1.0 - ce_f], 4096)[1] // esz for _, n in elem]
+            else:
+                cut = [n if ce_f > 0 else 0 for _, n in elem]
+            ce_chunks = [(o, c) for (o, _), c in zip(elem, cut)]
+            rest_chunks = [(o + c, n - c) for (o, n), c in zip(elem, cut)]
+            # where rank d's reduced chunk goes in its own output: in place for all_reduce/reduce,
+            # the start of the output for reduce_scatter
+            out_at = [o for o, _ in elem] if opname != "reduce_scatter" else [0] * w
+            def record(staged_plan):
+                """The plan as it ran: the staged lanes' transfers, and the pulls of the copy
+                engines' pipelined part (for Handle.shares and lane_bytes)."""
+                if ce_f == 0:
+                    return staged_plan
+                lanes = dict(staged_plan.lanes) if staged_plan is not None else {}
+                ce_bytes = [(o * esz, n * esz) for o, n in ce_chunks]
+                lanes["ce"] = reduce_scatter_chunks(w, ce_bytes).transfers
+                return Plan(opname, w, size, dict(shares), lanes, [])
+
+            caller = torch.cuda.current_stream(dev) if cuda else None
+            start_event = None
+            runs = []
+            if cuda:
+                start_event = torch.cuda.Event()
+                start_event.record(caller)
+            if ce_f > 0:
+                flat_in = ib.view(output.dtype)
+                flat_out = output.reshape(-1)
+                runs.append(self._ce_reduction().post(
+                    start_event=start_event, inp=flat_in, out=flat_out, chunks=ce_chunks, out_offsets=out_at,
+                    gather=opname == "all_reduce", descs=descs, name=name, factor=factor))
+            if not rest or not any(n for _, n in rest_chunks):
+                event = runs[0].end if cuda and runs else None
+                return Handle(runs, plan=record(None if ce_f > 0 else plan1), event=event)
             stream = self._op_stream() if cuda else None
             ctx = torch.cuda.stream(stream) if cuda else contextlib.nullcontext()
             with ctx:
                 if cuda:
-                    stream.wait_stream(torch.cuda.current_stream(dev))
-                mine = (bounds[me + 1] - bounds[me]) // esz
-                slots = torch.empty(w * mine, dtype=output.dtype, device=dev)
-                h1 = execute(self, plan1, ib, [ob, flat_bytes(slots)], descs)
+                    stream.wait_event(start_event)
+                    t_start = torch.cuda.Event(enable_timing=True)
+                    t_start.record(stream)
+                byte_chunks = tuple((o * esz, n * esz) for o, n in rest_chunks)
+                p1 = self._plan(("rs", byte_chunks), lambda: reduce_scatter_chunks(w, list(byte_chunks)),
+                                rest, size, dev)
+                o_me, n_me = rest_chunks[me]
+                slots = torch.empty(w * n_me, dtype=output.dtype, device=dev)
+                h1 = execute(self, p1, ib, [ob, flat_bytes(slots)], descs)
                 h1.wait()
                 if opname == "reduce_scatter":
-                    reduce_slots(slots, w, name, output.reshape(-1), factor)
-                    runs = h1.runs
+                    c = cut[me]
+                    reduce_slots(slots, w, name, output.reshape(-1)[c: c + n_me], factor)
+                    staged = h1.runs
                 else:
                     target = output if (opname == "all_reduce" or me == root) else torch.empty_like(output)
-                    red = target.reshape(-1)[bounds[me] // esz: bounds[me + 1] // esz]
-                    reduce_slots(slots, w, name, red, factor)
+                    reduce_slots(slots, w, name, target.reshape(-1)[o_me: o_me + n_me], factor)
                     src = flat_bytes(target)
                     d2 = self._exchange(dict(desc, op=f"{opname}/gather"), src, agreed)
-                    mv = gather_chunks_movement(w, bounds, None if opname == "all_reduce" else root)
-                    plan2 = self._plan(("gather", tuple(bounds), root), lambda: mv, shares, size, dev)
-                    h2 = execute(self, plan2, src, [ob], d2)
+                    mv = gather_chunks(w, list(byte_chunks), None if opname == "all_reduce" else root)
+                    p2 = self._plan(("gather", byte_chunks, root), lambda: mv, rest, size, dev)
+                    h2 = execute(self, p2, src, [ob], d2)
                     h2.wait()
-                    runs = h1.runs + h2.runs
+                    staged = h1.runs + h2.runs
                 event = None
                 if cuda:
+                    t_end = torch.cuda.Event(enable_timing=True)
+                    t_end.record(stream)
+                    if len(rest) == 1:     # one lane: its time is the whole staged path, reduction included
+                        staged = [LaneRun(LaneKind(next(iter(rest))), start=t_start, end=t_end)]
+                    for r in runs:
+                        stream.wait_event(r.end)
                     event = torch.cuda.Event()
                     event.record(stream)
                     for t in (output, input, slots):
                         if t.numel():
                             t.record_stream(stream)
-            return Handle(runs, plan=plan1, event=event)
+            return Handle(runs + staged, plan=record(p1), event=event)
 
         def movement_of(descs):
             return size, ("rs", tuple(bounds)), lambda: reduce_scatter_movement(w, bounds)
 
         return self._run(opname, desc, size, ib, [ob], movement_of, native,
                          ("op", "dtype", "nbytes", "red", "factor", "root"), async_op, multi=multi)
+
+    def _ce_reduction(self):
+        if getattr(self, "_ce_red", None) is None:
+            from .collectives.ce_reduce import CeReduction
+            self._ce_red = CeReduction(self._lanes["ce"], self)
+        return self._ce_red
 
     def _op_stream(self):
         if getattr(self, "_opstream", None) is None:

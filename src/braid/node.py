@@ -64,7 +64,7 @@ class Layout:
         n = world_size
         self.world_size = n
         names = [("mbox_coll", n), ("mbox_p2p", n * n),
-                 ("ce_arrive", n), ("ce_finish", n), ("ce_p2p_arrive", n * n), ("ce_p2p_finish", n * n),
+                 ("ce_arrive", n), ("ce_finish", n), ("ce_red", n), ("ce_p2p_arrive", n * n), ("ce_p2p_finish", n * n),
                  ("coll_full", n), ("coll_done", n * n), ("pair_full", n * n), ("pair_done", n * n),
                  ("pid", n)]
         self.counter_base: dict[str, int] = {}

@@ -67,20 +67,21 @@ def torch_op(op, name: str):
 
 
 def reduce_slots(slots: torch.Tensor, world_size: int, name: str, out: torch.Tensor, factor: float = 1.0) -> None:
-    """out = slot[0] (op) slot[1] (op) ... in rank order; slots is [world_size * numel(out)]."""
+    """out = slot[0] (op) slot[1] (op) ... in rank order. slots: [world_size, numel(out)] (rows may
+    be strided) or flat [world_size * numel(out)]. Sums of half-precision inputs accumulate in
+    float32 inside the reduction kernel and round once into `out` (no float32 temporary)."""
     m = out.numel()
     if m == 0:
         return
-    x = slots[: world_size * m].view(world_size, m)
+    x = slots if slots.dim() == 2 else slots[: world_size * m].view(world_size, m)
     half = out.dtype in (torch.float16, torch.bfloat16)
     acc = torch.float32 if half else out.dtype
-    if name in ("sum", "avg", "premul_sum"):
-        if name == "premul_sum":
-            x = x.to(acc) * factor if half else x * factor
-        r = x.sum(0, dtype=acc)
+    if name in ("sum", "avg"):
+        torch.sum(x, 0, out=out)
         if name == "avg":
-            r = r / world_size
-        out.copy_(r)
+            out.div_(world_size)
+    elif name == "premul_sum":
+        out.copy_((x.to(acc) * factor if half else x * factor).sum(0, dtype=acc))
     elif name == "product":
         out.copy_(x.prod(0, dtype=acc))
     elif name == "min":
@@ -88,4 +89,30 @@ def reduce_slots(slots: torch.Tensor, world_size: int, name: str, out: torch.Ten
     elif name == "max":
         torch.amax(x, 0, out=out)
     else:  # pragma: no cover - op_name() guards this
+        raise MisuseError(f"unknown reduction {name}")
+
+
+def reduce_pair(x0: torch.Tensor, x1: torch.Tensor, name: str, out: torch.Tensor, factor: float = 1.0) -> None:
+    """out = x0 (op) x1 for two ranks, in one elementwise kernel where the op allows. Gives the
+    same bits as reduce_slots on the stacked pair: a half-precision add or multiply is computed
+    exactly and rounded once, like the float32 accumulation. `out` may alias x0 or x1."""
+    if out.numel() == 0:
+        return
+    if name in ("sum", "avg"):
+        torch.add(x0, x1, out=out)
+        if name == "avg":
+            out.div_(2)
+    elif name == "product":
+        torch.mul(x0, x1, out=out)
+    elif name == "min":
+        torch.minimum(x0, x1, out=out)
+    elif name == "max":
+        torch.maximum(x0, x1, out=out)
+    elif name == "premul_sum":
+        half = out.dtype in (torch.float16, torch.bfloat16)
+        if half:
+            out.copy_(x0.float() * factor + x1.float() * factor)
+        else:
+            out.copy_(x0 * factor + x1 * factor)
+    else:  # pragma: no cover
         raise MisuseError(f"unknown reduction {name}")

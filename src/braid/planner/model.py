@@ -114,18 +114,24 @@ def choose_shares(costs: dict[str, LaneCost], nbytes: int,
 
 
 def choose_with_native(costs: dict[str, LaneCost], nbytes: int, native: str = "nccl",
-                       exclude: tuple[str, ...] = ()) -> dict[str, float]:
+                       exclude: tuple[str, ...] = (), single_ok: bool = False,
+                       margin: float = 0.03) -> dict[str, float]:
     """The split rule on GPUs: NCCL's own call when one lane is best, else a split over the other
     lanes (copy engines + host). Measured on H200 (bench_results/2026-11-22-run1): NCCL's kernels
     inside a split run as batched point-to-point, slower than NCCL's own collective and than the
     copy engines, so NCCL is the single-lane choice and the copy engines the NVLink lane of a split.
-    `exclude` drops lanes that cannot help this op (e.g. star-shaped broadcast beyond 2 ranks)."""
+    `exclude` drops lanes that cannot help this op (e.g. star-shaped broadcast beyond 2 ranks).
+    `single_ok`: another lane alone may replace NCCL when it is predicted faster by `margin` (the
+    reductions, where the copy engines run an algorithm of their own)."""
     if native not in costs:
         return choose_shares({k: c for k, c in costs.items() if k not in exclude} or costs, nbytes)
     pool = {k: c for k, c in costs.items() if k != native and k not in exclude}
     size = max(nbytes, 1)
     if pool:
         multi = choose_shares(pool, size)
-        if len(multi) > 1 and predicted_time_us(pool, multi, size) < costs[native].time_us(size):
+        t = predicted_time_us(pool, multi, size)
+        if len(multi) > 1 and t < costs[native].time_us(size):
+            return multi
+        if len(multi) == 1 and single_ok and t < costs[native].time_us(size) * (1.0 - margin):
             return multi
     return {native: 1.0}

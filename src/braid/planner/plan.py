@@ -240,32 +240,42 @@ def chunk_bounds(numel: int, world_size: int, elem_bytes: int) -> list[int]:
 
 
 def reduce_scatter_movement(world_size: int, bounds: list[int]) -> Movement:
-    """Rank s's bytes of chunk d land in slot s of rank d's scratch (buffer 1), laid out as
-    world_size slots of that chunk's size. A rank's own contribution is a local copy into its slot,
-    so the reduction reads one [world_size, chunk] array in rank order."""
+    """reduce_scatter_chunks over contiguous chunks: chunk d is bytes [bounds[d], bounds[d+1])."""
+    return reduce_scatter_chunks(world_size, [(bounds[d], bounds[d + 1] - bounds[d]) for d in range(world_size)])
+
+
+def reduce_scatter_chunks(world_size: int, chunks: list[tuple[int, int]]) -> Movement:
+    """Rank s's bytes of chunk d (`chunks[d]` = (byte offset in every rank's input, size)) land in
+    slot s of rank d's scratch (buffer 1), laid out as world_size slots of that chunk's size. A
+    rank's own contribution is a local copy into its slot, so the reduction reads one
+    [world_size, chunk] array in rank order."""
     transfers, local = [], []
-    for d in range(world_size):
-        size = bounds[d + 1] - bounds[d]
+    for d, (off, size) in enumerate(chunks):
         if not size:
             continue
         for s in range(world_size):
             if s == d:
-                local.append(LocalCopy(d, bounds[d], size, 1, d * size))
+                local.append(LocalCopy(d, off, size, 1, d * size))
             else:
-                transfers.append(Transfer(s, bounds[d], size, ((d, 1, s * size),)))
+                transfers.append(Transfer(s, off, size, ((d, 1, s * size),)))
     return Movement("reduce_scatter", world_size, transfers, local)
 
 
 def gather_chunks_movement(world_size: int, bounds: list[int], root: int | None) -> Movement:
-    """Rank d's reduced chunk (its input at bounds[d]) to the same place in every other rank's
-    buffer 0 (root None: the all_reduce's all-gather) or in the root's only (reduce)."""
+    """gather_chunks over contiguous chunks: chunk d is bytes [bounds[d], bounds[d+1])."""
+    return gather_chunks(world_size, [(bounds[d], bounds[d + 1] - bounds[d]) for d in range(world_size)], root)
+
+
+def gather_chunks(world_size: int, chunks: list[tuple[int, int]], root: int | None) -> Movement:
+    """Rank d's reduced chunk (its input at chunks[d] = (byte offset, size)) to the same place in
+    every other rank's buffer 0 (root None: the all_reduce's all-gather) or in the root's only
+    (reduce)."""
     transfers = []
-    for d in range(world_size):
-        size = bounds[d + 1] - bounds[d]
+    for d, (off, size) in enumerate(chunks):
         if not size:
             continue
-        dsts = tuple((q, 0, bounds[d]) for q in range(world_size)
+        dsts = tuple((q, 0, off) for q in range(world_size)
                      if q != d and (root is None or q == root))
         if dsts:
-            transfers.append(Transfer(d, bounds[d], size, dsts))
+            transfers.append(Transfer(d, off, size, dsts))
     return Movement("gather_chunks", world_size, transfers, [])
