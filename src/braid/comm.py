@@ -76,6 +76,9 @@ class Communicator:
         self.balancer = OnlineBalancer()
         self.adapt = True                    # stage 2 on; comm.adapt = False freezes the shares
         self._pending: dict[str, tuple] = {}   # op -> (bucket key, shares used, handle) of its last split call
+        self._staged_buf = None                 # reductions' slot scratch on GPUs, reused
+        self._staged_end = None                 # the last staged reduction's end event
+        self._ce_red = None
         self.slowdown: dict[str, float] = {}   # test/bench hook: CPU lane -> time multiplier
         self.check = envs.get("BRAID_CHECK")   # read once, when the communicator is created
         self._plan_cache: dict = {}
@@ -682,6 +685,8 @@ class Communicator:
             start_event = None
             runs = []
             if cuda:
+                if self._staged_end is not None and rest:
+                    caller.wait_event(self._staged_end)   # the staged scratch is free again
                 start_event = torch.cuda.Event()
                 start_event.record(caller)
             if ce_f > 0:
@@ -704,7 +709,7 @@ class Communicator:
                 p1 = self._plan(("rs", byte_chunks), lambda: reduce_scatter_chunks(w, list(byte_chunks)),
                                 rest, size, dev)
                 o_me, n_me = rest_chunks[me]
-                slots = torch.empty(w * n_me, dtype=output.dtype, device=dev)
+                slots = self._staged_scratch(w * n_me, output.dtype, dev)
                 h1 = execute(self, p1, ib, [ob, flat_bytes(slots)], descs)
                 h1.wait()
                 if opname == "reduce_scatter":
@@ -731,6 +736,7 @@ class Communicator:
                         stream.wait_event(r.end)
                     event = torch.cuda.Event()
                     event.record(stream)
+                    self._staged_end = event
                     for t in (output, input, slots):
                         if t.numel():
                             t.record_stream(stream)
@@ -742,8 +748,20 @@ class Communicator:
         return self._run(opname, desc, size, ib, [ob], movement_of, native,
                          ("op", "dtype", "nbytes", "red", "factor", "root"), async_op, multi=multi)
 
+    def _staged_scratch(self, n: int, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+        """Slots of the staged reductions, kept from call to call on GPUs (a fresh allocation
+        per call went to cudaMalloc: the previous call's block is still held by our streams).
+        The next staged call starts after this one's end event (see multi())."""
+        if dev.type != "cuda":
+            return torch.empty(n, dtype=dtype, device=dev)
+        need = n * torch.empty((), dtype=dtype).element_size()
+        if self._staged_buf is None or self._staged_buf.numel() < need:
+            self._staged_buf = None
+            self._staged_buf = torch.empty(max(need, 1), dtype=torch.uint8, device=dev)
+        return self._staged_buf[:need].view(dtype)
+
     def _ce_reduction(self):
-        if getattr(self, "_ce_red", None) is None:
+        if self._ce_red is None:
             from .collectives.ce_reduce import CeReduction
             self._ce_red = CeReduction(self._lanes["ce"], self)
         return self._ce_red
@@ -804,6 +822,9 @@ class Communicator:
             torch.cuda.synchronize(self.device)
         for lane in self._lanes.values():
             lane.close()
+        if self._ce_red is not None:
+            self._ce_red.close()
+        self._staged_buf = self._staged_end = self._ce_red = None
         self._closer()
 
     def __enter__(self) -> "Communicator":
