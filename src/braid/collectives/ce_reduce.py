@@ -43,9 +43,13 @@ from ..planner.plan import LaneKind
 from .reduce import reduce_pair, reduce_slots
 
 MAX_PIECES = 64
-TARGET_PIECES = 16
-MIN_PIECE_BYTES = 1 << 20
-MAX_PIECE_BYTES = 32 << 20
+# Few pieces: the incoming NVLink direction carries the pulls and the gathers alike, so it stays
+# busy whatever the piece count, and the only exposed work is the reduction of the last piece. Each
+# piece costs ~50 us of host-side launches; with 16 pieces the calls were CPU-bound (2 x H200,
+# 2026-11-22: 1.7 ms at 64 MiB, where NCCL takes 0.25 ms).
+TARGET_PIECES = 4
+MIN_PIECE_BYTES = 4 << 20
+MAX_PIECE_BYTES = 256 << 20
 
 
 def piece_elems(chunks: list[tuple[int, int]], esz: int) -> int:
@@ -75,6 +79,7 @@ class CeReduction:
         self.gather_stream = torch.cuda.Stream(device=dev)
         self.reduce_stream = torch.cuda.Stream(device=dev)
         self.buf: torch.Tensor | None = None
+        self.pool: list = []
 
     def post(self, *, start_event, inp: torch.Tensor, out: torch.Tensor, chunks: list[tuple[int, int]],
              out_offsets: list[int], gather: bool, descs: list, name: str, factor: float) -> LaneRun:
@@ -109,14 +114,16 @@ class CeReduction:
         slots = self._scratch(rows, my_len, inp.dtype) if my_len else None
         my_in = inp[my_off: my_off + my_len]
         my_out = out[out_offsets[me]: out_offsets[me] + my_len]
-        for k, (a, b) in enumerate(mine):
-            for p in peers:
-                _cuda.memcpy_async(slots[row(p), a:b].data_ptr(), ptr[p] + (my_off + a) * esz, (b - a) * esz,
-                                   ps.cuda_stream)
-            ready = torch.cuda.Event()
-            ready.record(ps)
-            rs.wait_event(ready)
-            with torch.cuda.stream(rs):
+        events = self._events(len(mine))
+        slot_ptr = slots.data_ptr() if slots is not None else 0
+        row_bytes = my_len * esz
+        with torch.cuda.stream(rs):
+            for k, (a, b) in enumerate(mine):
+                for p in peers:
+                    _cuda.memcpy_async(slot_ptr + row(p) * row_bytes + a * esz, ptr[p] + (my_off + a) * esz,
+                                       (b - a) * esz, ps.cuda_stream)
+                events[k].record(ps)
+                rs.wait_event(events[k])
                 if w == 2:
                     other = slots[0, a:b]
                     x0, x1 = (my_in[a:b], other) if me == 0 else (other, my_in[a:b])
@@ -124,20 +131,19 @@ class CeReduction:
                 else:
                     slots[me, a:b].copy_(my_in[a:b])
                     reduce_slots(slots[:, a:b], w, name, my_out[a:b], factor)
-            _cuda.write_value(rs.cuda_stream, red(me), base + k + 1)
+                _cuda.write_value(rs.cuda_stream, red(me), base + k + 1)
         if gather:
-            rounds = max((len(pieces(chunks[p][1], per)) for p in peers), default=0)
+            out_ptr = out.data_ptr()
+            theirs = {p: pieces(chunks[p][1], per) for p in peers}
+            rounds = max((len(v) for v in theirs.values()), default=0)
             for k in range(rounds):
                 for p in peers:
-                    off, n = chunks[p]
-                    pp = pieces(n, per)
-                    if k >= len(pp):
+                    if k >= len(theirs[p]):
                         continue
-                    a, b = pp[k]
+                    a, b = theirs[p][k]
+                    at = (out_offsets[p] + a) * esz
                     _cuda.wait_value(gs.cuda_stream, red(p), base + k + 1)
-                    dst = out[out_offsets[p] + a: out_offsets[p] + b]
-                    _cuda.memcpy_async(dst.data_ptr(), ptr[p] + (out_offsets[p] + a) * esz, (b - a) * esz,
-                                       gs.cuda_stream)
+                    _cuda.memcpy_async(out_ptr + at, ptr[p] + at, (b - a) * esz, gs.cuda_stream)
         for s in (rs, gs):
             ev = torch.cuda.Event()
             ev.record(s)
@@ -150,6 +156,12 @@ class CeReduction:
                 if t is not None and t.numel():
                     t.record_stream(s)
         return LaneRun(LaneKind.CE, start=start, end=lane._end(ps))
+
+    def _events(self, n: int) -> list:
+        """Reused events (recording an event again is stream-ordered after its earlier waits)."""
+        while len(self.pool) < n:
+            self.pool.append(torch.cuda.Event())
+        return self.pool[:n]
 
     def _scratch(self, rows: int, n: int, dtype: torch.dtype) -> torch.Tensor:
         """The slot rows, kept from call to call. A fresh allocation each call cost ~2 ms on
