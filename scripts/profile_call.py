@@ -1,0 +1,81 @@
+"""Device probe: where one braid call's time goes on the host (CPU time per call, a cProfile of
+rank 0) and on the GPU (calls enqueued back to back, timed with events).
+
+    python3 scripts/profile_call.py --nproc 2 --op all_reduce --size 16M --shares ce=1
+"""
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def worker(rank, world, port, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
+                      TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    import braid
+    from braid.bench import parse_shares, parse_size
+    from braid.workloads import make
+    comm = braid.init()
+    wl = make(comm, args.op, parse_size(args.size), torch.bfloat16)
+    shares = parse_shares(args.shares)
+    with comm.fixed_shares(shares):
+        for _ in range(5):
+            wl.braid()
+        torch.cuda.synchronize()
+        dist.barrier()
+        n = 30
+        t0 = time.perf_counter()
+        for _ in range(n):
+            wl.braid()
+        cpu = (time.perf_counter() - t0) / n * 1e6
+        torch.cuda.synchronize()
+        gpu_total = (time.perf_counter() - t0) / n * 1e6
+        dist.barrier()
+        prof = cProfile.Profile() if rank == 0 else None
+        if prof:
+            prof.enable()
+        for _ in range(n):
+            wl.braid()
+        if prof:
+            prof.disable()
+        torch.cuda.synchronize()
+        dist.barrier()
+        nccl0 = time.perf_counter()
+        for _ in range(n):
+            wl.baseline()
+        torch.cuda.synchronize()
+        nccl = (time.perf_counter() - nccl0) / n * 1e6
+    if rank == 0:
+        print(f"{args.op} {args.size} {shares}: host time per call {cpu:.0f} us, wall per call {gpu_total:.0f} us, "
+              f"nccl wall per call {nccl:.0f} us", flush=True)
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
+        print(s.getvalue()[-4500:], flush=True)
+    braid.close()
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--op", default="all_reduce")
+    ap.add_argument("--size", default="16M")
+    ap.add_argument("--shares", default="ce=1")
+    args = ap.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(args.nproc, port, args), nprocs=args.nproc)
+
+
+if __name__ == "__main__":
+    main()
