@@ -116,7 +116,9 @@ def test_route_cli(tmp_path, capsys):
     assert "max link load" in text and "LP optimum" in text
     obj = json.loads(out.read_text())
     assert obj["lp_optimum"] > 0 and obj["max_load"] >= obj["lp_optimum"] * (1 - 1e-6)
-    assert obj["plan_time_us"] > 0 and obj["ratio"] <= 1.05
+    assert obj["plan_time_us"] > 0 and obj["plan_time_hit_us"] > 0 and obj["ratio"] <= 1.05
+    assert 0 < obj["lower_bound_us"] <= obj["lp_optimum"] * (1 + 1e-9)
+    assert "cache hit" in text
     flows = {(x["src"], x["dst"]): sum(p["bytes"] for p in x["paths"]) for x in obj["flows"]}
     assert flows[(0, 1)] == 1 << 30
     f.write_text(json.dumps([[0, 1], [1, 0]]))

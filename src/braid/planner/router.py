@@ -241,12 +241,15 @@ def _solve(A, lk, pidx, pcu, fixed, L: int, gap: float, iters: int):
     lkf = lk.ravel()
     kidx = (np.arange(nd)[:, None, None] * (L + 1) + lk).ravel()
     sq = (L + 1) * (L + 1)
+    ones_w, ones_k = np.ones(width), np.ones(depth)      # short-axis sums as matrix-vector products
+    yx = np.zeros(L + 1)                                 # prices with the "no link" slot at 0
 
     def load(f):                                   # link times of fractions f (nd, W)
         return np.bincount(lkf, (A * f[..., None]).ravel(), L + 1)[:L]
 
     def price(y):                                  # per path: sum of its links' y
-        return (A * np.take(np.append(y, 0.0), lk)).sum(-1)
+        yx[:L] = y
+        return (A * np.take(yx, lk)) @ ones_k
 
     scale = (load(np.full((nd, width), 1.0 / width)) + fixed).max()
     A = A / scale
@@ -277,7 +280,7 @@ def _solve(A, lk, pidx, pcu, fixed, L: int, gap: float, iters: int):
 
     for it in range(iters):
         f = z[:P].reshape(nd, width)
-        rows = f.sum(1)
+        rows = f @ ones_w
         t = load(f) + fixed
         rp1 = 1.0 - rows
         rp2 = z[-1] - t - z[P:P + L]
@@ -299,7 +302,7 @@ def _solve(A, lk, pidx, pcu, fixed, L: int, gap: float, iters: int):
         mu = z @ sg / N
         D = z / sg
         Df = D[:P].reshape(nd, width)
-        delta = Df.sum(1)
+        delta = Df @ ones_w
         bk = np.bincount(kidx, (A * Df[..., None]).ravel(), nd * (L + 1)).reshape(nd, L + 1)[:, :L]
         S = np.bincount(pidx, (pcu * Df[..., None]).ravel(), sq).reshape(L + 1, L + 1)[:L, :L]
         S[np.diag_indices(L)] += D[P:P + L]
@@ -310,7 +313,7 @@ def _solve(A, lk, pidx, pcu, fixed, L: int, gap: float, iters: int):
         def newton(rc):
             q = (rc - z * rd) / sg
             qf = q[:P].reshape(nd, width)
-            r1 = rp1 - qf.sum(1)
+            r1 = rp1 - qf @ ones_w
             r2 = rp2 - (load(qf) + q[P:P + L] - q[-1])
             u2 = np.linalg.solve(S, r2 - bkt @ r1)
             u1 = (r1 - bk @ u2) / delta
@@ -619,12 +622,28 @@ class Router:
             if old is self.last:
                 break
         made = route(self.topo, m, min_split_bytes=split, **self.kwargs)
+        if made.prices is not None:                # the reuse bound's table, paid on the miss
+            self._cheapest(made)
+            made.plan_time_us = (time.perf_counter() - t0) * 1e6
         if len(self.cache) >= self.max_cached:
             self.cache.clear()
         self.cache[key] = made
         self.last = made
         self.misses += 1
         return made, False
+
+    def _cheapest(self, plan: RoutePlan):
+        """Per pair under the plan's link prices: the cheapest candidate and its price (us/byte)."""
+        import numpy as np
+        cheap = plan.__dict__.get("_cheapest")
+        if cheap is None:
+            c = _compiled(self.topo)
+            pr = (c.cu * np.take(np.append(plan.prices, 0.0), c.lk)).sum(-1)
+            pr[c.pad] = np.inf
+            j = pr.argmin(-1)
+            cheap = (j, np.take_along_axis(pr, j[..., None], -1)[..., 0])
+            plan.__dict__["_cheapest"] = cheap
+        return cheap
 
     def rescale(self, old: RoutePlan, m, split: int, t0: float | None = None) -> RoutePlan | None:
         """`old`'s path fractions applied to matrix m (exact bytes), or None when the result is
@@ -634,13 +653,7 @@ class Router:
         c = _compiled(self.topo)
         s, d, b = _demands(c, m)
         frac = old.fractions[s, d]
-        cheap = old.__dict__.get("_cheapest")
-        if cheap is None:                          # per pair: cheapest path and its price (us/byte)
-            pr = (c.cu * np.append(old.prices, 0.0)[c.lk]).sum(-1)
-            pr[c.pad] = np.inf
-            j = pr.argmin(-1)
-            cheap = (j, np.take_along_axis(pr, j[..., None], -1)[..., 0])
-            old.__dict__["_cheapest"] = cheap
+        cheap = self._cheapest(old)
         lower = float((b * cheap[1][s, d]).sum())
         one = b <= split
         fresh = frac.sum(1) < 0.5                  # zero in the old matrix: its cheapest path
