@@ -8,17 +8,26 @@ k through the GPU that owns it, over NVLink). A link's load is the bytes routed 
 path's use of it; its time is load / capacity. The plan minimises the largest link time, which is
 the collective's time when every link runs at capacity.
 
-Solver: Frank-Wolfe on a soft maximum of the link times, i.e. exponential link weights
-exp(alpha * time / max time) as in multiplicative-weights (Garg-Koenemann) methods. Each round
-sends every demand to its cheapest path under those weights (all-or-nothing) and moves the plan
-toward that by a line search; alpha grows each round. Rejected: slice-by-slice greedy with a
-max-link path cost plus rip-up-and-reroute (stuck at 1.17x the optimum on dense matrices). tests/test_router.py checks the
-result against the exact linear-program optimum over the same candidate paths.
+Solver: the path LP (min tau subject to every demand split over its paths and every link's time
+<= tau) by a primal-dual interior point method (Mehrotra predictor-corrector). Every demand's
+block of the Newton system is eliminated in closed form, leaving one links x links system per
+round (33 links for 8 GPUs on an NVSwitch), and the topology's path/link incidence is compiled
+once into arrays kept on the Topology, so a call gathers rows for its nonzero demands and runs
+4-8 rounds of sparse array passes. It stops when the plan is within `gap` (2%) of a lower bound
+from the dual link prices (weak duality), so every plan carries a certificate (`lower_bound_us`).
+Rejected: Frank-Wolfe on a soft maximum of link times with exponential (multiplicative-weights)
+link weights, the previous solver: first-order, 30-120 rounds, 9-100 ms here, up to 1.05x the
+optimum, and its lower bound is too loose to stop on; slice-by-slice greedy with a max-link path
+cost and rip-up-and-reroute (stuck at 1.17x on dense matrices). tests/test_router.py checks every
+plan against the exact LP optimum (scipy, tests only) over the same candidate paths.
 
-Policies. Demands below `min_split_bytes` take their single best path (NIMBLE: multipath off at or
-below 1 MB). `Router.plan()` keeps the previous plan when a new matrix has the same coarse
-signature (each demand rounded to a power of two), so a slightly different matrix reuses it, and
-caches plans by that signature.
+Policies. Demands at or below `min_split_bytes` take their fastest path (NIMBLE: multipath off at
+or below 1 MB); `SplitThreshold` moves that size from measured single-path vs multipath times.
+`Router.plan()` reuses an earlier plan's path fractions, rescaled to the new matrix's exact bytes,
+when the result is provably within `tolerance` (5%) of the optimum for the new matrix (the cached
+link prices give the bound); candidates are the plan cached under the matrix's coarse signature
+(each demand rounded down to a power of two) and the last plan (hysteresis). docs/router.md has
+the measurements.
 """
 from __future__ import annotations
 
@@ -216,7 +225,7 @@ def _compiled(topo: Topology) -> _Compiled:
     return c
 
 
-START_MARGIN = 1.0
+START_MARGIN = 1.0      # dual start: each demand priced 1 (scaled units) below its cheapest path; 0.3 and 1 measured alike
 
 
 def _solve(A, lk, pidx, pcu, fixed, L: int, gap: float, iters: int):
