@@ -5,6 +5,7 @@
     braid env                         every BRAID_* setting, its value and meaning
     braid topo                        GPUs, peer access, and which lanes braid can use here
     braid route      --matrix M.json --topology h200x4   plan a traffic matrix over every path
+    braid sim        reproduce flexlink|fuselink|nimble | scale --op ... | own | presets
 
 bench/calibrate/topo spawn one rank per GPU (2 CPU ranks without GPUs), or run inside torchrun:
     torchrun --nproc-per-node 4 -m braid bench --op all
@@ -33,6 +34,11 @@ def _topo(args: argparse.Namespace) -> int:
 def _route(args: argparse.Namespace) -> int:
     from . import route_cli
     return route_cli.run(args)
+
+
+def _sim(args: argparse.Namespace) -> int:
+    from .sim import cli
+    return cli.run(args)
 
 
 def _env(args: argparse.Namespace) -> int:
@@ -73,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "so the most loaded link is as light as possible; compare with the LP optimum.")
     route_cli.add_arguments(p)
     p.set_defaults(func=_route)
+
+    from .sim import cli as sim_cli
+    p = sub.add_parser("sim", help="the flow-level simulator: published testbeds, our machines, scale",
+                       description="Run braid's plans on modelled machines: reproduce FlexLink, FuseLink and NIMBLE's "
+                                   "figures, compare with braid's recorded bench, or scale to 128 nodes x 8 GPUs.")
+    sim_cli.add_arguments(p)
+    p.set_defaults(func=_sim)
     return parser
 
 

@@ -1,0 +1,187 @@
+"""The flow model: byte streams over links of fixed capacity, sharing them max-min fairly.
+
+A `Flow` moves `nbytes` along a set of links, using `w` bytes of link capacity per byte moved
+(a host-staged multicast crosses host memory once to stage and once per reader, so its weight on
+that link is 1 + readers). It starts `start_us + latency_us` after time zero: the latency is the
+fixed cost of the flow's chunk pipeline (per-step synchronisation, filling the first slot), paid
+once before bytes move at the flow's rate. A flow may also carry an engine cap (`cap_gbps`): the
+most a single pipeline can move alone, whatever the links allow (a store-and-forward relay with
+one chunk in flight, NCCL's kernels reaching 70 % of a link).
+
+Rates are max-min fair (progressive filling): every active flow's rate rises together until a link
+is full or a flow reaches its cap; flows through that link freeze; repeat. When a flow finishes or
+a new one starts, the rates are solved again (event-driven, so a flow that finishes early gives
+its share to the others). So a chunk pipeline of S steps costs S * per-step latency plus its bytes
+over its share of the bottleneck link, which is the model the simulator needs and nothing finer.
+
+Rejected: packet- or chunk-level simulation (slow in Python at 1024 GPUs, and the published
+figures we reproduce are bandwidths of long transfers, which a fluid model gets right); a fixed
+share per lane independent of the others (misses lanes that meet on one link, such as PCIe shared
+by the host lane and a NIC).
+
+Units: bytes, microseconds, GB/s with 1 GB/s = 1e3 bytes per microsecond. Pure Python.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+BYTES_PER_US = 1e3   # 1 GB/s in bytes per microsecond
+
+
+@dataclass(frozen=True)
+class Flow:
+    name: str
+    nbytes: float
+    links: tuple[tuple[str, float], ...]          # (link, bytes of that link per byte of the flow)
+    latency_us: float = 0.0
+    cap_gbps: float = math.inf
+    start_us: float = 0.0
+    group: str = ""                               # the lane (or op phase) it belongs to
+
+    @property
+    def ready_us(self) -> float:
+        return self.start_us + self.latency_us
+
+
+@dataclass
+class FlowResult:
+    finish_us: list[float]
+    flows: list[Flow]
+    link_bytes: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def makespan_us(self) -> float:
+        return max(self.finish_us, default=0.0)
+
+    def group_finish_us(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for f, t in zip(self.flows, self.finish_us):
+            out[f.group] = max(out.get(f.group, 0.0), t)
+        return out
+
+
+def max_min_rates(capacity: dict[str, float], flows: list[Flow]) -> list[float]:
+    """Max-min fair rates (GB/s) of flows that all want to send now (weighted progressive filling).
+
+    Every unfrozen flow gets the same rate x; x rises until a link saturates or a flow hits its
+    cap; the flows through a saturated link (or the capped flow) freeze at x."""
+    n = len(flows)
+    rates = [0.0] * n
+    frozen = [False] * n
+    touched = {e for f in flows for e, _ in f.links}
+    used = {e: 0.0 for e in touched}
+    remaining = n
+    while remaining:
+        weight = {e: 0.0 for e in touched}
+        for i, f in enumerate(flows):
+            if not frozen[i]:
+                for e, w in f.links:
+                    weight[e] += w
+        x = math.inf
+        for e, w in weight.items():
+            if w > 0:
+                x = min(x, max(0.0, capacity[e] - used[e]) / w)
+        for i, f in enumerate(flows):
+            if not frozen[i]:
+                x = min(x, f.cap_gbps)
+        eps = 1e-9 * max(1.0, x) if x != math.inf else 0.0
+        tight = {e for e, w in weight.items() if w > 0 and max(0.0, capacity[e] - used[e]) / w <= x + eps}
+        capped = {i for i, f in enumerate(flows) if not frozen[i] and f.cap_gbps <= x + eps}
+        if x == math.inf:          # flows on no link with no cap: infinitely fast (local)
+            for i in range(n):
+                if not frozen[i]:
+                    rates[i], frozen[i] = math.inf, True
+            break
+        for i, f in enumerate(flows):
+            if frozen[i]:
+                continue
+            if i in capped or any(e in tight for e, _ in f.links):
+                rates[i] = x
+                frozen[i] = True
+                remaining -= 1
+                for e, w in f.links:
+                    used[e] += w * x
+    return rates
+
+
+def simulate(capacity: dict[str, float], flows: list[Flow]) -> FlowResult:
+    """Run the flows to completion; finish time of each (us). Links missing from `capacity` are
+    an error: a flow over an unknown link is a bug in the caller's topology."""
+    for f in flows:
+        for e, _ in f.links:
+            if e not in capacity:
+                raise KeyError(f"flow {f.name!r} uses link {e!r}, not in the topology")
+    left = [float(f.nbytes) for f in flows]
+    finish = [math.nan] * len(flows)
+    link_bytes = {e: 0.0 for e in capacity}
+    for f in flows:
+        for e, w in f.links:
+            link_bytes[e] += w * f.nbytes
+    t = 0.0
+    pending = sorted(range(len(flows)), key=lambda i: flows[i].ready_us)
+    active: list[int] = []
+    while pending or active:
+        while pending and flows[pending[0]].ready_us <= t + 1e-9:
+            i = pending.pop(0)
+            if left[i] <= 0:
+                finish[i] = max(t, flows[i].ready_us)
+            else:
+                active.append(i)
+        if not active:
+            if not pending:
+                break
+            t = flows[pending[0]].ready_us
+            continue
+        rates = max_min_rates(capacity, [flows[i] for i in active])
+        # time to the next event: a finish, or the next start
+        dt = math.inf
+        for i, r in zip(active, rates):
+            dt = min(dt, 0.0 if r == math.inf else left[i] / (r * BYTES_PER_US) if r > 0 else math.inf)
+        if pending:
+            dt = min(dt, flows[pending[0]].ready_us - t)
+        if dt == math.inf:
+            raise RuntimeError("flows cannot progress: a link of zero capacity?")
+        still = []
+        for i, r in zip(active, rates):
+            left[i] -= (math.inf if r == math.inf else r * BYTES_PER_US * dt)
+            if left[i] <= 1e-6 * max(1.0, flows[i].nbytes):
+                finish[i] = t + dt
+            else:
+                still.append(i)
+        active = still
+        t += dt
+    return FlowResult(finish, list(flows), link_bytes)
+
+
+# -------------------------------------------------------------------------------------------------
+# chunk pipelines
+# -------------------------------------------------------------------------------------------------
+
+def pipeline_rate_gbps(stage_gbps: list[float], window: int, chunk_bytes: float,
+                       per_op_us: float = 0.0) -> float:
+    """Steady rate of a store-and-forward chunk pipeline (a relay: write into a bounded buffer on
+    another GPU, then forward) with `window` chunks in flight.
+
+    Each chunk passes every stage in turn (stage i takes chunk / rate_i) and pays `per_op_us` of
+    control (handshakes) once; with W chunks in flight the pipeline moves W chunks per chunk
+    round trip (Little's law), and never more than its slowest stage:
+        rate = min(min_i rate_i, W * chunk / (sum_i chunk / rate_i + per_op_us)).
+    With W >= number of stages and no control cost this is the slowest stage; with W = 1 the
+    stages never overlap and the rate is the harmonic sum."""
+    if window < 1 or chunk_bytes <= 0 or not stage_gbps:
+        raise ValueError(f"pipeline needs window >= 1, chunk > 0 and a stage, got {window}, {chunk_bytes}, {stage_gbps}")
+    round_trip_us = sum(chunk_bytes / (r * BYTES_PER_US) for r in stage_gbps) + per_op_us
+    return min(min(stage_gbps), window * chunk_bytes / round_trip_us / BYTES_PER_US)
+
+
+def step_pipeline_us(num_steps: int, step_bytes: float, rate_gbps: float, latency_us: float,
+                     num_stages: int = 1, slot_bytes: float = math.inf) -> float:
+    """A step-synchronous ring lane alone: each of `num_steps` steps pays its latency, fills a
+    `num_stages`-stage slot pipeline (one slot crosses the extra stages before the last one
+    drains) and then moves its bytes at `rate_gbps`:
+        step = latency + (stages - 1) * min(bytes, slot) / rate + bytes / rate."""
+    if step_bytes <= 0:
+        return 0.0
+    fill = (num_stages - 1) * min(step_bytes, slot_bytes)
+    return num_steps * (latency_us + (fill + step_bytes) / (rate_gbps * BYTES_PER_US))

@@ -1,0 +1,171 @@
+"""The simulator's pieces on hand-computed cases: max-min sharing, the event loop, chunk
+pipelines, presets (every constant sourced, loadable from the installed package), the router
+converter, and the NIC policy as a table. Pure; no processes, no torch in braid.sim."""
+from __future__ import annotations
+
+import ast
+import json
+import math
+import pathlib
+
+import pytest
+
+from braid.planner.nic import NicChoice, NicPolicy, NicState, choose_nic
+from braid.sim.collectives import simulate_op
+from braid.sim.flow import Flow, max_min_rates, pipeline_rate_gbps, simulate, step_pipeline_us
+from braid.sim.topology import PRESETS, cluster, load, preset_text, to_router
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "braid"
+
+
+def F(name, nbytes, *links, **kw):
+    return Flow(name, nbytes, tuple((e, 1.0) for e in links), **kw)
+
+
+# ---- max-min sharing ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cap, flows, want", [
+    ({"a": 10}, [F("x", 1, "a"), F("y", 1, "a")], [5, 5]),                              # fair split
+    ({"a": 10, "b": 4}, [F("x", 1, "a"), F("y", 1, "a", "b")], [6, 4]),                 # y capped by b, x takes the rest
+    ({"a": 10}, [F("x", 1, "a", cap_gbps=2), F("y", 1, "a")], [2, 8]),                  # engine cap
+    ({"a": 12, "b": 12}, [F("x", 1, "a"), F("y", 1, "a", "b"), F("z", 1, "b")], [6, 6, 6]),
+    ({"a": 9}, [Flow("m", 1, (("a", 3.0),))], [3]),                                      # weight 3 (multicast staging)
+])
+def test_max_min_rates(cap, flows, want):
+    assert max_min_rates(cap, flows) == pytest.approx(want)
+
+
+def test_event_loop_reassigns_freed_capacity():
+    # x (1000 B) and y (2000 B) share a 10 GB/s link: 5 each until x ends at 0.2 us, then y alone at 10
+    res = simulate({"a": 10, "b": 10}, [F("x", 1000, "a"), F("y", 2000, "a", "b")])
+    assert res.finish_us == pytest.approx([0.2, 0.3])
+
+
+def test_latency_delays_start_and_lets_others_run_alone():
+    # y waits 1 us, x runs alone at 10 for 1 us (10 KB... 10e3 B), then they share
+    res = simulate({"a": 10}, [F("x", 20e3, "a"), F("y", 5e3, "a", latency_us=1.0)])
+    # t=1: x has 10e3 left, y 5e3; both at 5 -> y ends at 2, x has 5e3 left, at 10 -> 2.5
+    assert res.finish_us == pytest.approx([2.5, 2.0])
+    assert res.group_finish_us() == {"": pytest.approx(2.5)}
+
+
+def test_zero_byte_flow_finishes_at_its_latency_and_unknown_link_is_an_error():
+    assert simulate({}, [Flow("d", 0, (), 7.0)]).finish_us == [7.0]
+    with pytest.raises(KeyError, match="not in the topology"):
+        simulate({"a": 1}, [F("x", 1, "b")])
+
+
+def test_pipeline_formulas():
+    # window 1: stages never overlap, rate is the harmonic sum (FuseLink's borrowed NIC)
+    assert pipeline_rate_gbps([200, 50, 200], 1, 1e6) == pytest.approx(1 / (1 / 200 + 1 / 50 + 1 / 200))
+    # a deep window reaches the slowest stage
+    assert pipeline_rate_gbps([120, 120], 8, 2e6) == pytest.approx(120)
+    # double buffer with a 10 us handshake per chunk of 1 MB at 100 GB/s: 2 MB per (10 + 10 + 10) us
+    assert pipeline_rate_gbps([100, 100], 2, 1e6, 10.0) == pytest.approx(2e6 / 30 / 1e3)
+    # step-synchronous ring: 3 steps, 8 MB a step at 20 GB/s, 4 MB slot, 2 stages, 10 us each
+    assert step_pipeline_us(3, 8e6, 20, 10, 2, 4e6) == pytest.approx(3 * (10 + (4e6 + 8e6) / 20e3))
+    with pytest.raises(ValueError):
+        pipeline_rate_gbps([1], 0, 1)
+
+
+def test_send_recv_split_on_h200x4_by_hand():
+    """ce 90% over NVLink (390) and host 10% (D2H 55 -> H2D 55) of 1 GB, plus each lane's latency."""
+    topo = load("h200x4")
+    n = 10 ** 9
+    res = simulate_op(topo, "send_recv", 4, n, {"ce": 0.9, "host": 0.1})
+    ce = 18.6 + 0.9 * n / 390e3
+    host = 18.6 + 4194304 / 55e3 + 0.1 * n / 55e3
+    assert res.lane_time_us["ce"] == pytest.approx(ce, rel=1e-3)
+    assert res.lane_time_us["host"] == pytest.approx(host, rel=1e-3)
+    assert res.time_us == pytest.approx(max(ce, host) + 15.0, rel=1e-3)
+
+
+# ---- presets -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_constant_has_a_source(name):
+    obj = json.loads(preset_text(name))
+    assert obj["constants"], name
+    for key, c in obj["constants"].items():
+        assert str(c.get("source", "")).strip() and "value" in c and "unit" in c, (name, key)
+    topo = load(name)
+    assert topo.capacity(), name
+
+
+def test_presets_ship_inside_the_installed_package():
+    from importlib import resources
+    import braid.sim
+    files = {p.name for p in resources.files(braid.sim).joinpath("presets").iterdir()}
+    assert {f"{n}.json" for n in PRESETS} <= files
+    py = (SRC.parents[1] / "pyproject.toml").read_text()
+    assert '"braid.sim" = ["presets/*.json"]' in py
+
+
+def test_cluster_generator_and_router_converter():
+    for nics in (1, 4, 8):
+        topo = cluster(4, nics)
+        assert topo.num_gpus == 32 and topo.nics_per_node == nics
+        rt = to_router(topo)
+        assert len(rt.paths) == 32 * 31
+        assert len(rt.candidates(0, 8)) == nics            # one path per rail across nodes
+        first = rt.candidates(3, 9)[0]                       # PXN: the destination's rail first
+        assert first.via == (topo.home_nic(9),)
+    with pytest.raises(ValueError):
+        cluster(2, 3)
+    with pytest.raises(ValueError):
+        load("nope")
+    mesh = to_router(load("h100x4-mesh-4rail-nimble"), max_relays=1)
+    assert [p.kind for p in mesh.candidates(0, 1)] == ["direct", "relay"]
+    assert any(e == "relay2" for e, _ in mesh.candidates(0, 1)[1].links)
+
+
+def test_sim_sources_never_import_torch():
+    offenders = []
+    files = list((SRC / "sim").glob("*.py")) + [SRC / "planner" / "nic.py"]
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{f.name}: {n}" for n in names if n == "torch" or n.startswith("torch.")]
+    assert not offenders
+
+
+# ---- the NIC policy (FuseLink) -----------------------------------------------------------------
+
+P = NicPolicy(max_borrowed_inflight=1, relay_mem_bytes=8 << 20, direct_depth=2)
+MB = 1 << 20
+
+
+@pytest.mark.parametrize("gpu, nics, want", [
+    # own NIC idle: direct
+    (0, [NicState(0, 0), NicState(1, 1)], NicChoice(0, None, "direct")),
+    # own NIC busy with own ops: borrow the idle one, relay through its owner
+    (0, [NicState(0, 0, owner_inflight=2), NicState(1, 1)], NicChoice(1, 1, "borrowed")),
+    # the owner is using its NIC: not borrowable (owner first) -> queue on the own NIC
+    (0, [NicState(0, 0, owner_inflight=2), NicState(1, 1, owner_inflight=1)], NicChoice(0, None, "queued")),
+    # cap on borrowed operations in flight reached -> next idle NIC
+    (0, [NicState(0, 0, owner_inflight=2), NicState(1, 1, borrowed_inflight=1), NicState(2, 2)],
+     NicChoice(2, 2, "borrowed")),
+    # relay memory on the owner GPU would overflow -> not borrowable
+    (0, [NicState(0, 0, owner_inflight=2), NicState(1, 1, relay_bytes=8 * MB)], NicChoice(0, None, "queued")),
+    # least loaded borrowable NIC wins, ties by index
+    (0, [NicState(0, 0, owner_inflight=2), NicState(1, 1, relay_bytes=MB // 2), NicState(2, 2)],
+     NicChoice(2, 2, "borrowed")),
+    # a GPU without a NIC of its own (4 NICs, 8 GPUs): its home NIC is the one on its switch (owner 2)
+    (3, [NicState(0, 0), NicState(1, 2), NicState(2, 4), NicState(3, 6)], NicChoice(1, 2, "direct")),
+    # ... and its own ops on that NIC count as borrowed ones there; the owner's traffic still comes first
+    (3, [NicState(0, 0, owner_inflight=1), NicState(1, 2, borrowed_inflight=2), NicState(2, 4)],
+     NicChoice(2, 4, "borrowed")),
+])
+def test_nic_policy_table(gpu, nics, want):
+    assert choose_nic(gpu, MB, nics, P) == want
+
+
+def test_nic_policy_without_borrowing_and_bad_input():
+    busy = [NicState(0, 0, owner_inflight=5), NicState(1, 1)]
+    assert choose_nic(0, MB, busy, NicPolicy(borrow=False)).reason == "no-borrow"
+    with pytest.raises(ValueError):
+        choose_nic(0, -1, busy)
+    with pytest.raises(ValueError):
+        choose_nic(0, 1, [])
+    assert math.isfinite(MB)
