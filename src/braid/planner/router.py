@@ -485,6 +485,19 @@ def route(topo: Topology, matrix: list[list[int]], iters: int = 30, min_split_by
         fm, upper, lower, prices = _solve(A, c.lk[sm, dm], c.pair_idx[sm, dm].ravel(), c.pair_cu[sm, dm] * (b[multi] ** 2)[:, None, None],
                                           fixed, c.L, gap, iters)
         fm = _merge_pads(c, sm, dm, fm)
+        # prefer short plans: an interior point spreads every demand over all its equally good
+        # paths (relays included), which costs latency, relay memory and extra lane setup in the
+        # data plane. Mix the plan toward "every demand on its fastest path" as far as the bound
+        # allows (one bincount per trial; ties, e.g. balanced traffic, go all the way back).
+        home = np.zeros_like(fm)
+        home[np.arange(len(multi)), c.fastest[sm, dm]] = 1.0
+        limit = max(upper, lower * (1 + gap))
+        for lam in (1.0, 0.75, 0.5, 0.25, 0.1):
+            mixed = (1 - lam) * fm + lam * home
+            t = np.bincount(c.lk[sm, dm].ravel(), (A * mixed[..., None]).ravel(), c.L + 1)[:c.L] + fixed
+            if t.max() <= limit:
+                fm = mixed
+                break
         for share in (min_share * 5, min_share) if min_share > 0 else ():
             kept = np.where(fm >= share * fm.max(1, keepdims=True), fm, 0.0)
             kept /= kept.sum(1, keepdims=True)
