@@ -490,8 +490,20 @@ def route(topo: Topology, matrix: list[list[int]], iters: int = 30, min_split_by
         # data plane. Mix the plan toward "every demand on its fastest path" as far as the bound
         # allows (one bincount per trial; ties, e.g. balanced traffic, go all the way back).
         home = np.zeros_like(fm)
-        home[np.arange(len(multi)), c.fastest[sm, dm]] = 1.0
+        rows, hcol = np.arange(len(multi)), c.fastest[sm, dm]
+        home[rows, hcol] = 1.0
         limit = max(upper, lower * (1 + gap))
+        lks = c.lk[sm, dm]
+        # first, demands whose fastest path has slack on every link go home whole: that only
+        # takes load off the near-critical links (checked below for the links it adds to)
+        t = np.bincount(lks.ravel(), (A * fm[..., None]).ravel(), c.L + 1)[:c.L] + fixed
+        tight = np.append(t >= 0.97 * limit, False)
+        free = ~tight[lks[rows, hcol]].any(-1)
+        if free.any():
+            trial = np.where(free[:, None], home, fm)
+            t = np.bincount(lks.ravel(), (A * trial[..., None]).ravel(), c.L + 1)[:c.L] + fixed
+            if t.max() <= limit:
+                fm = trial
         for lam in (1.0, 0.75, 0.5, 0.25, 0.1):
             mixed = (1 - lam) * fm + lam * home
             t = np.bincount(c.lk[sm, dm].ravel(), (A * mixed[..., None]).ravel(), c.L + 1)[:c.L] + fixed
