@@ -354,3 +354,21 @@ def test_split_threshold_rejects_bad_input_and_router_uses_it():
     assert not hit                                         # a threshold move empties the cache
     assert all(len(plan.flows[(s, d)]) == 1 for s in range(4) for d in range(4) if s != d and m[s][d] <= 2 << 20)
     check_plan(topo, m, plan)
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_nvswitch_plans_never_relay_and_quiet_demands_stay_direct(n):
+    """On a switch a relay crosses the sender's out port and the receiver's in port like the direct
+    path, plus two more: it can never lower the most loaded link, so plans must not use it. Demands
+    away from the hot rank gain nothing from spreading and keep one path."""
+    rng = random.Random(n)
+    topo = preset(f"nvswitch{n}")
+    m = [[0 if i == j else rng.randint(2, 64) << 20 for j in range(n)] for i in range(n)]
+    m[1] = [0 if j == 1 else 1 << 30 for j in range(n)]
+    plan = route(topo, m)
+    assert plan.max_load_us <= lp_optimum(topo, m) * 1.05
+    for (s, d), paths in plan.flows.items():
+        assert all(p.kind != "relay" for p, _ in paths), (s, d, [p.name() for p, _ in paths])
+        if s != 1:
+            assert [p.kind for p, _ in paths] == ["direct"], (s, d, [p.name() for p, _ in paths])
+    assert any(p.kind == "host" for p, _ in plan.flows[(1, 2)])   # the hot sender offloads to PCIe

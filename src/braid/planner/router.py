@@ -209,6 +209,21 @@ class _Compiled:
         self.pad = np.arange(width) >= num[..., None]
         # a demand on its own: the path with the least total link time (the one-path policy's choice)
         self.fastest = np.where(self.pad, np.inf, self.cu.sum(-1)).argmin(-1)
+        # dom[s, d, j]: candidate j crosses every link of the fastest path at least as heavily
+        # (e.g. a relay on an NVSwitch: the same out and in ports plus two more), so bytes moved
+        # from j to the fastest path take load off every link and add it nowhere
+        dom = np.zeros((n, n, width), dtype=bool)
+        for (s, d), ps in topo.paths.items():
+            if not ps:
+                continue
+            h = int(self.fastest[s, d])
+            home = {int(e): w for e, w in zip(lk[s, d, h], cb[s, d, h]) if e < nl}
+            for j in range(len(ps)):
+                if j == h:
+                    continue
+                mine = {int(e): w for e, w in zip(lk[s, d, j], cb[s, d, j]) if e < nl}
+                dom[s, d, j] = all(mine.get(e, 0.0) >= w for e, w in home.items())
+        self.dominated = dom
         sq = depth * depth
         self.pair_idx = (lk[..., :, None] * (nl + 1) + lk[..., None, :]).reshape(n, n, width, sq)
         self.pair_cu = (self.cu[..., :, None] * self.cu[..., None, :]).reshape(n, n, width, sq)
@@ -489,8 +504,13 @@ def route(topo: Topology, matrix: list[list[int]], iters: int = 30, min_split_by
         # paths (relays included), which costs latency, relay memory and extra lane setup in the
         # data plane. Mix the plan toward "every demand on its fastest path" as far as the bound
         # allows (one bincount per trial; ties, e.g. balanced traffic, go all the way back).
-        home = np.zeros_like(fm)
         rows, hcol = np.arange(len(multi)), c.fastest[sm, dm]
+        dom = c.dominated[sm, dm] & (fm > 0)
+        if dom.any():     # dominated paths hand their bytes to the fastest path (loads only drop)
+            fm = fm.copy()
+            fm[rows, hcol] += np.where(dom, fm, 0.0).sum(1)
+            fm[dom] = 0.0
+        home = np.zeros_like(fm)
         home[rows, hcol] = 1.0
         limit = max(upper, lower * (1 + gap))
         lks = c.lk[sm, dm]
