@@ -41,6 +41,7 @@ DEFAULT_COSTS = {
     "gloo": LaneCost(150.0, 1.0), "shm": LaneCost(60.0, 2.0),
 }
 P2P_DESC_BYTES = 2048
+ROUTE_MIN_BYTES = 1 << 20    # NIMBLE: multipath off at or below 1 MB
 _FAST_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT)
 OPS = ("send_recv", "broadcast", "all_gather", "all_to_all_single", "all_reduce", "reduce_scatter", "reduce")
 
@@ -76,6 +77,10 @@ class Communicator:
         self.balancer = OnlineBalancer()
         self.adapt = True                    # stage 2 on; comm.adapt = False freezes the shares
         self._pending: dict[str, tuple] = {}   # op -> (bucket key, shares used, handle) of its last split call
+        from .collectives.routed import RoutedAllToAll
+        self._routed = RoutedAllToAll(self.world_size)
+        self.routing = envs.get("BRAID_ROUTE")      # skewed all_to_all through the router: auto/on/off
+        self.last_route: tuple[float, float] | None = None
         self._staged_buf = None                 # reductions' slot scratch on GPUs, reused
         self._staged_end = None                 # the last staged reduction's end event
         self._ce_red = None
@@ -367,7 +372,7 @@ class Communicator:
     # the common path of every op ---------------------------------------------------------------------
     def _run(self, op: str, desc: dict, size: int, inp, outs, movement_of, native, agree_keys,
              async_op: bool, peer: int | None = None, always_exchange: bool = False,
-             multi=None) -> Handle | None:
+             multi=None, route=None) -> Handle | None:
         self._check_open()
         device = (inp if inp is not None else outs[0]).device
         lanes = self.lanes_for(device)
@@ -392,15 +397,18 @@ class Communicator:
             self._agree(op, descs, agree_keys + ("calib",))
             size, mkey, build = movement_of(descs)
             agreed = self._agreed_lanes(descs)
-            shares = self.shares_for(op, size, agreed)
-            if self._native_ok(shares) and native is not None:
+            routed = route(descs, agreed) if route is not None else None
+            shares = self.shares_for(op, size, agreed) if routed is None else routed.shares
+            if routed is not None:
+                handle = execute(self, routed, inp, outs, descs, peer)
+            elif self._native_ok(shares) and native is not None:
                 handle = _as_handle(native(self._native_group(shares)), next(iter(shares)))
             elif multi is not None:
                 handle = multi(descs, shares, self._plan(mkey, build, shares, size, device), agreed)
             else:
                 handle = execute(self, self._plan(mkey, build, shares, size, device), inp, outs, descs, peer)
             fixed_here = self._fixed is not None and self._fixed.get(op, self._fixed.get("*")) is not None
-            if len(shares) > 1 and peer is None and self.adapt and not fixed_here:
+            if len(shares) > 1 and peer is None and self.adapt and not fixed_here and routed is None:
                 self._pending[op] = (self._bucket(op, size, shares), dict(shares), handle)
         self.last_handle = handle
         if async_op:
@@ -508,11 +516,34 @@ class Communicator:
         def native(g):
             return dist.all_to_all_single(ob, ib, list(outs), list(ins), group=g, async_op=True)
 
+        def route(descs, agreed):
+            """A plan from the router when the matrix is skewed (or BRAID_ROUTE=on)."""
+            mode = self.routing
+            if mode == "off" or (mode == "auto" and self._fixed is not None):
+                return None
+            from .collectives.routed import PATH_LANE
+            kind = dev.type
+            names = PATH_LANE[kind]
+            if not all(n in agreed for n in names.values()):
+                return None
+            matrix = [list(descs[s]["in"]) for s in range(w)]
+            off = [matrix[s][d] for s in range(w) for d in range(w) if s != d]
+            if mode == "auto" and (not off or max(off) < ROUTE_MIN_BYTES or max(off) < 1.5 * sum(off) / len(off)):
+                return None      # small or balanced: the share-based split (or NCCL) handles it
+            table = self.calib.get(f"{op}/{w}", {})
+            costs = {k: table.get(k, DEFAULT_COSTS[k]) for k in names.values()}
+            native_name = "nccl" if kind == "cuda" else "gloo"
+            native_cost = table.get(native_name, DEFAULT_COSTS[native_name]) if native_name in agreed else None
+            plan, routed_us, native_us = self._routed.plan(matrix, kind, costs, native_cost, force=mode == "on")
+            self.last_route = (routed_us, native_us)
+            return plan
+
         # Without split sizes the traffic is balanced by contract (as for NCCL), so every rank
         # knows the whole matrix and can pick the path alone; uneven splits must be exchanged first.
         balanced = not input_split_sizes and not output_split_sizes
         return self._run(op, desc, sum(ins), ib, [ob], movement_of, native, ("op", "dtype"), async_op,
-                         always_exchange=not balanced and (len(self.lanes_for(dev)) > 1 or self.check))
+                         always_exchange=not balanced and (len(self.lanes_for(dev)) > 1 or self.check),
+                         route=route)
 
     def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False):
         return self._p2p(tensor, dst, sending=True, async_op=async_op)

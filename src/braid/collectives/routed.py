@@ -1,0 +1,113 @@
+"""Skewed all_to_all: every demand gets its own mix of lanes, from the router's plan.
+
+A share-based split gives every pair of ranks the same fractions (say ce 0.9, host 0.1). For a
+skewed matrix that is wrong both ways: the hot pair should offload as much as its PCIe path can
+take, while the quiet pairs gain nothing from a second lane and only pay its setup. The router
+(planner/router.py) solves exactly that: it spreads the matrix over each pair's candidate paths so
+the most loaded link is as light as possible. Here its plan becomes a braid Plan:
+
+    path kind  ->  lane              (GPU)     (CPU)
+    direct          the NVLink lane   ce        shm
+    host            the second lane   host      gloo
+    relay           relay (when the lane exists and the topology offers relays)
+
+Each demand's bytes are cut in path order into contiguous pieces (boundaries on 4 KiB pages), so
+the destination receives every byte once, in place, whatever lane carried it.
+
+The topology comes from the calibrated lane costs of all_to_all_single on this machine: a balanced
+all_to_all of S bytes per rank moves S (w-1)/w through each GPU's port in time S / bw, so a port's
+capacity is bw (w-1)/w; the second lane likewise. Relays are left out on a switch (they never
+lower the most loaded link there; the router drops them anyway).
+"""
+from __future__ import annotations
+
+from ..planner.model import MULTI_LANE_OVERHEAD_US, LaneCost
+from ..planner.plan import LaneKind, Plan, Transfer, all_to_all_movement
+from ..planner.router import Router, nvswitch
+
+PATH_LANE = {"cuda": {"direct": "ce", "host": "host"}, "cpu": {"direct": "shm", "host": "gloo"}}
+ALIGN = 4096
+
+
+class RoutedAllToAll:
+    """Per-communicator state: the topology built from lane costs, and a Router (plan cache with
+    hysteresis) per topology."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self._routers: dict[tuple, Router] = {}
+
+    def router(self, device_type: str, costs: dict[str, LaneCost]) -> Router | None:
+        names = PATH_LANE[device_type]
+        direct, second = costs.get(names["direct"]), costs.get(names["host"])
+        if direct is None or second is None:
+            return None
+        w = self.world_size
+        port = lambda c: c.bw_gbps * (w - 1) / w                      # noqa: E731
+        key = (device_type, round(port(direct), 3), round(port(second), 3))
+        r = self._routers.get(key)
+        if r is None:
+            topo = nvswitch(w, nvlink_gbps=port(direct), pcie_gbps=port(second), relays=False,
+                            name=f"measured-{device_type}{w}",
+                            source="calibrated all_to_all_single lane costs of this machine")
+            r = self._routers[key] = Router(topo)
+        return r
+
+    def plan(self, matrix: list[list[int]], device_type: str, costs: dict[str, LaneCost],
+             native_cost: LaneCost | None, force: bool) -> tuple[Plan | None, float, float]:
+        """(plan or None, predicted us routed, predicted us for the native all_to_all). None when
+        routing is not predicted to beat the native call by 3% (unless `force`)."""
+        router = self.router(device_type, costs)
+        if router is None:
+            return None, 0.0, 0.0
+        rp, _ = router.plan(matrix)
+        names = PATH_LANE[device_type]
+        lat = max(costs[names["direct"]].latency_us, costs[names["host"]].latency_us)
+        routed_us = rp.max_load_us + lat + MULTI_LANE_OVERHEAD_US
+        native_us = native_time_us(matrix, native_cost) if native_cost is not None else float("inf")
+        if not force and routed_us >= 0.97 * native_us:
+            return None, routed_us, native_us
+        return build_plan(matrix, rp.flows, names), routed_us, native_us
+
+
+def native_time_us(matrix: list[list[int]], cost: LaneCost) -> float:
+    """The native all_to_all's time on a skewed matrix, from its balanced calibration: it is bound
+    by the busiest port (bytes leaving or entering one rank), which a balanced all_to_all of
+    S per rank loads with S (w-1)/w."""
+    w = len(matrix)
+    out = max(sum(row[d] for d in range(w) if d != s) for s, row in enumerate(matrix))
+    inn = max(sum(matrix[s][d] for s in range(w) if s != d) for d in range(w))
+    busiest = max(out, inn)
+    return cost.time_us(busiest * w / max(w - 1, 1))
+
+
+def build_plan(matrix: list[list[int]], flows: dict, names: dict[str, str]) -> Plan:
+    """The router's per-demand path bytes as lane transfers: each demand cut in path order."""
+    mv = all_to_all_movement(matrix)
+    lanes: dict[str, list[Transfer]] = {}
+    for t in mv.transfers:
+        d = t.dsts[0][0]
+        parts = flows.get((t.src, d)) or []
+        lane_bytes: list[tuple[str, int]] = []
+        for path, nb in parts:
+            lane = names.get(path.kind, names["direct"])
+            if lane_bytes and lane_bytes[-1][0] == lane:
+                lane_bytes[-1] = (lane, lane_bytes[-1][1] + nb)
+            else:
+                lane_bytes.append((lane, nb))
+        if not lane_bytes:
+            lane_bytes = [(names["direct"], t.nbytes)]
+        # cut points on pages, the last piece takes the rest (every byte exactly once)
+        start, acc = 0, 0
+        for i, (lane, nb) in enumerate(lane_bytes):
+            acc += nb
+            stop = t.nbytes if i == len(lane_bytes) - 1 else min(t.nbytes, round(acc / ALIGN) * ALIGN)
+            if stop > start:
+                lanes.setdefault(lane, []).append(t.piece(start, stop))
+                start = stop
+    total = sum(t.nbytes for ts in lanes.values() for t in ts) or 1
+    order = {k.value: i for i, k in enumerate(LaneKind)}
+    shares = {k: sum(t.nbytes for t in lanes[k]) / total for k in sorted(lanes, key=lambda k: order.get(k, 99))}
+    size = max((sum(row) for row in matrix), default=0)
+    return Plan("all_to_all_single", len(matrix), size, shares, {k: lanes[k] for k in shares}, list(mv.local))
+
