@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 OPS = ("all_gather", "broadcast", "send_recv", "all_to_all_single", "all_reduce", "reduce_scatter", "reduce")
+EXTRA_OPS = ("moe",)      # not in `--op all`: one MoE layer (dispatch + combine), time per layer
 # NVLink multicast (NVLS) off for NCCL, torch symmetric memory and NVSHMEM: set before any CUDA/NCCL init.
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 DTYPES = ("bfloat16", "float16", "float32", "float64", "int8", "uint8", "int32", "int64")
@@ -84,6 +85,16 @@ def parse_lanes(text: str) -> list[str]:
     return lanes
 
 
+def _hot_fractions(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: fractions between 0 and 1, comma separated (e.g. 0.4,0.7,1)")
+    if not values or any(not 0.0 <= v <= 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: fractions between 0 and 1, comma separated (e.g. 0.4,0.7,1)")
+    return values
+
+
 def parse_shares(text: str) -> dict[str, float]:
     """'ce=0.9,host=0.1' -> {'ce': 0.9, 'host': 0.1}, normalised to sum to 1."""
     from .planner.plan import LaneKind
@@ -129,8 +140,9 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--op", default="all_gather", choices=OPS + ("all",),
-                   help="op to run, or 'all' for each in turn (default: all_gather)")
+    p.add_argument("--op", default="all_gather", choices=OPS + EXTRA_OPS + ("all",),
+                   help="op to run, or 'all' for each in turn (default: all_gather); moe = one MoE layer: "
+                        "dispatch + combine with a Zipf-skewed expert load (time per layer)")
     add_launch_arguments(p)
     p.add_argument("--sizes", type=parse_size_range, default=None, metavar="MIN:MAX",
                    help="size range, e.g. 1M:1G (default: 1M:1G on GPU, 256K:16M in x4 steps on CPU). The size is the "
@@ -153,6 +165,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "(one point instead of the --sizes sweep)")
     p.add_argument("--cold-bytes", type=parse_size, default=None, metavar="SIZE",
                    help="bytes of every other pair with --hot-bytes (default 0)")
+    p.add_argument("--hot-fraction", type=_hot_fractions, default=None, metavar="H[,H...]",
+                   help="all_to_all_single: every rank sends this fraction of its bytes to the last rank, "
+                        "the rest evenly to the others (issue 4's skew); one sweep per value")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", dest="plot_path", default=None, metavar="PATH",
                    help="write a PNG of busbw vs size (needs matplotlib)")
@@ -195,6 +210,7 @@ class Config:
     calibrate: bool = True
     hot_bytes: int | None = None
     cold_bytes: int | None = None
+    hot_fraction: list[float] | None = None
     json_path: str | None = None
     plot_path: str | None = None
     check: bool = True
@@ -231,10 +247,15 @@ def config_from_args(task: str, args: argparse.Namespace) -> Config:
         notes = []
         if args.hot_bytes is not None and "all_to_all_single" not in ops:
             notes.append("--hot-bytes/--cold-bytes only apply to all_to_all_single; ignored")
+        if args.hot_fraction is not None and args.hot_bytes is not None:
+            raise SystemExit("braid bench: use --hot-fraction or --hot-bytes, not both")
+        if args.hot_fraction is not None and "all_to_all_single" not in ops:
+            notes.append("--hot-fraction only applies to all_to_all_single; ignored")
         return Config(task, ops=ops, sizes=args.sizes, factor=args.factor, dtype=args.dtype, iters=args.iters,
                       auto_iters=not args.fixed_iters, trace=args.trace, slow=args.slow, warmup=args.warmup, repeat=args.repeat, lanes=args.lanes, shares=args.shares,
                       calibrate=args.calibrate, hot_bytes=args.hot_bytes,
                       cold_bytes=(args.cold_bytes or 0) if args.hot_bytes is not None else None,
+                      hot_fraction=args.hot_fraction,
                       json_path=args.json_path, plot_path=args.plot_path, check=args.check, plain=args.plain,
                       notes=notes)
     if task == "calibrate":
@@ -610,9 +631,14 @@ def _bench(comm, cfg: Config):
     if cfg.trace:
         return _trace(comm, cfg, info)
     skewed = cfg.hot_bytes is not None
-    plan = []      # (op, nbytes); nbytes None: the skewed all_to_all_single point
+    plan = []      # (op, nbytes, hot fraction); nbytes None: the skewed all_to_all_single point
     for op in cfg.ops:
-        plan += [(op, None)] if (op == "all_to_all_single" and skewed) else [(op, n) for n in cfg.size_list()]
+        if op == "all_to_all_single" and skewed:
+            plan += [(op, None, None)]
+        elif op == "all_to_all_single" and cfg.hot_fraction:
+            plan += [(op, n, h) for h in cfg.hot_fraction for n in cfg.size_list()]
+        else:
+            plan += [(op, n, None) for n in cfg.size_list()]
 
     ui = make_ui(len(plan), cfg.plain) if r0 else None
     say = ui.line if r0 else (lambda text="": None)
@@ -643,21 +669,23 @@ def _bench(comm, cfg: Config):
             common.update(hot_nbytes=cfg.hot_bytes, cold_nbytes=cfg.cold_bytes)
         current = None
         with comm.fixed_shares(cfg.shares):
-            for op, nbytes in plan:
-                if op != current:
+            for op, nbytes, hot in plan:
+                if (op, hot) != current:
                     if r0:
                         ui.end_op()
                         title = f"{op}  world {world}  {info['machine']}"
                         if nbytes is None:
                             title += f"  hot 0->1 {_human(cfg.hot_bytes)}B, cold {_human(cfg.cold_bytes)}B"
+                        if hot is not None:
+                            title += f"  hot fraction {hot:g} to rank {world - 1}"
                         ui.start_op(op, title, baseline)
-                    current = op
+                    current = (op, hot)
                 if r0:
                     ui.status(f"{op} {'skewed' if nbytes is None else _human(nbytes) + 'B'}")
                 if nbytes is None:
                     load = make(comm, op, 0, dtype, hot_nbytes=cfg.hot_bytes, cold_nbytes=cfg.cold_bytes)
                 else:
-                    load = make(comm, op, nbytes, dtype)
+                    load = make(comm, op, nbytes, dtype, hot_fraction=hot)
                 wrong = None
                 if cfg.check:
                     load.baseline()
@@ -681,6 +709,8 @@ def _bench(comm, cfg: Config):
                 if r0:
                     point = _point(op, load, esz, cfg.dtype, world, t_braid, t_base, wrong, got, baseline,
                                    BUS_FACTOR[op](world), common)
+                    if hot is not None:
+                        point["hot_fraction"] = hot
                     results.append(point)
                     ui.row(point)
                     ui.advance()

@@ -4,7 +4,10 @@ buffers, with a check of braid's output against the baseline's.
 `nbytes` is the per-rank input of all_gather (nccl-tests prints the gathered output instead; the
 bus bandwidth is the same), the whole buffer of broadcast and send/recv, and the per-rank input of
 all_to_all_single. With `hot_nbytes` (all_to_all only) rank 0 sends hot_nbytes to rank 1 and every
-other pair `cold_nbytes`. `wrong()` counts bytes that differ from the baseline's output.
+other pair `cold_nbytes`; with `hot_fraction` h every rank sends h of its nbytes to the last rank
+and spreads the rest evenly over the others. `moe` is one MoE layer's token exchange: dispatch
+(all_to_all_single with the splits of a Zipf-skewed expert load) then combine (the reverse).
+`wrong()` counts bytes that differ from the baseline's output.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ BUS_FACTOR = {  # nccl-tests PERFORMANCE.md
     "all_to_all_single": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
     "send_recv": lambda n: 1.0,
+    "moe": lambda n: (n - 1) / n,
 }
 
 
@@ -46,8 +50,42 @@ def _rand(numel: int, dtype: torch.dtype, device, gen_seed: int) -> torch.Tensor
     return torch.randint(max(info.min, -1000), min(info.max, 1000), (numel,), generator=g, dtype=torch.int64).to(dtype).to(device)
 
 
+def hot_matrix(world: int, numel: int, h: float) -> list[list[int]]:
+    """Elements each rank sends each rank: a fraction h of every row to the last rank (the hot
+    one), the rest evenly over the other ranks."""
+    hot = world - 1
+    rows = []
+    for s in range(world):
+        row = [0] * world
+        row[hot] = int(numel * h)
+        rest = numel - row[hot]
+        others = [d for d in range(world) if d != hot]
+        for i, d in enumerate(others):
+            row[d] = rest // len(others) + (1 if i < rest % len(others) else 0)
+        rows.append(row)
+    return rows
+
+
+def moe_matrix(world: int, tokens: int, experts_per_rank: int = 4, zipf: float = 1.2,
+               seed: int = 0) -> list[list[int]]:
+    """Tokens each rank sends each rank in one MoE dispatch: every rank routes `tokens` tokens to
+    experts drawn from a Zipf(zipf) law over world*experts_per_rank experts (expert e lives on rank
+    e % world). Every rank computes the same matrix from the seed."""
+    g = torch.Generator().manual_seed(seed)
+    n = world * experts_per_rank
+    weights = torch.tensor([1.0 / (k + 1) ** zipf for k in range(n)])
+    perm = torch.randperm(n, generator=g)               # which experts are hot: not just rank 0's
+    weights = weights[perm]
+    rows = []
+    for _ in range(world):
+        picks = torch.multinomial(weights, tokens, replacement=True, generator=g)
+        rows.append(torch.bincount(picks % world, minlength=world).tolist())
+    return rows
+
+
 def make(comm, op: str, nbytes: int, dtype: torch.dtype = torch.bfloat16, device=None,
-         hot_nbytes: int | None = None, cold_nbytes: int | None = None, seed: int = 0) -> Workload:
+         hot_nbytes: int | None = None, cold_nbytes: int | None = None, seed: int = 0,
+         hot_fraction: float | None = None, hidden: int = 4096) -> Workload:
     """Buffers and callables for one op at one size on this rank."""
     device = device or comm.device
     w, r = comm.world_size, comm.rank
@@ -91,6 +129,8 @@ def make(comm, op: str, nbytes: int, dtype: torch.dtype = torch.bfloat16, device
             cold = (cold_nbytes or 0) // esz
             mat = [[0 if s == d else cold for d in range(w)] for s in range(w)]
             mat[0][1] = hot_nbytes // esz
+        elif hot_fraction is not None:
+            mat = hot_matrix(w, numel, hot_fraction)
         else:
             per = max(numel // w, 1)
             mat = [[per] * w for _ in range(w)]
@@ -99,11 +139,33 @@ def make(comm, op: str, nbytes: int, dtype: torch.dtype = torch.bfloat16, device
         out = torch.empty(sum(outs), dtype=dtype, device=device)
         ref = torch.empty_like(out)
         size = max(sum(row) for row in mat) * esz
-        splits = (outs, ins) if hot_nbytes is not None else (None, None)   # balanced: no split sizes
+        skewed = hot_nbytes is not None or hot_fraction is not None
+        splits = (outs, ins) if skewed else (None, None)   # balanced: no split sizes
         return Workload(op, size, size,
                         lambda: comm.all_to_all_single(out, x, *splits),
                         lambda: dist.all_to_all_single(ref, x, *splits),
                         lambda: int((out.view(torch.uint8) != ref.view(torch.uint8)).sum()))
+    if op == "moe":
+        # nbytes per rank of dispatched activations: tokens x hidden elements
+        tokens = max(numel // hidden, 1)
+        mat = moe_matrix(w, tokens, seed=seed // 1000 + 17)
+        ins = [c * hidden for c in mat[r]]
+        outs = [mat[s][r] * hidden for s in range(w)]
+        x = _rand(sum(ins), dtype, device, seed)
+        mid = torch.empty(sum(outs), dtype=dtype, device=device)
+        back = torch.empty_like(x)
+        mid_ref, back_ref = torch.empty_like(mid), torch.empty_like(x)
+
+        def layer(a2a, m, b):
+            def run():
+                a2a(m, x, outs, ins)          # dispatch: tokens to their experts' ranks
+                a2a(b, m, ins, outs)          # combine: expert outputs back (identity experts)
+            return run
+        size = max(sum(ins), sum(outs)) * esz
+        return Workload(op, size, size, layer(comm.all_to_all_single, mid, back),
+                        layer(dist.all_to_all_single, mid_ref, back_ref),
+                        lambda: int((back.view(torch.uint8) != back_ref.view(torch.uint8)).sum())
+                        + int((mid.view(torch.uint8) != mid_ref.view(torch.uint8)).sum()))
     if op in ("all_reduce", "reduce", "reduce_scatter"):
         # timed calls reduce in place without resetting (as nccl-tests do); the check resets first
         # and compares with a tolerance (braid reduces in rank order, NCCL in ring order)
