@@ -603,9 +603,10 @@ def _calibrate_for_bench(comm, cfg: Config, say) -> str:
         return "calibration: BRAID_CALIBRATE=off: built-in lane model"
     if len(comm.lanes_for(comm.device)) < 2:
         return f"calibration: not needed, one lane ({', '.join(comm.lanes_for(comm.device))})"
-    say(f"calibrating {', '.join(cfg.ops)} on lanes {', '.join(comm.lanes_for(comm.device))} ...")
+    ops = tuple(dict.fromkeys("all_to_all_single" if op == "moe" else op for op in cfg.ops))  # moe runs all_to_all
+    say(f"calibrating {', '.join(ops)} on lanes {', '.join(comm.lanes_for(comm.device))} ...")
     t0 = time.perf_counter()
-    table = cal.calibrate(comm, ops=cfg.ops, save_to_disk=False)
+    table = cal.calibrate(comm, ops=ops, save_to_disk=False)
     path = ""
     if comm.rank == 0:
         merged = dict(cal.load(comm) or {})     # keep the cached ops this run did not measure
