@@ -518,3 +518,39 @@ def test_module_has_no_torch():
     names = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
     names |= {(node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert "torch" not in names and "numpy" not in names
+
+
+def test_a_lane_stuck_slow_at_the_floor_is_parked_then_probed_again():
+    """GPU trace of 2026-11-22 (bench_results/2026-11-22-run5): under competing PCIe copies the
+    host lane, already at the 1% floor, still took 9.5 ms where the copy engines took 3 ms, so every
+    call waited for it. Such a lane leaves the split, is tried again after `probe_after` calls, and
+    regains its share once it is fast again."""
+    key = ("all_gather", 30, ("ce", "host"))
+    ob = OnlineBalancer(min_samples=1, probe_after=10, probe_share=0.03)
+    ob.start(key, {"ce": 0.9, "host": 0.1})
+
+    def times(shares, slow):
+        # ce: 3000 us for the whole message; host: 10x slower per byte while slowed, plus a fixed
+        # 9 ms while its PCIe is busy (what the trace showed at 1% share)
+        out = {"ce": 20 + 3000 * shares.get("ce", 0)}
+        if "host" in shares:
+            out["host"] = 40 + 33000 * shares["host"] * (10 if slow else 1) + (9000 if slow else 0)
+        return out
+
+    history = []
+    for call in range(120):
+        slow = 10 <= call < 60
+        sh = ob.shares(key)
+        ob.observe(key, sh, times(sh, slow))
+        history.append(ob.shares(key))
+    parked_at = [i for i, h in enumerate(history) if "host" not in h]
+    assert parked_at and parked_at[0] < 40, history[:40]
+    # while slow, every probe gets parked again; the calls between run on the copy engines alone
+    assert all("host" not in history[i] for i in range(parked_at[0] + 1, parked_at[0] + 9))
+    probes = [i for i in range(parked_at[0], 60) if "host" in history[i]]
+    assert all(history[i]["host"] <= 0.05 for i in probes), [history[i] for i in probes]
+    # after the slowdown ends (call 60), the next probe sticks and the share grows back
+    assert "host" in history[-1] and history[-1]["host"] > 0.05, history[-1]
+    assert ob.parked(key) is False
+    for h in history:
+        assert_probability_vector(h, "parking")

@@ -246,6 +246,12 @@ class Communicator:
         nearest = min(pays, key=lambda m: (abs(m - b), -m))
         return pays[nearest]
 
+    def _balancer_key(self, op: str, nbytes: int, lanes: list[str]):
+        """The balancer bucket of this call: keyed by the model's split for it (the balancer may
+        have parked a lane since, so the shares in use can name fewer lanes)."""
+        model = self._share_cache.get((op, nbytes, tuple(lanes), self.calib_digest))
+        return self._bucket(op, nbytes, model) if model and len(model) > 1 else None
+
     @staticmethod
     def _bucket(op: str, nbytes: int, shares: dict[str, float]) -> tuple:
         from .planner.balancer import OnlineBalancer
@@ -408,8 +414,10 @@ class Communicator:
             else:
                 handle = execute(self, self._plan(mkey, build, shares, size, device), inp, outs, descs, peer)
             fixed_here = self._fixed is not None and self._fixed.get(op, self._fixed.get("*")) is not None
-            if len(shares) > 1 and peer is None and self.adapt and not fixed_here and routed is None:
-                self._pending[op] = (self._bucket(op, size, shares), dict(shares), handle)
+            if peer is None and self.adapt and not fixed_here and routed is None:
+                bkey = self._balancer_key(op, size, agreed)
+                if bkey is not None and (len(shares) > 1 or self.balancer.parked(bkey)):
+                    self._pending[op] = (bkey, dict(shares), handle)
         self.last_handle = handle
         if async_op:
             return handle

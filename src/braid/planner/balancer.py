@@ -149,6 +149,7 @@ class BucketState:
     window: deque
     cooldown_left: int = 0
     moves: int = 0
+    parked: dict = field(default_factory=dict)    # lane -> calls until it is tried again
 
 
 class OnlineBalancer:
@@ -158,7 +159,10 @@ class OnlineBalancer:
     descriptors), so every rank computes the same shares without another message."""
 
     def __init__(self, window: int = 8, adapt_threshold: float = 0.10, gain: float = 0.7,
-                 cooldown: int | None = None, min_share: float = 0.01, min_samples: int = 3):
+                 cooldown: int | None = None, min_share: float = 0.01, min_samples: int = 3,
+                 probe_after: int = 16, probe_share: float = 0.03):
+        self.probe_after = probe_after
+        self.probe_share = probe_share
         self.window = window
         self.adapt_threshold = adapt_threshold
         self.gain = gain
@@ -181,11 +185,32 @@ class OnlineBalancer:
         if key not in self.buckets and len(shares) > 1:
             self.buckets[key] = BucketState(dict(shares), deque(maxlen=self.window))
 
+    def parked(self, key: tuple) -> bool:
+        st = self.buckets.get(key)
+        return bool(st is not None and st.parked)
+
     def observe(self, key: tuple, shares_used: dict[str, float], times: dict[str, float]) -> bool:
-        """One call's per-lane times under `shares_used`. Returns True when the shares moved."""
+        """One call's per-lane times under `shares_used`. Returns True when the shares moved.
+
+        Parking: a lane already held at `min_share` that still finishes more than the threshold
+        after every other lane makes each call wait for it (e.g. PCIe taken by other traffic: its
+        fixed costs alone exceed the others' time). It leaves the split; after `probe_after` calls
+        it comes back at `probe_share` and is measured again (back to normal, it regains its share
+        through the usual steps; still slow, it is parked again)."""
         st = self.buckets.get(key)
         if st is None or set(times) != set(st.shares) or shares_used != st.shares:
             return False      # a call under other shares (fixed by the user, an older plan): ignore
+        if st.parked:
+            for k in list(st.parked):
+                st.parked[k] -= 1
+                if st.parked[k] <= 0:
+                    del st.parked[k]
+                    keep = 1.0 - self.probe_share
+                    st.shares = {**{j: v * keep for j, v in st.shares.items()}, k: self.probe_share}
+                    st.window.clear()
+                    st.cooldown_left = self.cooldown
+                    self.version += 1
+                    return True
         st.window.append(dict(times))
         if st.cooldown_left > 0:
             st.cooldown_left -= 1
@@ -195,7 +220,15 @@ class OnlineBalancer:
         mean = {k: sum(w[k] for w in st.window) / len(st.window) for k in st.shares}
         if spread(mean) <= self.adapt_threshold:
             return False
-        st.shares = rate_step(st.shares, mean, gain=self.gain, min_share=self.min_share)
+        new = rate_step(st.shares, mean, gain=self.gain, min_share=self.min_share)
+        for k in sorted(new, key=lambda j: -mean[j]):
+            others = [mean[j] for j in new if j != k]
+            if (others and st.shares[k] <= self.min_share * 1.5 and new[k] <= self.min_share * 1.5
+                    and mean[k] > (1 + self.adapt_threshold) * max(others)):
+                del new[k]
+                st.parked[k] = self.probe_after
+                break
+        st.shares = _normalise(new)
         st.window.clear()
         st.cooldown_left = self.cooldown
         st.moves += 1
