@@ -26,8 +26,8 @@ consumer that itself waits for this rank to drain a chunk (a cycle). The relay's
 in the same call runs on those lanes' streams; what relaying takes from it is bounded by the
 buffer (BRAID_RELAY_BUFFER_MB, device memory, allocated at the first relayed call) and by the
 bytes the plan routes through it. Peer mappings (sources' inputs and relays' buffers) go through
-the `ce` lane's IPC cache, so a segment is opened once per process whichever lane needs it (CUDA
-refuses a second open of the same handle in one context).
+the `ce` lane's IPC cache, so a segment is opened once per process whichever lane needs it (the
+staging buffer and a user tensor may share one caching-allocator segment, hence one handle).
 
 CPU (one worker thread per call, polling): no process can read another's private tensor, so the
 source stages each chunk into v's slot in the shared segment itself, and since a ring then has
