@@ -547,7 +547,12 @@ def _world3_worker(rank, w, seed):
                       torch.zeros(10, dtype=torch.uint8), [torch.zeros(10, dtype=torch.uint8)])
     except LaneUnavailableError as exc:
         errors.append(("ce on cpu", "'ce'" in str(exc)))
-    assert [ok for _, ok in errors] == [True] * 5, errors
+    try:
+        comm.run_plan(Plan("x", w, 10, {"shm": 1.0}, {"shm": [Transfer(0, 0, 10, ((w, 0, 0),))]}, []),
+                      torch.zeros(10, dtype=torch.uint8), [torch.zeros(10, dtype=torch.uint8)])
+    except MisuseError as exc:
+        errors.append(("no such rank", f"rank {w} is not a rank" in str(exc)))
+    assert [ok for _, ok in errors] == [True] * 6, errors
     run_a2a(comm, routed([[0, 5000, 0], [0, 0, 70_000], [300_000, 0, 0]], random.Random(2), relay_p=1.0),
             [[0, 5000, 0], [0, 0, 70_000], [300_000, 0, 0]], rank, (seed, "after errors"), "after the errors")
     # last (rank 0 does not come back from it): a late and a dead peer

@@ -474,7 +474,7 @@ class Communicator:
         if "relay" in used:
             desc.update(self._lanes["relay"].descriptor(ib, dev.type))
         descs = self._exchange(desc, ib, used)
-        self._agree(op, descs, ("op", "plan", "dev"))
+        self._agree(op, descs, ("op", "plan", "dev") + (("relay_geom",) if "relay" in used else ()))
         _check_plan_bounds(plan, descs)
         handle = execute(self, plan, ib, obs, descs)
         self.last_handle = handle
@@ -922,6 +922,8 @@ def _check_plan_bounds(plan: Plan, descs: list) -> None:
     """Every byte range of the plan lies inside the tensors its ranks passed (every rank checks
     every rank from the exchanged sizes, so all raise alike)."""
     def outside(rank: int, buf: int | None, off: int, n: int) -> str | None:
+        if not 0 <= rank < len(descs):
+            return f"rank {rank} is not a rank of this world of {len(descs)}"
         d = descs[rank]
         if buf is None:
             size = d["in"]
