@@ -124,15 +124,18 @@ class Communicator:
     def _open_segment(self) -> None:
         chunk = envs.get("BRAID_HOST_CHUNK_KB") << 10
         wanted_budget = envs.get("BRAID_HOST_BUFFER_MB") << 20   # every rank reads (and rejects) settings
+        # CPU relays stage in the segment; GPU relays stage in device memory (a small area here
+        # serves CPU tensors passed to a GPU communicator)
+        wanted_relay = (1 << 20) if self.cuda else envs.get("BRAID_RELAY_BUFFER_MB") << 20
         box = [None]
         if self.rank == 0:     # decide the size, create the segment, then tell the others its name
-            budget = _fit_shm(self.world_size, wanted_budget, chunk)
-            self.layout = Layout(self.world_size, budget, chunk)
-            box = [(NodeSegment.new_name(), budget)]
+            budget, relay = _fit_shm(self.world_size, wanted_budget, chunk, wanted_relay)
+            self.layout = Layout(self.world_size, budget, chunk, relay)
+            box = [(NodeSegment.new_name(), budget, relay)]
             self.segment = NodeSegment(box[0][0], self.layout, self.rank, create=True, spin_s=self._spin_s())
         dist.broadcast_object_list(box, src=0, group=self.gloo_group)
-        name, budget = box[0]
-        self.layout = Layout(self.world_size, budget, chunk)
+        name, budget, relay = box[0]
+        self.layout = Layout(self.world_size, budget, chunk, relay)
         name = [name]
         try:
             if self.rank != 0:
@@ -169,6 +172,8 @@ class Communicator:
             lanes["nccl"] = NcclLane(self.nccl_group, self.device)
             lanes["ce"] = CeLane(self, self.device)
             lanes["host"] = HostLane(self, self.device)
+        from .lanes.relay import RelayLane     # GPU or CPU engine, picked per call by the tensors
+        lanes["relay"] = RelayLane(self, lanes.get("ce"), self.device if self.cuda else None)
         self.unavailable: dict[str, str] = {}
         for name, lane in list(lanes.items()):
             ok, why = lane.available()
@@ -437,6 +442,62 @@ class Communicator:
                 self._plan_cache.clear()
             self._plan_cache[key] = plan
         return plan
+
+    # routed plans -------------------------------------------------------------------------------
+    def run_plan(self, plan: Plan, input: torch.Tensor | None, outputs: list[torch.Tensor],
+                 async_op: bool = False) -> Handle | None:
+        """Run an agreed Plan as it is: every rank passes the same plan (checked by digest), its
+        input (bytes at `Transfer.src_off`) and its outputs (`dsts` index them). Tensors are read
+        as flat bytes; the plan's lanes must be usable for their device (ce/host/nccl/relay for
+        CUDA tensors, shm/gloo/relay for CPU tensors). A transfer with `via` >= 0 travels on the
+        `relay` lane only, and the relay lane carries nothing else. A rank with no tensors at all
+        (a pure relay) may pass None and []: it takes this communicator's device."""
+        op = "run_plan"
+        self._check_open()
+        if not isinstance(plan, Plan):
+            raise MisuseError(f"{op}: plan must be a braid Plan, got {type(plan).__name__}")
+        if plan.world_size != self.world_size or plan.p2p:
+            raise MisuseError(f"{op}: the plan is for {'send/recv' if plan.p2p else f'a world of {plan.world_size}'}; "
+                              f"run_plan runs collective plans over all {self.world_size} ranks")
+        outputs = list(outputs or [])
+        first = input if input is not None else (outputs[0] if outputs else None)
+        dev = self._device_for(first) if first is not None else self.device
+        ib = input_bytes(input, "input", dev, op) if input is not None else torch.empty(0, dtype=torch.uint8, device=dev)
+        obs = [output_bytes(o, f"outputs[{i}]", dev, op) for i, o in enumerate(outputs)]
+        used = [name for name, ts in plan.lanes.items() if ts]
+        for name in used:
+            if name == "relay":
+                ok, why = self._lanes["relay"].available_for(dev.type)
+                if self.wanted is not None and "relay" not in self.wanted:
+                    ok, why = False, f"BRAID_LANES={sorted(self.wanted)} leaves it out"
+            else:
+                ok = name in self.lanes_for(dev)
+                why = self.unavailable.get(name, f"not a lane for {dev.type} tensors here")
+            if not ok:
+                raise LaneUnavailableError(f"{op}: the plan uses lane {name!r}, not available here: {why}")
+            for t in plan.lanes[name]:
+                if (t.via >= 0) != (name == "relay"):
+                    raise MisuseError(f"{op}: transfer {t} is on lane {name!r}; relayed transfers (via >= 0) "
+                                      f"go on the 'relay' lane and only there")
+                if name == "relay":
+                    from .planner.relay import check_transfer
+                    try:
+                        check_transfer(t, self.world_size)
+                    except ValueError as exc:
+                        raise MisuseError(f"{op}: {exc}") from None
+        digest = hashlib.sha1(plan.to_json().encode()).hexdigest()[:16]
+        desc = {"op": op, "plan": digest, "dev": dev.type, "in": ib.numel(), "outs": [o.numel() for o in obs]}
+        if "relay" in used:
+            desc.update(self._lanes["relay"].descriptor(ib, dev.type))
+        descs = self._exchange(desc, ib, used)
+        self._agree(op, descs, ("op", "plan", "dev") + (("relay_geom",) if "relay" in used else ()))
+        _check_plan_bounds(plan, descs)
+        handle = execute(self, plan, ib, obs, descs)
+        self.last_handle = handle
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
     # ops ----------------------------------------------------------------------------------------
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
@@ -873,24 +934,59 @@ class Communicator:
         self.close()
 
 
-def _fit_shm(world_size: int, budget: int, chunk: int) -> int:
-    """Shrink the per-rank host buffer so the node segment fits in /dev/shm (a container's default
-    /dev/shm is 64 MiB; writing past it kills the process with SIGBUS instead of an error)."""
+def _fit_shm(world_size: int, budget: int, chunk: int, relay: int = 0) -> tuple[int, int]:
+    """Shrink the per-rank host buffer and relay staging so the node segment fits in /dev/shm (a
+    container's default /dev/shm is 64 MiB; writing past it kills the process with SIGBUS instead
+    of an error). Both are halved together; returns (host buffer bytes, relay staging bytes)."""
     try:
         st = os.statvfs("/dev/shm")
         free = st.f_bavail * st.f_frsize
     except OSError:
-        return budget
-    need = Layout(world_size, budget, chunk).total_bytes
+        return budget, relay
+    need = Layout(world_size, budget, chunk, relay).total_bytes
     if need <= free * 0.9:
-        return budget
-    fitted = budget
-    while fitted > (64 << 10) and Layout(world_size, fitted, chunk).total_bytes > free * 0.9:
+        return budget, relay
+    fitted, fitted_relay = budget, relay
+    while fitted > (64 << 10) and Layout(world_size, fitted, chunk, fitted_relay).total_bytes > free * 0.9:
         fitted //= 2
-    log.warning("braid: /dev/shm has %d MiB free, too little for BRAID_HOST_BUFFER_MB=%d on %d ranks; "
-                "using %d KiB per rank (host and shm lanes get slower; enlarge /dev/shm to fix)",
-                free >> 20, budget >> 20, world_size, fitted >> 10)
-    return fitted
+        fitted_relay = max(fitted_relay // 2, 64 << 10) if relay else 0
+    log.warning("braid: /dev/shm has %d MiB free, too little for BRAID_HOST_BUFFER_MB=%d (and %d MiB of relay "
+                "staging) on %d ranks; using %d KiB per rank and %d KiB of relay staging (host, shm and relay "
+                "lanes get slower; enlarge /dev/shm to fix)",
+                free >> 20, budget >> 20, relay >> 20, world_size, fitted >> 10, fitted_relay >> 10)
+    return fitted, fitted_relay
+
+
+def _check_plan_bounds(plan: Plan, descs: list) -> None:
+    """Every byte range of the plan lies inside the tensors its ranks passed (every rank checks
+    every rank from the exchanged sizes, so all raise alike)."""
+    def outside(rank: int, buf: int | None, off: int, n: int) -> str | None:
+        if not 0 <= rank < len(descs):
+            return f"rank {rank} is not a rank of this world of {len(descs)}"
+        d = descs[rank]
+        if buf is None:
+            size = d["in"]
+            what = f"rank {rank}'s input ({size} bytes)"
+        elif buf >= len(d["outs"]):
+            return f"rank {rank} passed {len(d['outs'])} outputs, the plan writes output {buf}"
+        else:
+            size = d["outs"][buf]
+            what = f"rank {rank}'s outputs[{buf}] ({size} bytes)"
+        if off < 0 or off + n > size:
+            return f"bytes [{off}, {off + n}) are outside {what}"
+        return None
+
+    problems = []
+    for name, transfers in plan.lanes.items():
+        for t in transfers:
+            problems.append(outside(t.src, None, t.src_off, t.nbytes))
+            problems += [outside(r, b, off, t.nbytes) for r, b, off in t.dsts]
+    for c in plan.local:
+        problems += [outside(c.rank, None, c.src_off, c.nbytes), outside(c.rank, c.buf, c.dst_off, c.nbytes)]
+    bad = [p for p in problems if p]
+    if bad:
+        raise MisuseError(f"run_plan: the plan does not fit the tensors passed: {bad[0]}"
+                          + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
 
 
 def _as_handle(work, lane: str) -> Handle:

@@ -61,14 +61,18 @@ def _define(name: str, parse: Callable[[str], Any], default: Any, doc: str) -> N
 
 
 _define("BRAID_LANES", _lanes, None,
-        "Comma list of lanes braid may use (nccl, ce, host, gloo, shm), or 'auto' for every "
-        "available lane for the tensor's device. Lanes named here but not available are skipped "
+        "Comma list of lanes braid may use (nccl, ce, host, gloo, shm; relay for routed plans), "
+        "or 'auto' for every available lane for the tensor's device. Lanes named here but not available are skipped "
         "with one log line.")
 _define("BRAID_HOST_BUFFER_MB", _positive_int, 64,
         "Pinned shared host memory per rank for the host and shm lanes, in MiB. Half feeds the "
         "collective ring, half the point-to-point rings.")
 _define("BRAID_HOST_CHUNK_KB", _positive_int, 4096,
         "Chunk (slot) size of the host and shm lanes in KiB; FlexLink used 4 MB slots.")
+_define("BRAID_RELAY_BUFFER_MB", _positive_int, 64,
+        "Staging buffer per rank for the relay lane (rank a -> rank b -> rank c), in MiB, cut into "
+        "4 slots: device memory on GPUs, shared host memory for CPU tensors (shrunk to fit "
+        "/dev/shm). It caps what relaying through a rank can take from that rank's memory.")
 _define("BRAID_CHECK", _bool, False,
         "1: check every call across ranks (sizes, dtypes, roots, split sizes) even where braid "
         "would otherwise take NCCL's own path without an exchange.")

@@ -7,6 +7,8 @@ It holds everything ranks of one node share:
 - mailboxes: each rank posts a small JSON descriptor of its call (sizes, dtype, IPC handle); every
   rank reads all, checks that they agree, and plans from the same facts.
 - ring slots for the `host` and `shm` lanes (see planner/rings.py).
+- the relay lane's staging slots for CPU tensors, one ring per rank (see planner/relay.py; GPU
+  relays stage in device memory instead, so GPU communicators keep this area small).
 
 Hygiene: the segment is created by local rank 0 with O_CREAT|O_EXCL, mode 0600 and a random name,
 opened by the others, and unlinked as soon as everyone has mapped it, so nothing is left in
@@ -29,6 +31,7 @@ import numpy as np
 
 from . import envs
 from .errors import BraidTimeoutError, LaneFailureError, PeerMismatchError
+from .planner.relay import geometry as relay_geometry
 
 log = logging.getLogger("braid")
 
@@ -60,12 +63,14 @@ class RingGeometry:
 class Layout:
     """Where everything lives in the segment, computed identically on every rank."""
 
-    def __init__(self, world_size: int, host_buffer_bytes: int, chunk_bytes: int):
+    def __init__(self, world_size: int, host_buffer_bytes: int, chunk_bytes: int, relay_buffer_bytes: int = 0):
         n = world_size
         self.world_size = n
+        # `pid` stays last: abort() pushes every counter before it
         names = [("mbox_coll", n), ("mbox_p2p", n * n),
                  ("ce_arrive", n), ("ce_finish", n), ("ce_red", n), ("ce_p2p_arrive", n * n), ("ce_p2p_finish", n * n),
                  ("coll_full", n), ("coll_done", n * n), ("pair_full", n * n), ("pair_done", n * n),
+                 ("relay_arrive", n), ("relay_finish", n), ("relay_full", n), ("relay_done", n * n),
                  ("pid", n)]
         self.counter_base: dict[str, int] = {}
         idx = 0
@@ -95,6 +100,13 @@ class Layout:
                 pslots = max(2, pair_budget // pair_chunk)
                 self.pair_rings[(r, d)] = RingGeometry(off, pslots, pair_chunk)
                 off = _align(off + pslots * pair_chunk)
+        # relay staging for CPU tensors: one ring per relay rank (planner/relay.py's geometry)
+        self.relay_rings: list[RingGeometry] = []
+        if relay_buffer_bytes > 0:
+            rslots, rslot = relay_geometry(relay_buffer_bytes)
+            for r in range(n):
+                self.relay_rings.append(RingGeometry(off, rslots, rslot))
+                off = _align(off + rslots * rslot)
         self.data_offset = self.mbox_coll_off
         self.total_bytes = off
 

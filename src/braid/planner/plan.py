@@ -26,6 +26,7 @@ class LaneKind(str, enum.Enum):
     HOST = "host"    # copy engines through pinned shared host memory (PCIe)
     SHM = "shm"      # CPU: memcpy through POSIX shared memory
     GLOO = "gloo"    # CPU: gloo point-to-point
+    RELAY = "relay"  # through a third rank's bounded buffer (routed plans only, never by shares)
 
     def __str__(self) -> str:  # plain name in tables and JSON
         return self.value
@@ -43,6 +44,9 @@ LINK_GROUP = {
     LaneKind.HOST: "pcie",
     LaneKind.SHM: "memory",
     LaneKind.GLOO: "socket",
+    # a relay loads the links of two hops (s->v, v->d) and v's copy engines; the router accounts
+    # for those links itself, so for share-based grouping it is a group of its own
+    LaneKind.RELAY: "relay",
 }
 
 
@@ -52,10 +56,11 @@ class Transfer:
     src_off: int
     nbytes: int
     dsts: tuple[tuple[int, int, int], ...]  # (rank, output buffer index, byte offset)
+    via: int = -1                           # relay rank (the `relay` lane); -1: direct
 
     def piece(self, start: int, stop: int) -> "Transfer":
         return Transfer(self.src, self.src_off + start, stop - start,
-                        tuple((r, b, off + start) for r, b, off in self.dsts))
+                        tuple((r, b, off + start) for r, b, off in self.dsts), self.via)
 
 
 @dataclass(frozen=True)
@@ -107,7 +112,8 @@ class Plan:
         obj = json.loads(text)
 
         def transfer(d: dict) -> Transfer:
-            return Transfer(d["src"], d["src_off"], d["nbytes"], tuple(tuple(x) for x in d["dsts"]))
+            return Transfer(d["src"], d["src_off"], d["nbytes"], tuple(tuple(x) for x in d["dsts"]),
+                            d.get("via", -1))
 
         return Plan(obj["op"], obj["world_size"], obj["nbytes"], obj["shares"],
                     {k: [transfer(t) for t in v] for k, v in obj["lanes"].items()},
