@@ -167,3 +167,63 @@ def test_routed_all_to_all_bitwise_on_cpu_lanes(w):
     for per_rank in res:
         # the skewed cases ran on both CPU lanes (shm and gloo carried bytes)
         assert any(lanes == ["gloo", "shm"] for lanes in per_rank[:-1]), per_rank
+
+
+# ---------------------------------------------------------------------------------------------
+# router -> plan -> relay lane, end to end (a directly wired topology, where relays pay)
+# ---------------------------------------------------------------------------------------------
+
+def _mesh_plan(w, seed):
+    from braid.planner.router import mesh
+    rng = random.Random(seed)
+    topo = mesh(w, pair_gbps=100.0, pcie_gbps=10.0)
+    matrix = [[0] * w for _ in range(w)]
+    for s in range(w):
+        for d in range(w):
+            if s != d:
+                matrix[s][d] = rng.randrange(1, 64) * 4096 + rng.randrange(0, 7)
+    matrix[0][1] = (6 << 20) + 5            # one hot pair: the router spreads it over relays
+    rp = route(topo, matrix)
+    return matrix, build_plan(matrix, rp.flows, PATH_LANE["cpu"], relay=True)
+
+
+def test_mesh_plan_relays_the_hot_pair_and_covers_every_byte():
+    matrix, plan = _mesh_plan(4, 1)
+    assert plan.lanes.get("relay"), plan.shares
+    vias = {t.via for t in plan.lanes["relay"] if t.src == 0 and t.dsts[0][0] == 1}
+    assert vias and vias <= {2, 3}, vias
+    assert all(t.via == -1 for k, ts in plan.lanes.items() if k != "relay" for t in ts)
+    pieces = {}
+    for ts in plan.lanes.values():
+        for t in ts:
+            pieces.setdefault((t.src, t.dsts[0][0]), []).append((t.dsts[0][2], t.nbytes))
+    mv = all_to_all_movement(matrix)
+    for t in mv.transfers:
+        got = sorted(pieces[(t.src, t.dsts[0][0])])
+        at = t.dsts[0][2]
+        for off, n in got:
+            assert off == at
+            at += n
+        assert at == t.dsts[0][2] + t.nbytes
+
+
+def _relay_worker(rank, w, seed):
+    import braid
+    comm = braid.init()
+    matrix, plan = _mesh_plan(w, seed)
+    x = make(("mesh", seed, rank), sum(matrix[rank]), torch.uint8)
+    exp = torch.cat([make(("mesh", seed, s), sum(matrix[s]), torch.uint8)
+                     [sum(matrix[s][:rank]):][: matrix[s][rank]] for s in range(w)])
+    y = ~exp
+    for _ in range(2):
+        y.copy_(~exp)
+        comm.run_plan(plan, x, [y])
+        assert torch.equal(y, exp), "routed plan with relays differs from the reference"
+    braid.close()
+    return sorted(plan.lanes)
+
+
+def test_routed_plan_with_relays_runs_bitwise_on_cpu():
+    res = run_world(_relay_worker, 4, 1, env={"BRAID_RELAY_BUFFER_MB": "1", "BRAID_HOST_BUFFER_MB": "2",
+                                             "BRAID_HOST_CHUNK_KB": "64"})
+    assert "relay" in res[0]

@@ -9,7 +9,8 @@ the most loaded link is as light as possible. Here its plan becomes a braid Plan
     path kind  ->  lane              (GPU)     (CPU)
     direct          the NVLink lane   ce        shm
     host            the second lane   host      gloo
-    relay           relay (when the lane exists and the topology offers relays)
+    relay:v         relay, via v      relay     relay     (build_plan(relay=True); run by
+                                                            Communicator.run_plan)
 
 Each demand's bytes are cut in path order into contiguous pieces (boundaries on 4 KiB pages), so
 the destination receives every byte once, in place, whatever lane carried it.
@@ -81,29 +82,37 @@ def native_time_us(matrix: list[list[int]], cost: LaneCost) -> float:
     return cost.time_us(busiest * w / max(w - 1, 1))
 
 
-def build_plan(matrix: list[list[int]], flows: dict, names: dict[str, str]) -> Plan:
-    """The router's per-demand path bytes as lane transfers: each demand cut in path order."""
+def build_plan(matrix: list[list[int]], flows: dict, names: dict[str, str], relay: bool = False) -> Plan:
+    """The router's per-demand path bytes as lane transfers: each demand cut in path order.
+    Relay paths go on the `relay` lane (Transfer.via = the intermediate rank) when `relay`, else
+    they fold into the direct lane."""
     mv = all_to_all_movement(matrix)
     lanes: dict[str, list[Transfer]] = {}
     for t in mv.transfers:
         d = t.dsts[0][0]
         parts = flows.get((t.src, d)) or []
-        lane_bytes: list[tuple[str, int]] = []
+        lane_bytes: list[tuple[str, int, int]] = []        # (lane, via, bytes)
         for path, nb in parts:
-            lane = names.get(path.kind, names["direct"])
-            if lane_bytes and lane_bytes[-1][0] == lane:
-                lane_bytes[-1] = (lane, lane_bytes[-1][1] + nb)
+            if path.kind == "relay" and relay:
+                lane, via = "relay", path.via[0]
             else:
-                lane_bytes.append((lane, nb))
+                lane, via = names.get(path.kind, names["direct"]), -1
+            if lane_bytes and lane_bytes[-1][:2] == (lane, via):
+                lane_bytes[-1] = (lane, via, lane_bytes[-1][2] + nb)
+            else:
+                lane_bytes.append((lane, via, nb))
         if not lane_bytes:
-            lane_bytes = [(names["direct"], t.nbytes)]
+            lane_bytes = [(names["direct"], -1, t.nbytes)]
         # cut points on pages, the last piece takes the rest (every byte exactly once)
         start, acc = 0, 0
-        for i, (lane, nb) in enumerate(lane_bytes):
+        for i, (lane, via, nb) in enumerate(lane_bytes):
             acc += nb
             stop = t.nbytes if i == len(lane_bytes) - 1 else min(t.nbytes, round(acc / ALIGN) * ALIGN)
             if stop > start:
-                lanes.setdefault(lane, []).append(t.piece(start, stop))
+                piece = t.piece(start, stop)
+                if via >= 0:
+                    piece = Transfer(piece.src, piece.src_off, piece.nbytes, piece.dsts, via)
+                lanes.setdefault(lane, []).append(piece)
                 start = stop
     total = sum(t.nbytes for ts in lanes.values() for t in ts) or 1
     order = {k.value: i for i, k in enumerate(LaneKind)}
