@@ -2,7 +2,16 @@
 
 Each recorded point gives the op, size, world and the shares braid ran with. The simulator splits
 the op by those shares through the planner, runs the plan's lanes as flows on the h200x2 / h200x4
-preset (link rates from HARDWARE.md's probes, not from the bench) and predicts braid's time.
+preset and predicts braid's time. The presets' link rates come from HARDWARE.md's probes, except the
+host lane's (D2H / H2D per GPU, host memory), which come from braid's own calibration tables of the
+same run (`bench_results/2026-11-22-run3/calibration/`, timed before the bench sweep at 1 / 64 /
+512 MiB): what braid itself plans from. Nothing is taken from the bench points themselves.
+
+What the bench times besides braid's op: its broadcast workload copies the message into the root's
+buffer before every timed call (`workloads.make`: `buf.copy_(x)` on the root), so a broadcast that
+braid's lanes run gets `bench_prelude_us` (nbytes at the preset's device_copy_gbps) ahead of it. The
+NCCL broadcast baselines in the presets were timed with the same copy, so NCCL-alone points get
+nothing added.
 
 What is a prediction and what is an input: NCCL's own kernels are not modelled on our machines; the
 preset carries NCCL's measured bus bandwidths (HARDWARE.md, or an earlier bench run), so a point
@@ -42,6 +51,15 @@ class Comparison:
         return d
 
 
+def bench_prelude_us(topo, op: str, nbytes: int, shares: dict) -> float:
+    """Device time the bench's workload spends per timed call before braid's op starts (see the
+    module docstring): the root's copy of the broadcast message. Zero where NCCL runs alone (its
+    measured time already has it) and for every other op (their buffers are not reset)."""
+    if op != "broadcast" or set(shares) == {"nccl"} or not topo.has("device_copy_gbps"):
+        return 0.0
+    return nbytes / (topo.c("device_copy_gbps") * 1e3)
+
+
 def compare(points: list[dict], with_planner: bool = True) -> list[Comparison]:
     out = []
     topos = {}
@@ -52,7 +70,7 @@ def compare(points: list[dict], with_planner: bool = True) -> list[Comparison]:
         planner = (choose(topo, p["op"], p["world"], ["nccl", "ce", "host"], p["nbytes"], native="nccl")
                    if with_planner else {})
         out.append(Comparison(p["preset"], p["op"], p["world"], p["nbytes"], p["shares"], p["braid_us"],
-                              res.time_us, kind, p.get("lane_time_us", {}),
+                              res.time_us + bench_prelude_us(topo, p["op"], p["nbytes"], p["shares"]), kind, p.get("lane_time_us", {}),
                               {k: v for k, v in res.lane_time_us.items() if k != "nccl"}, planner))
     return out
 
