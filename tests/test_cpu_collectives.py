@@ -586,26 +586,76 @@ def test_two_async_calls_in_flight_on_shm():
 
 
 def _swap_worker(rank, w, seed):
+    """Both ranks isend first, then irecv (torch.distributed accepts it); then two sends in a row
+    each way, waited in reverse order; messages larger than the pair rings."""
     import braid
     comm = braid.init()
     peer = 1 - rank
-    mine = make((seed, rank), 1000, torch.float32)
-    theirs = make((seed, peer), 1000, torch.float32)
-    y = poison(torch.empty(1000), theirs)
     try:
-        with comm.fixed_shares({"shm": 1.0}):
-            hs = [comm.send(mine, peer, async_op=True), comm.recv(y, peer, async_op=True)]
-            for h in hs:
-                h.wait()
-        check(y, theirs, "swap")
-    except Exception as exc:      # today: PeerMismatchError on both ranks (no hang)
+        for shares in ({"shm": 1.0}, {"gloo": 0.5, "shm": 0.5}):
+            for n in (1000, 3_000_001):
+                mine = make((seed, rank, n), n, torch.float32)
+                theirs = make((seed, peer, n), n, torch.float32)
+                y = poison(torch.empty(n), theirs)
+                with comm.fixed_shares(shares):
+                    hs = [comm.send(mine, peer, async_op=True), comm.recv(y, peer, async_op=True)]
+                    for h in hs:
+                        h.wait()
+                check(y, theirs, f"swap {shares} n={n}")
+                a2 = make((seed, rank, n, 2), n, torch.float32)
+                ys = [poison(torch.empty(n), make((seed, peer, n, k), n, torch.float32)) for k in (1, 2)]
+                with comm.fixed_shares(shares):
+                    hs = [comm.send(mine, peer, async_op=True), comm.send(a2, peer, async_op=True),
+                          comm.recv(ys[0], peer, async_op=True), comm.recv(ys[1], peer, async_op=True)]
+                    for h in reversed(hs):
+                        h.wait()
+                check(ys[0], theirs, f"two sends, first {shares} n={n}")
+                check(ys[1], make((seed, peer, n, 2), n, torch.float32), f"two sends, second {shares} n={n}")
+    except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return True
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (torch.distributed divergence): p2p calls are matched per unordered "
-                   "pair in call order and the handshake blocks even with async_op=True (node.py exchange_pair), so "
-                   "the isend-then-irecv swap on both ranks pairs send with send and raises PeerMismatchError; "
-                   "torch.distributed, and braid's own NCCL and gloo-alone paths, accept it")
 def test_async_send_recv_swap_between_two_ranks():
-    assert run_world(_swap_worker, 2, 8, env={"BRAID_TIMEOUT_S": "5"}, timeout=60) == [True, True]
+    """Sends and recvs are matched per direction (rank a's k-th send to b with b's k-th recv from
+    a), and a split send/recv starts once both sides are posted, so neither call blocks on the
+    other rank (it used to pair send with send and raise PeerMismatchError)."""
+    assert run_world(_swap_worker, 2, 8, env={"BRAID_TIMEOUT_S": "20", "BRAID_HOST_BUFFER_MB": "2",
+                                              "BRAID_HOST_CHUNK_KB": "64", "BRAID_MIN_SPLIT_KB": "1"},
+                     timeout=120) == [True, True]
+
+
+def _ring_p2p_worker(rank, w, seed):
+    """Every rank isends to the next and irecvs from the previous (a ring shift, as pipeline
+    parallelism does), a few rounds, with a collective in between and waits in shuffled order."""
+    import braid
+    comm = braid.init()
+    rng = random.Random(seed)
+    nxt, prv = (rank + 1) % w, (rank - 1) % w
+    for rnd in range(4):
+        n = rng.choice([1, 777, 400_003])           # the same on every rank (shared seed)
+        order = rng.sample(range(4), 4)
+        shares = rng.choice([{"shm": 1.0}, {"gloo": 0.3, "shm": 0.7}])
+        mine = [make((seed, rnd, rank, k), n, torch.float32) for k in range(2)]
+        want = [make((seed, rnd, prv, k), n, torch.float32) for k in range(2)]
+        got = [poison(torch.empty(n), want[k]) for k in range(2)]
+        with comm.fixed_shares(shares):
+            hs = [comm.send(mine[0], nxt, async_op=True), comm.recv(got[0], prv, async_op=True),
+                  comm.send(mine[1], nxt, async_op=True), comm.recv(got[1], prv, async_op=True)]
+            if rnd == 2:                                # a collective while sends are pending
+                t = torch.full((5,), float(rank))
+                comm.all_reduce(t)
+                assert t.tolist() == [float(sum(range(w)))] * 5
+            for i in order:
+                hs[i].wait()
+        for k in range(2):
+            check(got[k], want[k], f"ring round {rnd} message {k}")
+    braid.close()
+    return True
+
+
+@pytest.mark.parametrize("w", [3, 4])
+def test_ring_shift_with_async_send_recv(w):
+    assert run_world(_ring_p2p_worker, w, 5, env={"BRAID_TIMEOUT_S": "30", "BRAID_HOST_BUFFER_MB": "2",
+                                                  "BRAID_HOST_CHUNK_KB": "64", "BRAID_MIN_SPLIT_KB": "1"},
+                     timeout=150) == [True] * w

@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import socket
+import time
 import weakref
 from typing import Iterator
 
@@ -81,6 +82,7 @@ class Communicator:
         self._routed = RoutedAllToAll(self.world_size)
         self.routing = envs.get("BRAID_ROUTE")      # skewed all_to_all through the router: auto/on/off
         self.last_route: tuple[float, float] | None = None
+        self._p2p_pending: list["PendingP2P"] = []                  # posted, peer's side not read yet
         self._staged_buf = None                 # reductions' slot scratch on GPUs, reused
         self._staged_end = None                 # the last staged reduction's end event
         self._ce_red = None
@@ -342,7 +344,7 @@ class Communicator:
                 return self.segment.exchange_collective(desc, list(range(self.world_size)))
             got = [None] * self.world_size
             got[self.rank] = desc
-            got[peer] = self.segment.exchange_pair(desc, peer)
+            got[peer] = self.segment.exchange_pair(desc, peer, desc.get("src") == self.rank)
             return got
         if peer is not None:   # no shared segment: the pair swaps descriptors through gloo
             got = [None] * self.world_size
@@ -385,6 +387,8 @@ class Communicator:
              async_op: bool, peer: int | None = None, always_exchange: bool = False,
              multi=None, route=None) -> Handle | None:
         self._check_open()
+        if peer is None and self._p2p_pending:
+            self._flush_p2p()
         device = (inp if inp is not None else outs[0]).device
         lanes = self.lanes_for(device)
         shares = self.shares_for(op, size, lanes) if not always_exchange else None
@@ -485,6 +489,8 @@ class Communicator:
                         check_transfer(t, self.world_size)
                     except ValueError as exc:
                         raise MisuseError(f"{op}: {exc}") from None
+        if self._p2p_pending:
+            self._flush_p2p()
         digest = hashlib.sha1(plan.to_json().encode()).hexdigest()[:16]
         desc = {"op": op, "plan": digest, "dev": dev.type, "in": ib.numel(), "outs": [o.numel() for o in obs]}
         if "relay" in used:
@@ -642,8 +648,50 @@ class Communicator:
         def native(g):
             return (dist.isend(tb, dst=peer, group=g) if sending else dist.irecv(tb, src=peer, group=g))
 
-        return self._run(op, desc, n, inp, outs, lambda d: (n, ("p2p", src, dst, n), lambda: p2p_movement(self.world_size, src, dst, n)),
-                         native, ("op", "dtype", "nbytes", "src", "dst"), async_op, peer=peer)
+        if self.segment is None:
+            return self._run(op, desc, n, inp, outs, lambda d: (n, ("p2p", src, dst, n), lambda: p2p_movement(self.world_size, src, dst, n)),
+                             native, ("op", "dtype", "nbytes", "src", "dst"), async_op, peer=peer)
+        self._check_open()
+        lanes = self.lanes_for(dev)
+        shares = self.shares_for(op, n, lanes)
+        if self._native_ok(shares):
+            handle = _as_handle(native(self._native_group(shares)), next(iter(shares)))
+            self.last_handle = handle
+            if async_op:
+                return handle
+            handle.wait()
+            return None
+        # Split: matched per direction, posted now, run once the peer's matching call is posted
+        # (at the latest in wait()). So isend + irecv on both ranks of a pair works, as in
+        # torch.distributed: neither call blocks on the other rank.
+        full = dict(desc, lanes=lanes, calib=self.calib_digest, rank=self.rank)
+        if "ce" in lanes:
+            full.update(self._lanes["ce"].descriptor(inp))
+        start_event = None
+        if dev.type == "cuda":
+            start_event = torch.cuda.Event()
+            start_event.record(torch.cuda.current_stream(dev))
+        token = self.segment.post_pair(full, peer, sending)
+        handle = PendingP2P(self, token, full, inp, outs, peer, n, src, dst, dev, start_event)
+        self._p2p_pending.append(handle)
+        self._progress_p2p()
+        self.last_handle = handle
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def _flush_p2p(self) -> None:
+        """Start every pending send/recv (blocking until their peers posted them) before a
+        collective posts lane work: every rank then queues the same calls in the same order on
+        the lanes' streams, which the cross-rank counters rely on."""
+        for h in list(self._p2p_pending):
+            h.complete()
+
+    def _progress_p2p(self) -> None:
+        """Post the lanes of every pending send/recv whose peer has posted its side (never blocks)."""
+        for h in list(self._p2p_pending):
+            h.try_complete()
 
     # reductions -----------------------------------------------------------------------------------
     def _fast_reduce_ok(self, op, dtype) -> bool:
@@ -932,6 +980,112 @@ class Communicator:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class PendingP2P:
+    """A send or recv whose descriptor is posted and whose lanes start once the peer's matching
+    call (same direction, same position in that direction's order) is posted. Quacks like Handle."""
+
+    def __init__(self, comm, token, desc, inp, outs, peer, n, src, dst, dev, start_event):
+        self.comm, self.token, self.desc = comm, token, desc
+        self.inp, self.outs, self.peer, self.n = inp, outs, peer, n
+        self.src, self.dst, self.dev, self.start_event = src, dst, dev, start_event
+        self.inner: Handle | None = None
+        self.error: BaseException | None = None
+
+    def try_complete(self) -> bool:
+        if self.inner is not None:
+            return True
+        if self.error is not None:
+            raise self.error
+        for h in list(self.comm._p2p_pending):        # a direction's calls start in call order
+            if h is self:
+                break
+            if (h.src, h.dst) == (self.src, self.dst) and not h.try_complete():
+                return False
+        theirs = self.comm.segment.poll_pair(self.token)
+        if theirs is None:
+            return False
+        self._start(theirs)
+        return True
+
+    def complete(self) -> None:
+        """Block until the peer's side is posted (other pending calls progress meanwhile)."""
+        if self.try_complete():
+            return
+        seg = self.comm.segment
+        deadline = time.monotonic() + envs.get("BRAID_TIMEOUT_S")
+        spins = 0
+        while not self.try_complete():
+            self.comm._progress_p2p()
+            spins += 1
+            if spins > 200:
+                time.sleep(0.0002)
+                if spins % 2000 == 0:
+                    seg.check_alive(self.peer)
+                if time.monotonic() > deadline:
+                    from .errors import BraidTimeoutError
+                    what = "send to" if self.src == self.comm.rank else "recv from"
+                    self.error = BraidTimeoutError(
+                        f"rank {self.comm.rank}: {what} rank {self.peer} waited {envs.get('BRAID_TIMEOUT_S'):.0f} s "
+                        f"for rank {self.peer}'s matching {'recv' if self.src == self.comm.rank else 'send'}")
+                    self._drop()
+                    raise self.error
+
+    def _drop(self) -> None:
+        if self in self.comm._p2p_pending:
+            self.comm._p2p_pending.remove(self)
+
+    def _start(self, theirs: dict) -> None:
+        comm, me = self.comm, self.comm.rank
+        self._drop()
+        descs: list = [None] * comm.world_size
+        descs[me], descs[self.peer] = self.desc, theirs
+        try:
+            comm._agree("send_recv", descs, ("op", "dtype", "nbytes", "src", "dst", "calib"))
+        except PeerMismatchError as exc:
+            self.error = exc
+            raise
+        agreed = comm._agreed_lanes(descs)
+        shares = comm.shares_for("send_recv", self.n, agreed)
+        if comm._native_ok(shares):
+            g = comm._native_group(shares)
+            tb = self.inp if self.src == me else self.outs[0]
+            work = dist.isend(tb, dst=self.peer, group=g) if self.src == me else dist.irecv(tb, src=self.peer, group=g)
+            self.inner = _as_handle(work, next(iter(shares)))
+            return
+        src, dst, n = self.src, self.dst, self.n
+        plan = comm._plan(("p2p", src, dst, n), lambda: p2p_movement(comm.world_size, src, dst, n), shares, n, self.dev)
+        self.inner = execute(comm, plan, self.inp, self.outs, descs, self.peer, start_event=self.start_event)
+
+    def wait(self, timeout=None) -> bool:
+        self.complete()
+        self.comm._progress_p2p()          # start whatever else is ready before blocking on lanes
+        return self.inner.wait()
+
+    def is_completed(self) -> bool:
+        return self.try_complete() and self.inner.is_completed()
+
+    def lane_times_us(self) -> dict[str, float]:
+        self.complete()
+        return self.inner.lane_times_us()
+
+    @property
+    def shares(self) -> dict[str, float]:
+        self.complete()
+        return self.inner.shares
+
+    @property
+    def plan(self):
+        return self.inner.plan if self.inner is not None else None
+
+    @property
+    def native(self):
+        return self.inner.native if self.inner is not None else None
+
+    @property
+    def runs(self):
+        return self.inner.runs if self.inner is not None else []
 
 
 def _fit_shm(world_size: int, budget: int, chunk: int, relay: int = 0) -> tuple[int, int]:

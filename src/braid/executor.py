@@ -67,12 +67,16 @@ class Handle:
 
 
 def execute(comm, plan: Plan, inp: torch.Tensor | None, outs: list[torch.Tensor],
-            descs: list[dict | None], peer: int | None = None) -> Handle:
+            descs: list[dict | None], peer: int | None = None, start_event=None) -> Handle:
+    """Post every lane's part of `plan`. `start_event`: where on the caller's stream the call was
+    made (a deferred send/recv posts its lanes later, from the position of its call)."""
     cuda = comm_device_is_cuda(inp, outs)
     ctx = OpContext(comm=comm, plan=plan, inp=inp, outs=outs, descs=descs, peer=peer)
     if cuda:
-        ctx.start_event = torch.cuda.Event()
-        ctx.start_event.record(torch.cuda.current_stream())
+        ctx.start_event = start_event
+        if ctx.start_event is None:
+            ctx.start_event = torch.cuda.Event()
+            ctx.start_event.record(torch.cuda.current_stream())
     runs = []
     for name, transfers in plan.lanes.items():
         if transfers:

@@ -38,6 +38,7 @@ log = logging.getLogger("braid")
 LINE = 64                  # bytes between counters (no false sharing between writers)
 COLL_MBOX_BYTES = 16384    # one collective descriptor (all_to_all splits for large worlds fit)
 P2P_MBOX_BYTES = 2048
+P2P_DEPTH = 4               # send/recv descriptors a direction may have posted and not yet read
 PAGE = 4096
 MAGIC = 0x42524149         # "BRAI"
 
@@ -67,7 +68,7 @@ class Layout:
         n = world_size
         self.world_size = n
         # `pid` stays last: abort() pushes every counter before it
-        names = [("mbox_coll", n), ("mbox_p2p", n * n),
+        names = [("mbox_coll", n), ("mbox_p2p", n * n * 2), ("mbox_p2p_ack", n * n * 2),
                  ("ce_arrive", n), ("ce_finish", n), ("ce_red", n), ("ce_p2p_arrive", n * n), ("ce_p2p_finish", n * n),
                  ("coll_full", n), ("coll_done", n * n), ("pair_full", n * n), ("pair_done", n * n),
                  ("relay_arrive", n), ("relay_finish", n), ("relay_full", n), ("relay_done", n * n),
@@ -82,7 +83,7 @@ class Layout:
         self.mbox_coll_off = off
         off = _align(off + n * 2 * COLL_MBOX_BYTES)
         self.mbox_p2p_off = off
-        off = _align(off + n * n * 2 * P2P_MBOX_BYTES)
+        off = _align(off + n * n * 2 * P2P_DEPTH * P2P_MBOX_BYTES)
         # rings: per rank half the budget for the collective ring, half split over pair rings
         half = max(host_buffer_bytes // 2, 2 * PAGE)
         coll_chunk = max(PAGE, min(chunk_bytes, half // 2) // PAGE * PAGE)
@@ -243,21 +244,57 @@ class NodeSegment:
             out.append(self._read(slot(r)))
         return out
 
-    def exchange_pair(self, desc: dict, peer: int) -> dict:
-        """Post this rank's descriptor for the next call with `peer` and read the peer's."""
-        key = (min(self.rank, peer), max(self.rank, peer))
-        seq = self.p2p_seq.get(key, 0) + 1
-        self.p2p_seq[key] = seq
+    # Point-to-point descriptors are matched per direction: rank a's k-th send to b meets b's k-th
+    # recv from a, whatever else the two exchange in between (b's own sends to a use other
+    # mailboxes). Mailbox (writer, reader, role): role 0 is written by the direction's sender,
+    # role 1 by its receiver, P2P_DEPTH slots each (seq % depth). The reader acknowledges each
+    # descriptor it read; a writer reuses a slot only once its previous occupant was acknowledged,
+    # so up to P2P_DEPTH calls per direction may be posted ahead of the peer.
+    def _p2p_slot(self, writer: int, reader: int, role: int, seq: int) -> int:
         lay = self.layout
+        idx = ((writer * lay.world_size + reader) * 2 + role) * P2P_DEPTH + seq % P2P_DEPTH
+        return lay.mbox_p2p_off + idx * P2P_MBOX_BYTES
 
-        def slot(w: int, r: int) -> int:
-            return lay.mbox_p2p_off + ((w * lay.world_size + r) * 2 + seq % 2) * P2P_MBOX_BYTES
+    def _p2p_counter(self, writer: int, reader: int, role: int, name: str = "mbox_p2p") -> int:
+        return self.layout.counter(name, (writer * self.layout.world_size + reader) * 2 + role)
 
-        self._write(slot(self.rank, peer), P2P_MBOX_BYTES, desc)
-        self.set(lay.counter("mbox_p2p", self.rank, peer), seq)
+    def post_pair(self, desc: dict, peer: int, sending: bool) -> tuple:
+        """Post this rank's descriptor for its next call in the direction (src, dst); returns the
+        token that `poll_pair`/`wait_pair` read the peer's matching descriptor with."""
+        direction = (self.rank, peer) if sending else (peer, self.rank)
+        seq = self.p2p_seq.get(direction, 0) + 1
+        role = 0 if sending else 1
+        if seq > P2P_DEPTH:       # the slot's previous descriptor must have been read by the peer
+            deadline = time.monotonic() + envs.get("BRAID_TIMEOUT_S")
+            self.wait_geq(self._p2p_counter(self.rank, peer, role, "mbox_p2p_ack"), seq - P2P_DEPTH,
+                          f"{desc.get('op')} #{seq - P2P_DEPTH} (posted {P2P_DEPTH} ahead)", peer, deadline)
+        self.p2p_seq[direction] = seq
+        self._write(self._p2p_slot(self.rank, peer, role, seq), P2P_MBOX_BYTES, desc)
+        self.set(self._p2p_counter(self.rank, peer, role), seq)
+        return (peer, 1 - role, seq, desc.get("op"))
+
+    def _take(self, token: tuple) -> dict:
+        peer, role, seq, _ = token
+        got = self._read(self._p2p_slot(peer, self.rank, role, seq))
+        self.set(self._p2p_counter(peer, self.rank, role, "mbox_p2p_ack"), seq)
+        return got
+
+    def poll_pair(self, token: tuple) -> dict | None:
+        """The peer's matching descriptor if it has been posted, else None (never blocks)."""
+        peer, role, seq, _ = token
+        if not geq(self.get(self._p2p_counter(peer, self.rank, role)), seq):
+            return None
+        return self._take(token)
+
+    def wait_pair(self, token: tuple) -> dict:
+        peer, role, seq, what = token
         deadline = time.monotonic() + envs.get("BRAID_TIMEOUT_S")
-        self.wait_geq(lay.counter("mbox_p2p", peer, self.rank), seq, f"{desc.get('op')} #{seq}", peer, deadline)
-        return self._read(slot(peer, self.rank))
+        self.wait_geq(self._p2p_counter(peer, self.rank, role), seq, f"{what} #{seq}", peer, deadline)
+        return self._take(token)
+
+    def exchange_pair(self, desc: dict, peer: int, sending: bool) -> dict:
+        """Post this rank's descriptor for the next call with `peer` and wait for the peer's."""
+        return self.wait_pair(self.post_pair(desc, peer, sending))
 
     def _write(self, off: int, cap: int, desc: dict) -> None:
         data = json.dumps(desc, separators=(",", ":")).encode()

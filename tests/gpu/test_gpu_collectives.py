@@ -157,3 +157,46 @@ def test_two_gpus(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 4, reason="needs 4 GPUs")
 def test_four_gpus(tmp_path):
     _run(4, tmp_path)
+
+
+def _swap_worker(rank, world, port, err_path):
+    """Both ranks isend then irecv (split over the lanes: messages above the ring), twice in a row
+    each way with waits in reverse order; bitwise against the data each rank generated."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
+                      TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
+                      BRAID_HOST_BUFFER_MB="8", BRAID_HOST_CHUNK_KB="512", BRAID_MIN_SPLIT_KB="1",
+                      BRAID_TIMEOUT_S="60")
+    import traceback
+    import torch.distributed as dist
+    import braid
+    try:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world)
+        dev = torch.device("cuda", rank)
+        comm = braid.init()
+        peer = 1 - rank
+        for shares in ({"ce": 1.0}, {"host": 1.0}, {"ce": 0.8, "host": 0.2}):
+            for n in (4097, 30_000_001):
+                def data(r, k):
+                    g = torch.Generator().manual_seed(r * 1000 + k * 7 + n)
+                    return torch.randn(n, generator=g).to(dev)
+                with comm.fixed_shares(shares):
+                    outs = [torch.zeros(n, device=dev) for _ in range(2)]
+                    hs = [comm.send(data(rank, 0), peer, async_op=True), comm.send(data(rank, 1), peer, async_op=True),
+                          comm.recv(outs[0], peer, async_op=True), comm.recv(outs[1], peer, async_op=True)]
+                    for h in reversed(hs):
+                        h.wait()
+                torch.cuda.synchronize()
+                for k in range(2):
+                    assert torch.equal(outs[k], data(peer, k)), f"swap {shares} n={n} message {k}"
+        braid.close()
+        dist.destroy_process_group()
+    except BaseException:
+        with open(f"{err_path}.{rank}", "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+@NEEDS
+def test_async_send_recv_swap_two_gpus(tmp_path):
+    _run(2, tmp_path, _swap_worker)

@@ -38,6 +38,7 @@ class CeLane(GpuLaneMixin, Lane):
         self.comm = comm
         self.device = device
         self.stream = None
+        self.send_stream = None
         self._why = ""
         self.maps: dict[tuple[int, str], int] = {}        # (peer, handle hex) -> mapped base
         self.by_base: dict[tuple[int, int], str] = {}     # (peer, peer's base) -> handle hex
@@ -51,6 +52,7 @@ class CeLane(GpuLaneMixin, Lane):
                 if p != device.index and not torch.cuda.can_device_access_peer(device.index, p):
                     raise RuntimeError(f"GPU {device.index} cannot access GPU {p} directly")
             self.stream = torch.cuda.Stream(device=device)
+            self.send_stream = None
         except (OSError, RuntimeError, AttributeError) as exc:
             self._why = str(exc)
 
@@ -78,14 +80,21 @@ class CeLane(GpuLaneMixin, Lane):
     def post(self, ctx: OpContext, transfers: list[Transfer]) -> LaneRun:
         comm, me, s = self.comm, ctx.rank, self.stream
         lay, base = comm.layout, comm.seg_dev_ptr
-        sh = s.cuda_stream
         if ctx.plan.p2p:
-            key = (min(me, ctx.peer), max(me, ctx.peer))
+            # counted per direction, and the sender's side (publish, then wait for the reader) on
+            # a stream of its own: a rank's send and recv with the same peer may be in flight
+            # together, and the send's wait must not hold up the recv's pulls
+            key = (transfers[0].src, transfers[0].dsts[0][0])
             seq = self.pair_seq.get(key, 0) + 1
             self.pair_seq[key] = seq
+            if key[0] == me:
+                if self.send_stream is None:
+                    self.send_stream = torch.cuda.Stream(device=self.device)
+                s = self.send_stream
         else:
             self.coll_seq += 1
             seq = self.coll_seq
+        sh = s.cuda_stream
         start = self._begin(ctx, s)
 
         def arrive(r: int, d: int | None) -> int:

@@ -24,7 +24,10 @@ class ShmLane(Lane):
 
     def __init__(self, comm):
         self.comm = comm
-        self._last: LaneRun | None = None   # calls run in call order (their chunks share the rings)
+        # calls on the same rings run in call order (their chunks share the rings): the collective
+        # ring, and each direction's pair ring; different rings run side by side (a pair's send
+        # and recv in flight together must not wait for each other)
+        self._last: dict[tuple, LaneRun] = {}
 
     def available(self) -> tuple[bool, str]:
         if self.comm.segment is None:
@@ -40,7 +43,12 @@ class ShmLane(Lane):
         inp, outs = ctx.inp, ctx.outs
         timeout = envs.get("BRAID_TIMEOUT_S")
 
-        previous = self._last
+        if ctx.plan.p2p:
+            t = transfers[0]
+            key = ("p2p", t.src, t.dsts[0][0])
+        else:
+            key = ("coll",)
+        previous = self._last.get(key)
 
         def run() -> None:
             if previous is not None and previous.thread is not None:
@@ -81,5 +89,6 @@ class ShmLane(Lane):
                         raise BraidTimeoutError(f"shm lane on rank {me} made no progress for {timeout:.0f} s "
                                                 f"(waiting on rank {peer}); a peer stopped or called another op")
 
-        self._last = LaneRun(self.kind, thread_fn=run, slowdown=comm.slowdown.get("shm", 1.0))
-        return self._last
+        run_ = LaneRun(self.kind, thread_fn=run, slowdown=comm.slowdown.get("shm", 1.0))
+        self._last[key] = run_
+        return run_
