@@ -3,15 +3,15 @@ determinism (the same inputs give bitwise the same output twice and on every ran
 from __future__ import annotations
 
 import itertools
-import os
 
-import pytest
 import torch
+import torch.distributed as dist
 
-from test_gpu_collectives import LANE_SETS, _run as _run_world
+from braid.collectives.reduce import PremulSum
+from gpu_world import needs, run
+from test_gpu_collectives import ENV, LANE_SETS
 
-NEEDS = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                           reason="needs 2 or more GPUs")
+NEEDS = needs(2)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.int32, torch.int64, torch.uint8]
 OPS = ["sum", "avg", "product", "min", "max", "premul"]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -50,115 +50,96 @@ def _close(got, exp, dtype, world):
     return bool(((got.double() - exp).abs() <= tol * (exp.abs() + 1)).all())
 
 
-def _worker(rank, world, port, err_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
-                      TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
-                      BRAID_HOST_BUFFER_MB="8", BRAID_HOST_CHUNK_KB="512", BRAID_MIN_SPLIT_KB="1",
-                      BRAID_TIMEOUT_S="60")
-    import traceback
-    import torch.distributed as dist
-    import braid
-    from braid.collectives.reduce import PremulSum
-    try:
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world)
-        dev = torch.device("cuda", rank)
-        comm = braid.init()
-        # large buffers first, each lane alone and together, against NCCL (different summation
-        # order: tolerance) and bitwise against itself
-        x = torch.randn(1 << 24, device=dev, dtype=torch.bfloat16) * (rank + 1)
-        ref = x.clone()
-        dist.all_reduce(ref)
-        scale = x.abs().double()          # rounding error of a sum scales with sum |x_i|, not |sum|
-        dist.all_reduce(scale)
-        for shares in LANE_SETS:
-            a = x.clone()
-            with comm.fixed_shares(shares):
-                comm.all_reduce(a)
-            off = ((a.double() - ref.double()).abs() > 0.03 * scale + 1e-3)
-            bad = int(off.sum())
-            if bad:
-                idx = off.nonzero().flatten()
-                per = x.numel() // world
-                chunks = torch.bincount(idx // per, minlength=world).tolist()
-                raise AssertionError(f"large all_reduce {shares} rank {rank}: {bad} elements off NCCL's result; "
-                                     f"bad per chunk {chunks}; first {idx[:3].tolist()} last {idx[-3:].tolist()}; "
-                                     f"got {a[idx[:3]].tolist()} want {ref[idx[:3]].tolist()}")
-            o = torch.empty(x.numel() // world, device=dev, dtype=x.dtype)
-            with comm.fixed_shares(shares):
-                comm.reduce_scatter_tensor(o, x)
-            lo, hi = rank * o.numel(), (rank + 1) * o.numel()
-            c, sc = ref[lo:hi], scale[lo:hi]
-            bad = int(((o.double() - c.double()).abs() > 0.03 * sc + 1e-3).sum())
-            assert bad == 0, f"large reduce_scatter {shares}: {bad} elements off NCCL's result"
-        # odd sizes long enough for the copy engines' pipeline to cut several pieces per chunk,
-        # with a split point that is not a multiple of anything: float64 reference, bitwise
-        # repeatable, the same on every rank
-        for shares in LANE_SETS:
-            for dtype, n, name in ((torch.float32, 3_000_007, "sum"), (torch.bfloat16, 5_000_011, "max"),
-                                   (torch.float16, 4_000_037, "avg"), (torch.int32, 2_999_999, "sum")):
-                xs = _inputs(n, dtype, world, seed=n)
-                exp = _expected(xs, name, dtype)
-                runs = []
-                for _ in range(2):
-                    t = xs[rank].to(dev)
-                    with comm.fixed_shares(shares):
-                        comm.all_reduce(t, name)
-                    runs.append(t)
-                assert _close(runs[0].cpu(), exp, dtype, world), f"pipelined all_reduce {shares} {dtype} n={n} {name}"
-                assert torch.equal(runs[0], runs[1]), f"all_reduce not repeatable {shares} {dtype} n={n}"
-                gathered = [torch.empty_like(runs[0]) for _ in range(world)]
-                dist.all_gather(gathered, runs[0])
-                assert all(torch.equal(g, runs[0]) for g in gathered), f"ranks disagree {shares} {dtype} n={n}"
-                m = -(-n // world)
-                full = torch.cat([xs[rank][:m]] * world).to(dev)
-                out = torch.empty(m, dtype=dtype, device=dev)
+def _worker(rank, world, comm, dev):
+    # large buffers first, each lane alone and together, against NCCL (different summation
+    # order: tolerance) and bitwise against itself
+    x = torch.randn(1 << 24, device=dev, dtype=torch.bfloat16) * (rank + 1)
+    ref = x.clone()
+    dist.all_reduce(ref)
+    scale = x.abs().double()          # rounding error of a sum scales with sum |x_i|, not |sum|
+    dist.all_reduce(scale)
+    for shares in LANE_SETS:
+        a = x.clone()
+        with comm.fixed_shares(shares):
+            comm.all_reduce(a)
+        off = ((a.double() - ref.double()).abs() > 0.03 * scale + 1e-3)
+        bad = int(off.sum())
+        if bad:
+            idx = off.nonzero().flatten()
+            per = x.numel() // world
+            chunks = torch.bincount(idx // per, minlength=world).tolist()
+            raise AssertionError(f"large all_reduce {shares} rank {rank}: {bad} elements off NCCL's result; "
+                                 f"bad per chunk {chunks}; first {idx[:3].tolist()} last {idx[-3:].tolist()}; "
+                                 f"got {a[idx[:3]].tolist()} want {ref[idx[:3]].tolist()}")
+        o = torch.empty(x.numel() // world, device=dev, dtype=x.dtype)
+        with comm.fixed_shares(shares):
+            comm.reduce_scatter_tensor(o, x)
+        lo, hi = rank * o.numel(), (rank + 1) * o.numel()
+        c, sc = ref[lo:hi], scale[lo:hi]
+        bad = int(((o.double() - c.double()).abs() > 0.03 * sc + 1e-3).sum())
+        assert bad == 0, f"large reduce_scatter {shares}: {bad} elements off NCCL's result"
+    # odd sizes long enough for the copy engines' pipeline to cut several pieces per chunk,
+    # with a split point that is not a multiple of anything: float64 reference, bitwise
+    # repeatable, the same on every rank
+    for shares in LANE_SETS:
+        for dtype, n, name in ((torch.float32, 3_000_007, "sum"), (torch.bfloat16, 5_000_011, "max"),
+                               (torch.float16, 4_000_037, "avg"), (torch.int32, 2_999_999, "sum")):
+            xs = _inputs(n, dtype, world, seed=n)
+            exp = _expected(xs, name, dtype)
+            runs = []
+            for _ in range(2):
+                t = xs[rank].to(dev)
                 with comm.fixed_shares(shares):
-                    comm.reduce_scatter_tensor(out, full, name)
-                exp_rs = _expected([x[:m] for x in xs], name, dtype)
-                assert _close(out.cpu(), exp_rs, dtype, world), f"pipelined reduce_scatter {shares} {dtype} n={m}"
-        for shares in LANE_SETS:
+                    comm.all_reduce(t, name)
+                runs.append(t)
+            assert _close(runs[0].cpu(), exp, dtype, world), f"pipelined all_reduce {shares} {dtype} n={n} {name}"
+            assert torch.equal(runs[0], runs[1]), f"all_reduce not repeatable {shares} {dtype} n={n}"
+            gathered = [torch.empty_like(runs[0]) for _ in range(world)]
+            dist.all_gather(gathered, runs[0])
+            assert all(torch.equal(g, runs[0]) for g in gathered), f"ranks disagree {shares} {dtype} n={n}"
+            m = -(-n // world)
+            full = torch.cat([xs[rank][:m]] * world).to(dev)
+            out = torch.empty(m, dtype=dtype, device=dev)
             with comm.fixed_shares(shares):
-                for dtype, n, name in itertools.product(DTYPES, [0, 1, 7, 4099, 300_001], OPS):
-                    if name in ("avg", "premul") and not dtype.is_floating_point:
-                        continue
-                    if name == "product" and dtype.is_floating_point and dtype != torch.float32:
-                        continue   # products of many half values under/overflow: covered in float32
-                    op = PremulSum(0.5) if name == "premul" else name
-                    xs = _inputs(n, dtype, world, seed=n * 31 + len(name))
-                    exp = _expected(xs, name, dtype)
-                    t = xs[rank].to(dev)
-                    comm.all_reduce(t, op)
-                    assert _close(t.cpu(), exp, dtype, world), f"all_reduce {shares} {dtype} n={n} {name}"
-                    t2 = xs[rank].to(dev)
-                    comm.all_reduce(t2, op)
-                    assert torch.equal(t, t2), f"all_reduce not deterministic {shares} {dtype} n={n} {name}"
-                    gathered = [torch.empty_like(t) for _ in range(world)]
-                    dist.all_gather(gathered, t)
-                    assert all(torch.equal(g, t) for g in gathered), "ranks disagree on the all_reduce result"
-                    full = torch.cat([xs[rank]] * world).to(dev)       # every chunk: this rank's data
-                    out = torch.empty(n, dtype=dtype, device=dev)
-                    comm.reduce_scatter_tensor(out, full, op)
-                    assert _close(out.cpu(), exp, dtype, world), f"reduce_scatter {shares} {dtype} n={n} {name}"
-                    t3 = xs[rank].to(dev)
-                    comm.reduce(t3, world - 1, op)
-                    if rank == world - 1:
-                        assert _close(t3.cpu(), exp, dtype, world), f"reduce {shares} {dtype} n={n} {name}"
-                    else:
-                        assert torch.equal(t3.cpu(), xs[rank]), "reduce changed a non-root tensor"
-        braid.close()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(f"{err_path}.{rank}", "w") as f:
-            f.write(traceback.format_exc())
-        raise
+                comm.reduce_scatter_tensor(out, full, name)
+            exp_rs = _expected([x[:m] for x in xs], name, dtype)
+            assert _close(out.cpu(), exp_rs, dtype, world), f"pipelined reduce_scatter {shares} {dtype} n={m}"
+    for shares in LANE_SETS:
+        with comm.fixed_shares(shares):
+            for dtype, n, name in itertools.product(DTYPES, [0, 1, 7, 4099, 300_001], OPS):
+                if name in ("avg", "premul") and not dtype.is_floating_point:
+                    continue
+                if name == "product" and dtype.is_floating_point and dtype != torch.float32:
+                    continue   # products of many half values under/overflow: covered in float32
+                op = PremulSum(0.5) if name == "premul" else name
+                xs = _inputs(n, dtype, world, seed=n * 31 + len(name))
+                exp = _expected(xs, name, dtype)
+                t = xs[rank].to(dev)
+                comm.all_reduce(t, op)
+                assert _close(t.cpu(), exp, dtype, world), f"all_reduce {shares} {dtype} n={n} {name}"
+                t2 = xs[rank].to(dev)
+                comm.all_reduce(t2, op)
+                assert torch.equal(t, t2), f"all_reduce not deterministic {shares} {dtype} n={n} {name}"
+                gathered = [torch.empty_like(t) for _ in range(world)]
+                dist.all_gather(gathered, t)
+                assert all(torch.equal(g, t) for g in gathered), "ranks disagree on the all_reduce result"
+                full = torch.cat([xs[rank]] * world).to(dev)       # every chunk: this rank's data
+                out = torch.empty(n, dtype=dtype, device=dev)
+                comm.reduce_scatter_tensor(out, full, op)
+                assert _close(out.cpu(), exp, dtype, world), f"reduce_scatter {shares} {dtype} n={n} {name}"
+                t3 = xs[rank].to(dev)
+                comm.reduce(t3, world - 1, op)
+                if rank == world - 1:
+                    assert _close(t3.cpu(), exp, dtype, world), f"reduce {shares} {dtype} n={n} {name}"
+                else:
+                    assert torch.equal(t3.cpu(), xs[rank]), "reduce changed a non-root tensor"
 
 
 @NEEDS
 def test_reductions_two_gpus(tmp_path):
-    _run_world(2, tmp_path, _worker)
+    run(2, tmp_path, _worker, ENV)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 4, reason="needs 4 GPUs")
+@needs(4)
 def test_reductions_four_gpus(tmp_path):
-    _run_world(4, tmp_path, _worker)
+    run(4, tmp_path, _worker, ENV)
