@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from gpu_world import run
+from test_relay import routed          # the CPU tier's random routed plans, here over ce + host
 
-from braid.planner.plan import LocalCopy, Plan, Transfer, all_to_all_movement
+from braid.planner.plan import LocalCopy, Plan, Transfer
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 ENV = {"BRAID_RELAY_BUFFER_MB": "4"}
@@ -32,27 +33,6 @@ def _bytes(seed: int, n: int, device) -> torch.Tensor:
 
 def _same(a, b) -> bool:
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-
-
-def routed(matrix, rng: random.Random, lanes=("ce", "host"), relay_p=0.5, max_pieces=3) -> Plan:
-    """An all_to_all of `matrix` as a routed plan: each transfer cut into up to `max_pieces`
-    pieces, each on a direct lane or relayed through a random other rank (maybe its destination)."""
-    mv = all_to_all_movement(matrix)
-    w = len(matrix)
-    out: dict[str, list[Transfer]] = {k: [] for k in list(lanes) + ["relay"]}
-    for t in mv.transfers:
-        k = rng.randint(1, max_pieces)
-        cuts = sorted({0, t.nbytes} | {rng.randrange(t.nbytes + 1) for _ in range(k - 1)})
-        for a, b in zip(cuts[:-1], cuts[1:]):
-            p = t.piece(a, b)
-            if rng.random() < relay_p:
-                via = rng.choice([r for r in range(w) if r != t.src])
-                out["relay"].append(Transfer(p.src, p.src_off, p.nbytes, p.dsts, via))
-            else:
-                out[rng.choice(lanes)].append(p)
-    total = sum(t.nbytes for ts in out.values() for t in ts) or 1
-    shares = {k: sum(t.nbytes for t in ts) / total for k, ts in out.items() if ts}
-    return Plan("all_to_all_single", w, total, shares, {k: v for k, v in out.items() if v}, list(mv.local))
 
 
 def _worker(rank, world, comm, dev):
@@ -104,7 +84,7 @@ def _worker(rank, world, comm, dev):
     rng = random.Random(7)                    # the same plans on every rank
     for i in range(24):
         matrix = [[rng.choice([0, 1, 4097, rng.randrange(1, 8 * MB)]) for _ in range(world)] for _ in range(world)]
-        plan = routed(matrix, rng, relay_p=rng.choice([0.3, 0.7, 1.0]))
+        plan = routed(matrix, rng, lanes=("ce", "host"), relay_p=rng.choice([0.3, 0.7, 1.0]))
         x = _bytes(1000 * i + rank, sum(matrix[rank]), dev)
         out = torch.zeros(sum(matrix[s][rank] for s in range(world)), dtype=torch.uint8, device=dev)
         ref = torch.empty_like(out)
