@@ -25,6 +25,7 @@ import torch.distributed as dist
 from . import envs
 from .collectives import check_rank, flat_bytes, input_bytes, output_bytes, same_dtype, split_bytes
 from .errors import LaneFailureError, LaneUnavailableError, MisuseError, PeerMismatchError
+from .collectives.reduce import REDUCE_DTYPES
 from .executor import Handle, execute
 from .lanes.base import LaneRun
 from .node import Layout, NodeSegment
@@ -43,6 +44,19 @@ DEFAULT_COSTS = {
 }
 P2P_DESC_BYTES = 2048
 ROUTE_MIN_BYTES = 1 << 20    # NIMBLE: multipath off at or below 1 MB
+class _NativeDone(Handle):
+    """last_handle after a synchronous fast-path call: NCCL took the whole call, already waited."""
+
+    def __init__(self):
+        super().__init__(native=None)
+        self._waited = True
+
+    @property
+    def shares(self) -> dict[str, float]:
+        return {"nccl": 1.0}
+
+
+_NATIVE_DONE = _NativeDone()
 _FAST_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT)
 OPS = ("send_recv", "broadcast", "all_gather", "all_to_all_single", "all_reduce", "reduce_scatter", "reduce")
 
@@ -326,6 +340,16 @@ class Communicator:
                 return False
         return True
 
+    def _native_call(self, call, async_op: bool):
+        """The small-message fast path: NCCL's own call. Synchronous calls stay synchronous, so torch
+        runs them on the caller's stream (no event record + wait around the kernel, a few
+        microseconds per call at 1 MiB); async calls return a braid Handle around torch's Work."""
+        if async_op:
+            return self._finish(call(True), True)
+        call(False)
+        self.last_handle = _NATIVE_DONE
+        return None
+
     def _finish(self, work, async_op: bool):
         handle = Handle(native=work)
         self.last_handle = handle
@@ -511,8 +535,7 @@ class Communicator:
         if (self._fast_ok(output, input) and input.dtype == output.dtype
                 and output.numel() == input.numel() * self.world_size
                 and self._native_for(op, input.numel() * input.element_size())):
-            return self._finish(dist.all_gather_into_tensor(output, input, group=self.nccl_group, async_op=True),
-                                async_op)
+            return self._native_call(lambda a: dist.all_gather_into_tensor(output, input, group=self.nccl_group, async_op=a), async_op)
         dev = self._device_for(input)
         ib = input_bytes(input, "input", dev, op)
         ob = output_bytes(output, "output", dev, op)
@@ -548,7 +571,7 @@ class Communicator:
         op = "broadcast"
         if (self._fast_ok(tensor) and type(src) is int and 0 <= src < self.world_size
                 and self._native_for(op, tensor.numel() * tensor.element_size())):
-            return self._finish(dist.broadcast(tensor, src=src, group=self.nccl_group, async_op=True), async_op)
+            return self._native_call(lambda a: dist.broadcast(tensor, src=src, group=self.nccl_group, async_op=a), async_op)
         dev = self._device_for(tensor)
         check_rank(src, self.world_size, "src", op)
         tb = output_bytes(tensor, "tensor", dev, op)
@@ -566,8 +589,7 @@ class Communicator:
                 and input.dtype == output.dtype and input.numel() == output.numel() and input.dim() > 0
                 and input.shape[0] % self.world_size == 0
                 and self._native_for(op, input.numel() * input.element_size())):
-            return self._finish(dist.all_to_all_single(output, input, group=self.nccl_group, async_op=True),
-                                async_op)
+            return self._native_call(lambda a: dist.all_to_all_single(output, input, group=self.nccl_group, async_op=a), async_op)
         dev = self._device_for(input)
         ib = input_bytes(input, "input", dev, op)
         ob = output_bytes(output, "output", dev, op)
@@ -696,7 +718,6 @@ class Communicator:
     # reductions -----------------------------------------------------------------------------------
     def _fast_reduce_ok(self, op, dtype) -> bool:
         """NCCL's own reduction may take the call as is: a plain ReduceOp on a reducible dtype."""
-        from .collectives.reduce import REDUCE_DTYPES
         if dtype not in REDUCE_DTYPES or type(op) is not type(dist.ReduceOp.SUM):
             return False
         if op in _FAST_OPS:
@@ -707,7 +728,7 @@ class Communicator:
         """In place, like torch.distributed.all_reduce."""
         if (self._fast_ok(tensor) and self._fast_reduce_ok(op, tensor.dtype)
                 and self._native_for("all_reduce", tensor.numel() * tensor.element_size())):
-            return self._finish(dist.all_reduce(tensor, op=op, group=self.nccl_group, async_op=True), async_op)
+            return self._native_call(lambda a: dist.all_reduce(tensor, op=op, group=self.nccl_group, async_op=a), async_op)
         return self._reduction("all_reduce", tensor, tensor, op, None, async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
@@ -716,8 +737,8 @@ class Communicator:
         if (self._fast_ok(output, input) and input.dtype == output.dtype
                 and input.numel() == output.numel() * self.world_size and self._fast_reduce_ok(op, input.dtype)
                 and self._native_for("reduce_scatter", input.numel() * input.element_size())):
-            return self._finish(dist.reduce_scatter_tensor(output, input, op=op, group=self.nccl_group,
-                                                           async_op=True), async_op)
+            return self._native_call(lambda a: dist.reduce_scatter_tensor(output, input, op=op, group=self.nccl_group,
+                                                                          async_op=a), async_op)
         return self._reduction("reduce_scatter", output, input, op, None, async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op=dist.ReduceOp.SUM,
@@ -737,7 +758,7 @@ class Communicator:
         if (self._fast_ok(tensor) and type(dst) is int and 0 <= dst < self.world_size
                 and self._fast_reduce_ok(op, tensor.dtype)
                 and self._native_for("reduce", tensor.numel() * tensor.element_size())):
-            return self._finish(dist.reduce(tensor, dst=dst, op=op, group=self.nccl_group, async_op=True), async_op)
+            return self._native_call(lambda a: dist.reduce(tensor, dst=dst, op=op, group=self.nccl_group, async_op=a), async_op)
         check_rank(dst, self.world_size, "dst", "reduce")
         return self._reduction("reduce", tensor, tensor, op, dst, async_op)
 
