@@ -433,6 +433,34 @@ def test_choose_with_native_tables():
     assert choose_with_native(red, 4096, single_ok=True) == {"nccl": 1.0}
 
 
+def test_choose_with_native_share_tables():
+    """native_share (all_reduce on GPUs): NCCL's own collective may keep a share beside the host
+    lane when that beats NCCL alone and the other lanes' split; never below the margin."""
+    four = {"ce": LaneCost(20.0, 330.0), "nccl": LaneCost(15.0, 350.0), "host": LaneCost(40.0, 20.0)}
+    assert choose_with_native(four, 1 << 30) == {"nccl": 1.0}            # without native_share
+    got = choose_with_native(four, 1 << 30, native_share=True)
+    assert set(got) == {"nccl", "host"} and 0.03 < got["host"] < 0.08, got
+    assert predicted_time_us(four, got, 1 << 30) < four["nccl"].time_us(1 << 30) * 0.97
+    assert choose_with_native(four, 1 << 20, native_share=True) == {"nccl": 1.0}   # small: NCCL
+    # the copy engines faster than NCCL: the NVLink group keeps one lane, the ce + host split
+    two = {"ce": LaneCost(20.0, 390.0), "nccl": LaneCost(15.0, 330.0), "host": LaneCost(40.0, 34.0)}
+    got = choose_with_native(two, 1 << 30, native_share=True)
+    assert set(got) == {"ce", "host"}, got
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_choose_with_native_share_never_predicted_slower(seed):
+    rng = random.Random(seed)
+    costs = random_costs(rng, ["ce", "nccl", "host"], floors=seed % 3 == 0)
+    n = rng.choice([1, 4096, 1 << 20, 1 << 30, rng.randint(1, 1 << 34)])
+    got = choose_with_native(costs, n, "nccl", native_share=True)
+    plain = choose_with_native(costs, n, "nccl")
+    assert math.isclose(sum(got.values()), 1.0, rel_tol=1e-9)
+    if got != plain:
+        assert "nccl" in got and len(got) > 1, (got, plain)
+        assert predicted_time_us(costs, got, max(n, 1)) < predicted_time_us(costs, plain, max(n, 1)) * 0.97
+
+
 @pytest.mark.parametrize("n", [0, 1, 64, 1024, 16 << 10])
 def test_choose_shares_small_messages_take_one_lane(n):
     costs = {"ce": LaneCost(12.0, 360.0), "nccl": LaneCost(10.0, 320.0), "host": LaneCost(30.0, 30.0)}

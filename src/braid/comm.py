@@ -57,6 +57,7 @@ class _NativeDone(Handle):
 
 
 _NATIVE_DONE = _NativeDone()
+NATIVE_SHARE_REDS = ("sum", "avg", "min", "max", "product")   # NCCL's own all_reduce may take a share
 _FAST_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT)
 OPS = ("send_recv", "broadcast", "all_gather", "all_to_all_single", "all_reduce", "reduce_scatter", "reduce")
 
@@ -100,6 +101,7 @@ class Communicator:
         self._staged_buf = None                 # reductions' slot scratch on GPUs, reused
         self._staged_end = None                 # the last staged reduction's end event
         self._ce_red = None
+        self._nccl_stream = None                # NCCL's share of split all_reduces
         self.slowdown: dict[str, float] = {}   # test/bench hook: CPU lane -> time multiplier
         self.check = envs.get("BRAID_CHECK")   # read once, when the communicator is created
         self._plan_cache: dict = {}
@@ -131,6 +133,13 @@ class Communicator:
             self.nccl_group = dist.new_group(backend="nccl")
             warm = torch.zeros(1, device=self.device)
             dist.all_reduce(warm, group=self.nccl_group)   # create the NCCL communicator now
+        # where whole calls go to NCCL's own collective: the default group when it is NCCL (the
+        # communicator the caller's own NCCL calls use: measured ~10 us per call faster at 1-4 MiB
+        # than a second communicator from new_group on 2 and 4 x H200), else braid's group. The
+        # nccl lane's share of split calls stays on braid's group, beside the other lanes.
+        self.native_group = self.nccl_group
+        if self.cuda and "nccl" in str(dist.get_backend()).lower():
+            self.native_group = dist.group.WORLD
         self._lanes = self._make_lanes()
         self.watchdog = _Watchdog(self.segment, self.rank, self.world_size) if self.segment is not None and self.cuda else None
         self._closer = weakref.finalize(self, _finalize, self.segment, self.seg_dev_ptr, self.watchdog)
@@ -306,14 +315,15 @@ class Communicator:
         reads the root), which only pays for 2 ranks; beyond that the copy engines sit out."""
         exclude = ("ce",) if op == "broadcast" and self.world_size > 2 else ()
         return choose_with_native(costs, nbytes, "nccl", exclude,
-                                  single_ok=op in ("all_reduce", "reduce_scatter"))
+                                  single_ok=op in ("all_reduce", "reduce_scatter"),
+                                  native_share=op == "all_reduce" and self.cuda)
 
     def _native_ok(self, shares: dict[str, float]) -> bool:
         """One lane that is a library of its own (NCCL, gloo): call its collective directly."""
         return len(shares) == 1 and next(iter(shares)) in ("nccl", "gloo") and not self.check
 
     def _native_group(self, shares: dict[str, float]):
-        return self.nccl_group if "nccl" in shares else self.gloo_group
+        return self.native_group if "nccl" in shares else self.gloo_group
 
     def _native_for(self, op: str, nbytes: int) -> bool:
         """Cached: will this op at this size go to NCCL's own call? (the small-message fast path)"""
@@ -535,7 +545,7 @@ class Communicator:
         if (self._fast_ok(output, input) and input.dtype == output.dtype
                 and output.numel() == input.numel() * self.world_size
                 and self._native_for(op, input.numel() * input.element_size())):
-            return self._native_call(lambda a: dist.all_gather_into_tensor(output, input, group=self.nccl_group, async_op=a), async_op)
+            return self._native_call(lambda a: dist.all_gather_into_tensor(output, input, group=self.native_group, async_op=a), async_op)
         dev = self._device_for(input)
         ib = input_bytes(input, "input", dev, op)
         ob = output_bytes(output, "output", dev, op)
@@ -571,7 +581,7 @@ class Communicator:
         op = "broadcast"
         if (self._fast_ok(tensor) and type(src) is int and 0 <= src < self.world_size
                 and self._native_for(op, tensor.numel() * tensor.element_size())):
-            return self._native_call(lambda a: dist.broadcast(tensor, src=src, group=self.nccl_group, async_op=a), async_op)
+            return self._native_call(lambda a: dist.broadcast(tensor, src=src, group=self.native_group, async_op=a), async_op)
         dev = self._device_for(tensor)
         check_rank(src, self.world_size, "src", op)
         tb = output_bytes(tensor, "tensor", dev, op)
@@ -589,7 +599,7 @@ class Communicator:
                 and input.dtype == output.dtype and input.numel() == output.numel() and input.dim() > 0
                 and input.shape[0] % self.world_size == 0
                 and self._native_for(op, input.numel() * input.element_size())):
-            return self._native_call(lambda a: dist.all_to_all_single(output, input, group=self.nccl_group, async_op=a), async_op)
+            return self._native_call(lambda a: dist.all_to_all_single(output, input, group=self.native_group, async_op=a), async_op)
         dev = self._device_for(input)
         ib = input_bytes(input, "input", dev, op)
         ob = output_bytes(output, "output", dev, op)
@@ -652,7 +662,7 @@ class Communicator:
         op = "send_recv"
         if (self._fast_ok(tensor) and type(peer) is int and 0 <= peer < self.world_size and peer != self.rank
                 and self._native_for(op, tensor.numel() * tensor.element_size())):
-            g = self.nccl_group
+            g = self.native_group
             work = dist.isend(tensor, dst=peer, group=g) if sending else dist.irecv(tensor, src=peer, group=g)
             return self._finish(work, async_op)
         dev = self._device_for(tensor)
@@ -728,7 +738,7 @@ class Communicator:
         """In place, like torch.distributed.all_reduce."""
         if (self._fast_ok(tensor) and self._fast_reduce_ok(op, tensor.dtype)
                 and self._native_for("all_reduce", tensor.numel() * tensor.element_size())):
-            return self._native_call(lambda a: dist.all_reduce(tensor, op=op, group=self.nccl_group, async_op=a), async_op)
+            return self._native_call(lambda a: dist.all_reduce(tensor, op=op, group=self.native_group, async_op=a), async_op)
         return self._reduction("all_reduce", tensor, tensor, op, None, async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
@@ -737,7 +747,7 @@ class Communicator:
         if (self._fast_ok(output, input) and input.dtype == output.dtype
                 and input.numel() == output.numel() * self.world_size and self._fast_reduce_ok(op, input.dtype)
                 and self._native_for("reduce_scatter", input.numel() * input.element_size())):
-            return self._native_call(lambda a: dist.reduce_scatter_tensor(output, input, op=op, group=self.nccl_group,
+            return self._native_call(lambda a: dist.reduce_scatter_tensor(output, input, op=op, group=self.native_group,
                                                                           async_op=a), async_op)
         return self._reduction("reduce_scatter", output, input, op, None, async_op)
 
@@ -758,7 +768,7 @@ class Communicator:
         if (self._fast_ok(tensor) and type(dst) is int and 0 <= dst < self.world_size
                 and self._fast_reduce_ok(op, tensor.dtype)
                 and self._native_for("reduce", tensor.numel() * tensor.element_size())):
-            return self._native_call(lambda a: dist.reduce(tensor, dst=dst, op=op, group=self.nccl_group, async_op=a), async_op)
+            return self._native_call(lambda a: dist.reduce(tensor, dst=dst, op=op, group=self.native_group, async_op=a), async_op)
         check_rank(dst, self.world_size, "dst", "reduce")
         return self._reduction("reduce", tensor, tensor, op, dst, async_op)
 
@@ -828,9 +838,20 @@ class Communicator:
             reduce-scatter into slots on those lanes, reduce, gather the reduced chunks back."""
             me = self.rank
             cuda = dev.type == "cuda"
-            elem = [(bounds[d] // esz, (bounds[d + 1] - bounds[d]) // esz) for d in range(w)]
-            ce_f = shares.get("ce", 0.0) if cuda and opname != "reduce" else 0.0
-            rest = {k: v for k, v in shares.items() if not (k == "ce" and ce_f > 0)}
+            shares_all = shares
+            # all_reduce on GPUs: NCCL's share runs as NCCL's own all_reduce of a prefix of the
+            # tensor, on a stream of its own beside the other lanes (its kernels and the copy
+            # engines share NVLink; the host lane adds PCIe); the other lanes split the rest
+            nat_f = shares.get("nccl", 0.0) if cuda and opname == "all_reduce" and name in NATIVE_SHARE_REDS else 0.0
+            base = 0
+            chunk_b = bounds
+            if 0.0 < nat_f < 1.0:
+                base = cut_points(numel * esz, [nat_f, 1.0 - nat_f], 4096)[1] // esz
+                shares = {k: v / (1.0 - nat_f) for k, v in shares.items() if k != "nccl"}
+                chunk_b = [base * esz + b for b in chunk_bounds(numel - base, w, esz)]
+            elem = [(chunk_b[d] // esz, (chunk_b[d + 1] - chunk_b[d]) // esz) for d in range(w)]
+            ce_f = shares.get("ce", 0.0) if cuda and opname != "reduce" and base < numel else 0.0
+            rest = {k: v for k, v in shares.items() if not (k == "ce" and ce_f > 0)} if base < numel else {}
             if ce_f > 0 and rest:
                 cut = [cut_points(n * esz, [ce_f, 1.0 - ce_f], 4096)[1] // esz for _, n in elem]
             else:
@@ -843,12 +864,15 @@ class Communicator:
             def record(staged_plan):
                 """The plan as it ran: the staged lanes' transfers, and the pulls of the copy
                 engines' pipelined part (for Handle.shares and lane_bytes)."""
-                if ce_f == 0:
+                if ce_f == 0 and base == 0:
                     return staged_plan
                 lanes = dict(staged_plan.lanes) if staged_plan is not None else {}
-                ce_bytes = [(o * esz, n * esz) for o, n in ce_chunks]
-                lanes["ce"] = reduce_scatter_chunks(w, ce_bytes).transfers
-                return Plan(opname, w, size, dict(shares), lanes, [])
+                if ce_f > 0:
+                    ce_bytes = [(o * esz, n * esz) for o, n in ce_chunks]
+                    lanes["ce"] = reduce_scatter_chunks(w, ce_bytes).transfers
+                if base:       # NCCL's own all_reduce of the prefix: no braid transfers to list
+                    lanes["nccl"] = []
+                return Plan(opname, w, size, dict(shares_all), lanes, [])
 
             caller = torch.cuda.current_stream(dev) if cuda else None
             start_event = None
@@ -858,6 +882,8 @@ class Communicator:
                     caller.wait_event(self._staged_end)   # the staged scratch is free again
                 start_event = torch.cuda.Event()
                 start_event.record(caller)
+            if base:
+                runs.append(self._native_share(output.reshape(-1)[:base], torch_op(op, name), start_event))
             if ce_f > 0:
                 flat_in = ib.view(output.dtype)
                 flat_out = output.reshape(-1)
@@ -866,7 +892,13 @@ class Communicator:
                     gather=opname == "all_reduce", descs=descs, name=name, factor=factor))
             if not rest or not any(n for _, n in rest_chunks):
                 event = runs[0].end if cuda and runs else None
-                return Handle(runs, plan=record(None if ce_f > 0 else plan1), event=event)
+                if cuda and len(runs) > 1:         # join the lanes' ends on braid's op stream
+                    join = self._op_stream()
+                    for r in runs:
+                        join.wait_event(r.end)
+                    event = torch.cuda.Event()
+                    event.record(join)
+                return Handle(runs, plan=record(None if ce_f > 0 or base else plan1), event=event)
             stream = self._op_stream() if cuda else None
             ctx = torch.cuda.stream(stream) if cuda else contextlib.nullcontext()
             with ctx:
@@ -916,6 +948,23 @@ class Communicator:
 
         return self._run(opname, desc, size, ib, [ob], movement_of, native,
                          ("op", "dtype", "nbytes", "red", "factor", "root"), async_op, multi=multi)
+
+    def _native_share(self, view: torch.Tensor, top, start_event) -> LaneRun:
+        """NCCL's own all_reduce of `view` on braid's NCCL stream, after `start_event` (where the
+        call was made on the caller's stream), timed for the balancer. torch runs a synchronous
+        NCCL call on the current stream (2.11: no Work is returned); older versions run it on
+        their own stream and make the current one wait: either way the end event follows it."""
+        if self._nccl_stream is None:
+            self._nccl_stream = torch.cuda.Stream(self.device)
+        ns = self._nccl_stream
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(ns):
+            ns.wait_event(start_event)
+            t0.record(ns)
+            dist.all_reduce(view, op=top, group=self.nccl_group)
+            t1.record(ns)
+        view.record_stream(ns)
+        return LaneRun(LaneKind.NCCL, start=t0, end=t1)
 
     def _staged_scratch(self, n: int, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
         """Slots of the staged reductions, kept from call to call on GPUs (a fresh allocation

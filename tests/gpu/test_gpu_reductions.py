@@ -3,6 +3,7 @@ determinism (the same inputs give bitwise the same output twice and on every ran
 from __future__ import annotations
 
 import itertools
+import time
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,7 @@ def _close(got, exp, dtype, world):
 def _worker(rank, world, comm, dev):
     # large buffers first, each lane alone and together, against NCCL (different summation
     # order: tolerance) and bitwise against itself
+    t0 = time.perf_counter()
     x = torch.randn(1 << 24, device=dev, dtype=torch.bfloat16) * (rank + 1)
     ref = x.clone()
     dist.all_reduce(ref)
@@ -78,6 +80,8 @@ def _worker(rank, world, comm, dev):
         c, sc = ref[lo:hi], scale[lo:hi]
         bad = int(((o.double() - c.double()).abs() > 0.03 * sc + 1e-3).sum())
         assert bad == 0, f"large reduce_scatter {shares}: {bad} elements off NCCL's result"
+    if rank == 0:
+        print(f"world {world}: large cases {time.perf_counter() - t0:.1f} s", flush=True)
     # odd sizes long enough for the copy engines' pipeline to cut several pieces per chunk,
     # with a split point that is not a multiple of anything: float64 reference, bitwise
     # repeatable, the same on every rank
@@ -104,6 +108,8 @@ def _worker(rank, world, comm, dev):
                 comm.reduce_scatter_tensor(out, full, name)
             exp_rs = _expected([x[:m] for x in xs], name, dtype)
             assert _close(out.cpu(), exp_rs, dtype, world), f"pipelined reduce_scatter {shares} {dtype} n={m}"
+    if rank == 0:
+        print(f"world {world}: pipelined odd sizes {time.perf_counter() - t0:.1f} s", flush=True)
     for shares in LANE_SETS:
         with comm.fixed_shares(shares):
             for dtype, n, name in itertools.product(DTYPES, [0, 1, 7, 4099, 300_001], OPS):
@@ -133,6 +139,8 @@ def _worker(rank, world, comm, dev):
                     assert _close(t3.cpu(), exp, dtype, world), f"reduce {shares} {dtype} n={n} {name}"
                 else:
                     assert torch.equal(t3.cpu(), xs[rank]), "reduce changed a non-root tensor"
+    if rank == 0:
+        print(f"world {world}: every op x dtype x lane set {time.perf_counter() - t0:.1f} s", flush=True)
 
 
 @NEEDS

@@ -115,18 +115,32 @@ def choose_shares(costs: dict[str, LaneCost], nbytes: int,
 
 def choose_with_native(costs: dict[str, LaneCost], nbytes: int, native: str = "nccl",
                        exclude: tuple[str, ...] = (), single_ok: bool = False,
-                       margin: float = 0.03) -> dict[str, float]:
+                       margin: float = 0.03, native_share: bool = False) -> dict[str, float]:
     """The split rule on GPUs: NCCL's own call when one lane is best, else a split over the other
     lanes (copy engines + host). Measured on H200 (bench_results/2026-11-22-run1): NCCL's kernels
     inside a split run as batched point-to-point, slower than NCCL's own collective and than the
     copy engines, so NCCL is the single-lane choice and the copy engines the NVLink lane of a split.
     `exclude` drops lanes that cannot help this op (e.g. star-shaped broadcast beyond 2 ranks).
     `single_ok`: another lane alone may replace NCCL when it is predicted faster by `margin` (the
-    reductions, where the copy engines run an algorithm of their own)."""
+    reductions, where the copy engines run an algorithm of their own).
+    `native_share`: the op can give NCCL's own collective a share beside the other lanes (all_reduce
+    on GPUs: NCCL reduces a prefix of the tensor); such a split is taken when predicted faster than
+    both NCCL alone and the other lanes' split by `margin` (the model does not see NVLink shared
+    between NCCL's kernels and the copy engines: calibration corrects the shares)."""
     if native not in costs:
         return choose_shares({k: c for k, c in costs.items() if k not in exclude} or costs, nbytes)
     pool = {k: c for k, c in costs.items() if k != native and k not in exclude}
     size = max(nbytes, 1)
+    if native_share and pool:
+        full = choose_shares(dict(pool, **{native: costs[native]}), size)
+        if len(full) > 1 and native in full:
+            t_full = predicted_time_us(costs, full, size)
+            rivals = [costs[native].time_us(size)]
+            multi = choose_shares(pool, size)
+            if len(multi) > 1 or single_ok:
+                rivals.append(predicted_time_us(pool, multi, size))
+            if t_full < min(rivals) * (1.0 - margin):
+                return full
     if pool:
         multi = choose_shares(pool, size)
         t = predicted_time_us(pool, multi, size)
