@@ -2,6 +2,7 @@
 rank 0) and on the GPU (calls enqueued back to back, timed with events).
 
     python3 scripts/profile_call.py --nproc 2 --op all_reduce --size 16M --shares ce=1
+    python3 scripts/profile_call.py --nproc 4 --op moe --size 64M --shares auto
 """
 import argparse
 import cProfile
@@ -26,7 +27,7 @@ def worker(rank, world, port, args):
     from braid.workloads import make
     comm = braid.init()
     wl = make(comm, args.op, parse_size(args.size), torch.bfloat16)
-    shares = parse_shares(args.shares)
+    shares = None if args.shares == "auto" else parse_shares(args.shares)
     with comm.fixed_shares(shares):
         for _ in range(5):
             wl.braid()
@@ -69,7 +70,7 @@ def main():
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--op", default="all_reduce")
     ap.add_argument("--size", default="16M")
-    ap.add_argument("--shares", default="ce=1")
+    ap.add_argument("--shares", default="ce=1", help="fixed shares, or 'auto' (braid's own choice)")
     args = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -58,6 +58,7 @@ class _NativeDone(Handle):
 
 _NATIVE_DONE = _NativeDone()
 NATIVE_SHARE_REDS = ("sum", "avg", "min", "max", "product")   # NCCL's own all_reduce may take a share
+_RED_T = type(dist.ReduceOp.SUM)    # plain reduce ops (premul-sum comes as another type); singletons
 _FAST_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT)
 OPS = ("send_recv", "broadcast", "all_gather", "all_to_all_single", "all_reduce", "reduce_scatter", "reduce")
 
@@ -89,6 +90,11 @@ class Communicator:
         self.calib_digest = "default"
         self._share_cache: dict = {}
         self._native_cache: dict = {}
+        self._fast_ar: dict = {}     # the fast path's answers per op (see _fast_put)
+        self._fast_rs: dict = {}
+        self._fast_ag: dict = {}
+        self._fast_a2a: dict = {}
+        self._fast_bc: dict = {}
         from .planner.balancer import OnlineBalancer
         self.balancer = OnlineBalancer()
         self.adapt = True                    # stage 2 on; comm.adapt = False freezes the shares
@@ -233,10 +239,12 @@ class Communicator:
         old = self._fixed
         self._fixed = None if shares is None else {**(old or {}), op: dict(shares)}
         self._native_cache.clear()
+        self._fast_clear()
         try:
             yield
         finally:
             self._fixed = old
+            self._fast_clear()
 
     def shares_for(self, op: str, nbytes: int, lanes: list[str]) -> dict[str, float]:
         if not lanes:
@@ -349,6 +357,21 @@ class Communicator:
             if type(t) is not torch.Tensor or not t.is_cuda or t.get_device() != idx or not t.is_contiguous():
                 return False
         return True
+
+    def _fast_put(self, table: dict, n: int, sig: tuple, hit: bool) -> tuple:
+        """The fast path (whole calls of CUDA tensors that NCCL's own collective takes, e.g.
+        every small message) costs a few Python steps per call: the answer for a call shape
+        (element count -> dtype and the other shape facts, then the answer) is computed once
+        here, with the full checks, and kept until it may change (fixed shares, a new
+        calibration, close). NCCL checks device and layout itself, with its own errors."""
+        if len(table) > 1024:
+            table.clear()
+        ent = table[n] = sig + (bool(hit) and self.cuda and not self.closed,)
+        return ent
+
+    def _fast_clear(self) -> None:
+        for t in (self._fast_ar, self._fast_rs, self._fast_ag, self._fast_a2a, self._fast_bc):
+            t.clear()
 
     def _native_call(self, call, async_op: bool):
         """The small-message fast path: NCCL's own call. Synchronous calls stay synchronous, so torch
@@ -542,10 +565,20 @@ class Communicator:
     # ops ----------------------------------------------------------------------------------------
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         op = "all_gather"
-        if (self._fast_ok(output, input) and input.dtype == output.dtype
-                and output.numel() == input.numel() * self.world_size
-                and self._native_for(op, input.numel() * input.element_size())):
-            return self._native_call(lambda a: dist.all_gather_into_tensor(output, input, group=self.native_group, async_op=a), async_op)
+        if (type(input) is torch.Tensor and type(output) is torch.Tensor and input.is_cuda and output.is_cuda
+                and input.is_contiguous() and output.is_contiguous()):
+            n, dt = input.numel(), input.dtype
+            ent = self._fast_ag.get(n)
+            if ent is None or ent[0] is not dt or ent[1] != output.numel():
+                ent = self._fast_put(self._fast_ag, n, (dt, output.numel()), dt is output.dtype
+                                     and output.numel() == n * self.world_size
+                                     and self._native_for(op, n * input.element_size()))
+            if ent[-1]:
+                if not async_op:
+                    dist.all_gather_into_tensor(output, input, group=self.native_group)
+                    self.last_handle = _NATIVE_DONE
+                    return None
+                return self._finish(dist.all_gather_into_tensor(output, input, group=self.native_group, async_op=True), True)
         dev = self._device_for(input)
         ib = input_bytes(input, "input", dev, op)
         ob = output_bytes(output, "output", dev, op)
@@ -579,9 +612,18 @@ class Communicator:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         op = "broadcast"
-        if (self._fast_ok(tensor) and type(src) is int and 0 <= src < self.world_size
-                and self._native_for(op, tensor.numel() * tensor.element_size())):
-            return self._native_call(lambda a: dist.broadcast(tensor, src=src, group=self.native_group, async_op=a), async_op)
+        if type(tensor) is torch.Tensor and type(src) is int and tensor.is_cuda and tensor.is_contiguous():
+            n, dt = tensor.numel(), tensor.dtype
+            ent = self._fast_bc.get(n)
+            if ent is None or ent[0] is not dt or ent[1] != src:
+                ent = self._fast_put(self._fast_bc, n, (dt, src), 0 <= src < self.world_size
+                                     and self._native_for(op, n * tensor.element_size()))
+            if ent[-1]:
+                if not async_op:
+                    dist.broadcast(tensor, src=src, group=self.native_group)
+                    self.last_handle = _NATIVE_DONE
+                    return None
+                return self._finish(dist.broadcast(tensor, src=src, group=self.native_group, async_op=True), True)
         dev = self._device_for(tensor)
         check_rank(src, self.world_size, "src", op)
         tb = output_bytes(tensor, "tensor", dev, op)
@@ -595,11 +637,21 @@ class Communicator:
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
                           input_split_sizes=None, async_op: bool = False):
         op = "all_to_all_single"
-        if (not input_split_sizes and not output_split_sizes and self._fast_ok(output, input)
-                and input.dtype == output.dtype and input.numel() == output.numel() and input.dim() > 0
-                and input.shape[0] % self.world_size == 0
-                and self._native_for(op, input.numel() * input.element_size())):
-            return self._native_call(lambda a: dist.all_to_all_single(output, input, group=self.native_group, async_op=a), async_op)
+        if (not input_split_sizes and not output_split_sizes and type(input) is torch.Tensor
+                and type(output) is torch.Tensor and input.is_cuda and output.is_cuda and input.dim() > 0
+                and input.is_contiguous() and output.is_contiguous()):
+            n, dt, rows = input.numel(), input.dtype, input.size(0)
+            ent = self._fast_a2a.get(n)
+            if ent is None or ent[0] is not dt or ent[1] != rows or ent[2] != output.numel():
+                ent = self._fast_put(self._fast_a2a, n, (dt, rows, output.numel()), dt is output.dtype
+                                     and n == output.numel() and rows % self.world_size == 0
+                                     and self._native_for(op, n * input.element_size()))
+            if ent[-1]:
+                if not async_op:
+                    dist.all_to_all_single(output, input, group=self.native_group)
+                    self.last_handle = _NATIVE_DONE
+                    return None
+                return self._finish(dist.all_to_all_single(output, input, group=self.native_group, async_op=True), True)
         dev = self._device_for(input)
         ib = input_bytes(input, "input", dev, op)
         ob = output_bytes(output, "output", dev, op)
@@ -736,19 +788,38 @@ class Communicator:
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
         """In place, like torch.distributed.all_reduce."""
-        if (self._fast_ok(tensor) and self._fast_reduce_ok(op, tensor.dtype)
-                and self._native_for("all_reduce", tensor.numel() * tensor.element_size())):
-            return self._native_call(lambda a: dist.all_reduce(tensor, op=op, group=self.native_group, async_op=a), async_op)
+        if type(op) is _RED_T and type(tensor) is torch.Tensor and tensor.is_cuda and tensor.is_contiguous():
+            n, dt = tensor.numel(), tensor.dtype
+            ent = self._fast_ar.get(n)
+            if ent is None or ent[0] is not dt or ent[1] is not op:
+                ent = self._fast_put(self._fast_ar, n, (dt, op), self._fast_reduce_ok(op, dt)
+                                     and self._native_for("all_reduce", n * tensor.element_size()))
+            if ent[-1]:
+                if not async_op:
+                    dist.all_reduce(tensor, op=op, group=self.native_group)
+                    self.last_handle = _NATIVE_DONE
+                    return None
+                return self._finish(dist.all_reduce(tensor, op=op, group=self.native_group, async_op=True), True)
         return self._reduction("all_reduce", tensor, tensor, op, None, async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
                               async_op: bool = False):
         """output (numel m) = reduction over ranks of input[rank*m:(rank+1)*m]."""
-        if (self._fast_ok(output, input) and input.dtype == output.dtype
-                and input.numel() == output.numel() * self.world_size and self._fast_reduce_ok(op, input.dtype)
-                and self._native_for("reduce_scatter", input.numel() * input.element_size())):
-            return self._native_call(lambda a: dist.reduce_scatter_tensor(output, input, op=op, group=self.native_group,
-                                                                          async_op=a), async_op)
+        if (type(op) is _RED_T and type(input) is torch.Tensor and type(output) is torch.Tensor and input.is_cuda
+                and output.is_cuda and input.is_contiguous() and output.is_contiguous()):
+            n, dt = input.numel(), input.dtype
+            ent = self._fast_rs.get(n)
+            if ent is None or ent[0] is not dt or ent[1] is not op or ent[2] != output.numel():
+                ent = self._fast_put(self._fast_rs, n, (dt, op, output.numel()), dt is output.dtype
+                                     and n == output.numel() * self.world_size and self._fast_reduce_ok(op, dt)
+                                     and self._native_for("reduce_scatter", n * input.element_size()))
+            if ent[-1]:
+                g = self.native_group
+                if not async_op:
+                    dist.reduce_scatter_tensor(output, input, op=op, group=g)
+                    self.last_handle = _NATIVE_DONE
+                    return None
+                return self._finish(dist.reduce_scatter_tensor(output, input, op=op, group=g, async_op=True), True)
         return self._reduction("reduce_scatter", output, input, op, None, async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op=dist.ReduceOp.SUM,
@@ -1026,6 +1097,8 @@ class Communicator:
                            "pays": self.pays}, sort_keys=True)
         self.calib_digest = hashlib.sha1(text.encode()).hexdigest()[:12] if self.calib else "default"
         self._native_cache.clear()
+        if getattr(self, "_fast_ar", None) is not None:
+            self._fast_clear()
         if getattr(self, "balancer", None) is not None:   # a new calibration restarts stage 2
             from .planner.balancer import OnlineBalancer
             self.balancer = OnlineBalancer()
@@ -1036,6 +1109,7 @@ class Communicator:
         if self.closed:
             return
         self.closed = True
+        self._fast_clear()
         if self.cuda:
             torch.cuda.synchronize(self.device)
         for lane in self._lanes.values():
