@@ -227,3 +227,30 @@ def test_routed_plan_with_relays_runs_bitwise_on_cpu():
     res = run_world(_relay_worker, 4, 1, env={"BRAID_RELAY_BUFFER_MB": "1", "BRAID_HOST_BUFFER_MB": "2",
                                              "BRAID_HOST_CHUNK_KB": "64"})
     assert "relay" in res[0]
+
+
+def test_routing_declines_when_the_host_cannot_post_it_in_time():
+    """A skewed call whose GPU time is below the routed path's host time goes native: the
+    default host estimate first, then the measured one (MoE at 64 MiB on 4 GPUs ran 0.58 x NCCL
+    routed, bound by ~1.2 ms of host time per call)."""
+    w, hot = 4, 3
+    def skewed(mib):
+        return [[0 if s == d else (mib << 20 if d == hot else (mib << 20) // 16) for d in range(w)]
+                for s in range(w)]
+    native = LaneCost(15.0, 300.0)
+    rt = RoutedAllToAll(w)
+    assert rt.host_time_us() == pytest.approx(RoutedAllToAll.HOST_US_PER_PAIR * w * w)
+    small, big = skewed(16), skewed(512)
+    assert rt.plan(small, "cuda", GPU_COSTS, native, force=False)[0] is None
+    plan, routed_us, native_us = rt.plan(big, "cuda", GPU_COSTS, native, force=False)
+    assert plan is not None and routed_us >= rt.host_time_us()
+    # a measured host time replaces the default; a fast host lets the small case route
+    rt.observe_host(20.0)
+    assert rt.host_time_us() == pytest.approx(20.0)
+    assert rt.plan(small, "cuda", GPU_COSTS, native, force=False)[0] is not None
+    rt.observe_host(10_000.0)                    # smoothed, not replaced
+    assert 20.0 < rt.host_time_us() < 10_000.0
+    # forced routing ignores the prediction
+    slow = RoutedAllToAll(w)
+    slow.observe_host(1e9)
+    assert slow.plan(small, "cuda", GPU_COSTS, native, force=True)[0] is not None

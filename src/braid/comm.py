@@ -469,10 +469,12 @@ class Communicator:
             self._agree(op, descs, agree_keys + ("calib",))
             size, mkey, build = movement_of(descs)
             agreed = self._agreed_lanes(descs)
+            t_route = time.perf_counter()
             routed = route(descs, agreed) if route is not None else None
             shares = self.shares_for(op, size, agreed) if routed is None else routed.shares
             if routed is not None:
                 handle = execute(self, routed, inp, outs, descs, peer)
+                self._routed.observe_host((time.perf_counter() - t_route) * 1e6)
             elif self._native_ok(shares) and native is not None:
                 handle = _as_handle(native(self._native_group(shares)), next(iter(shares)))
             elif multi is not None:

@@ -34,9 +34,25 @@ class RoutedAllToAll:
     """Per-communicator state: the topology built from lane costs, and a Router (plan cache with
     hysteresis) per topology."""
 
+    # Host time of one routed call (planning, posting every piece on every lane), before any was
+    # measured: ~1.2 ms per call on 4 x H200 (scripts/profile_call.py, MoE at 64 MiB/rank,
+    # 2026-11-22), ~n^2 pieces: 75 us x n^2. A call whose GPU time is shorter than this is bound
+    # by the host, which the byte model alone does not see.
+    HOST_US_PER_PAIR = 75.0
+
     def __init__(self, world_size: int):
         self.world_size = world_size
         self._routers: dict[tuple, Router] = {}
+        self.host_us: float | None = None       # measured host time per routed call (EMA)
+
+    def host_time_us(self) -> float:
+        if self.host_us is not None:
+            return self.host_us
+        return self.HOST_US_PER_PAIR * self.world_size ** 2
+
+    def observe_host(self, us: float) -> None:
+        """A routed call's host time (route + post), smoothed; the first one replaces the default."""
+        self.host_us = us if self.host_us is None else 0.8 * self.host_us + 0.2 * us
 
     def router(self, device_type: str, costs: dict[str, LaneCost]) -> Router | None:
         names = PATH_LANE[device_type]
@@ -64,7 +80,9 @@ class RoutedAllToAll:
         rp, _ = router.plan(matrix)
         names = PATH_LANE[device_type]
         lat = max(costs[names["direct"]].latency_us, costs[names["host"]].latency_us)
-        routed_us = rp.max_load_us + lat + MULTI_LANE_OVERHEAD_US
+        # the host runs ahead of the GPU while a call's GPU time exceeds its host time; below
+        # that, calls come no faster than the host posts them
+        routed_us = max(rp.max_load_us + lat + MULTI_LANE_OVERHEAD_US, self.host_time_us())
         native_us = native_time_us(matrix, native_cost) if native_cost is not None else float("inf")
         if not force and routed_us >= 0.97 * native_us:
             return None, routed_us, native_us
