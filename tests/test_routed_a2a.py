@@ -254,3 +254,17 @@ def test_routing_declines_when_the_host_cannot_post_it_in_time():
     slow = RoutedAllToAll(w)
     slow.observe_host(1e9)
     assert slow.plan(small, "cuda", GPU_COSTS, native, force=True)[0] is not None
+
+
+def test_routing_skips_the_solve_when_the_host_time_alone_loses():
+    w = 4
+    matrix = [[0 if s == d else (8 << 20 if d == 0 else 1 << 20) for d in range(w)] for s in range(w)]
+    rt = RoutedAllToAll(w)
+    calls = []
+    router = rt.router("cuda", GPU_COSTS)
+    real = router.plan
+    router.plan = lambda m: calls.append(m) or real(m)
+    plan, routed_us, native_us = rt.plan(matrix, "cuda", GPU_COSTS, LaneCost(15.0, 300.0), force=False)
+    assert plan is None and calls == [] and routed_us >= 0.97 * native_us
+    rt.plan(matrix, "cuda", GPU_COSTS, LaneCost(15.0, 300.0), force=True)
+    assert len(calls) == 1

@@ -77,13 +77,15 @@ class RoutedAllToAll:
         router = self.router(device_type, costs)
         if router is None:
             return None, 0.0, 0.0
+        native_us = native_time_us(matrix, native_cost) if native_cost is not None else float("inf")
+        if not force and self.host_time_us() >= 0.97 * native_us:
+            return None, self.host_time_us(), native_us     # no plan can win: skip the solve
         rp, _ = router.plan(matrix)
         names = PATH_LANE[device_type]
         lat = max(costs[names["direct"]].latency_us, costs[names["host"]].latency_us)
         # the host runs ahead of the GPU while a call's GPU time exceeds its host time; below
         # that, calls come no faster than the host posts them
         routed_us = max(rp.max_load_us + lat + MULTI_LANE_OVERHEAD_US, self.host_time_us())
-        native_us = native_time_us(matrix, native_cost) if native_cost is not None else float("inf")
         if not force and routed_us >= 0.97 * native_us:
             return None, routed_us, native_us
         return build_plan(matrix, rp.flows, names), routed_us, native_us
