@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import random
 
+import math
+
 import pytest
 import torch
 
@@ -244,15 +246,20 @@ def test_routing_declines_when_the_host_cannot_post_it_in_time():
     assert rt.plan(small, "cuda", GPU_COSTS, native, force=False)[0] is None
     plan, routed_us, native_us = rt.plan(big, "cuda", GPU_COSTS, native, force=False)
     assert plan is not None and routed_us >= rt.host_time_us()
-    # a measured host time replaces the default; a fast host lets the small case route
+    # this rank's measurement alone changes nothing (ranks must decide alike); the agreed value
+    # is the slowest rank's host time from the exchanged descriptors
+    names = {"direct": "ce", "host": "host"}
     rt.observe_host(20.0)
-    assert rt.host_time_us() == pytest.approx(20.0)
+    assert rt.report(None) == {"rhost": 20.0, "robs": None}
+    assert rt.host_time_us() == pytest.approx(RoutedAllToAll.HOST_US_PER_PAIR * w * w)
+    assert rt.agree([{"rhost": 20.0}, {"rhost": 35.0}, {"rhost": None}, {}], names) is False
+    assert rt.host_time_us() == pytest.approx(35.0)
     assert rt.plan(small, "cuda", GPU_COSTS, native, force=False)[0] is not None
     rt.observe_host(10_000.0)                    # smoothed, not replaced
-    assert 20.0 < rt.host_time_us() < 10_000.0
+    assert 20.0 < rt.host_us < 10_000.0
     # forced routing ignores the prediction
     slow = RoutedAllToAll(w)
-    slow.observe_host(1e9)
+    slow.agree([{"rhost": 1e9}], {"direct": "ce", "host": "host"})
     assert slow.plan(small, "cuda", GPU_COSTS, native, force=True)[0] is not None
 
 
@@ -268,3 +275,87 @@ def test_routing_skips_the_solve_when_the_host_time_alone_loses():
     assert plan is None and calls == [] and routed_us >= 0.97 * native_us
     rt.plan(matrix, "cuda", GPU_COSTS, LaneCost(15.0, 300.0), force=True)
     assert len(calls) == 1
+
+
+def test_lane_observations_are_learned_only_when_every_rank_reports_the_same_call():
+    names = {"direct": "ce", "host": "host"}
+    rt = RoutedAllToAll(3)
+    # one rank has not finished the observed call: nothing learned
+    assert rt.agree([{"robs": [1, {"ce": 900.0, "host": 300.0}]}, {"robs": None},
+                     {"robs": [1, {"ce": 900.0, "host": 300.0}]}], names) is False
+    assert rt.pcie_scale == 1.0
+    # different calls: nothing learned
+    assert rt.agree([{"robs": [1, {"ce": 900.0, "host": 300.0}]}, {"robs": [2, {"ce": 1.0, "host": 1.0}]},
+                     {"robs": [1, {"ce": 900.0, "host": 300.0}]}], names) is False
+    # the same call everywhere: the slowest rank's time per lane; host finished at 1/3: more host
+    assert rt.agree([{"robs": [1, {"ce": 900.0, "host": 300.0}]}, {"robs": [1, {"ce": 800.0, "host": 450.0}]},
+                     {"robs": [1, {"ce": 700.0, "host": 200.0}]}], names) is True
+    assert rt.pcie_scale == pytest.approx(2 ** (round(math.log2((900 / 450) ** 0.5) * 8) / 8))
+
+
+def test_learn_lanes_moves_toward_equal_finish_with_hysteresis_and_bounds():
+    names = {"direct": "ce", "host": "host"}
+    rt = RoutedAllToAll(4)
+    rt.learn_lanes({"ce": 1000.0, "host": 950.0}, names)        # within 15%: no change
+    assert rt.pcie_scale == 1.0
+    rt.learn_lanes({"ce": 1000.0, "host": 250.0}, names)        # host idle 3/4 of the time
+    up = rt.pcie_scale
+    assert 1.8 < up <= 2.0
+    rt.learn_lanes({"ce": 500.0, "host": 5000.0}, names)        # host 10x late: down, at most 2x
+    assert rt.pcie_scale == pytest.approx(up / 2, rel=0.1)
+    for _ in range(20):
+        rt.learn_lanes({"ce": 100.0, "host": 1e6}, names)
+    assert rt.pcie_scale == pytest.approx(RoutedAllToAll.SCALE_RANGE[0])
+    low = rt.pcie_scale
+    rt.learn_lanes({"ce": 100.0}, names)                         # host carried nothing: probe up
+    assert rt.pcie_scale > low
+    for _ in range(40):
+        rt.learn_lanes({"ce": 1e6, "host": 1.0}, names)
+    assert rt.pcie_scale == pytest.approx(RoutedAllToAll.SCALE_RANGE[1])
+    # the scale reaches the router's topology
+    a = RoutedAllToAll(4).router("cuda", GPU_COSTS)
+    b = rt.router("cuda", GPU_COSTS)
+    assert b.topo.capacity["h2d0"] == pytest.approx(a.topo.capacity["h2d0"] * rt.pcie_scale)
+    assert b.topo.capacity["d2h3"] == pytest.approx(a.topo.capacity["d2h3"] * rt.pcie_scale)
+    nv = [k for k in a.topo.capacity if not k.startswith(("d2h", "h2d", "host"))]
+    assert nv and all(b.topo.capacity[k] == a.topo.capacity[k] for k in nv)
+
+
+def _adapt_worker(rank, w, matrix, calls):
+    """The same skewed matrix, routed every call, with the second lane (gloo) made 6x slower:
+    the agreed capacity scale falls (less goes through gloo), identically on every rank, and
+    every call stays bitwise right."""
+    import braid
+    comm = braid.init()
+    comm.slowdown["gloo"] = 6.0
+    esz = 4
+    ins = [matrix[rank][d] // esz for d in range(w)]
+    outs = [matrix[s][rank] // esz for s in range(w)]
+    x = make(("adapt", rank), sum(ins), torch.float32)
+    exp = torch.cat([make(("adapt", s), sum(matrix[s][d] // esz for d in range(w)), torch.float32)
+                     [sum(matrix[s][d] // esz for d in range(rank)):][: outs[s]] for s in range(w)])
+    gloo_bytes = []
+    for _ in range(calls):
+        y = torch.zeros_like(exp)
+        comm.all_to_all_single(y, x, outs, ins)
+        assert torch.equal(y, exp)
+        h = comm.last_handle
+        gloo_bytes.append(h.plan.lane_bytes().get("gloo", 0) if h.plan is not None else 0)
+    scale = comm._routed.pcie_scale
+    braid.close()
+    return scale, gloo_bytes
+
+
+def test_routed_plans_adapt_to_a_slow_second_lane_on_every_rank_alike():
+    w, hot = 3, 0
+    rng = random.Random(5)
+    m = skewed(w, hot, 3 << 20, 0.9, rng)
+    m = [[(v // 4) * 4 for v in row] for row in m]
+    res = run_world(_adapt_worker, w, m, 14, env={"BRAID_ROUTE": "on", "BRAID_HOST_BUFFER_MB": "2",
+                                                  "BRAID_HOST_CHUNK_KB": "64"})
+    scales = {s for s, _ in res}
+    assert len(scales) == 1, res                     # agreed: the same on every rank
+    scale = scales.pop()
+    assert scale < 1.0, res
+    for _, gb in res:
+        assert gb[0] > 0 and gb[-1] < gb[0], gb      # the slow lane carries less than at first

@@ -101,6 +101,8 @@ class Communicator:
         self._pending: dict[str, tuple] = {}   # op -> (bucket key, shares used, handle) of its last split call
         from .collectives.routed import RoutedAllToAll
         self._routed = RoutedAllToAll(self.world_size)
+        self._routed_seq = 0                    # routed calls observed so far (same on every rank)
+        self._routed_pending = None             # (seq, handle, lane times) of the observed call
         self.routing = envs.get("BRAID_ROUTE")      # skewed all_to_all through the router: auto/on/off
         self.last_route: tuple[float, float] | None = None
         self._p2p_pending: list["PendingP2P"] = []                  # posted, peer's side not read yet
@@ -358,6 +360,20 @@ class Communicator:
                 return False
         return True
 
+    def _routed_observation(self):
+        """[seq, lane times] of the observed routed call once it has finished here, else None
+        (reported in descriptors until every rank has reported it in the same call)."""
+        p = self._routed_pending
+        if p is None:
+            return None
+        seq, handle, times = p
+        if times is None:
+            if not all(r.done() for r in handle.runs):
+                return None
+            times = {k: round(v, 1) for k, v in handle.lane_times_us().items()}
+            self._routed_pending = (seq, None, times)       # drop the handle, keep the numbers
+        return [seq, times]
+
     def _fast_put(self, table: dict, n: int, sig: tuple, hit: bool) -> tuple:
         """The fast path (whole calls of CUDA tensors that NCCL's own collective takes, e.g.
         every small message) costs a few Python steps per call: the answer for a call shape
@@ -475,6 +491,9 @@ class Communicator:
             if routed is not None:
                 handle = execute(self, routed, inp, outs, descs, peer)
                 self._routed.observe_host((time.perf_counter() - t_route) * 1e6)
+                if self._routed_pending is None:   # the same call on every rank (agreed state)
+                    self._routed_seq += 1
+                    self._routed_pending = (self._routed_seq, handle, None)
             elif self._native_ok(shares) and native is not None:
                 handle = _as_handle(native(self._native_group(shares)), next(iter(shares)))
             elif multi is not None:
@@ -661,7 +680,8 @@ class Communicator:
         ins = split_bytes(input_split_sizes, input, self.world_size, "input", op)
         outs = split_bytes(output_split_sizes, output, self.world_size, "output", op)
         w = self.world_size
-        desc = {"op": op, "dtype": str(input.dtype), "in": ins, "out": outs}
+        desc = {"op": op, "dtype": str(input.dtype), "in": ins, "out": outs,
+                **self._routed.report(self._routed_observation())}
 
         def movement_of(descs):
             matrix = [descs[s]["in"] for s in range(w)]
@@ -679,12 +699,14 @@ class Communicator:
 
         def route(descs, agreed):
             """A plan from the router when the matrix is skewed (or BRAID_ROUTE=on)."""
-            mode = self.routing
-            if mode == "off" or (mode == "auto" and self._fixed is not None):
-                return None
             from .collectives.routed import PATH_LANE
             kind = dev.type
             names = PATH_LANE[kind]
+            if self._routed.agree(descs, names):      # every rank reported the observed call
+                self._routed_pending = None
+            mode = self.routing
+            if mode == "off" or (mode == "auto" and self._fixed is not None):
+                return None
             if not all(n in agreed for n in names.values()):
                 return None
             matrix = [list(descs[s]["in"]) for s in range(w)]

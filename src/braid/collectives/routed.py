@@ -22,6 +22,8 @@ lower the most loaded link there; the router drops them anyway).
 """
 from __future__ import annotations
 
+import math
+
 from ..planner.model import MULTI_LANE_OVERHEAD_US, LaneCost
 from ..planner.plan import LaneKind, Plan, Transfer, all_to_all_movement
 from ..planner.router import Router, nvswitch
@@ -40,19 +42,69 @@ class RoutedAllToAll:
     # by the host, which the byte model alone does not see.
     HOST_US_PER_PAIR = 75.0
 
+    # Online correction of the second lane's port capacity from routed calls' lane times: a
+    # ratio of finish times beyond HYSTERESIS moves the scale by its square root (at most 2x per
+    # step), in quanta of 2^(1/8), within [1/4, 8].
+    HYSTERESIS = 1.15
+    SCALE_RANGE = (0.25, 8.0)
+
     def __init__(self, world_size: int):
         self.world_size = world_size
         self._routers: dict[tuple, Router] = {}
-        self.host_us: float | None = None       # measured host time per routed call (EMA)
+        self.host_us: float | None = None       # this rank's host time per routed call (EMA)
+        self.agreed_host_us: float | None = None  # the slowest rank's, from the last exchange
+        self.pcie_scale = 1.0                   # agreed correction of the second lane's capacity
 
+    # Every decision below must come out the same on every rank: they read only agreed state
+    # (`agree`, fed with the exchanged descriptors), never this rank's own measurements.
     def host_time_us(self) -> float:
-        if self.host_us is not None:
-            return self.host_us
+        if self.agreed_host_us is not None:
+            return self.agreed_host_us
         return self.HOST_US_PER_PAIR * self.world_size ** 2
 
     def observe_host(self, us: float) -> None:
-        """A routed call's host time (route + post), smoothed; the first one replaces the default."""
+        """This rank's routed call's host time (route + post), smoothed; reported to the others
+        in the next descriptor (`report`)."""
         self.host_us = us if self.host_us is None else 0.8 * self.host_us + 0.2 * us
+
+    def report(self, lane_obs) -> dict:
+        """This rank's part of the next descriptor: its host time, and (seq, lane times) of an
+        observed routed call once that call has finished here (None before)."""
+        return {"rhost": self.host_us, "robs": lane_obs}
+
+    def agree(self, descs: list, names: dict[str, str]) -> bool:
+        """Fold every rank's report into the agreed state. Returns True when a lane observation
+        was learned (every rank reported the same observed call): the caller then drops it."""
+        hosts = [d.get("rhost") for d in descs if d is not None and d.get("rhost") is not None]
+        if hosts:
+            self.agreed_host_us = max(hosts)
+        obs = [d.get("robs") for d in descs if d is not None]
+        if not obs or any(o is None for o in obs) or len({o[0] for o in obs}) != 1:
+            return False
+        slowest: dict[str, float] = {}
+        for _, times in obs:
+            for lane, t in times.items():
+                slowest[lane] = max(slowest.get(lane, 0.0), float(t))
+        self.learn_lanes(slowest, names)
+        return True
+
+    def learn_lanes(self, times: dict[str, float], names: dict[str, str]) -> None:
+        """Move the second lane's capacity scale toward equal finish times of the two lanes
+        (slowest rank's time per lane). A second lane that carried nothing is probed back up one
+        quantum per observation while its scale is below 1, so it can return."""
+        direct, second = times.get(names["direct"], 0.0), times.get(names["host"], 0.0)
+        lo, hi = self.SCALE_RANGE
+        if direct <= 0.0:
+            return
+        if second <= 0.0:
+            if self.pcie_scale < 1.0:
+                self.pcie_scale = _quantize(self.pcie_scale * 2 ** 0.125)
+            return
+        r = direct / second               # > 1: the second lane finished first, give it more
+        if 1.0 / self.HYSTERESIS <= r <= self.HYSTERESIS:
+            return
+        step = min(max(r ** 0.5, 0.5), 2.0)
+        self.pcie_scale = min(max(_quantize(self.pcie_scale * step), lo), hi)
 
     def router(self, device_type: str, costs: dict[str, LaneCost]) -> Router | None:
         names = PATH_LANE[device_type]
@@ -61,10 +113,13 @@ class RoutedAllToAll:
             return None
         w = self.world_size
         port = lambda c: c.bw_gbps * (w - 1) / w                      # noqa: E731
-        key = (device_type, round(port(direct), 3), round(port(second), 3))
+        pcie = port(second) * self.pcie_scale
+        key = (device_type, round(port(direct), 3), round(pcie, 3))
         r = self._routers.get(key)
         if r is None:
-            topo = nvswitch(w, nvlink_gbps=port(direct), pcie_gbps=port(second), relays=False,
+            if len(self._routers) > 32:
+                self._routers.clear()
+            topo = nvswitch(w, nvlink_gbps=port(direct), pcie_gbps=pcie, relays=False,
                             name=f"measured-{device_type}{w}",
                             source="calibrated all_to_all_single lane costs of this machine")
             r = self._routers[key] = Router(topo)
@@ -89,6 +144,10 @@ class RoutedAllToAll:
         if not force and routed_us >= 0.97 * native_us:
             return None, routed_us, native_us
         return build_plan(matrix, rp.flows, names), routed_us, native_us
+
+
+def _quantize(x: float) -> float:
+    return 2.0 ** (round(math.log2(x) * 8) / 8)
 
 
 def native_time_us(matrix: list[list[int]], cost: LaneCost) -> float:
