@@ -55,6 +55,25 @@ def test_zero_byte_flow_finishes_at_its_latency_and_unknown_link_is_an_error():
         simulate({"a": 1}, [F("x", 1, "b")])
 
 
+def test_after_orders_flows_like_a_stream_and_a_counter_wait():
+    # a then b on one stream (b waits for a), c on another link from the start; d waits for b and c
+    # and 2 us more: a 0..1, b 1..2 (alone on "a"), c 0..3, d starts at 5, ends at 6
+    res = simulate({"a": 10, "c": 10}, [F("a", 10e3, "a"), F("b", 10e3, "a", after=("a",)),
+                                        F("c", 30e3, "c"), F("d", 10e3, "a", after=("b", "c"), latency_us=2.0)])
+    assert res.finish_us == pytest.approx([1.0, 2.0, 3.0, 6.0])
+    # a dependent flow shares the link with what is still running when it starts
+    res = simulate({"a": 10}, [F("x", 10e3, "a"), F("y", 20e3, "a"), F("z", 5e3, "a", after=("x",))])
+    # x, y at 5 until x ends at 2; then y (10e3 left) and z share: z ends at 3, y at 3.5
+    assert res.finish_us == pytest.approx([2.0, 3.5, 3.0])
+    # a zero-byte flow in a chain passes its finish on; start_us still holds
+    res = simulate({"a": 10}, [F("m", 0, latency_us=1.0), F("n", 10e3, "a", after=("m",), start_us=4.0)])
+    assert res.finish_us == pytest.approx([1.0, 5.0])
+    with pytest.raises(KeyError, match="waits for"):
+        simulate({"a": 1}, [F("x", 1, "a", after=("nope",))])
+    with pytest.raises(RuntimeError, match="cycle"):
+        simulate({"a": 1}, [F("x", 1, "a", after=("y",)), F("y", 1, "a", after=("x",))])
+
+
 def test_pipeline_formulas():
     # window 1: stages never overlap, rate is the harmonic sum (FuseLink's borrowed NIC)
     assert pipeline_rate_gbps([200, 50, 200], 1, 1e6) == pytest.approx(1 / (1 / 200 + 1 / 50 + 1 / 200))
