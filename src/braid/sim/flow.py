@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 BYTES_PER_US = 1e3   # 1 GB/s in bytes per microsecond
 
@@ -112,11 +113,14 @@ def max_min_rates(capacity: dict[str, float], flows: list[Flow]) -> list[float]:
     return rates
 
 
-def simulate(capacity: dict[str, float], flows: list[Flow]) -> FlowResult:
+def simulate(capacity: dict[str, float], flows: list[Flow],
+             capacity_of: Callable[[list[Flow]], dict[str, float]] | None = None) -> FlowResult:
     """Run the flows to completion; finish time of each (us). Links missing from `capacity` are
     an error: a flow over an unknown link is a bug in the caller's topology. A flow with `after`
     starts `latency_us` after the last of those flows finishes (never before its `start_us`);
-    the names it waits on must be unique among the flows."""
+    the names it waits on must be unique among the flows. `capacity_of`, where given, gives the
+    capacities while a set of flows is active (a link whose rate depends on what else runs: a GPU's
+    NVLink port that both sends and receives); `capacity` is then the set of known links."""
     for f in flows:
         for e, _ in f.links:
             if e not in capacity:
@@ -167,7 +171,8 @@ def simulate(capacity: dict[str, float], flows: list[Flow]) -> FlowResult:
                 break
             t = ready[pending[0]]
             continue
-        rates = max_min_rates(capacity, [flows[i] for i in active])
+        now = [flows[i] for i in active]
+        rates = max_min_rates(capacity_of(now) if capacity_of else capacity, now)
         # time to the next event: a finish, or the next start
         dt = math.inf
         for i, r in zip(active, rates):

@@ -13,6 +13,9 @@ braid's lanes run gets `bench_prelude_us` (nbytes at the preset's device_copy_gb
 NCCL broadcast baselines in the presets were timed with the same copy, so NCCL-alone points get
 nothing added.
 
+Which braid ran: run 3's reductions are the staged version (a point's `ce_reduce` field; default
+"pipelined", braid's reductions since: `collectives.simulate_op`).
+
 What is a prediction and what is an input: NCCL's own kernels are not modelled on our machines; the
 preset carries NCCL's measured bus bandwidths (HARDWARE.md, or an earlier bench run), so a point
 where braid chose NCCL alone only checks that braid adds little on top of NCCL. The points split over
@@ -65,9 +68,10 @@ def compare(points: list[dict], with_planner: bool = True) -> list[Comparison]:
     topos = {}
     for p in points:
         topo = topos.setdefault(p["preset"], load(p["preset"]))
-        res = simulate_op(topo, p["op"], p["world"], p["nbytes"], p["shares"])
+        res = simulate_op(topo, p["op"], p["world"], p["nbytes"], p["shares"], p.get("ce_reduce", "pipelined"))
         kind = "nccl input" if set(p["shares"]) == {"nccl"} else "prediction"
-        planner = (choose(topo, p["op"], p["world"], ["nccl", "ce", "host"], p["nbytes"], native="nccl")
+        planner = (choose(topo, p["op"], p["world"], ["nccl", "ce", "host"], p["nbytes"], native="nccl",
+                          ce_reduce=p.get("ce_reduce", "pipelined"))
                    if with_planner else {})
         out.append(Comparison(p["preset"], p["op"], p["world"], p["nbytes"], p["shares"], p["braid_us"],
                               res.time_us + bench_prelude_us(topo, p["op"], p["nbytes"], p["shares"]), kind, p.get("lane_time_us", {}),
