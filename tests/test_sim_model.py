@@ -55,6 +55,25 @@ def test_zero_byte_flow_finishes_at_its_latency_and_unknown_link_is_an_error():
         simulate({"a": 1}, [F("x", 1, "b")])
 
 
+def test_after_orders_flows_like_a_stream_and_a_counter_wait():
+    # a then b on one stream (b waits for a), c on another link from the start; d waits for b and c
+    # and 2 us more: a 0..1, b 1..2 (alone on "a"), c 0..3, d starts at 5, ends at 6
+    res = simulate({"a": 10, "c": 10}, [F("a", 10e3, "a"), F("b", 10e3, "a", after=("a",)),
+                                        F("c", 30e3, "c"), F("d", 10e3, "a", after=("b", "c"), latency_us=2.0)])
+    assert res.finish_us == pytest.approx([1.0, 2.0, 3.0, 6.0])
+    # a dependent flow shares the link with what is still running when it starts
+    res = simulate({"a": 10}, [F("x", 10e3, "a"), F("y", 20e3, "a"), F("z", 5e3, "a", after=("x",))])
+    # x, y at 5 until x ends at 2; then y (10e3 left) and z share: z ends at 3, y at 3.5
+    assert res.finish_us == pytest.approx([2.0, 3.5, 3.0])
+    # a zero-byte flow in a chain passes its finish on; start_us still holds
+    res = simulate({"a": 10}, [F("m", 0, latency_us=1.0), F("n", 10e3, "a", after=("m",), start_us=4.0)])
+    assert res.finish_us == pytest.approx([1.0, 5.0])
+    with pytest.raises(KeyError, match="waits for"):
+        simulate({"a": 1}, [F("x", 1, "a", after=("nope",))])
+    with pytest.raises(RuntimeError, match="cycle"):
+        simulate({"a": 1}, [F("x", 1, "a", after=("y",)), F("y", 1, "a", after=("x",))])
+
+
 def test_pipeline_formulas():
     # window 1: stages never overlap, rate is the harmonic sum (FuseLink's borrowed NIC)
     assert pipeline_rate_gbps([200, 50, 200], 1, 1e6) == pytest.approx(1 / (1 / 200 + 1 / 50 + 1 / 200))
@@ -78,6 +97,78 @@ def test_send_recv_split_on_h200x4_by_hand():
     assert res.lane_time_us["ce"] == pytest.approx(ce, rel=1e-3)
     assert res.lane_time_us["host"] == pytest.approx(host, rel=1e-3)
     assert res.time_us == pytest.approx(max(ce, host) + 15.0, rel=1e-3)
+
+
+def test_capacity_of_sets_rates_by_what_is_active():
+    # link a is 10 while y runs, 20 after: x (30e3 B) shares 10 with y (5e3 B) until 1 us, then alone at 20
+    cap_of = lambda act: {"a": 10.0 if any(f.name == "y" for f in act) else 20.0}      # noqa: E731
+    res = simulate({"a": 20.0}, [F("x", 30e3, "a"), F("y", 5e3, "a")], capacity_of=cap_of)
+    assert res.finish_us == pytest.approx([1.0 + 25e3 / 20e3, 1.0])
+
+
+def test_measured_nccl_alone_takes_its_measured_time():
+    """On our machines NCCL's flows carry the measured table's latency and rate: alone, any op at
+    any size takes exactly the table's time (it is an input), and it needs the preset's own world."""
+    for name in ("h200x2", "h200x4"):
+        topo = load(name)
+        w = topo.num_gpus
+        for op in topo.nccl_busbw:
+            for n in (48 << 20, 64 << 20, 200 << 20, 700 << 20, 1 << 30, 3 << 30):
+                res = simulate_op(topo, op, w, n, {"nccl": 1.0})
+                assert res.time_us == pytest.approx(topo.nccl_measured_us(op, w, n), rel=1e-6), (name, op, n)
+    with pytest.raises(ValueError, match="measured on its 4 GPUs"):
+        simulate_op(load("h200x4"), "all_reduce", 2, 1 << 30, {"nccl": 1.0})
+
+
+def test_nccl_share_of_all_reduce_runs_beside_the_host_lane():
+    """all_reduce with NCCL 0.95 + host 0.05 on 4 GPUs: NCCL reduces a page-aligned prefix of 0.95 of
+    the bytes at its measured cost (the host lane stays on PCIe, so NCCL is undisturbed); the host
+    lane's staged path has the rest; the op is the slower of the two + the multi-lane overhead."""
+    topo = load("h200x4")
+    n = 1 << 30
+    res = simulate_op(topo, "all_reduce", 4, n, {"nccl": 0.95, "host": 0.05})
+    prefix = round(0.95 * n / 4096) * 4096
+    assert res.lane_time_us["nccl"] == pytest.approx(topo.nccl_measured_us("all_reduce", 4, prefix), rel=1e-6)
+    alone = simulate_op(topo, "all_reduce", 4, n - prefix, {"host": 1.0}).time_us
+    assert res.lane_time_us["host"] == pytest.approx(alone, rel=0.02)
+    assert res.time_us == pytest.approx(max(res.lane_time_us.values()) + 15.0)
+    # beside the copy engines NCCL shares NVLink: slower than alone on its prefix
+    mixed = simulate_op(topo, "all_reduce", 4, n, {"nccl": 0.6, "ce": 0.35, "host": 0.05})
+    assert mixed.lane_time_us["nccl"] > 1.2 * topo.nccl_measured_us("all_reduce", 4, 0.6 * n)
+
+
+def test_pipelined_ce_reduction_overlaps_its_steps():
+    """The copy engines' pipelined all_reduce on 2 GPUs, 1 GiB: each GPU's NVLink in-port carries
+    its pulls and its gathers (2 x 512 MiB) at the all-at-once rate, and of the reduction kernels
+    only what the last pieces expose is added; the staged version pays the whole reduction."""
+    topo = load("h200x4")
+    n = 1 << 30
+    pipe = simulate_op(topo, "all_reduce", 2, n, {"ce": 1.0}).time_us
+    staged = simulate_op(topo, "all_reduce", 2, n, {"ce": 1.0}, ce_reduce="staged").time_us
+    link = n / 335e3                                   # 2 x n/2 into each GPU at nvlink_busy_gbps
+    piece = n / 2 / 4                                  # 4 pieces per chunk
+    assert link < pipe < link + 18.6 + 2 * 3 * piece / 2100e3 + 2 * piece / 335e3
+    assert staged > pipe + 0.5 * 3 * (n / 2) / 2100e3
+    rs = simulate_op(topo, "reduce_scatter", 4, n, {"ce": 1.0})      # no gather: pulls + reductions
+    assert n * 3 / 4 / 390e3 < rs.time_us < n * 3 / 4 / 335e3 + 18.6 + 6 * (n / 16) / 2100e3
+
+
+def test_ce_pulls_are_serial_per_destination_and_the_busy_rate_lasts_while_a_port_sends():
+    """lanes/ce.py: each destination pulls its pieces one after the other, sources rotated. A GPU
+    that receives from three peers while sending a little gets the all-at-once rate (335) only while
+    it sends; after that its port takes the one-pair rate (390)."""
+    from braid.planner.plan import all_to_all_movement, split
+    from braid.sim.collectives import run_flows, transfer_flows
+    topo = load("h200x4")
+    m = [[0, 0, 0, 300 << 20], [0, 0, 0, 300 << 20], [0, 0, 0, 300 << 20], [10 << 20, 0, 0, 0]]
+    plan = split(all_to_all_movement(m), {"ce": 1.0}, 0)
+    flows = transfer_flows(topo, "ce", plan)
+    into3 = [f for f in flows if f.name.endswith(tuple(f">3.{i}" for i in range(3)))]
+    assert [f.after for f in into3] == [(), (into3[0].name,), (into3[1].name,)]
+    res = run_flows(topo, flows)
+    t = res.group_finish_us()["ce"]
+    small = 18.6 + (10 << 20) / 335e3                   # GPU 3 sends 10 MiB (while at 335)
+    assert t == pytest.approx(small + (900 << 20) / 390e3 - (10 << 20) / 335e3 * (1 - 335 / 390), rel=0.01)
 
 
 # ---- presets -----------------------------------------------------------------------------------

@@ -115,12 +115,13 @@ def scale(args: argparse.Namespace) -> int:
 def own(args: argparse.Namespace) -> int:
     from .own import compare, load_points
     rows = compare(load_points(args.data))
-    print("# braid sim own: recorded braid bench (run3) vs the simulator on h200x2 / h200x4")
-    print(f"{'preset':7s} {'op':18s} {'size':>6s} {'kind':10s} {'measured':>9s} {'simulated':>9s} {'error':>7s}  shares")
+    print("# braid sim own: recorded braid bench (run 3, session 3) vs the simulator on h200x2 / h200x4")
+    print(f"{'point':46s} {'kind':10s} {'measured':>9s} {'simulated':>9s} {'error':>7s}  shares")
     for c in rows:
         sh = " ".join(f"{k}={v:.2f}" for k, v in c.shares.items())
-        print(f"{c.preset:7s} {c.op:18s} {c.nbytes >> 20:5d}M {c.kind:10s} {c.measured_us:9.0f} {c.simulated_us:9.0f} "
-              f"{100 * c.error:+6.1f}%  {sh}")
+        print(f"{c.name:46s} {c.kind:10s} {c.measured_us:9.0f} {c.simulated_us:9.0f} {100 * c.error:+6.1f}%  {sh}")
+    pred = [c for c in rows if c.kind == "prediction"]
+    print(f"# split points within 10%: {sum(abs(c.error) <= 0.10 for c in pred)} of {len(pred)}")
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump([c.to_dict() for c in rows], f, indent=1)

@@ -8,6 +8,11 @@ once before bytes move at the flow's rate. A flow may also carry an engine cap (
 most a single pipeline can move alone, whatever the links allow (a store-and-forward relay with
 one chunk in flight, NCCL's kernels reaching 70 % of a link).
 
+A flow may wait for others (`after`, names of flows): it becomes ready `latency_us` after the
+last of them finishes (and not before `start_us`). That is a CUDA stream's order (a copy queued
+behind the previous one on its stream) and a counter wait (a peer's pull of piece k waits for that
+peer's reduction of piece k), so a pipeline of pieces runs as the flows it is made of.
+
 Rates are max-min fair (progressive filling): every active flow's rate rises together until a link
 is full or a flow reaches its cap; flows through that link freeze; repeat. When a flow finishes or
 a new one starts, the rates are solved again (event-driven, so a flow that finishes early gives
@@ -23,8 +28,10 @@ Units: bytes, microseconds, GB/s with 1 GB/s = 1e3 bytes per microsecond. Pure P
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 BYTES_PER_US = 1e3   # 1 GB/s in bytes per microsecond
 
@@ -38,6 +45,7 @@ class Flow:
     cap_gbps: float = math.inf
     start_us: float = 0.0
     group: str = ""                               # the lane (or op phase) it belongs to
+    after: tuple[str, ...] = ()                   # names of flows that must finish before it starts
 
     @property
     def ready_us(self) -> float:
@@ -105,52 +113,88 @@ def max_min_rates(capacity: dict[str, float], flows: list[Flow]) -> list[float]:
     return rates
 
 
-def simulate(capacity: dict[str, float], flows: list[Flow]) -> FlowResult:
+def simulate(capacity: dict[str, float], flows: list[Flow],
+             capacity_of: Callable[[list[Flow]], dict[str, float]] | None = None) -> FlowResult:
     """Run the flows to completion; finish time of each (us). Links missing from `capacity` are
-    an error: a flow over an unknown link is a bug in the caller's topology."""
+    an error: a flow over an unknown link is a bug in the caller's topology. A flow with `after`
+    starts `latency_us` after the last of those flows finishes (never before its `start_us`);
+    the names it waits on must be unique among the flows. `capacity_of`, where given, gives the
+    capacities while a set of flows is active (a link whose rate depends on what else runs: a GPU's
+    NVLink port that both sends and receives); `capacity` is then the set of known links."""
     for f in flows:
         for e, _ in f.links:
             if e not in capacity:
                 raise KeyError(f"flow {f.name!r} uses link {e!r}, not in the topology")
+    index: dict[str, int] = {}
+    dupes: set[str] = set()
+    for i, f in enumerate(flows):
+        if f.name in index:
+            dupes.add(f.name)
+        index[f.name] = i
+    waits = [0] * len(flows)                      # unfinished flows each one waits for
+    dependents: list[list[int]] = [[] for _ in flows]
+    for i, f in enumerate(flows):
+        for name in f.after:
+            if name not in index or name in dupes:
+                raise KeyError(f"flow {f.name!r} waits for {name!r}, "
+                               f"{'not a flow' if name not in index else 'a name used twice'}")
+            dependents[index[name]].append(i)
+            waits[i] += 1
     left = [float(f.nbytes) for f in flows]
     finish = [math.nan] * len(flows)
     link_bytes = {e: 0.0 for e in capacity}
     for f in flows:
         for e, w in f.links:
             link_bytes[e] += w * f.nbytes
+    ready = [f.ready_us if not f.after else math.nan for f in flows]
+    pending = sorted((i for i in range(len(flows)) if waits[i] == 0), key=lambda i: ready[i])
+
+    def done(i: int, at: float) -> None:
+        finish[i] = at
+        for j in dependents[i]:
+            waits[j] -= 1
+            if waits[j] == 0:
+                ready[j] = max(flows[j].start_us, at) + flows[j].latency_us
+                bisect.insort(pending, j, key=lambda k: ready[k])
+
     t = 0.0
-    pending = sorted(range(len(flows)), key=lambda i: flows[i].ready_us)
     active: list[int] = []
     while pending or active:
-        while pending and flows[pending[0]].ready_us <= t + 1e-9:
+        while pending and ready[pending[0]] <= t + 1e-9:
             i = pending.pop(0)
             if left[i] <= 0:
-                finish[i] = max(t, flows[i].ready_us)
+                done(i, max(t, ready[i]))
             else:
                 active.append(i)
         if not active:
             if not pending:
                 break
-            t = flows[pending[0]].ready_us
+            t = ready[pending[0]]
             continue
-        rates = max_min_rates(capacity, [flows[i] for i in active])
+        now = [flows[i] for i in active]
+        rates = max_min_rates(capacity_of(now) if capacity_of else capacity, now)
         # time to the next event: a finish, or the next start
         dt = math.inf
         for i, r in zip(active, rates):
             dt = min(dt, 0.0 if r == math.inf else left[i] / (r * BYTES_PER_US) if r > 0 else math.inf)
         if pending:
-            dt = min(dt, flows[pending[0]].ready_us - t)
+            dt = min(dt, ready[pending[0]] - t)
         if dt == math.inf:
             raise RuntimeError("flows cannot progress: a link of zero capacity?")
-        still = []
+        still, ended = [], []
         for i, r in zip(active, rates):
             left[i] -= (math.inf if r == math.inf else r * BYTES_PER_US * dt)
             if left[i] <= 1e-6 * max(1.0, flows[i].nbytes):
-                finish[i] = t + dt
+                ended.append(i)
             else:
                 still.append(i)
         active = still
         t += dt
+        for i in ended:
+            done(i, t)
+    if any(math.isnan(x) for x in finish):
+        stuck = [flows[i].name for i in range(len(flows)) if math.isnan(finish[i])][:3]
+        raise RuntimeError(f"flows wait for each other in a cycle: {stuck}")
     return FlowResult(finish, list(flows), link_bytes)
 
 

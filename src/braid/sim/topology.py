@@ -71,19 +71,29 @@ class SimTopology:
 
     def nccl_measured_us(self, op: str, world: int, nbytes: float) -> float | None:
         """NCCL's time from the preset's measured bus bandwidths (own machines), linear in bytes
-        between the measured sizes and along the last segment beyond them; None if not measured."""
+        between the measured sizes and along the last segment beyond them; None if not measured
+        (the op is not in the table, or `world` is not the preset's GPU count: the table was
+        measured on every GPU of the machine)."""
+        seg = self.nccl_measured_segment(op, world, nbytes)
+        return None if seg is None else seg[0] + nbytes / (seg[1] * 1e3)
+
+    def nccl_measured_segment(self, op: str, world: int, nbytes: float) -> tuple[float, float] | None:
+        """The measured table's straight segment under `nbytes` as (intercept us, op bytes per us
+        / 1e3 = GB/s of op bytes): time = intercept + nbytes / rate. Below the first measured size
+        the segment goes through zero; beyond the last it extends the last one."""
         table = self.nccl_busbw.get(op)
-        if not table:
+        if not table or world != self.num_gpus:
             return None
         from .collectives import algbytes, bus_factor
         pts = [(mib << 20, algbytes(op, world, mib << 20) * bus_factor(op, world) / (bw * 1e3))
                for mib, bw in table["points_mib_gbps"]]
         if nbytes <= pts[0][0]:
-            return pts[0][1] * nbytes / pts[0][0]
+            return 0.0, pts[0][0] / pts[0][1] / 1e3
         for (a, ta), (b, tb) in zip(pts, pts[1:]):
             if nbytes <= b or (a, ta) == pts[-2]:
-                return ta + (tb - ta) * (nbytes - a) / (b - a)
-        return pts[-1][1]
+                rate = (b - a) / (tb - ta) / 1e3
+                return ta - a / (rate * 1e3), rate
+        return 0.0, pts[-1][0] / pts[-1][1] / 1e3          # one measured size: through zero
 
     def sources(self) -> list[tuple[str, object, str, str]]:
         return [(k, v["value"], v.get("unit", ""), v["source"]) for k, v in self.constants.items()]
