@@ -695,14 +695,24 @@ def _bench(comm, cfg: Config):
                     wrong = _sum_over_ranks(comm, load.wrong() if load.participates else 0)
                 comm.last_handle = None
                 t_base = t_braid = math.inf
-                iters = cfg.iters
+                iters, rounds = cfg.iters, cfg.repeat
                 if cfg.auto_iters:
-                    # small calls: time enough of them that each measurement spans >= ~20 ms
+                    # small calls: time enough of them that each measurement spans >= ~20 ms, in
+                    # at least 6 shorter windows alternating baseline and braid (and which goes
+                    # first): host-bound small calls drift with the machine's load, and many short
+                    # alternating windows let both sides see the same quiet moments
                     probe = cal.time_call(comm, load.baseline, 3, cfg.warmup)
                     iters = max(cfg.iters, min(2000, int(20_000 / max(probe, 1.0))))
-                for _ in range(cfg.repeat):
-                    t_base = min(t_base, cal.time_call(comm, load.baseline, iters, cfg.warmup))
-                    t_braid = min(t_braid, cal.time_call(comm, load.braid, iters, cfg.warmup))
+                    if iters > cfg.iters:
+                        rounds = max(cfg.repeat, 6)
+                        iters = max(cfg.iters, iters * cfg.repeat // rounds)
+                for k in range(rounds):
+                    first_base = k % 2 == 0
+                    for is_base in ((True, False) if first_base else (False, True)):
+                        if is_base:
+                            t_base = min(t_base, cal.time_call(comm, load.baseline, iters, cfg.warmup))
+                        else:
+                            t_braid = min(t_braid, cal.time_call(comm, load.braid, iters, cfg.warmup))
                 handle = comm.last_handle if load.participates else None
                 mine = (handle.shares, handle.lane_times_us()) if handle is not None else None
                 got = [None] * world
