@@ -6,12 +6,12 @@ group (sync, and async + wait), and braid's call. Prints one line per (op, size,
 """
 import argparse
 import os
-import socket
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from profile_call import spawn
 
 
 def _time(fn, n):
@@ -74,11 +74,7 @@ def main():
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--sizes", default="64K,1M,4M")
     ap.add_argument("--iters", type=int, default=300)
-    args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(args.nproc, port, args), nprocs=args.nproc)
+    spawn(worker, ap.parse_args())
 
 
 if __name__ == "__main__":

@@ -71,7 +71,11 @@ def main():
     ap.add_argument("--op", default="all_reduce")
     ap.add_argument("--size", default="16M")
     ap.add_argument("--shares", default="ce=1", help="fixed shares, or 'auto' (braid's own choice)")
-    args = ap.parse_args()
+    spawn(worker, ap.parse_args())
+
+
+def spawn(worker, args) -> None:
+    """worker(rank, world, port, args) in args.nproc processes on a free local port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

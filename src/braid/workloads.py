@@ -17,6 +17,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from .planner.traffic import hot_matrix  # noqa: F401  (the bench's skew; also used by the simulator)
+
 BUS_FACTOR = {  # nccl-tests PERFORMANCE.md
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
@@ -48,22 +50,6 @@ def _rand(numel: int, dtype: torch.dtype, device, gen_seed: int) -> torch.Tensor
         return (torch.randint(0, 2, (numel,), generator=g) > 0).to(device)
     info = torch.iinfo(dtype)
     return torch.randint(max(info.min, -1000), min(info.max, 1000), (numel,), generator=g, dtype=torch.int64).to(dtype).to(device)
-
-
-def hot_matrix(world: int, numel: int, h: float) -> list[list[int]]:
-    """Elements each rank sends each rank: a fraction h of every row to the last rank (the hot
-    one), the rest evenly over the other ranks."""
-    hot = world - 1
-    rows = []
-    for s in range(world):
-        row = [0] * world
-        row[hot] = int(numel * h)
-        rest = numel - row[hot]
-        others = [d for d in range(world) if d != hot]
-        for i, d in enumerate(others):
-            row[d] = rest // len(others) + (1 if i < rest % len(others) else 0)
-        rows.append(row)
-    return rows
 
 
 def moe_matrix(world: int, tokens: int, experts_per_rank: int = 4, zipf: float = 1.2,

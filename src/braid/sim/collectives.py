@@ -363,9 +363,15 @@ def simulate_op(topo: SimTopology, op: str, world: int, nbytes: int, shares: dic
     # point-to-point lanes, phase by phase: a lane's next phase starts when its previous one ends
     flows, starts = _staged_phases(topo, op, world, phase_plans, p2p_lanes,
                                    {k: nbytes * total[k] / all_bytes for k in p2p_lanes}, flows)
+    return _result(topo, op, world, nbytes, shares, flows, p2p_lanes, starts)
+
+
+def _result(topo, op: str, world: int, nbytes: int, shares: dict, flows: list, staged, starts: dict) -> OpResult:
+    """Run the flows; each lane's finish (a staged reduce_scatter lane ends with its reduction
+    kernel, recorded in `starts`), the op's time = the slowest lane + the multi-lane overhead."""
     res = run_flows(topo, flows)
     lanes = res.group_finish_us()
-    for k in p2p_lanes:                       # reduce_scatter ends with the reduction kernel
+    for k in staged:
         if op == "reduce_scatter" and k in lanes:
             lanes[k] = starts[k]
     for k in shares:
@@ -442,15 +448,7 @@ def _simulate_reduction(topo: SimTopology, op: str, world: int, nbytes: int, sha
         all_b = sum(tot.values()) or 1
         lane_bytes = {k: rest_bytes * tot.get(k, 0) / all_b for k in staged}
         flows, starts = _staged_phases(topo, op, world, phase_plans, staged, lane_bytes, flows)
-    res = run_flows(topo, flows)
-    lanes = res.group_finish_us()
-    for k in staged:                          # reduce_scatter ends with the reduction kernel
-        if op == "reduce_scatter" and k in lanes:
-            lanes[k] = starts[k]
-    for k in shares:
-        lanes.setdefault(k, 0.0)
-    t = max(lanes.values(), default=0.0) + (MULTI_LANE_OVERHEAD_US if len(shares) > 1 else 0.0)
-    return OpResult(op, world, nbytes, dict(shares), t, lanes)
+    return _result(topo, op, world, nbytes, shares, flows, staged, starts)
 
 
 def simulate_plan(topo: SimTopology, plan: Plan) -> OpResult:

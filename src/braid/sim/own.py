@@ -36,6 +36,7 @@ import json
 from dataclasses import asdict, dataclass
 
 from ..planner.plan import Plan, all_to_all_movement
+from ..planner.traffic import hot_matrix as traffic_hot_matrix
 from .collectives import PAGE, choose, simulate_op, simulate_plan
 from .topology import load
 
@@ -83,21 +84,9 @@ def bench_prelude_us(topo, op: str, nbytes: int, shares: dict) -> float:
 
 
 def hot_matrix(world: int, nbytes: int, h: float, esz: int = 2) -> list[list[int]]:
-    """Bytes each rank sends each rank in the bench's hot-fraction all_to_all (`workloads.hot_matrix`
-    on nbytes / esz elements per rank): h of every row to the last rank, the rest evenly over the
-    others (self included)."""
-    numel = nbytes // esz
-    hot = world - 1
-    rows = []
-    for _ in range(world):
-        row = [0] * world
-        row[hot] = int(numel * h)
-        rest = numel - row[hot]
-        others = [d for d in range(world) if d != hot]
-        for i, d in enumerate(others):
-            row[d] = rest // len(others) + (1 if i < rest % len(others) else 0)
-        rows.append([x * esz for x in row])
-    return rows
+    """Bytes each rank sends each rank in the bench's hot-fraction all_to_all (the bench's own
+    element matrix, `planner.traffic.hot_matrix`, on nbytes / esz elements per rank)."""
+    return [[x * esz for x in row] for row in traffic_hot_matrix(world, nbytes // esz, h)]
 
 
 def routed_hot_plan(matrix: list[list[int]], host_share: float) -> Plan:
