@@ -175,150 +175,203 @@ def preset(name: str, nodes: int = 1, nics: int = 8) -> Topology:
 # -------------------------------------------------------------------------------------------------
 
 class _Compiled:
-    """A topology's candidate paths as arrays, built once and kept on the Topology (a call only
-    gathers the rows of its nonzero demands). For pair (s, d) and candidate j: `lk[s, d, j, i]` is
-    the index of the path's i-th link (L = no link), `cb` that link's bytes per byte routed, `cu`
-    its microseconds per byte routed. A pair with fewer than W candidates repeats its first one:
-    a duplicate column changes nothing in the LP and is merged back before output."""
+    """A topology's candidate paths as arrays, built once and kept on the Topology; a call only
+    gathers rows. Pairs are flat (p = s * n + d). Links are numbered 0..L-1 in `topo.capacity`
+    order, plus one dummy link L that no path loads (padding points at it; M = L + 1 columns).
 
-    def __init__(self, topo: Topology, key: tuple):
+    Only the candidates that some optimal plan may need are kept ("reduced" columns, R per pair):
+    candidate j is dropped when another candidate i puts no more bytes than j on any link (a relay
+    on an NVSwitch crosses the direct path's out and in ports plus two more): moving j's bytes to i
+    never raises a link, so dropping j keeps the optimum, and any link prices price j at least as
+    high as i, so the dual bound is unchanged too. Of exact duplicates the first stays. The fastest
+    candidate (least total link time) always stays and is reduced column 0; a pair with fewer than R
+    kept candidates repeats column 0 (a duplicate column changes nothing in the LP)."""
+
+    def __init__(self, topo: Topology):
         import numpy as np
-        self.key = key
+        self.npaths, self.capacity = len(topo.paths), dict(topo.capacity)
         names = list(topo.capacity)
         index = {e: i for i, e in enumerate(names)}
         n, nl = topo.num_gpus, len(names)
-        width = max((len(v) for v in topo.paths.values()), default=1)
-        depth = max((len({e for e, _ in p.links}) for v in topo.paths.values() for p in v), default=1)
-        self.names, self.n, self.L, self.W, self.K = names, n, nl, width, depth
+        nm = nl + 1
+        self.names, self.n, self.L, self.M = names, n, nl, nm
         self.inv_cap = np.array([1.0 / (topo.capacity[e] * 1e3) for e in names])      # us per byte
-        lk = np.full((n, n, width, depth), nl, dtype=np.intp)
-        cb = np.zeros((n, n, width, depth))
-        num = np.zeros((n, n), dtype=np.intp)
-        self.paths: list[list[tuple[Path, ...]]] = [[() for _ in range(n)] for _ in range(n)]
+        self.inv_cap_m = np.append(self.inv_cap, 0.0)
+        self.paths: list[tuple[Path, ...]] = [() for _ in range(n * n)]
+        use: list[list[dict[int, float]]] = [[] for _ in range(n * n)]
         for (s, d), ps in topo.paths.items():
-            num[s, d] = len(ps)
-            self.paths[s][d] = tuple(ps)
-            for j in range(width if ps else 0):
+            self.paths[s * n + d] = tuple(ps)
+            for p in ps:
                 acc: dict[int, float] = {}
-                for e, w in ps[j if j < len(ps) else 0].links:
+                for e, w in p.links:
                     acc[index[e]] = acc.get(index[e], 0.0) + w
-                for i, (e, w) in enumerate(acc.items()):
-                    lk[s, d, j, i], cb[s, d, j, i] = e, w
-        self.lk, self.cb, self.num = lk, cb, num
-        self.cu = cb * np.append(self.inv_cap, 0.0)[lk]
-        self.pad = np.arange(width) >= num[..., None]
-        # a demand on its own: the path with the least total link time (the one-path policy's choice)
-        self.fastest = np.where(self.pad, np.inf, self.cu.sum(-1)).argmin(-1)
-        # dom[s, d, j]: candidate j crosses every link of the fastest path at least as heavily
-        # (e.g. a relay on an NVSwitch: the same out and in ports plus two more), so bytes moved
-        # from j to the fastest path take load off every link and add it nowhere
-        dom = np.zeros((n, n, width), dtype=bool)
-        for (s, d), ps in topo.paths.items():
-            if not ps:
+                use[s * n + d].append(acc)
+        # per pair: the kept candidates, fastest first
+        kept: list[list[int]] = []
+        for u in use:
+            if not u:
+                kept.append([])
                 continue
-            h = int(self.fastest[s, d])
-            home = {int(e): w for e, w in zip(lk[s, d, h], cb[s, d, h]) if e < nl}
-            for j in range(len(ps)):
-                if j == h:
-                    continue
-                mine = {int(e): w for e, w in zip(lk[s, d, j], cb[s, d, j]) if e < nl}
-                dom[s, d, j] = all(mine.get(e, 0.0) >= w for e, w in home.items())
-        self.dominated = dom
-        sq = depth * depth
-        self.pair_idx = (lk[..., :, None] * (nl + 1) + lk[..., None, :]).reshape(n, n, width, sq)
-        self.pair_cu = (self.cu[..., :, None] * self.cu[..., None, :]).reshape(n, n, width, sq)
+            cost = [sum(w * self.inv_cap[e] for e, w in a.items()) for a in u]
+            fastest = min(range(len(u)), key=lambda j: (cost[j], j))
+
+            def beaten(j):
+                return any(i != j and all(u[j].get(e, 0.0) >= w for e, w in u[i].items())
+                           and (u[j] != u[i] or i < j) for i in range(len(u)))
+            kept.append([fastest] + [j for j in range(len(u)) if j != fastest and not beaten(j)])
+        width = max(1, max(len(k) for k in kept))
+        depth = max(1, max((len(a) for u in use for a in u), default=1))
+        self.R, self.K = width, depth
+        self.nkeep = np.array([len(k) for k in kept])
+        rcol = np.zeros((n * n, width), dtype=np.intp)
+        rlk = np.full((n * n, width, depth), nl, dtype=np.intp)
+        rcb = np.zeros((n * n, width, depth))
+        links_of = []                                   # per pair: the links its kept paths use
+        for p, k in enumerate(kept):
+            seen: dict[int, None] = {}
+            for r in range(width if k else 0):
+                j = k[r] if r < len(k) else k[0]
+                rcol[p, r] = j
+                for i, (e, w) in enumerate(use[p][j].items()):
+                    rlk[p, r, i], rcb[p, r, i] = e, w
+                    seen[e] = None
+            links_of.append(list(seen))
+        self.rcol, self.rlk = rcol, rlk
+        self.rcu = rcb * self.inv_cap_m[rlk]
+        self.rpad = np.arange(width) >= self.nkeep[:, None]
+        self.multi_ok = self.nkeep >= 2                 # pairs the solver may split
+        offdiag = np.ones((n, n), dtype=bool)
+        np.fill_diagonal(offdiag, False)
+        self.missing = (self.nkeep == 0) & offdiag.ravel()
+        self.has_missing = bool(self.missing.any())
+        # dense per path x link: bytes per byte routed (exact loads) and us per byte (times)
+        rows = np.repeat(np.arange(n * n * width), depth)
+        cbd = np.zeros((n * n * width, nm))
+        np.add.at(cbd, (rows, rlk.ravel()), rcb.ravel())
+        cbd[:, nl] = 0.0
+        self.cb_dense = cbd
+        self.cu_dense = cbd * self.inv_cap_m
+        self.cu_fast = np.ascontiguousarray(self.cu_dense.reshape(n * n, width, nm)[:, 0, :])
+        # the Schur complement's index sets: per path its link pairs, per pair its own links' pairs
+        self.rpair = (rlk[..., :, None] * nm + rlk[..., None, :]).reshape(n * n, width, depth * depth)
+        self.rpcu = (self.rcu[..., :, None] * self.rcu[..., None, :]).reshape(n * n, width, depth * depth)
+        kd = max(1, max(len(x) for x in links_of))
+        plink = np.full((n * n, kd), nl, dtype=np.intp)
+        for p, x in enumerate(links_of):
+            plink[p, :len(x)] = x
+        self.plink, self.Kd = plink, kd
+        self.pouter = (plink[:, :, None] * nm + plink[:, None, :]).reshape(n * n, kd * kd)
+        self.home = np.zeros((n * n, width))            # one-hot on the fastest path (reduced column 0)
+        self.home[:, 0] = 1.0
+
+    def original(self, vals):
+        """(n*n, R) values per reduced column -> (n*n, W) per original candidate (padding columns
+        are copies of column 0 and add into its candidate)."""
+        import numpy as np
+        width = max(1, max(len(p) for p in self.paths))
+        out = np.zeros((self.n * self.n, width), dtype=vals.dtype)
+        np.add.at(out, (np.arange(self.n * self.n)[:, None], self.rcol), vals)
+        return out
 
 
 def _compiled(topo: Topology) -> _Compiled:
     """The topology's arrays, rebuilt when its links or capacities change (paths are compiled
     once: a caller that edits `topo.paths` in place after planning must `del topo._compiled`)."""
-    key = (len(topo.paths), tuple(topo.capacity.items()))
     c = topo.__dict__.get("_compiled")
-    if c is None or c.key != key:
-        c = _Compiled(topo, key)
+    if c is None or c.npaths != len(topo.paths) or c.capacity != topo.capacity:
+        c = _Compiled(topo)
         topo.__dict__["_compiled"] = c
     return c
 
 
-START_MARGIN = 1.0      # dual start: each demand priced 1 (scaled units) below its cheapest path; 0.3 and 1 measured alike
-
-
-def _solve(A, lk, pidx, pcu, fixed, L: int, gap: float, iters: int):
+def _solve(A, G, lk, pidx, pcu, cidx, pouter, fixed, gap: float, iters: int):
     """Mehrotra predictor-corrector interior point method on the path LP
 
         min tau  s.t.  sum_j f[k, j] = 1                          (every demand fully routed)
                        sum_kj f[k, j] A[k, j, e] + fixed[e] + s[e] = tau   (link e's time <= tau)
                        f, s, tau >= 0
 
-    A[k, j, i] is the time (us, scaled) link lk[k, j, i] takes if all of demand k goes on path j.
-    The Newton system is reduced to links (L x L): every demand's block is eliminated in closed
-    form, so one round costs a few sparse passes over the paths and one L x L solve. Stops when
-    the best plan seen is within `gap` of the best lower bound seen:
+    A[k, j, i] is the time (us) link lk[k, j, i] takes if all of demand k goes on path j; G is the
+    same as a dense (paths x links) matrix, for the products that need every link of every path.
+    Eliminating every demand's block leaves one links x links system per Newton solve:
+
+        S = sum_k [ sum_j D_kj a_kj a_kj^T  -  b_k b_k^T / delta_k ] + diag(D_s) + D_tau
+            (a_kj: path kj's link times; b_k = sum_j D_kj a_kj; delta_k = sum_j D_kj)
+
+    built as one bincount: the first sum over each path's link pairs (pidx, pcu), the second over
+    each demand's own link pairs (pouter; cidx gathers b_k onto them), so no dense links x demands
+    product. Stops when the best plan seen is within `gap` of the best lower bound seen:
         upper: the most loaded link of f normalised to exact row sums (a feasible plan);
         lower: for link prices w = max(-y, 0) (the dual), sum_k min_j price_kj + fixed.w, over
                sum(w): any plan's price-weighted mean link time, so at most its largest (weak duality).
-    Returns (fractions (nd, W), upper, lower, prices w / sum(w) or None)."""
+    Returns (fractions (nd, R), upper, lower, prices w / sum(w) over the M links)."""
     import numpy as np
     nd, width, depth = A.shape
-    P = nd * width
-    N = P + L + 1
-    lkf = lk.ravel()
-    kidx = (np.arange(nd)[:, None, None] * (L + 1) + lk).ravel()
-    sq = (L + 1) * (L + 1)
-    ones_w, ones_k = np.ones(width), np.ones(depth)      # short-axis sums as matrix-vector products
-    yx = np.zeros(L + 1)                                 # prices with the "no link" slot at 0
+    P, M = G.shape
+    N = P + M + 1
+    kidx = (np.arange(nd)[:, None, None] * M + lk).ravel()
+    sidx = np.concatenate((pidx.ravel(), pouter.ravel()))
+    ones_w = np.ones(width)
+    inner = slice(P, P + M)
 
-    def load(f):                                   # link times of fractions f (nd, W)
-        return np.bincount(lkf, (A * f[..., None]).ravel(), L + 1)[:L]
-
-    def price(y):                                  # per path: sum of its links' y
-        yx[:L] = y
-        return (A * np.take(yx, lk)) @ ones_k
-
-    scale = (load(np.full((nd, width), 1.0 / width)) + fixed).max()
+    # start: every demand split in proportion to 1 / (its path's time), a fair first guess for a
+    # switch (most on NVLink, a little over PCIe) that uniform fractions are not; then scaled so
+    # that its most loaded link takes 1
+    inv = 1.0 / (A @ np.ones(depth))
+    f0 = (inv / (inv @ ones_w)[:, None]).ravel()
+    t = f0 @ G + fixed
+    scale = float(t.max())
+    G = G / scale
     A = A / scale
     pcu = pcu / (scale * scale)
     fixed = fixed / scale
+    t /= scale
     z = np.empty(N)
-    z[:P] = 1.0 / width
-    t = load(z[:P].reshape(nd, width)) + fixed
-    z[-1] = 1.5 * t.max() + 0.1
-    z[P:P + L] = z[-1] - t
-    g = np.empty(N)
+    z[:P] = f0
+    z[-1] = 1.6
+    z[inner] = 1.6 - t
     # a dual-feasible start: every link priced alike (half the budget), each demand's multiplier
     # one below its cheapest path, so every dual slack is positive
-    y2 = np.full(L, -0.5 / L)
-    pr = price(-y2)
-    y1 = -pr.min(1) - START_MARGIN
+    y2 = np.full(M, -0.5 / M)
+    pr = (G @ y2).reshape(nd, width)
+    y1 = -pr.max(1) - 1.0
     sg = np.empty(N)
-    sg[:P] = (-y1[:, None] - pr).ravel()
-    sg[P:P + L] = -y2
+    sg[:P] = -(pr + y1[:, None]).ravel()
+    sg[inner] = 0.5 / M
     sg[-1] = 0.5
     best_ub, best_lb, best_f, best_w = math.inf, 0.0, None, None
 
-    def gt(u1, u2):                                # G^T u
-        g[:P] = (u1[:, None] + price(u2)).ravel()
-        g[P:P + L] = u2
+    def gt(u1, u2):                                # the constraint matrix transposed, times u
+        g = np.empty(N)
+        g[:P] = ((G @ u2).reshape(nd, width) + u1[:, None]).ravel()
+        g[inner] = u2
         g[-1] = -u2.sum()
-        return g.copy()
+        return g
+
+    def step(v, dv):                               # longest step in [0, 1] keeping v + a dv >= 0
+        return 1.0 / max(1.0, -float((dv / v).min()))
 
     for it in range(iters):
-        f = z[:P].reshape(nd, width)
-        rows = f @ ones_w
-        t = load(f) + fixed
+        f = z[:P]
+        fr = f.reshape(nd, width)
+        rows = fr @ ones_w
+        t = f @ G + fixed
+        tau = z[-1]
         rp1 = 1.0 - rows
-        rp2 = z[-1] - t - z[P:P + L]
+        rp2 = tau - t - z[inner]
         rd = -gt(y1, y2) - sg
         rd[-1] += 1.0
-        if z[-1] - (y1.sum() - fixed @ y2) <= 0.5 * gap * z[-1] or it == iters - 1 or it >= 4:
-            fn = f / rows[:, None]
-            ub = (load(fn) + fixed).max()
+        # the certificate, once the method's own duality gap says it may hold
+        if tau - (y1.sum() - fixed @ y2) <= 0.25 * tau or it == iters - 1:
+            fn = fr / rows[:, None]
+            ub = float((fn.ravel() @ G + fixed).max())
             if ub < best_ub:
                 best_ub, best_f = ub, fn
             w = np.maximum(-y2, 0.0)
+            w[-1] = 0.0                              # the dummy link carries nothing
             ws = w.sum()
             if ws > 0:
-                lb = (price(w).min(1).sum() + fixed @ w) / ws
+                lb = float(((G @ w).reshape(nd, width).min(1).sum() + fixed @ w) / ws)
                 if lb > best_lb:
                     best_lb, best_w = lb, w / ws
             if best_ub <= best_lb * (1 + gap) or it == iters - 1:
@@ -327,25 +380,26 @@ def _solve(A, lk, pidx, pcu, fixed, L: int, gap: float, iters: int):
         D = z / sg
         Df = D[:P].reshape(nd, width)
         delta = Df @ ones_w
-        bk = np.bincount(kidx, (A * Df[..., None]).ravel(), nd * (L + 1)).reshape(nd, L + 1)[:, :L]
-        S = np.bincount(pidx, (pcu * Df[..., None]).ravel(), sq).reshape(L + 1, L + 1)[:L, :L]
-        S[np.diag_indices(L)] += D[P:P + L]
+        wk = (A * Df[..., None]).ravel()
+        bkx = np.bincount(kidx, wk, nd * M)        # b_k, dense (nd, M)
+        bc = bkx[cidx].reshape(nd, -1)             # b_k on the demand's own links
+        kd = bc.shape[1]
+        outer = (bc / -delta[:, None]).reshape(nd, kd, 1) * bc.reshape(nd, 1, kd)
+        S = np.bincount(sidx, np.concatenate(((pcu * Df[..., None]).ravel(), outer.ravel())), M * M).reshape(M, M)
+        S.ravel()[::M + 1] += D[inner]
         S += D[-1]
+        bk = bkx.reshape(nd, M)
         bkt = bk.T / delta
-        S -= bkt @ bk
 
         def newton(rc):
             q = (rc - z * rd) / sg
-            qf = q[:P].reshape(nd, width)
-            r1 = rp1 - qf @ ones_w
-            r2 = rp2 - (load(qf) + q[P:P + L] - q[-1])
+            qf = q[:P]
+            r1 = rp1 - qf.reshape(nd, width) @ ones_w
+            r2 = rp2 - (qf @ G + q[inner] - q[-1])
             u2 = np.linalg.solve(S, r2 - bkt @ r1)
             u1 = (r1 - bk @ u2) / delta
             h = gt(u1, u2)
             return u1, u2, q + D * h, rd - h
-
-        def step(v, dv):
-            return min(1.0, float((v / np.maximum(-dv, 1e-300)).min()))
 
         _, _, dz, ds = newton(-z * sg)
         ap, ad = step(z, dz), step(sg, ds)
@@ -364,45 +418,59 @@ class RoutePlan:
 
     flows: (src, dst) -> [(Path, bytes)], bytes > 0 summing exactly to the demand. Built from the
     integer split on first access (a dict of Path objects costs more than the plan itself on a
-    cache hit); `split` has the same numbers as arrays: (src, dst, bytes[nd, W]) with column j
-    = the pair's j-th candidate.
-    link_load: link -> bytes (weighted by the path's use of the link); max_load_us: the most
-    loaded link's time; lower_bound_us: proven, no split over these paths beats it (0: none);
-    reused: an earlier plan's path fractions rescaled to this matrix."""
+    cache hit); `split` has the same numbers as arrays: (src, dst, bytes[n*n, W]) over every
+    ordered pair, column j = the pair's j-th candidate.
+    link_load: link -> bytes (weighted by the path's use of the link), also built on first access;
+    max_load_us: the most loaded link's time; lower_bound_us: proven, no split over these paths
+    beats it (0: none); reused: an earlier plan's path fractions rescaled to this matrix."""
 
-    def __init__(self, topology: str, flows, link_load: dict[str, float], max_load_us: float,
-                 plan_time_us: float, lower_bound_us: float = 0.0, reused: bool = False,
-                 fractions=None, prices=None, split=None, paths=None):
+    def __init__(self, topology: str, c: _Compiled, ints, loads, max_load_us: float, plan_time_us: float,
+                 lower_bound_us: float = 0.0, reused: bool = False, fractions=None, prices=None):
         self.topology = topology
-        self._flows = flows
-        self.link_load = link_load
         self.max_load_us = max_load_us
         self.plan_time_us = plan_time_us
         self.lower_bound_us = lower_bound_us
         self.reused = reused
-        self.fractions = fractions        # (n, n, W) path fractions, for reuse (numpy) or None
-        self.prices = prices              # (L,) the solve's link prices (dual), for reuse, or None
-        self.split = split
-        self._paths = paths
+        self.fractions = fractions        # (n*n, R) fractions over the reduced columns, for reuse
+        self.prices = prices              # (M,) the solve's link prices (dual), for reuse, or None
+        self._c, self._ints, self._loads = c, ints, loads
+        self._flows = self._link_load = None
 
     @property
     def flows(self) -> dict[tuple[int, int], list[tuple[Path, int]]]:
         if self._flows is None:
             import numpy as np
-            s, d, ints = self.split
+            c = self._c
+            pp, rr = np.nonzero(self._ints)
             out: dict[tuple[int, int], list[tuple[Path, int]]] = {}
-            kk, jj = np.nonzero(ints)
-            sl, dl = s.tolist(), d.tolist()
-            for k, j, v in zip(kk.tolist(), jj.tolist(), ints[kk, jj].tolist()):
-                key = (sl[k], dl[k])
-                item = (self._paths[key[0]][key[1]][j], v)
+            for p, j, v in zip(pp.tolist(), c.rcol[pp, rr].tolist(), self._ints[pp, rr].tolist()):
+                key = divmod(p, c.n)
+                item = [c.paths[p][j], int(v)]
                 fl = out.get(key)
                 if fl is None:
                     out[key] = [item]
                 else:
-                    fl.append(item)
-            self._flows = out
+                    for it in fl:                  # a padding column: same candidate, add up
+                        if it[0] is item[0]:
+                            it[1] += item[1]
+                            break
+                    else:
+                        fl.append(item)
+            self._flows = {k: [(p, b) for p, b in v] for k, v in out.items()}
         return self._flows
+
+    @property
+    def split(self):
+        import numpy as np
+        c = self._c
+        s, d = np.divmod(np.arange(c.n * c.n), c.n)
+        return s, d, c.original(self._ints).astype(np.int64)
+
+    @property
+    def link_load(self) -> dict[str, float]:
+        if self._link_load is None:
+            self._link_load = dict(zip(self._c.names, self._loads[:self._c.L].tolist()))
+        return self._link_load
 
     def __repr__(self) -> str:
         return (f"RoutePlan({self.topology!r}, demands={len(self.flows)}, max_load_us={self.max_load_us:.1f}, "
@@ -420,52 +488,36 @@ class RoutePlan:
         }
 
 
-def _matrix(topo: Topology, matrix):
+def _matrix(topo: Topology, c: _Compiled, matrix):
+    """The matrix as whole bytes, flat (n*n), diagonal and negative entries zero."""
     import numpy as np
     try:
         m = np.array(matrix, dtype=np.float64)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"the traffic matrix must be {topo.num_gpus} rows of {topo.num_gpus} byte counts: {exc}")
-    if m.shape != (topo.num_gpus, topo.num_gpus):
-        raise ValueError(f"the traffic matrix is {m.shape}, {topo.name} needs {topo.num_gpus} x {topo.num_gpus}")
-    np.fill_diagonal(m, 0.0)
-    if (m > 2.0 ** 52).any():
+    n = topo.num_gpus
+    if m.shape != (n, n):
+        raise ValueError(f"the traffic matrix is {m.shape}, {topo.name} needs {n} x {n}")
+    m = m.ravel()
+    m[::n + 1] = 0.0
+    if m.max() > 2.0 ** 52:
         raise ValueError("a demand above 2**52 bytes: split it before routing")
+    np.floor(m, out=m)
+    np.maximum(m, 0.0, out=m)
+    if c.has_missing and (c.missing & (m > 0)).any():
+        p = int(np.argmax(c.missing & (m > 0)))
+        raise ValueError(f"no candidate path from GPU {p // n} to GPU {p % n}: add one to the topology")
     return m
 
 
-def _demands(c: _Compiled, m):
+def _materialize(c: _Compiled, b, frac, col):
+    """Integer bytes per reduced column from fractions frac (n*n, R): floors, the remainder to
+    column col of each pair (its largest share); then the exact link loads and the largest time."""
     import numpy as np
-    s, d = np.nonzero(m > 0)
-    b = np.floor(m[s, d])
-    if (c.num[s, d] == 0).any():
-        k = int(np.argmax(c.num[s, d] == 0))
-        raise ValueError(f"no candidate path from GPU {s[k]} to GPU {d[k]}: add one to the topology")
-    return s, d, b
-
-
-def _materialize(topo: Topology, c: _Compiled, s, d, b, frac, t0: float) -> RoutePlan:
-    """Integer bytes per path from per-demand fractions frac (nd, W), summing exactly to each demand
-    (floors, the remainder to the demand's largest share), then the exact link loads."""
-    import numpy as np
-    nd = len(b)
-    if nd == 0:
-        return RoutePlan(topo.name, {}, {e: 0.0 for e in c.names}, 0.0, (time.perf_counter() - t0) * 1e6)
     ints = np.floor(frac * b[:, None])
-    ints[np.arange(nd), frac.argmax(1)] += b - ints.sum(1)
-    loads = np.bincount(c.lk[s, d].ravel(), (c.cb[s, d] * ints[..., None]).ravel(), c.L + 1)[:c.L]
-    return RoutePlan(topo.name, None, dict(zip(c.names, loads.tolist())), float((loads * c.inv_cap).max()),
-                     (time.perf_counter() - t0) * 1e6, split=(s, d, ints.astype(np.int64)), paths=c.paths)
-
-
-def _merge_pads(c: _Compiled, s, d, frac):
-    """Fold padding columns (duplicates of candidate 0) back into candidate 0."""
-    pad = c.pad[s, d]
-    if pad.any():
-        frac = frac.copy()
-        frac[:, 0] += (frac * pad).sum(1)
-        frac[pad] = 0.0
-    return frac
+    ints[np.arange(len(b)), col] += b - ints.sum(1)
+    loads = ints.ravel() @ c.cb_dense
+    return ints, loads, float((loads * c.inv_cap_m).max())
 
 
 def route(topo: Topology, matrix: list[list[int]], iters: int = 30, min_split_bytes: int = 1 << 20,
@@ -475,76 +527,86 @@ def route(topo: Topology, matrix: list[list[int]], iters: int = 30, min_split_by
     An interior point method on the path LP (see `_solve`): a handful of Newton rounds, each
     reduced to one links x links system, stopping once the plan is provably within `gap` of the
     optimum (a dual lower bound certifies it; `lower_bound_us` keeps it). Demands at or below
-    `min_split_bytes` take their fastest path and are fixed load for the rest. Shares under
-    `min_share` of a demand are dropped and the demand renormalised, if that keeps the plan within
-    `gap` of the bound (an interior point leaves a little of every demand on every path).
+    `min_split_bytes`, and pairs with one useful candidate, take their fastest path and are fixed
+    load for the rest. Then the plan is made short where the bound allows (see below) and shares
+    under `min_share` of a demand are dropped.
     Rejected: Frank-Wolfe on a soft maximum (first-order: 30-120 rounds and 9-100 ms here, still
     1.05x on some matrices, stalls where links tie) and slice-by-slice greedy (1.17x)."""
     import numpy as np
     t0 = time.perf_counter()
     c = _compiled(topo)
-    m = _matrix(topo, matrix)
-    s, d, b = _demands(c, m)
-    nd, width = len(b), c.W
-    frac = np.zeros((nd, width))
-    one = b <= min_split_bytes
-    frac[one, c.fastest[s[one], d[one]]] = 1.0
+    b = _matrix(topo, c, matrix)
+    frac = c.home * (b > 0)[:, None]
     lower, prices = 0.0, None
-    multi = np.nonzero(~one)[0]
-    if len(multi):
-        sm, dm = s[multi], d[multi]
-        fixed = np.bincount(c.lk[s[one], d[one], c.fastest[s[one], d[one]]].ravel(),
-                            (c.cu[s[one], d[one], c.fastest[s[one], d[one]]] * b[one, None]).ravel(),
-                            c.L + 1)[:c.L] if one.any() else np.zeros(c.L)
-        A = c.cu[sm, dm] * b[multi, None, None]
-        fm, upper, lower, prices = _solve(A, c.lk[sm, dm], c.pair_idx[sm, dm].ravel(), c.pair_cu[sm, dm] * (b[multi] ** 2)[:, None, None],
-                                          fixed, c.L, gap, iters)
-        fm = _merge_pads(c, sm, dm, fm)
-        # prefer short plans: an interior point spreads every demand over all its equally good
-        # paths (relays included), which costs latency, relay memory and extra lane setup in the
-        # data plane. Mix the plan toward "every demand on its fastest path" as far as the bound
-        # allows (one bincount per trial; ties, e.g. balanced traffic, go all the way back).
-        rows, hcol = np.arange(len(multi)), c.fastest[sm, dm]
-        dom = c.dominated[sm, dm] & (fm > 0)
-        if dom.any():     # dominated paths hand their bytes to the fastest path (loads only drop)
-            fm = fm.copy()
-            fm[rows, hcol] += np.where(dom, fm, 0.0).sum(1)
-            fm[dom] = 0.0
-        home = np.zeros_like(fm)
-        home[rows, hcol] = 1.0
-        limit = max(upper, lower * (1 + gap))
-        lks = c.lk[sm, dm]
-        # first, demands whose fastest path has slack on every link go home whole: that only
-        # takes load off the near-critical links (checked below for the links it adds to)
-        t = np.bincount(lks.ravel(), (A * fm[..., None]).ravel(), c.L + 1)[:c.L] + fixed
-        tight = np.append(t >= 0.97 * limit, False)
-        free = ~tight[lks[rows, hcol]].any(-1)
-        if free.any():
-            trial = np.where(free[:, None], home, fm)
-            t = np.bincount(lks.ravel(), (A * trial[..., None]).ravel(), c.L + 1)[:c.L] + fixed
-            if t.max() <= limit:
-                fm = trial
-        for lam in (1.0, 0.75, 0.5, 0.25, 0.1):
-            mixed = (1 - lam) * fm + lam * home
-            t = np.bincount(c.lk[sm, dm].ravel(), (A * mixed[..., None]).ravel(), c.L + 1)[:c.L] + fixed
-            if t.max() <= limit:
-                fm = mixed
-                break
-        for share in (min_share * 5, min_share) if min_share > 0 else ():
-            kept = np.where(fm >= share * fm.max(1, keepdims=True), fm, 0.0)
-            kept /= kept.sum(1, keepdims=True)
-            t = np.bincount(c.lk[sm, dm].ravel(), (A * kept[..., None]).ravel(), c.L + 1)[:c.L] + fixed
-            if t.max() <= max(upper, lower * (1 + gap)):
-                fm = kept
-                break
-        frac[multi] = fm
-    plan = _materialize(topo, c, s, d, b, frac, t0)
-    plan.lower_bound_us = float(lower)
-    full = np.zeros((c.n, c.n, width))
-    full[s, d] = frac
-    plan.fractions, plan.prices = full, prices
+    many = (b > min_split_bytes) & c.multi_ok
+    if many.any():
+        p = np.flatnonzero(many)
+        bm = b[p]
+        fixed = np.where(many, 0.0, b) @ c.cu_fast
+        width = c.R
+        rows = (p[:, None] * width + np.arange(width)).ravel()
+        G = c.cu_dense[rows] * np.repeat(bm, width)[:, None]
+        A = c.rcu[p] * bm[:, None, None]
+        cidx = (np.arange(len(p))[:, None] * c.M + c.plink[p]).ravel()
+        fm, upper, lower, w = _solve(A, G, c.rlk[p], c.rpair[p], c.rpcu[p] * (bm * bm)[:, None, None],
+                                     cidx, c.pouter[p], fixed, gap, iters)
+        fm = _shorten(fm, G, fixed, c.rpad[p], max(upper, lower * (1 + gap)), min_share)
+        frac[p] = fm
+        prices = w
+    col = frac.argmax(1)
+    ints, loads, worst = _materialize(c, b, frac, col)
+    if prices is None and worst > 0:
+        # nothing to solve (every demand on its one path): price the busiest link alone; the bound
+        # is then every demand's least time on it, at least the load of the demands that have no
+        # other useful path, which is the whole load when no demand could move
+        e = int((loads * c.inv_cap_m).argmax())
+        prices = np.zeros(c.M)
+        prices[e] = 1.0
+        lower = float(b @ c.cu_dense[:, e].reshape(-1, c.R).min(1))
+    plan = RoutePlan(topo.name, c, ints, loads, worst, 0.0, float(lower), fractions=frac, prices=prices)
     plan.plan_time_us = (time.perf_counter() - t0) * 1e6
     return plan
+
+
+def _shorten(fm, G, fixed, pad, limit: float, min_share: float):
+    """Prefer short plans within the certified bound. An interior point spreads every demand over
+    all its equally good paths, which costs latency, relay memory and lane setup in the data plane.
+    Each step is kept only if no link's time goes above `limit` (the bound the solve proved):
+    1. demands whose fastest path (column 0) avoids every near-critical link (>= 97% of the limit)
+       go back to it whole: that only takes load off the critical links;
+    2. the plan is mixed toward "every demand on its fastest path" as far as the bound allows (all
+       the way for balanced traffic): the mix's link times are linear in the mixing weight, so
+       every weight is tried at once;
+    3. shares under 5% (then 1%) of a demand's largest share are dropped, the demand renormalised."""
+    import numpy as np
+    nd, width = fm.shape
+    if pad.any():                                  # padding columns are copies of column 0
+        fm = fm.copy()
+        fm[:, 0] += (fm * pad).sum(1)
+        fm[pad] = 0.0
+    g3 = G.reshape(nd, width, -1)
+    gh = g3[:, 0, :]                               # each demand's load if on its fastest path
+    t = fm.ravel() @ G + fixed
+    free = (gh @ (t >= 0.97 * limit)) == 0
+    if free.any():
+        trial = fm * ~free[:, None]
+        trial[:, 0] += free
+        tt = trial.ravel() @ G + fixed
+        if tt.max() <= limit:
+            fm, t = trial, tt
+    lams = np.array([1.0, 0.75, 0.5, 0.25, 0.1])
+    th = gh.sum(0) + fixed
+    ok = (t + lams[:, None] * (th - t)).max(1) <= limit
+    if ok.any():
+        lam = lams[int(ok.argmax())]
+        fm = (1 - lam) * fm
+        fm[:, 0] += lam
+    for share in (min_share * 5, min_share) if min_share > 0 else ():
+        kept = np.where(fm >= share * fm.max(1)[:, None], fm, 0.0)
+        kept /= (kept @ np.ones(width))[:, None]
+        if (kept.ravel() @ G + fixed).max() <= limit:
+            return kept
+    return fm
 
 
 def direct_only(topo: Topology, matrix: list[list[int]]) -> float:
@@ -563,11 +625,11 @@ def signature(matrix: list[list[int]]) -> tuple:
     return tuple(tuple(0 if b <= 0 else int(math.log2(b)) for b in row) for row in matrix)
 
 
-def _signature_key(m) -> bytes:
-    """signature() of a float matrix as bytes, in a few numpy calls (the Router's cache key)."""
+def _signature_key(b) -> bytes:
+    """signature() of whole nonnegative byte counts (flat numpy) as bytes, in two numpy calls (the
+    Router's cache key): frexp's exponent of max(b, 1) is floor(log2 b) + 1, and 0 shares 1's."""
     import numpy as np
-    e = np.frexp(m)[1] - 1                       # floor(log2 b) for b > 0
-    return np.where(m > 0, np.maximum(e, 0), 0).astype(np.int8).tobytes()
+    return np.frexp(np.maximum(b, 1.0))[1].tobytes()
 
 
 class SplitThreshold:
@@ -661,23 +723,23 @@ class Router:
     def plan(self, matrix: list[list[int]]) -> tuple[RoutePlan, bool]:
         t0 = time.perf_counter()
         c = _compiled(self.topo)
-        m = _matrix(self.topo, matrix)
+        m = _matrix(self.topo, c, matrix)
         key = _signature_key(m)
         split = self.threshold.threshold_bytes
         seen = self.cache.get(key)
         for old in (seen, self.last):
-            if old is None or old.fractions is None or old.prices is None:
+            if old is None or old.prices is None:
                 continue
-            plan = self.rescale(old, m, split, t0)
+            plan = self._rescale(c, old, m, split, t0)
             if plan is not None:
                 self.last = plan
                 self.hits += 1
                 return plan, True
             if old is self.last:
                 break
-        made = route(self.topo, m, min_split_bytes=split, **self.kwargs)
-        if made.prices is not None:                # the reuse bound's table, paid on the miss
-            self._cheapest(made)
+        made = route(self.topo, m.reshape(c.n, c.n), min_split_bytes=split, **self.kwargs)
+        if made.prices is not None:                # the reuse table, paid on the miss
+            self._reuse_table(c, made)
             made.plan_time_us = (time.perf_counter() - t0) * 1e6
         if len(self.cache) >= self.max_cached:
             self.cache.clear()
@@ -686,42 +748,43 @@ class Router:
         self.misses += 1
         return made, False
 
-    def _cheapest(self, plan: RoutePlan):
-        """Per pair under the plan's link prices: the cheapest candidate and its price (us/byte)."""
+    @staticmethod
+    def _reuse_table(c: _Compiled, plan: RoutePlan):
+        """What a reuse of `plan` needs, computed once per solve: per pair the cheapest candidate's
+        price under the plan's link prices (us per byte; the bound is one product with the new
+        matrix), and the fractions to apply: the plan's own, with pairs that had no demand moved
+        whole to their cheapest candidate, and each pair's largest share (it takes the rounding
+        remainder)."""
         import numpy as np
-        cheap = plan.__dict__.get("_cheapest")
-        if cheap is None:
-            c = _compiled(self.topo)
-            pr = (c.cu * np.take(np.append(plan.prices, 0.0), c.lk)).sum(-1)
-            pr[c.pad] = np.inf
-            j = pr.argmin(-1)
-            cheap = (j, np.take_along_axis(pr, j[..., None], -1)[..., 0])
-            plan.__dict__["_cheapest"] = cheap
-        return cheap
+        table = plan.__dict__.get("_reuse")
+        if table is None:
+            import numpy as np
+            pr = (c.cu_dense @ plan.prices).reshape(-1, c.R)
+            j = pr.argmin(1)
+            cheap = pr[np.arange(len(j)), j]
+            frac = plan.fractions
+            fresh = (frac @ np.ones(c.R)) < 0.5
+            base = np.where(fresh[:, None], np.arange(c.R) == j[:, None], frac)
+            table = (cheap, base, base.argmax(1))
+            plan.__dict__["_reuse"] = table
+        return table
 
     def rescale(self, old: RoutePlan, m, split: int, t0: float | None = None) -> RoutePlan | None:
         """`old`'s path fractions applied to matrix m (exact bytes), or None when the result is
         not provably within `tolerance` of the optimum for m."""
-        import numpy as np
-        t0 = time.perf_counter() if t0 is None else t0
         c = _compiled(self.topo)
-        s, d, b = _demands(c, m)
-        frac = old.fractions[s, d]
-        cheap = self._cheapest(old)
-        lower = float((b * cheap[1][s, d]).sum())
-        one = b <= split
-        fresh = frac.sum(1) < 0.5                  # zero in the old matrix: its cheapest path
-        if one.any() or fresh.any():
-            frac = frac.copy()
-            frac[fresh] = 0.0
-            frac[fresh, cheap[0][s[fresh], d[fresh]]] = 1.0
-            frac[one] = 0.0
-            frac[one, c.fastest[s[one], d[one]]] = 1.0
-        plan = _materialize(self.topo, c, s, d, b, frac, t0)
-        if plan.max_load_us > (1 + self.tolerance) * lower:
+        return self._rescale(c, old, _matrix(self.topo, c, m), split, time.perf_counter() if t0 is None else t0)
+
+    def _rescale(self, c: _Compiled, old: RoutePlan, b, split: int, t0: float) -> RoutePlan | None:
+        import numpy as np
+        cheap, base, col = self._reuse_table(c, old)
+        lower = float(b @ cheap)
+        one = b <= split                           # (zero demands too: they carry nothing)
+        frac = np.where(one[:, None], c.home, base)
+        ints, loads, worst = _materialize(c, b, frac, np.where(one, 0, col))
+        if worst > (1 + self.tolerance) * lower:
             return None
-        plan.lower_bound_us, plan.reused = lower, True
-        plan.fractions, plan.prices = old.fractions, old.prices
-        plan.__dict__["_cheapest"] = cheap
+        plan = RoutePlan(self.topo.name, c, ints, loads, worst, 0.0, lower, True, old.fractions, old.prices)
+        plan.__dict__["_reuse"] = old.__dict__["_reuse"]
         plan.plan_time_us = (time.perf_counter() - t0) * 1e6
         return plan
