@@ -42,41 +42,49 @@ def drift(m, rng, rel=0.01):
     return [[0 if b == 0 else max(1, int(b * (1 + rng.uniform(-rel, rel)))) for b in row] for row in m]
 
 
-def measure(mod, name, ms, ds, flows=False):
-    topo = TOPOS[name](mod)
-    mod.route(topo, ms[-1])                                  # warm-up on another matrix
-    cold, hit, hits = [], [], 0
+def measure(mods, name, ms, ds, flows=False):
+    """Median cold and hit times (us) per module, the modules interleaved matrix by matrix (the
+    container's load moves; interleaving keeps the comparison fair)."""
+    topos = {k: TOPOS[name](mod) for k, mod in mods.items()}
+    for k, mod in mods.items():
+        mod.route(topos[k], ms[-1])                          # warm-up on another matrix
+    cold = {k: [] for k in mods}
+    hit = {k: [] for k in mods}
+    hits = {k: 0 for k in mods}
     for m, m2 in zip(ms[:-1], ds[:-1]):
-        t = time.perf_counter()
-        p = mod.route(topo, m)
-        if flows:
-            p.flows
-        cold.append(time.perf_counter() - t)
-        r = mod.Router(topo)
-        r.plan(m)
-        t = time.perf_counter()
-        p, h = r.plan(m2)
-        if flows:
-            p.flows
-        hit.append(time.perf_counter() - t)
-        hits += h
-    return statistics.median(cold) * 1e6, statistics.median(hit) * 1e6, hits
+        for k, mod in mods.items():
+            t = time.perf_counter()
+            p = mod.route(topos[k], m)
+            if flows:
+                p.flows
+            cold[k].append(time.perf_counter() - t)
+            r = mod.Router(topos[k])
+            r.plan(m)
+            t = time.perf_counter()
+            p, h = r.plan(m2)
+            if flows:
+                p.flows
+            hit[k].append(time.perf_counter() - t)
+            hits[k] += h
+    return {k: (statistics.median(cold[k]) * 1e6, statistics.median(hit[k]) * 1e6, hits[k]) for k in mods}
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--old")
+    ap.add_argument("--old", action="append", default=[], help="another router.py to time beside this one (repeatable)")
     ap.add_argument("--reps", type=int, default=21)
     ap.add_argument("--kind", default="random", choices=("random", "skewed"))
     ap.add_argument("--topos", default=",".join(TOPOS))
     a = ap.parse_args()
-    mods = {"now": new}
-    if a.old:
-        spec = importlib.util.spec_from_file_location("router_old", a.old)
-        old = importlib.util.module_from_spec(spec)
-        sys.modules["router_old"] = old          # dataclasses look their module up
-        spec.loader.exec_module(old)
-        mods = {"before": old, "now": new}
+    mods = {}
+    for i, path in enumerate(a.old):
+        name = "before" if len(a.old) == 1 else f"old{i + 1}"
+        spec = importlib.util.spec_from_file_location(f"router_{name}", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod          # dataclasses look their module up
+        spec.loader.exec_module(mod)
+        mods[name] = mod
+    mods["now"] = new
     print(f"{'topology':12s} " + " ".join(f"{k + ' ' + c:>22s}" for k in mods for c in ("cold/+flows", "hit/+flows")))
     for name in a.topos.split(","):
         n = TOPOS[name](new).num_gpus
@@ -84,9 +92,10 @@ def main():
         ms = [matrix(n, rng, a.kind) for _ in range(a.reps + 1)]
         ds = [drift(m, rng) for m in ms]
         row = []
-        for k, mod in mods.items():
-            c, h, hits = measure(mod, name, ms, ds)
-            cf, hf, _ = measure(mod, name, ms, ds, flows=True)
+        plain, withflows = measure(mods, name, ms, ds), measure(mods, name, ms, ds, flows=True)
+        for k in mods:
+            c, h, hits = plain[k]
+            cf, hf, _ = withflows[k]
             row.append(f"{c:9.0f}/{cf:6.0f} us {h:7.1f}/{hf:6.1f} us ({hits}/{a.reps})")
         print(f"{name:12s} " + " ".join(row), flush=True)
 

@@ -263,6 +263,22 @@ class _Compiled:
         self.pouter = (plink[:, :, None] * nm + plink[:, None, :]).reshape(n * n, kd * kd)
         self.home = np.zeros((n * n, width))            # one-hot on the fastest path (reduced column 0)
         self.home[:, 0] = 1.0
+        self.ones_r = np.ones(width)
+        # per call the solver gathers these rows and adds each demand's offset (k * M) to the link
+        # indices: its paths' links (for b_k) and then its own links (the compact b_k)
+        self.kc = np.concatenate((rlk.reshape(n * n, -1), plink), 1)
+        self.nkc = width * depth
+        self.cu3 = self.cu_dense.reshape(n * n, width, nm)
+        # the solver's start: each demand split in proportion to 1 / (path time), a fair first guess
+        # for a switch (most on NVLink, a little over PCIe) that uniform fractions are not; and each
+        # path's time per byte above the pair's fastest (for the dual start)
+        cost = self.rcu.sum(-1)
+        inv = np.where(cost > 0, 1.0 / np.where(cost > 0, cost, 1.0), 0.0)
+        tot = inv.sum(1, keepdims=True)
+        self.f0 = np.where(tot > 0, inv / np.where(tot > 0, tot, 1.0), 0.0)
+        self.excess = cost - cost[:, :1]
+        self.diag = np.arange(nm) * (nm + 1)
+        self.has_pad = bool(self.rpad.any())
 
     def original(self, vals):
         """(n*n, R) values per reduced column -> (n*n, W) per original candidate (padding columns
@@ -284,133 +300,116 @@ def _compiled(topo: Topology) -> _Compiled:
     return c
 
 
-def _solve(A, G, lk, pidx, pcu, cidx, pouter, fixed, gap: float, iters: int):
+def _solve(G, A, pcu, kidx, cidx, sidx, f0, excess, fixed, gap: float, iters: int):
     """Mehrotra predictor-corrector interior point method on the path LP
 
         min tau  s.t.  sum_j f[k, j] = 1                          (every demand fully routed)
-                       sum_kj f[k, j] A[k, j, e] + fixed[e] + s[e] = tau   (link e's time <= tau)
+                       sum_kj f[k, j] G[kj, e] + fixed[e] + s[e] = tau   (link e's time <= tau)
                        f, s, tau >= 0
 
-    A[k, j, i] is the time (us) link lk[k, j, i] takes if all of demand k goes on path j; G is the
-    same as a dense (paths x links) matrix, for the products that need every link of every path.
-    Eliminating every demand's block leaves one links x links system per Newton solve:
+    G[kj, e] is the time (us) link e takes if all of demand k goes on path j (dense, paths x
+    links); A holds the same numbers per path entry (A[kj, i] for the path's i-th link), for the
+    sums that only need each path's few links. Eliminating every demand's block leaves one
+    links x links system per Newton solve:
 
         S = sum_k [ sum_j D_kj a_kj a_kj^T  -  b_k b_k^T / delta_k ] + diag(D_s) + D_tau
             (a_kj: path kj's link times; b_k = sum_j D_kj a_kj; delta_k = sum_j D_kj)
 
-    built as one bincount: the first sum over each path's link pairs (pidx, pcu), the second over
-    each demand's own link pairs (pouter; cidx gathers b_k onto them), so no dense links x demands
-    product. Stops when the best plan seen is within `gap` of the best lower bound seen:
-        upper: the most loaded link of f normalised to exact row sums (a feasible plan);
-        lower: for link prices w = max(-y, 0) (the dual), sum_k min_j price_kj + fixed.w, over
-               sum(w): any plan's price-weighted mean link time, so at most its largest (weak duality).
-    Returns (fractions (nd, R), upper, lower, prices w / sum(w) over the M links)."""
+    built by one bincount: the first sum over each path's link pairs (pcu: their products), the
+    second over each demand's own link pairs (cidx gathers b_k onto them), the diagonal last (sidx
+    indexes all three into S). The start is primal feasible (fractions f0 summing to 1, slacks =
+    tau - link time) and dual feasible (every link priced alike, each demand's multiplier below
+    its cheapest path: `excess` is each path's time per byte above the pair's fastest), and steps
+    keep both, so the duality gap is z . s and the Newton systems need only their right-hand sides.
+
+    The certificate: a plan's upper bound is the most loaded link of its fractions normalised to
+    exact row sums (a feasible plan); a lower bound, for link prices w = max(-y, 0) (the dual), is
+    (sum_k min_j price_kj + fixed.w) / sum(w): any plan's price-weighted mean link time, so at most
+    its largest (weak duality). It stops when the best upper bound seen is within `gap` of the best
+    lower bound seen. Both are tried at the iterate and at the predictor's point (the iterate plus
+    the full affine step), which is often closer to the optimum: a hit there skips the corrector.
+    Returns (fractions (nd, R), upper, lower, prices w / sum(w) over the M links, link times of
+    the returned fractions)."""
     import numpy as np
-    nd, width, depth = A.shape
+    nd, width = f0.shape
     P, M = G.shape
     N = P + M + 1
-    kidx = (np.arange(nd)[:, None, None] * M + lk).ravel()
-    sidx = np.concatenate((pidx.ravel(), pouter.ravel()))
     ones_w = np.ones(width)
+    add, minimum, maximum = np.add.reduce, np.minimum.reduce, np.maximum.reduce
+    solve = np.linalg.solve
     inner = slice(P, P + M)
-
-    # start: every demand split in proportion to 1 / (its path's time), a fair first guess for a
-    # switch (most on NVLink, a little over PCIe) that uniform fractions are not; then scaled so
-    # that its most loaded link takes 1
-    inv = 1.0 / (A @ np.ones(depth))
-    f0 = (inv / (inv @ ones_w)[:, None]).ravel()
-    t = f0 @ G + fixed
-    scale = float(t.max())
-    G = G / scale
-    A = A / scale
-    pcu = pcu / (scale * scale)
-    fixed = fixed / scale
-    t /= scale
-    z = np.empty(N)
-    z[:P] = f0
-    z[-1] = 1.6
-    z[inner] = 1.6 - t
-    # a dual-feasible start: every link priced alike (half the budget), each demand's multiplier
-    # one below its cheapest path, so every dual slack is positive
+    t = f0.ravel() @ G + fixed
+    tau = 1.6 * float(maximum(t))                  # scale: the start's most loaded link
+    margin = tau / 1.6
+    z = np.concatenate((f0.ravel(), tau - t, (tau,)))
+    # dual start: every link priced 0.5 / M, each demand's multiplier `margin` below its cheapest
+    # path, so every dual slack is positive (path slack: its price above the cheapest + margin)
     y2 = np.full(M, -0.5 / M)
-    pr = (G @ y2).reshape(nd, width)
-    y1 = -pr.max(1) - 1.0
-    sg = np.empty(N)
-    sg[:P] = -(pr + y1[:, None]).ravel()
-    sg[inner] = 0.5 / M
-    sg[-1] = 0.5
-    best_ub, best_lb, best_f, best_w = math.inf, 0.0, None, None
+    sg = np.concatenate(((excess * (0.5 / M) + margin).ravel(), -y2, (0.5,)))
+    best = [math.inf, 0.0, None, None, None]      # upper, lower, fractions, prices, link times
+    rhs1 = np.ones(nd)
 
-    def gt(u1, u2):                                # the constraint matrix transposed, times u
-        g = np.empty(N)
-        g[:P] = ((G @ u2).reshape(nd, width) + u1[:, None]).ravel()
-        g[inner] = u2
-        g[-1] = -u2.sum()
-        return g
+    def certify(zf, y):                            # update the best bounds; True when within gap
+        fr = zf.reshape(nd, width)
+        fn = fr / (fr @ ones_w)[:, None]
+        tn = fn.ravel() @ G + fixed
+        ub = float(maximum(tn))
+        if ub < best[0]:
+            best[0], best[2], best[4] = ub, fn, tn
+        w = np.maximum(-y, 0.0)
+        w[-1] = 0.0                                # the dummy link carries nothing
+        ws = float(add(w))
+        if ws > 0:
+            lb = (float(add(minimum((G @ w).reshape(nd, width).T))) + float(fixed @ w)) / ws
+            if lb > best[1]:
+                best[1], best[3] = lb, w / ws
+        return best[0] <= best[1] * (1 + gap)
 
     def step(v, dv):                               # longest step in [0, 1] keeping v + a dv >= 0
-        return 1.0 / max(1.0, -float((dv / v).min()))
+        return 1.0 / max(1.0, -float(minimum(dv / v)))
 
     for it in range(iters):
-        f = z[:P]
-        fr = f.reshape(nd, width)
-        rows = fr @ ones_w
-        t = f @ G + fixed
-        tau = z[-1]
-        rp1 = 1.0 - rows
-        rp2 = tau - t - z[inner]
-        rd = -gt(y1, y2) - sg
-        rd[-1] += 1.0
-        # the certificate, once the method's own duality gap says it may hold
-        if tau - (y1.sum() - fixed @ y2) <= 0.25 * tau or it == iters - 1:
-            fn = fr / rows[:, None]
-            ub = float((fn.ravel() @ G + fixed).max())
-            if ub < best_ub:
-                best_ub, best_f = ub, fn
-            w = np.maximum(-y2, 0.0)
-            w[-1] = 0.0                              # the dummy link carries nothing
-            ws = w.sum()
-            if ws > 0:
-                lb = float(((G @ w).reshape(nd, width).min(1).sum() + fixed @ w) / ws)
-                if lb > best_lb:
-                    best_lb, best_w = lb, w / ws
-            if best_ub <= best_lb * (1 + gap) or it == iters - 1:
-                break
-        mu = z @ sg / N
+        zs = z * sg
+        gap_now = float(add(zs))                   # primal - dual objective (both feasible)
+        if (gap_now <= 0.25 * z[-1] or it == iters - 1) and (certify(z[:P], y2) or it == iters - 1):
+            break
         D = z / sg
-        Df = D[:P].reshape(nd, width)
-        delta = Df @ ones_w
-        wk = (A * Df[..., None]).ravel()
-        bkx = np.bincount(kidx, wk, nd * M)        # b_k, dense (nd, M)
-        bc = bkx[cidx].reshape(nd, -1)             # b_k on the demand's own links
+        Df = D[:P]
+        idelta = 1.0 / (Df.reshape(nd, width) @ ones_w)
+        bkx = np.bincount(kidx, (A * Df[:, None]).ravel(), nd * M)      # b_k, dense (nd, M)
+        bc = bkx[cidx].reshape(nd, -1)                                  # b_k on the demand's own links
         kd = bc.shape[1]
-        outer = (bc / -delta[:, None]).reshape(nd, kd, 1) * bc.reshape(nd, 1, kd)
-        S = np.bincount(sidx, np.concatenate(((pcu * Df[..., None]).ravel(), outer.ravel())), M * M).reshape(M, M)
-        S.ravel()[::M + 1] += D[inner]
+        outer = (bc * -idelta[:, None]).reshape(nd, kd, 1) * bc.reshape(nd, 1, kd)
+        S = np.bincount(sidx, np.concatenate(((pcu * Df[:, None]).ravel(), outer.ravel(), D[inner])),
+                        M * M).reshape(M, M)
         S += D[-1]
         bk = bkx.reshape(nd, M)
-        bkt = bk.T / delta
+        bkt = bk.T * idelta
 
-        def newton(rc):
-            q = (rc - z * rd) / sg
-            qf = q[:P]
-            r1 = rp1 - qf.reshape(nd, width) @ ones_w
-            r2 = rp2 - (qf @ G + q[inner] - q[-1])
-            u2 = np.linalg.solve(S, r2 - bkt @ r1)
-            u1 = (r1 - bk @ u2) / delta
-            h = gt(u1, u2)
-            return u1, u2, q + D * h, rd - h
+        def direction(r1, r2):                     # Newton direction: link multipliers, A^T u
+            u2 = solve(S, r2 - bkt @ r1)
+            u1 = (r1 - bk @ u2) * idelta
+            return u2, np.concatenate((((G @ u2).reshape(nd, width) + u1[:, None]).ravel(), u2, (-add(u2),)))
 
-        _, _, dz, ds = newton(-z * sg)
-        ap, ad = step(z, dz), step(sg, ds)
-        sigma = (((z + ap * dz) @ (sg + ad * ds)) / N / mu) ** 3
-        u1, u2, dz, ds2 = newton(sigma * mu - z * sg - dz * ds)
-        ap, ad = 0.99 * step(z, dz), 0.99 * step(sg, ds2)
+        # predictor (affine step): its right-hand side is the constraints' own (1, -fixed)
+        u2, h = direction(rhs1, -fixed)
+        dz = D * h - z
+        ap, ad = step(z, dz), step(sg, -h)
+        zp, sp = z + ap * dz, sg - ad * h
+        gap_aff = float(zp @ sp)
+        if gap_aff <= 0.25 * zp[-1] and certify(zp[:P], y2 + ad * u2):
+            break
+        # corrector: centre toward sigma * mu, less the predictor's second-order term
+        sigma = (gap_aff / gap_now) ** 3
+        q = (sigma * gap_now / N + dz * h) / sg
+        qf = q[:P]
+        u2, h = direction(rhs1 - qf.reshape(nd, width) @ ones_w, -fixed - (qf @ G + q[inner] - q[-1]))
+        dz = q - z + D * h
+        ap, ad = 0.99 * step(z, dz), 0.99 * step(sg, -h)
         z = z + ap * dz
-        sg = sg + ad * ds2
-        y1 = y1 + ad * u1
+        sg = sg - ad * h
         y2 = y2 + ad * u2
-    return best_f, best_ub * scale, best_lb * scale, best_w
+    return best[2], best[0], best[1], best[3], best[4]
 
 
 class RoutePlan:
@@ -528,8 +527,7 @@ def route(topo: Topology, matrix: list[list[int]], iters: int = 30, min_split_by
     reduced to one links x links system, stopping once the plan is provably within `gap` of the
     optimum (a dual lower bound certifies it; `lower_bound_us` keeps it). Demands at or below
     `min_split_bytes`, and pairs with one useful candidate, take their fastest path and are fixed
-    load for the rest. Then the plan is made short where the bound allows (see below) and shares
-    under `min_share` of a demand are dropped.
+    load for the rest. Then the plan is made short where the bound allows (`_shorten`).
     Rejected: Frank-Wolfe on a soft maximum (first-order: 30-120 rounds and 9-100 ms here, still
     1.05x on some matrices, stalls where links tie) and slice-by-slice greedy (1.17x)."""
     import numpy as np
@@ -539,22 +537,22 @@ def route(topo: Topology, matrix: list[list[int]], iters: int = 30, min_split_by
     frac = c.home * (b > 0)[:, None]
     lower, prices = 0.0, None
     many = (b > min_split_bytes) & c.multi_ok
-    if many.any():
-        p = np.flatnonzero(many)
+    p = np.flatnonzero(many)
+    if len(p):
         bm = b[p]
-        fixed = np.where(many, 0.0, b) @ c.cu_fast
-        width = c.R
-        rows = (p[:, None] * width + np.arange(width)).ravel()
-        G = c.cu_dense[rows] * np.repeat(bm, width)[:, None]
-        A = c.rcu[p] * bm[:, None, None]
-        cidx = (np.arange(len(p))[:, None] * c.M + c.plink[p]).ravel()
-        fm, upper, lower, w = _solve(A, G, c.rlk[p], c.rpair[p], c.rpcu[p] * (bm * bm)[:, None, None],
-                                     cidx, c.pouter[p], fixed, gap, iters)
-        fm = _shorten(fm, G, fixed, c.rpad[p], max(upper, lower * (1 + gap)), min_share)
-        frac[p] = fm
-        prices = w
-    col = frac.argmax(1)
-    ints, loads, worst = _materialize(c, b, frac, col)
+        b3 = bm[:, None, None]
+        one = b.copy()
+        one[p] = 0.0
+        fixed = one @ c.cu_fast                    # the one-path demands' link times
+        G = (c.cu3[p] * b3).reshape(-1, c.M)
+        idx = c.kc[p] + (np.arange(len(p)) * c.M)[:, None]
+        sidx = np.concatenate((c.rpair[p].ravel(), c.pouter[p].ravel(), c.diag))
+        fm, upper, lower, prices, t = _solve(G, (c.rcu[p] * b3).reshape(len(G), -1), (c.rpcu[p] * (b3 * b3)).reshape(len(G), -1),
+                                             idx[:, :c.nkc].ravel(), idx[:, c.nkc:].ravel(), sidx, c.f0[p],
+                                             c.excess[p] * bm[:, None], fixed, gap, iters)
+        frac[p] = _shorten(fm, G, fixed, t, c.rpad[p] if c.has_pad else None,
+                           max(upper, lower * (1 + gap)), min_share)
+    ints, loads, worst = _materialize(c, b, frac, frac.argmax(1))
     if prices is None and worst > 0:
         # nothing to solve (every demand on its one path): price the busiest link alone; the bound
         # is then every demand's least time on it, at least the load of the demands that have no
@@ -568,10 +566,11 @@ def route(topo: Topology, matrix: list[list[int]], iters: int = 30, min_split_by
     return plan
 
 
-def _shorten(fm, G, fixed, pad, limit: float, min_share: float):
+def _shorten(fm, G, fixed, t, pad, limit: float, min_share: float):
     """Prefer short plans within the certified bound. An interior point spreads every demand over
     all its equally good paths, which costs latency, relay memory and lane setup in the data plane.
-    Each step is kept only if no link's time goes above `limit` (the bound the solve proved):
+    Each step is kept only if no link's time (t: the current ones) goes above `limit`, the bound
+    the solve proved:
     1. demands whose fastest path (column 0) avoids every near-critical link (>= 97% of the limit)
        go back to it whole: that only takes load off the critical links;
     2. the plan is mixed toward "every demand on its fastest path" as far as the bound allows (all
@@ -580,13 +579,16 @@ def _shorten(fm, G, fixed, pad, limit: float, min_share: float):
     3. shares under 5% (then 1%) of a demand's largest share are dropped, the demand renormalised."""
     import numpy as np
     nd, width = fm.shape
-    if pad.any():                                  # padding columns are copies of column 0
+    if pad is not None and pad.any():              # padding columns are copies of column 0
         fm = fm.copy()
-        fm[:, 0] += (fm * pad).sum(1)
+        fm[:, 0] += (fm * pad) @ np.ones(width)
         fm[pad] = 0.0
-    g3 = G.reshape(nd, width, -1)
-    gh = g3[:, 0, :]                               # each demand's load if on its fastest path
-    t = fm.ravel() @ G + fixed
+    gh = G.reshape(nd, width, -1)[:, 0, :]         # each demand's link times on its fastest path
+    th = np.ones(nd) @ gh + fixed                  # every demand on its fastest path
+    if th.max() <= limit:
+        out = np.zeros_like(fm)
+        out[:, 0] = 1.0
+        return out
     free = (gh @ (t >= 0.97 * limit)) == 0
     if free.any():
         trial = fm * ~free[:, None]
@@ -594,15 +596,14 @@ def _shorten(fm, G, fixed, pad, limit: float, min_share: float):
         tt = trial.ravel() @ G + fixed
         if tt.max() <= limit:
             fm, t = trial, tt
-    lams = np.array([1.0, 0.75, 0.5, 0.25, 0.1])
-    th = gh.sum(0) + fixed
-    ok = (t + lams[:, None] * (th - t)).max(1) <= limit
+    lams = np.array([0.75, 0.5, 0.25, 0.1])
+    ok = (t[:, None] + (th - t)[:, None] * lams).max(0) <= limit
     if ok.any():
         lam = lams[int(ok.argmax())]
         fm = (1 - lam) * fm
         fm[:, 0] += lam
     for share in (min_share * 5, min_share) if min_share > 0 else ():
-        kept = np.where(fm >= share * fm.max(1)[:, None], fm, 0.0)
+        kept = fm * (fm >= share * fm.max(1)[:, None])
         kept /= (kept @ np.ones(width))[:, None]
         if (kept.ravel() @ G + fixed).max() <= limit:
             return kept
