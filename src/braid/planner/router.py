@@ -264,6 +264,7 @@ class _Compiled:
         self.home = np.zeros((n * n, width))            # one-hot on the fastest path (reduced column 0)
         self.home[:, 0] = 1.0
         self.ones_r = np.ones(width)
+        self.pairs = np.arange(n * n)
         # per call the solver gathers these rows and adds each demand's offset (k * M) to the link
         # indices: its paths' links (for b_k) and then its own links (the compact b_k)
         self.kc = np.concatenate((rlk.reshape(n * n, -1), plink), 1)
@@ -278,7 +279,7 @@ class _Compiled:
         self.f0 = np.where(tot > 0, inv / np.where(tot > 0, tot, 1.0), 0.0)
         self.excess = cost - cost[:, :1]
         self.diag = np.arange(nm) * (nm + 1)
-        self.has_pad = bool(self.rpad.any())
+        self.rows: dict[bytes, _Rows] = {}
 
     def original(self, vals):
         """(n*n, R) values per reduced column -> (n*n, W) per original candidate (padding columns
@@ -288,6 +289,40 @@ class _Compiled:
         out = np.zeros((self.n * self.n, width), dtype=vals.dtype)
         np.add.at(out, (np.arange(self.n * self.n)[:, None], self.rcol), vals)
         return out
+
+
+class _Rows:
+    """The compiled tables gathered for one set of split demands (flat pair indices p), kept on
+    the compiled topology: the same demands recur from call to call, and gathering every per-pair
+    table costs more than the arithmetic done with it."""
+
+    def __init__(self, c: _Compiled, p):
+        import numpy as np
+        nd = len(p)
+        self.p = p
+        self.cu3 = c.cu3[p]                                     # (nd, R, M) us per byte
+        self.rcu = c.rcu[p]                                     # (nd, R, K) the same, per path entry
+        self.rpcu = c.rpcu[p]                                   # (nd, R, K*K) products of those
+        idx = c.kc[p] + (np.arange(nd) * c.M)[:, None]         # link indices, offset per demand
+        self.kidx = idx[:, :c.nkc].ravel()
+        self.cidx = idx[:, c.nkc:].ravel()
+        self.sidx = np.concatenate((c.rpair[p].ravel(), c.pouter[p].ravel(), c.diag))
+        self.f0 = c.f0[p]
+        self.excess = c.excess[p]
+        pad = c.rpad[p]
+        self.pad = pad if pad.any() else None
+        self.mix = np.array([0.75, 0.5, 0.25, 0.1])         # weights toward the fastest paths (_shorten)
+
+
+def _rows(c: _Compiled, many) -> _Rows:
+    key = many.tobytes()
+    rows = c.rows.get(key)
+    if rows is None:
+        import numpy as np
+        if len(c.rows) >= 16:
+            c.rows.clear()
+        rows = c.rows[key] = _Rows(c, np.flatnonzero(many))
+    return rows
 
 
 def _compiled(topo: Topology) -> _Compiled:
@@ -300,7 +335,7 @@ def _compiled(topo: Topology) -> _Compiled:
     return c
 
 
-def _solve(G, A, pcu, kidx, cidx, sidx, f0, excess, fixed, gap: float, iters: int):
+def _solve(G, A, pcu, rows: _Rows, excess, fixed, gap: float, iters: int):
     """Mehrotra predictor-corrector interior point method on the path LP
 
         min tau  s.t.  sum_j f[k, j] = 1                          (every demand fully routed)
@@ -316,8 +351,8 @@ def _solve(G, A, pcu, kidx, cidx, sidx, f0, excess, fixed, gap: float, iters: in
             (a_kj: path kj's link times; b_k = sum_j D_kj a_kj; delta_k = sum_j D_kj)
 
     built by one bincount: the first sum over each path's link pairs (pcu: their products), the
-    second over each demand's own link pairs (cidx gathers b_k onto them), the diagonal last (sidx
-    indexes all three into S). The start is primal feasible (fractions f0 summing to 1, slacks =
+    second over each demand's own link pairs (rows.cidx gathers b_k onto them), the diagonal last
+    (rows.sidx indexes all three into S). The start is primal feasible (fractions summing to 1, slacks =
     tau - link time) and dual feasible (every link priced alike, each demand's multiplier below
     its cheapest path: `excess` is each path's time per byte above the pair's fastest), and steps
     keep both, so the duality gap is z . s and the Newton systems need only their right-hand sides.
@@ -331,6 +366,8 @@ def _solve(G, A, pcu, kidx, cidx, sidx, f0, excess, fixed, gap: float, iters: in
     Returns (fractions (nd, R), upper, lower, prices w / sum(w) over the M links, link times of
     the returned fractions)."""
     import numpy as np
+    f0 = rows.f0
+    kidx, cidx, sidx = rows.kidx, rows.cidx, rows.sidx
     nd, width = f0.shape
     P, M = G.shape
     N = P + M + 1
@@ -371,7 +408,7 @@ def _solve(G, A, pcu, kidx, cidx, sidx, f0, excess, fixed, gap: float, iters: in
     for it in range(iters):
         zs = z * sg
         gap_now = float(add(zs))                   # primal - dual objective (both feasible)
-        if (gap_now <= 0.25 * z[-1] or it == iters - 1) and (certify(z[:P], y2) or it == iters - 1):
+        if (gap_now <= 0.1 * z[-1] or it == iters - 1) and (certify(z[:P], y2) or it == iters - 1):
             break
         D = z / sg
         Df = D[:P]
@@ -397,7 +434,7 @@ def _solve(G, A, pcu, kidx, cidx, sidx, f0, excess, fixed, gap: float, iters: in
         ap, ad = step(z, dz), step(sg, -h)
         zp, sp = z + ap * dz, sg - ad * h
         gap_aff = float(zp @ sp)
-        if gap_aff <= 0.25 * zp[-1] and certify(zp[:P], y2 + ad * u2):
+        if gap_aff <= 0.1 * zp[-1] and certify(zp[:P], y2 + ad * u2):
             break
         # corrector: centre toward sigma * mu, less the predictor's second-order term
         sigma = (gap_aff / gap_now) ** 3
@@ -514,7 +551,7 @@ def _materialize(c: _Compiled, b, frac, col):
     column col of each pair (its largest share); then the exact link loads and the largest time."""
     import numpy as np
     ints = np.floor(frac * b[:, None])
-    ints[np.arange(len(b)), col] += b - ints.sum(1)
+    ints[c.pairs, col] += b - ints @ c.ones_r
     loads = ints.ravel() @ c.cb_dense
     return ints, loads, float((loads * c.inv_cap_m).max())
 
@@ -537,21 +574,19 @@ def route(topo: Topology, matrix: list[list[int]], iters: int = 30, min_split_by
     frac = c.home * (b > 0)[:, None]
     lower, prices = 0.0, None
     many = (b > min_split_bytes) & c.multi_ok
-    p = np.flatnonzero(many)
-    if len(p):
+    if many.any():
+        rows = _rows(c, many)
+        p = rows.p
         bm = b[p]
         b3 = bm[:, None, None]
         one = b.copy()
         one[p] = 0.0
         fixed = one @ c.cu_fast                    # the one-path demands' link times
-        G = (c.cu3[p] * b3).reshape(-1, c.M)
-        idx = c.kc[p] + (np.arange(len(p)) * c.M)[:, None]
-        sidx = np.concatenate((c.rpair[p].ravel(), c.pouter[p].ravel(), c.diag))
-        fm, upper, lower, prices, t = _solve(G, (c.rcu[p] * b3).reshape(len(G), -1), (c.rpcu[p] * (b3 * b3)).reshape(len(G), -1),
-                                             idx[:, :c.nkc].ravel(), idx[:, c.nkc:].ravel(), sidx, c.f0[p],
-                                             c.excess[p] * bm[:, None], fixed, gap, iters)
-        frac[p] = _shorten(fm, G, fixed, t, c.rpad[p] if c.has_pad else None,
-                           max(upper, lower * (1 + gap)), min_share)
+        G = (rows.cu3 * b3).reshape(-1, c.M)
+        fm, upper, lower, prices, t = _solve(G, (rows.rcu * b3).reshape(len(G), -1),
+                                             (rows.rpcu * (b3 * b3)).reshape(len(G), -1), rows,
+                                             rows.excess * bm[:, None], fixed, gap, iters)
+        frac[p] = _shorten(fm, G, fixed, t, rows, max(upper, lower * (1 + gap)), min_share)
     ints, loads, worst = _materialize(c, b, frac, frac.argmax(1))
     if prices is None and worst > 0:
         # nothing to solve (every demand on its one path): price the busiest link alone; the bound
@@ -566,7 +601,7 @@ def route(topo: Topology, matrix: list[list[int]], iters: int = 30, min_split_by
     return plan
 
 
-def _shorten(fm, G, fixed, t, pad, limit: float, min_share: float):
+def _shorten(fm, G, fixed, t, rows: _Rows, limit: float, min_share: float):
     """Prefer short plans within the certified bound. An interior point spreads every demand over
     all its equally good paths, which costs latency, relay memory and lane setup in the data plane.
     Each step is kept only if no link's time (t: the current ones) goes above `limit`, the bound
@@ -579,7 +614,8 @@ def _shorten(fm, G, fixed, t, pad, limit: float, min_share: float):
     3. shares under 5% (then 1%) of a demand's largest share are dropped, the demand renormalised."""
     import numpy as np
     nd, width = fm.shape
-    if pad is not None and pad.any():              # padding columns are copies of column 0
+    pad = rows.pad
+    if pad is not None:                            # padding columns are copies of column 0
         fm = fm.copy()
         fm[:, 0] += (fm * pad) @ np.ones(width)
         fm[pad] = 0.0
@@ -596,7 +632,7 @@ def _shorten(fm, G, fixed, t, pad, limit: float, min_share: float):
         tt = trial.ravel() @ G + fixed
         if tt.max() <= limit:
             fm, t = trial, tt
-    lams = np.array([0.75, 0.5, 0.25, 0.1])
+    lams = rows.mix
     ok = (t[:, None] + (th - t)[:, None] * lams).max(0) <= limit
     if ok.any():
         lam = lams[int(ok.argmax())]
