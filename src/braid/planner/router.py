@@ -31,6 +31,7 @@ the measurements.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -264,7 +265,7 @@ class _Compiled:
         self.home = np.zeros((n * n, width))            # one-hot on the fastest path (reduced column 0)
         self.home[:, 0] = 1.0
         self.ones_r = np.ones(width)
-        self.pairs = np.arange(n * n)
+        self.flat0 = np.arange(n * n) * width          # each pair's first column in (n*n, R) flat
         # per call the solver gathers these rows and adds each demand's offset (k * M) to the link
         # indices: its paths' links (for b_k) and then its own links (the compact b_k)
         self.kc = np.concatenate((rlk.reshape(n * n, -1), plink), 1)
@@ -527,19 +528,26 @@ class RoutePlan:
 def _matrix(topo: Topology, c: _Compiled, matrix):
     """The matrix as whole bytes, flat (n*n), diagonal and negative entries zero."""
     import numpy as np
-    try:
-        m = np.array(matrix, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"the traffic matrix must be {topo.num_gpus} rows of {topo.num_gpus} byte counts: {exc}")
     n = topo.num_gpus
-    if m.shape != (n, n):
-        raise ValueError(f"the traffic matrix is {m.shape}, {topo.name} needs {n} x {n}")
-    m = m.ravel()
+    m = None
+    if type(matrix) is list and len(matrix) == n and all(type(r) is list and len(r) == n for r in matrix):
+        try:                                       # rows of numbers: no nested conversion
+            m = np.fromiter(itertools.chain.from_iterable(matrix), np.float64, n * n)
+        except (TypeError, ValueError):
+            m = None
+    if m is None:
+        try:
+            m = np.array(matrix, dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"the traffic matrix must be {n} rows of {n} byte counts: {exc}")
+        if m.shape != (n, n):
+            raise ValueError(f"the traffic matrix is {m.shape}, {topo.name} needs {n} x {n}")
+        m = m.ravel()
     m[::n + 1] = 0.0
     if m.max() > 2.0 ** 52:
         raise ValueError("a demand above 2**52 bytes: split it before routing")
     np.floor(m, out=m)
-    np.maximum(m, 0.0, out=m)
+    np.fmax(m, 0.0, out=m)                         # negative (and NaN) entries carry nothing
     if c.has_missing and (c.missing & (m > 0)).any():
         p = int(np.argmax(c.missing & (m > 0)))
         raise ValueError(f"no candidate path from GPU {p // n} to GPU {p % n}: add one to the topology")
@@ -551,7 +559,7 @@ def _materialize(c: _Compiled, b, frac, col):
     column col of each pair (its largest share); then the exact link loads and the largest time."""
     import numpy as np
     ints = np.floor(frac * b[:, None])
-    ints[c.pairs, col] += b - ints @ c.ones_r
+    ints.ravel()[c.flat0 + col] += b - ints @ c.ones_r
     loads = ints.ravel() @ c.cb_dense
     return ints, loads, float((loads * c.inv_cap_m).max())
 
@@ -802,7 +810,7 @@ class Router:
             frac = plan.fractions
             fresh = (frac @ np.ones(c.R)) < 0.5
             base = np.where(fresh[:, None], np.arange(c.R) == j[:, None], frac)
-            table = (cheap, base, base.argmax(1))
+            table = (cheap, base, c.flat0 + base.argmax(1))
             plan.__dict__["_reuse"] = table
         return table
 
@@ -816,9 +824,12 @@ class Router:
         import numpy as np
         cheap, base, col = self._reuse_table(c, old)
         lower = float(b @ cheap)
-        one = b <= split                           # (zero demands too: they carry nothing)
-        frac = np.where(one[:, None], c.home, base)
-        ints, loads, worst = _materialize(c, b, frac, np.where(one, 0, col))
+        split_b = b * (b > split)                  # demands at or below the threshold: one path
+        ints = np.floor(base * split_b[:, None])
+        ints.ravel()[col] += split_b - ints @ c.ones_r
+        ints[:, 0] += b - split_b
+        loads = ints.ravel() @ c.cb_dense
+        worst = float((loads * c.inv_cap_m).max())
         if worst > (1 + self.tolerance) * lower:
             return None
         plan = RoutePlan(self.topo.name, c, ints, loads, worst, 0.0, lower, True, old.fractions, old.prices)
