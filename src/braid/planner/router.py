@@ -221,7 +221,7 @@ class _Compiled:
                            and (u[j] != u[i] or i < j) for i in range(len(u)))
             kept.append([fastest] + [j for j in range(len(u)) if j != fastest and not beaten(j)])
         width = max(1, max(len(k) for k in kept))
-        depth = max(1, max((len(a) for u in use for a in u), default=1))
+        depth = max(1, max((len(use[p][j]) for p, k in enumerate(kept) for j in k), default=1))
         self.R, self.K = width, depth
         self.nkeep = np.array([len(k) for k in kept])
         rcol = np.zeros((n * n, width), dtype=np.intp)
@@ -261,6 +261,9 @@ class _Compiled:
         for p, x in enumerate(links_of):
             plink[p, :len(x)] = x
         self.plink, self.Kd = plink, kd
+        # the Schur complement's demand term: per demand over its own links (kd^2 entries each)
+        # when those are few against the links (a switch, a mesh), else one dense product
+        self.compact = 12 * kd * kd < nm * nm
         self.pouter = (plink[:, :, None] * nm + plink[:, None, :]).reshape(n * n, kd * kd)
         self.home = np.zeros((n * n, width))            # one-hot on the fastest path (reduced column 0)
         self.home[:, 0] = 1.0
@@ -307,7 +310,9 @@ class _Rows:
         idx = c.kc[p] + (np.arange(nd) * c.M)[:, None]         # link indices, offset per demand
         self.kidx = idx[:, :c.nkc].ravel()
         self.cidx = idx[:, c.nkc:].ravel()
-        self.sidx = np.concatenate((c.rpair[p].ravel(), c.pouter[p].ravel(), c.diag))
+        self.compact = c.compact
+        self.sidx = np.concatenate((c.rpair[p].ravel(), c.pouter[p].ravel(), c.diag) if c.compact else
+                                   (c.rpair[p].ravel(), c.diag))
         self.f0 = c.f0[p]
         self.excess = c.excess[p]
         pad = c.rpad[p]
@@ -368,7 +373,7 @@ def _solve(G, A, pcu, rows: _Rows, excess, fixed, gap: float, iters: int):
     the returned fractions)."""
     import numpy as np
     f0 = rows.f0
-    kidx, cidx, sidx = rows.kidx, rows.cidx, rows.sidx
+    kidx, cidx, sidx, compact = rows.kidx, rows.cidx, rows.sidx, rows.compact
     nd, width = f0.shape
     P, M = G.shape
     N = P + M + 1
@@ -415,14 +420,18 @@ def _solve(G, A, pcu, rows: _Rows, excess, fixed, gap: float, iters: int):
         Df = D[:P]
         idelta = 1.0 / (Df.reshape(nd, width) @ ones_w)
         bkx = np.bincount(kidx, (A * Df[:, None]).ravel(), nd * M)      # b_k, dense (nd, M)
-        bc = bkx[cidx].reshape(nd, -1)                                  # b_k on the demand's own links
-        kd = bc.shape[1]
-        outer = (bc * -idelta[:, None]).reshape(nd, kd, 1) * bc.reshape(nd, 1, kd)
-        S = np.bincount(sidx, np.concatenate(((pcu * Df[:, None]).ravel(), outer.ravel(), D[inner])),
-                        M * M).reshape(M, M)
-        S += D[-1]
         bk = bkx.reshape(nd, M)
         bkt = bk.T * idelta
+        if compact:
+            bc = bkx[cidx].reshape(nd, -1)                              # b_k on the demand's own links
+            kd = bc.shape[1]
+            outer = (bc * -idelta[:, None]).reshape(nd, kd, 1) * bc.reshape(nd, 1, kd)
+            S = np.bincount(sidx, np.concatenate(((pcu * Df[:, None]).ravel(), outer.ravel(), D[inner])),
+                            M * M).reshape(M, M)
+        else:
+            S = np.bincount(sidx, np.concatenate(((pcu * Df[:, None]).ravel(), D[inner])), M * M).reshape(M, M)
+            S -= bkt @ bk
+        S += D[-1]
 
         def direction(r1, r2):                     # Newton direction: link multipliers, A^T u
             u2 = solve(S, r2 - bkt @ r1)
