@@ -262,8 +262,9 @@ class _Compiled:
             plink[p, :len(x)] = x
         self.plink, self.Kd = plink, kd
         # the Schur complement's demand term: per demand over its own links (kd^2 entries each)
-        # when those are few against the links (a switch, a mesh), else one dense product
-        self.compact = 12 * kd * kd < nm * nm
+        # when those are very few against all links (16 GPUs on a switch: 5 of 66), else one
+        # dense (links x demands x links) product, which measured faster up to 8 GPUs
+        self.compact = 10 * kd < nm
         self.pouter = (plink[:, :, None] * nm + plink[:, None, :]).reshape(n * n, kd * kd)
         self.home = np.zeros((n * n, width))            # one-hot on the fastest path (reduced column 0)
         self.home[:, 0] = 1.0
