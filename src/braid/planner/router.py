@@ -276,13 +276,11 @@ class _Compiled:
         self.nkc = width * depth
         self.cu3 = self.cu_dense.reshape(n * n, width, nm)
         # the solver's start: each demand split in proportion to 1 / (path time), a fair first guess
-        # for a switch (most on NVLink, a little over PCIe) that uniform fractions are not; and each
-        # path's time per byte above the pair's fastest (for the dual start)
+        # for a switch (most on NVLink, a little over PCIe) that uniform fractions are not
         cost = self.rcu.sum(-1)
         inv = np.where(cost > 0, 1.0 / np.where(cost > 0, cost, 1.0), 0.0)
         tot = inv.sum(1, keepdims=True)
         self.f0 = np.where(tot > 0, inv / np.where(tot > 0, tot, 1.0), 0.0)
-        self.excess = cost - cost[:, :1]
         self.diag = np.arange(nm) * (nm + 1)
         self.rows: dict[bytes, _Rows] = {}
 
@@ -315,7 +313,6 @@ class _Rows:
         self.sidx = np.concatenate((c.rpair[p].ravel(), c.pouter[p].ravel(), c.diag) if c.compact else
                                    (c.rpair[p].ravel(), c.diag))
         self.f0 = c.f0[p]
-        self.excess = c.excess[p]
         pad = c.rpad[p]
         self.pad = pad if pad.any() else None
         self.mix = np.array([0.75, 0.5, 0.25, 0.1])         # weights toward the fastest paths (_shorten)
@@ -342,7 +339,7 @@ def _compiled(topo: Topology) -> _Compiled:
     return c
 
 
-def _solve(G, A, pcu, rows: _Rows, excess, fixed, gap: float, iters: int):
+def _solve(G, A, pcu, rows: _Rows, fixed, gap: float, iters: int):
     """Mehrotra predictor-corrector interior point method on the path LP
 
         min tau  s.t.  sum_j f[k, j] = 1                          (every demand fully routed)
@@ -357,12 +354,11 @@ def _solve(G, A, pcu, rows: _Rows, excess, fixed, gap: float, iters: int):
         S = sum_k [ sum_j D_kj a_kj a_kj^T  -  b_k b_k^T / delta_k ] + diag(D_s) + D_tau
             (a_kj: path kj's link times; b_k = sum_j D_kj a_kj; delta_k = sum_j D_kj)
 
-    built by one bincount: the first sum over each path's link pairs (pcu: their products), the
-    second over each demand's own link pairs (rows.cidx gathers b_k onto them), the diagonal last
-    (rows.sidx indexes all three into S). The start is primal feasible (fractions summing to 1, slacks =
-    tau - link time) and dual feasible (every link priced alike, each demand's multiplier below
-    its cheapest path: `excess` is each path's time per byte above the pair's fastest), and steps
-    keep both, so the duality gap is z . s and the Newton systems need only their right-hand sides.
+    The first sum is one bincount over each path's link pairs (pcu: their products); the second
+    is a dense product, or where a demand's links are very few against all links (rows.compact)
+    a bincount over each demand's own link pairs. The start is primal feasible (fractions summing
+    to 1, slacks = tau - link time) and dual feasible, and Newton steps keep both, so the duality
+    gap is z . s and each Newton system needs only its right-hand side, no residuals.
 
     The certificate: a plan's upper bound is the most loaded link of its fractions normalised to
     exact row sums (a feasible plan); a lower bound, for link prices w = max(-y, 0) (the dual), is
@@ -383,13 +379,18 @@ def _solve(G, A, pcu, rows: _Rows, excess, fixed, gap: float, iters: int):
     solve = np.linalg.solve
     inner = slice(P, P + M)
     t = f0.ravel() @ G + fixed
-    tau = 1.6 * float(maximum(t))                  # scale: the start's most loaded link
-    margin = tau / 1.6
-    z = np.concatenate((f0.ravel(), tau - t, (tau,)))
-    # dual start: every link priced 0.5 / M, each demand's multiplier `margin` below its cheapest
-    # path, so every dual slack is positive (path slack: its price above the cheapest + margin)
-    y2 = np.full(M, -0.5 / M)
-    sg = np.concatenate(((excess * (0.5 / M) + margin).ravel(), -y2, (0.5,)))
+    tau = 1.6 * float(maximum(t))                  # 1.6 x the start's most loaded link
+    slack = tau - t
+    z = np.concatenate((f0.ravel(), slack, (tau,)))
+    # a centred dual start: every link's slack times its price is the same mu (the prices sum to
+    # 0.9), and each demand's multiplier is the largest that keeps every path's dual slack at
+    # least mu / its fraction; measured one round fewer than uniform prices on the 8-GPU presets
+    mu = 0.9 / float(add(1.0 / slack))
+    w = mu / slack
+    pr = (G @ w).reshape(nd, width)
+    y1 = minimum((pr - mu / f0).T)
+    y2 = -w
+    sg = np.concatenate(((pr - y1[:, None]).ravel(), w, (1.0 - float(add(w)),)))
     best = [math.inf, 0.0, None, None, None]      # upper, lower, fractions, prices, link times
     rhs1 = np.ones(nd)
 
@@ -602,8 +603,7 @@ def route(topo: Topology, matrix: list[list[int]], iters: int = 30, min_split_by
         fixed = one @ c.cu_fast                    # the one-path demands' link times
         G = (rows.cu3 * b3).reshape(-1, c.M)
         fm, upper, lower, prices, t = _solve(G, (rows.rcu * b3).reshape(len(G), -1),
-                                             (rows.rpcu * (b3 * b3)).reshape(len(G), -1), rows,
-                                             rows.excess * bm[:, None], fixed, gap, iters)
+                                             (rows.rpcu * (b3 * b3)).reshape(len(G), -1), rows, fixed, gap, iters)
         frac[p] = _shorten(fm, G, fixed, t, rows, max(upper, lower * (1 + gap)), min_share)
     ints, loads, worst = _materialize(c, b, frac, frac.argmax(1))
     if prices is None and worst > 0:
