@@ -339,6 +339,17 @@ def _compiled(topo: Topology) -> _Compiled:
     return c
 
 
+def _rowmin(x):
+    """Each row's least entry: pairwise minima of column halves (a few whole-array calls; numpy's
+    own reduction over a short row axis costs more on these sizes)."""
+    import numpy as np
+    while x.shape[1] > 1:
+        h = x.shape[1] // 2
+        y = np.minimum(x[:, :h], x[:, h:2 * h])
+        x = y if x.shape[1] == 2 * h else np.concatenate((y, x[:, 2 * h:]), 1)
+    return x[:, 0]
+
+
 def _solve(G, A, pcu, rows: _Rows, fixed, gap: float, iters: int):
     """Mehrotra predictor-corrector interior point method on the path LP
 
@@ -405,7 +416,7 @@ def _solve(G, A, pcu, rows: _Rows, fixed, gap: float, iters: int):
         w[-1] = 0.0                                # the dummy link carries nothing
         ws = float(add(w))
         if ws > 0:
-            lb = (float(add(minimum((G @ w).reshape(nd, width).T))) + float(fixed @ w)) / ws
+            lb = (float(add(_rowmin((G @ w).reshape(nd, width)))) + float(fixed @ w)) / ws
             if lb > best[1]:
                 best[1], best[3] = lb, w / ws
         return best[0] <= best[1] * (1 + gap)
