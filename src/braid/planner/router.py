@@ -283,6 +283,11 @@ class _Compiled:
         self.f0 = np.where(tot > 0, inv / np.where(tot > 0, tot, 1.0), 0.0)
         self.diag = np.arange(nm) * (nm + 1)
         self.rows: dict[bytes, _Rows] = {}
+        self.has_pad = bool(self.rpad.any())
+        # per flat (pair, reduced column): the pair and the candidate, for building flows
+        self.flat_keys = [divmod(i // width, n) for i in range(n * n * width)]
+        self.flat_paths = [self.paths[i // width][rcol[i // width, i % width]] if self.paths[i // width] else None
+                           for i in range(n * n * width)]
 
     def original(self, vals):
         """(n*n, R) values per reduced column -> (n*n, W) per original candidate (padding columns
@@ -500,22 +505,21 @@ class RoutePlan:
         if self._flows is None:
             import numpy as np
             c = self._c
-            pp, rr = np.nonzero(self._ints)
+            ints = self._ints
+            if c.has_pad:                          # padding columns are copies of column 0
+                ints = ints.copy()
+                ints[:, 0] += (ints * c.rpad) @ c.ones_r
+                ints[c.rpad] = 0.0
+            nz = np.flatnonzero(ints)
             out: dict[tuple[int, int], list[tuple[Path, int]]] = {}
-            for p, j, v in zip(pp.tolist(), c.rcol[pp, rr].tolist(), self._ints[pp, rr].tolist()):
-                key = divmod(p, c.n)
-                item = [c.paths[p][j], int(v)]
-                fl = out.get(key)
+            keys, paths = c.flat_keys, c.flat_paths
+            for i, v in zip(nz.tolist(), ints.ravel()[nz].astype(np.int64).tolist()):
+                fl = out.get(keys[i])
                 if fl is None:
-                    out[key] = [item]
+                    out[keys[i]] = [(paths[i], v)]
                 else:
-                    for it in fl:                  # a padding column: same candidate, add up
-                        if it[0] is item[0]:
-                            it[1] += item[1]
-                            break
-                    else:
-                        fl.append(item)
-            self._flows = {k: [(p, b) for p, b in v] for k, v in out.items()}
+                    fl.append((paths[i], v))
+            self._flows = out
         return self._flows
 
     @property
