@@ -284,6 +284,7 @@ class _Compiled:
         self.diag = np.arange(nm) * (nm + 1)
         self.rows: dict[bytes, _Rows] = {}
         self.has_pad = bool(self.rpad.any())
+        self.mix = np.array([0.75, 0.5, 0.25, 0.1])          # weights toward the fastest paths (_shorten)
         # per flat (pair, reduced column): the pair and the candidate, for building flows
         self.flat_keys = [divmod(i // width, n) for i in range(n * n * width)]
         self.flat_paths = [self.paths[i // width][rcol[i // width, i % width]] if self.paths[i // width] else None
@@ -311,16 +312,21 @@ class _Rows:
         self.cu3 = c.cu3[p]                                     # (nd, R, M) us per byte
         self.rcu = c.rcu[p]                                     # (nd, R, K) the same, per path entry
         self.rpcu = c.rpcu[p]                                   # (nd, R, K*K) products of those
-        idx = c.kc[p] + (np.arange(nd) * c.M)[:, None]         # link indices, offset per demand
-        self.kidx = idx[:, :c.nkc].ravel()
-        self.cidx = idx[:, c.nkc:].ravel()
         self.compact = c.compact
-        self.sidx = np.concatenate((c.rpair[p].ravel(), c.pouter[p].ravel(), c.diag) if c.compact else
-                                   (c.rpair[p].ravel(), c.diag))
+        if c.compact:
+            idx = c.kc[p] + (np.arange(nd) * c.M)[:, None]     # link indices, offset per demand
+            self.kidx = idx[:, :c.nkc].ravel()
+            self.cidx = idx[:, c.nkc:].ravel()
+            self.sidx = np.concatenate((c.rpair[p].ravel(), c.pouter[p].ravel(), c.diag))
+        else:
+            self.kidx = (c.rlk[p].reshape(nd, -1) + (np.arange(nd) * c.M)[:, None]).ravel()
+            self.cidx = None
+            self.sidx = np.concatenate((c.rpair[p].ravel(), c.diag))
         self.f0 = c.f0[p]
-        pad = c.rpad[p]
-        self.pad = pad if pad.any() else None
-        self.mix = np.array([0.75, 0.5, 0.25, 0.1])         # weights toward the fastest paths (_shorten)
+        self.pad = c.rpad[p] if c.has_pad else None
+        if self.pad is not None and not self.pad.any():
+            self.pad = None
+        self.mix = c.mix
 
 
 def _rows(c: _Compiled, many) -> _Rows:
@@ -344,13 +350,14 @@ def _compiled(topo: Topology) -> _Compiled:
     return c
 
 
-def _rowmin(x):
-    """Each row's least entry: pairwise minima of column halves (a few whole-array calls; numpy's
-    own reduction over a short row axis costs more on these sizes)."""
+def _rowmin(x, pick=None):
+    """Each row's least entry (or largest, pick=numpy.maximum): pairwise picks of column halves,
+    a few whole-array calls; numpy's own reduction over a short row axis costs more here."""
     import numpy as np
+    pick = pick or np.minimum
     while x.shape[1] > 1:
         h = x.shape[1] // 2
-        y = np.minimum(x[:, :h], x[:, h:2 * h])
+        y = pick(x[:, :h], x[:, h:2 * h])
         x = y if x.shape[1] == 2 * h else np.concatenate((y, x[:, 2 * h:]), 1)
     return x[:, 0]
 
@@ -678,7 +685,7 @@ def _shorten(fm, G, fixed, t, rows: _Rows, limit: float, min_share: float):
         fm = (1 - lam) * fm
         fm[:, 0] += lam
     for share in (min_share * 5, min_share) if min_share > 0 else ():
-        kept = fm * (fm >= share * fm.max(1)[:, None])
+        kept = fm * (fm >= share * _rowmin(fm, np.maximum)[:, None])
         kept /= (kept @ np.ones(width))[:, None]
         if (kept.ravel() @ G + fixed).max() <= limit:
             return kept
