@@ -415,7 +415,6 @@ def _solve(G, A, pcu, rows: _Rows, fixed, gap: float, iters: int):
     y2 = -w
     sg = np.concatenate(((pr - y1[:, None]).ravel(), w, (1.0 - float(add(w)),)))
     best = [math.inf, 0.0, None, None, None]      # upper, lower, fractions, prices, link times
-    rhs1 = np.ones(nd)
 
     def certify(zf, y):                            # update the best bounds; True when within gap
         fr = zf.reshape(nd, width)
@@ -442,6 +441,13 @@ def _solve(G, A, pcu, rows: _Rows, fixed, gap: float, iters: int):
     def step(v, dv):                               # longest step in [0, 1] keeping v + a dv >= 0
         return 1.0 / max(1.0, -float(minimum(dv / v)))
 
+    def dual_step(v, h):                           # the same for v - a h
+        return 1.0 / max(1.0, float(maximum(h / v)))
+
+    # the constraint matrix's columns as rows: path kj -> its link times (plus its demand's
+    # multiplier, added apart), slack e -> link e, tau -> minus every link
+    Gx = np.concatenate((G, np.eye(M), -np.ones((1, M))))
+    rhs1, nfixed = np.ones(nd), -fixed
     for it in range(iters):
         zs = z * sg
         gap_now = float(add(zs))                   # primal - dual objective (both feasible)
@@ -466,24 +472,24 @@ def _solve(G, A, pcu, rows: _Rows, fixed, gap: float, iters: int):
 
         def direction(r1, r2):                     # Newton direction: link multipliers, A^T u
             u2 = solve(S, r2 - bkt @ r1)
-            u1 = (r1 - bk @ u2) * idelta
-            return u2, np.concatenate((((G @ u2).reshape(nd, width) + u1[:, None]).ravel(), u2, (-add(u2),)))
+            h = Gx @ u2
+            h[:P] += ((r1 - bk @ u2) * idelta).repeat(width)
+            return u2, h
 
         # predictor (affine step): its right-hand side is the constraints' own (1, -fixed)
-        u2, h = direction(rhs1, -fixed)
+        u2, h = direction(rhs1, nfixed)
         dz = D * h - z
-        ap, ad = step(z, dz), step(sg, -h)
-        zp, sp = z + ap * dz, sg - ad * h
-        gap_aff = float(zp @ sp)
-        if gap_aff <= 0.1 * zp[-1] and certify(zp[:P], y2 + ad * u2):
+        ap, ad = step(z, dz), dual_step(sg, h)
+        dzh = dz * h
+        gap_aff = gap_now + ap * float(dz @ sg) - ad * float(z @ h) - ap * ad * float(add(dzh))
+        if gap_aff <= 0.1 * (z[-1] + ap * dz[-1]) and certify(z[:P] + ap * dz[:P], y2 + ad * u2):
             break
         # corrector: centre toward sigma * mu, less the predictor's second-order term
         sigma = (gap_aff / gap_now) ** 3
-        q = (sigma * gap_now / N + dz * h) / sg
-        qf = q[:P]
-        u2, h = direction(rhs1 - qf.reshape(nd, width) @ ones_w, -fixed - (qf @ G + q[inner] - q[-1]))
+        q = (sigma * gap_now / N + dzh) / sg
+        u2, h = direction(rhs1 - q[:P].reshape(nd, width) @ ones_w, nfixed - q @ Gx)
         dz = q - z + D * h
-        ap, ad = 0.99 * step(z, dz), 0.99 * step(sg, -h)
+        ap, ad = 0.99 * step(z, dz), 0.99 * dual_step(sg, h)
         z = z + ap * dz
         sg = sg - ad * h
         y2 = y2 + ad * u2
