@@ -285,6 +285,7 @@ class _Compiled:
         self.rows: dict[bytes, _Rows] = {}
         self.has_pad = bool(self.rpad.any())
         self.mix = np.array([0.75, 0.5, 0.25, 0.1])          # weights toward the fastest paths (_shorten)
+        self.gx_tail = np.concatenate((np.eye(nm), -np.ones((1, nm))))   # slack and tau columns (_solve)
         # per flat (pair, reduced column): the pair and the candidate, for building flows
         self.flat_keys = [divmod(i // width, n) for i in range(n * n * width)]
         self.flat_paths = [self.paths[i // width][rcol[i // width, i % width]] if self.paths[i // width] else None
@@ -323,6 +324,7 @@ class _Rows:
             self.cidx = None
             self.sidx = np.concatenate((c.rpair[p].ravel(), c.diag))
         self.f0 = c.f0[p]
+        self.n_cols = nd * c.R + c.M + 1                      # paths, slacks, tau
         self.pad = c.rpad[p] if c.has_pad else None
         if self.pad is not None and not self.pad.any():
             self.pad = None
@@ -362,7 +364,7 @@ def _rowmin(x, pick=None):
     return x[:, 0]
 
 
-def _solve(G, A, pcu, rows: _Rows, fixed, gap: float, iters: int):
+def _solve(Gx, A, pcu, rows: _Rows, fixed, gap: float, iters: int):
     """Mehrotra predictor-corrector interior point method on the path LP
 
         min tau  s.t.  sum_j f[k, j] = 1                          (every demand fully routed)
@@ -370,8 +372,10 @@ def _solve(G, A, pcu, rows: _Rows, fixed, gap: float, iters: int):
                        f, s, tau >= 0
 
     G[kj, e] is the time (us) link e takes if all of demand k goes on path j (dense, paths x
-    links); A holds the same numbers per path entry (A[kj, i] for the path's i-th link), for the
-    sums that only need each path's few links. Eliminating every demand's block leaves one
+    links), the first rows of Gx: the constraint matrix's columns as rows (path kj -> its link
+    times, plus its demand's multiplier added apart; slack e -> link e; tau -> minus every link).
+    A holds G's numbers per path entry (A[kj, i] for the path's i-th link), for the sums that
+    only need each path's few links. Eliminating every demand's block leaves one
     links x links system per Newton solve:
 
         S = sum_k [ sum_j D_kj a_kj a_kj^T  -  b_k b_k^T / delta_k ] + diag(D_s) + D_tau
@@ -395,8 +399,9 @@ def _solve(G, A, pcu, rows: _Rows, fixed, gap: float, iters: int):
     f0 = rows.f0
     kidx, cidx, sidx, compact = rows.kidx, rows.cidx, rows.sidx, rows.compact
     nd, width = f0.shape
-    P, M = G.shape
-    N = P + M + 1
+    N, M = Gx.shape
+    P = N - M - 1
+    G = Gx[:P]
     ones_w = np.ones(width)
     add, minimum, maximum = np.add.reduce, np.minimum.reduce, np.maximum.reduce
     solve = np.linalg.solve
@@ -444,9 +449,6 @@ def _solve(G, A, pcu, rows: _Rows, fixed, gap: float, iters: int):
     def dual_step(v, h):                           # the same for v - a h
         return 1.0 / max(1.0, float(maximum(h / v)))
 
-    # the constraint matrix's columns as rows: path kj -> its link times (plus its demand's
-    # multiplier, added apart), slack e -> link e, tau -> minus every link
-    Gx = np.concatenate((G, np.eye(M), -np.ones((1, M))))
     rhs1, nfixed = np.ones(nd), -fixed
     for it in range(iters):
         zs = z * sg
@@ -635,8 +637,11 @@ def route(topo: Topology, matrix: list[list[int]], iters: int = 30, min_split_by
         one = b.copy()
         one[p] = 0.0
         fixed = one @ c.cu_fast                    # the one-path demands' link times
-        G = (rows.cu3 * b3).reshape(-1, c.M)
-        fm, upper, lower, prices, t = _solve(G, (rows.rcu * b3).reshape(len(G), -1),
+        Gx = np.empty((rows.n_cols, c.M))
+        np.multiply(rows.cu3, b3, out=Gx[:len(rows.f0) * c.R].reshape(rows.cu3.shape))
+        Gx[len(rows.f0) * c.R:] = c.gx_tail
+        G = Gx[:len(rows.f0) * c.R]
+        fm, upper, lower, prices, t = _solve(Gx, (rows.rcu * b3).reshape(len(G), -1),
                                              (rows.rpcu * (b3 * b3)).reshape(len(G), -1), rows, fixed, gap, iters)
         frac[p] = _shorten(fm, G, fixed, t, rows, max(upper, lower * (1 + gap)), min_share)
     ints, loads, worst = _materialize(c, b, frac, frac.argmax(1))
