@@ -285,7 +285,6 @@ class _Compiled:
         self.rows: dict[bytes, _Rows] = {}
         self.has_pad = bool(self.rpad.any())
         self.mix = np.array([0.75, 0.5, 0.25, 0.1])          # weights toward the fastest paths (_shorten)
-        self.gx_tail = np.concatenate((np.eye(nm), -np.ones((1, nm))))   # slack and tau columns (_solve)
         # per flat (pair, reduced column): the pair and the candidate, for building flows
         self.flat_keys = [divmod(i // width, n) for i in range(n * n * width)]
         self.flat_paths = [self.paths[i // width][rcol[i // width, i % width]] if self.paths[i // width] else None
@@ -310,8 +309,15 @@ class _Rows:
         import numpy as np
         nd = len(p)
         self.p = p
-        self.cu3 = c.cu3[p]                                     # (nd, R, M) us per byte
-        self.rcu = c.rcu[p]                                     # (nd, R, K) the same, per path entry
+        # the constraint matrix (see _solve) as one bincount: each path's link entries, then the
+        # slack columns (identity) and tau's (minus ones), their values fixed
+        P = nd * c.R
+        self.n_cols = P + c.M + 1                               # paths, slacks, tau
+        self.gidx = np.concatenate(((np.arange(P)[:, None] * c.M + c.rlk[p].reshape(P, -1)).ravel(),
+                                    (P + np.arange(c.M)) * c.M + np.arange(c.M),
+                                    (P + c.M) * c.M + np.arange(c.M)))
+        self.gtail = np.concatenate((np.ones(c.M), -np.ones(c.M)))
+        self.rcu = c.rcu[p]                                     # (nd, R, K) us per byte of each path's links
         self.rpcu = c.rpcu[p]                                   # (nd, R, K*K) products of those
         self.compact = c.compact
         if c.compact:
@@ -324,11 +330,11 @@ class _Rows:
             self.cidx = None
             self.sidx = np.concatenate((c.rpair[p].ravel(), c.diag))
         self.f0 = c.f0[p]
-        self.n_cols = nd * c.R + c.M + 1                      # paths, slacks, tau
         self.pad = c.rpad[p] if c.has_pad else None
         if self.pad is not None and not self.pad.any():
             self.pad = None
         self.mix = c.mix
+        self.home = c.home[:nd]
 
 
 def _rows(c: _Compiled, many) -> _Rows:
@@ -637,11 +643,10 @@ def route(topo: Topology, matrix: list[list[int]], iters: int = 30, min_split_by
         one = b.copy()
         one[p] = 0.0
         fixed = one @ c.cu_fast                    # the one-path demands' link times
-        Gx = np.empty((rows.n_cols, c.M))
-        np.multiply(rows.cu3, b3, out=Gx[:len(rows.f0) * c.R].reshape(rows.cu3.shape))
-        Gx[len(rows.f0) * c.R:] = c.gx_tail
-        G = Gx[:len(rows.f0) * c.R]
-        fm, upper, lower, prices, t = _solve(Gx, (rows.rcu * b3).reshape(len(G), -1),
+        A = rows.rcu * b3                          # (nd, R, K) us of each path's links
+        Gx = np.bincount(rows.gidx, np.concatenate((A.ravel(), rows.gtail)), rows.n_cols * c.M).reshape(-1, c.M)
+        G = Gx[:A.shape[0] * c.R]
+        fm, upper, lower, prices, t = _solve(Gx, A.reshape(len(G), -1),
                                              (rows.rpcu * (b3 * b3)).reshape(len(G), -1), rows, fixed, gap, iters)
         frac[p] = _shorten(fm, G, fixed, t, rows, max(upper, lower * (1 + gap)), min_share)
     ints, loads, worst = _materialize(c, b, frac, frac.argmax(1))
@@ -676,13 +681,11 @@ def _shorten(fm, G, fixed, t, rows: _Rows, limit: float, min_share: float):
         fm = fm.copy()
         fm[:, 0] += (fm * pad) @ np.ones(width)
         fm[pad] = 0.0
-    gh = G.reshape(nd, width, -1)[:, 0, :]         # each demand's link times on its fastest path
-    th = np.ones(nd) @ gh + fixed                  # every demand on its fastest path
+    home = rows.home                               # (nd, R): 1 on each demand's fastest path
+    th = home.ravel() @ G + fixed                  # every demand on its fastest path
     if th.max() <= limit:
-        out = np.zeros_like(fm)
-        out[:, 0] = 1.0
-        return out
-    free = (gh @ (t >= 0.97 * limit)) == 0
+        return home
+    free = (G @ (t >= 0.97 * limit)).reshape(nd, width)[:, 0] == 0
     if free.any():
         trial = fm * ~free[:, None]
         trial[:, 0] += free
