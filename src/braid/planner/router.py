@@ -14,9 +14,9 @@ another candidate beats on every link (relays on a switch) are left out; every d
 the Newton system is eliminated in closed form, leaving one links x links system per solve (34
 links with a dummy for 8 GPUs on an NVSwitch); the topology's path/link tables are compiled once
 and kept on the Topology, the rows for a set of split demands once per set. From a feasible,
-centred start it takes 1.5-5.5 Newton rounds on the presets, stopping when the plan is within `gap` (2%) of a lower
-bound from the dual link prices (weak duality), tried at each iterate and predictor point, so
-every plan carries a certificate (`lower_bound_us`).
+centred start it takes 1.5-5.5 Newton rounds on the presets, stopping when the plan is within
+`gap` (2%) of a lower bound from the dual link prices (weak duality), tried at each iterate and
+predictor point, so every plan carries a certificate (`lower_bound_us`).
 Rejected: Frank-Wolfe on a soft maximum of link times with exponential (multiplicative-weights)
 link weights, the previous solver: first-order, 30-120 rounds, 9-100 ms here, up to 1.05x the
 optimum, and its lower bound is too loose to stop on; slice-by-slice greedy with a max-link path
