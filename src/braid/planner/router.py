@@ -262,7 +262,6 @@ class _Compiled:
         plink = np.full((n * n, kd), nl, dtype=np.intp)
         for p, x in enumerate(links_of):
             plink[p, :len(x)] = x
-        self.plink, self.Kd = plink, kd
         # the Schur complement's demand term: per demand over its own links (kd^2 entries each)
         # when those are very few against all links (16 GPUs on a switch: 5 of 66), else one
         # dense (links x demands x links) product, which measured faster up to 8 GPUs
@@ -276,7 +275,6 @@ class _Compiled:
         # indices: its paths' links (for b_k) and then its own links (the compact b_k)
         self.kc = np.concatenate((rlk.reshape(n * n, -1), plink), 1)
         self.nkc = width * depth
-        self.cu3 = self.cu_dense.reshape(n * n, width, nm)
         # the solver's start: each demand split in proportion to 1 / (path time), a fair first guess
         # for a switch (most on NVLink, a little over PCIe) that uniform fractions are not
         cost = self.rcu.sum(-1)
