@@ -9,12 +9,14 @@ path's use of it; its time is load / capacity. The plan minimises the largest li
 the collective's time when every link runs at capacity.
 
 Solver: the path LP (min tau subject to every demand split over its paths and every link's time
-<= tau) by a primal-dual interior point method (Mehrotra predictor-corrector). Every demand's
-block of the Newton system is eliminated in closed form, leaving one links x links system per
-round (33 links for 8 GPUs on an NVSwitch), and the topology's path/link incidence is compiled
-once into arrays kept on the Topology, so a call gathers rows for its nonzero demands and runs
-4-8 rounds of sparse array passes. It stops when the plan is within `gap` (2%) of a lower bound
-from the dual link prices (weak duality), so every plan carries a certificate (`lower_bound_us`).
+<= tau) by a primal-dual interior point method (Mehrotra predictor-corrector). Candidates that
+another candidate beats on every link (relays on a switch) are left out; every demand's block of
+the Newton system is eliminated in closed form, leaving one links x links system per solve (34
+links with a dummy for 8 GPUs on an NVSwitch); the topology's path/link tables are compiled once
+and kept on the Topology, the rows for a set of split demands once per set. From a feasible,
+centred start it takes 1.5-5.5 Newton rounds on the presets, stopping when the plan is within
+`gap` (2%) of a lower bound from the dual link prices (weak duality), tried at each iterate and
+predictor point, so every plan carries a certificate (`lower_bound_us`).
 Rejected: Frank-Wolfe on a soft maximum of link times with exponential (multiplicative-weights)
 link weights, the previous solver: first-order, 30-120 rounds, 9-100 ms here, up to 1.05x the
 optimum, and its lower bound is too loose to stop on; slice-by-slice greedy with a max-link path
@@ -31,6 +33,7 @@ the measurements.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -175,188 +178,330 @@ def preset(name: str, nodes: int = 1, nics: int = 8) -> Topology:
 # -------------------------------------------------------------------------------------------------
 
 class _Compiled:
-    """A topology's candidate paths as arrays, built once and kept on the Topology (a call only
-    gathers the rows of its nonzero demands). For pair (s, d) and candidate j: `lk[s, d, j, i]` is
-    the index of the path's i-th link (L = no link), `cb` that link's bytes per byte routed, `cu`
-    its microseconds per byte routed. A pair with fewer than W candidates repeats its first one:
-    a duplicate column changes nothing in the LP and is merged back before output."""
+    """A topology's candidate paths as arrays, built once and kept on the Topology; a call only
+    gathers rows. Pairs are flat (p = s * n + d). Links are numbered 0..L-1 in `topo.capacity`
+    order, plus one dummy link L that no path loads (padding points at it; M = L + 1 columns).
 
-    def __init__(self, topo: Topology, key: tuple):
+    Only the candidates that some optimal plan may need are kept ("reduced" columns, R per pair):
+    candidate j is dropped when another candidate i puts no more bytes than j on any link (a relay
+    on an NVSwitch crosses the direct path's out and in ports plus two more): moving j's bytes to i
+    never raises a link, so dropping j keeps the optimum, and any link prices price j at least as
+    high as i, so the dual bound is unchanged too. Of exact duplicates the first stays. The fastest
+    candidate (least total link time) always stays and is reduced column 0; a pair with fewer than R
+    kept candidates repeats column 0 (a duplicate column changes nothing in the LP)."""
+
+    def __init__(self, topo: Topology):
         import numpy as np
-        self.key = key
+        self.npaths, self.capacity = len(topo.paths), dict(topo.capacity)
         names = list(topo.capacity)
         index = {e: i for i, e in enumerate(names)}
         n, nl = topo.num_gpus, len(names)
-        width = max((len(v) for v in topo.paths.values()), default=1)
-        depth = max((len({e for e, _ in p.links}) for v in topo.paths.values() for p in v), default=1)
-        self.names, self.n, self.L, self.W, self.K = names, n, nl, width, depth
+        nm = nl + 1
+        self.names, self.n, self.L, self.M = names, n, nl, nm
         self.inv_cap = np.array([1.0 / (topo.capacity[e] * 1e3) for e in names])      # us per byte
-        lk = np.full((n, n, width, depth), nl, dtype=np.intp)
-        cb = np.zeros((n, n, width, depth))
-        num = np.zeros((n, n), dtype=np.intp)
-        self.paths: list[list[tuple[Path, ...]]] = [[() for _ in range(n)] for _ in range(n)]
+        self.inv_cap_m = np.append(self.inv_cap, 0.0)
+        self.paths: list[tuple[Path, ...]] = [() for _ in range(n * n)]
+        use: list[list[dict[int, float]]] = [[] for _ in range(n * n)]
         for (s, d), ps in topo.paths.items():
-            num[s, d] = len(ps)
-            self.paths[s][d] = tuple(ps)
-            for j in range(width if ps else 0):
+            self.paths[s * n + d] = tuple(ps)
+            for p in ps:
                 acc: dict[int, float] = {}
-                for e, w in ps[j if j < len(ps) else 0].links:
+                for e, w in p.links:
                     acc[index[e]] = acc.get(index[e], 0.0) + w
-                for i, (e, w) in enumerate(acc.items()):
-                    lk[s, d, j, i], cb[s, d, j, i] = e, w
-        self.lk, self.cb, self.num = lk, cb, num
-        self.cu = cb * np.append(self.inv_cap, 0.0)[lk]
-        self.pad = np.arange(width) >= num[..., None]
-        # a demand on its own: the path with the least total link time (the one-path policy's choice)
-        self.fastest = np.where(self.pad, np.inf, self.cu.sum(-1)).argmin(-1)
-        # dom[s, d, j]: candidate j crosses every link of the fastest path at least as heavily
-        # (e.g. a relay on an NVSwitch: the same out and in ports plus two more), so bytes moved
-        # from j to the fastest path take load off every link and add it nowhere
-        dom = np.zeros((n, n, width), dtype=bool)
-        for (s, d), ps in topo.paths.items():
-            if not ps:
+                use[s * n + d].append(acc)
+        # per pair: the kept candidates, fastest first
+        kept: list[list[int]] = []
+        for u in use:
+            if not u:
+                kept.append([])
                 continue
-            h = int(self.fastest[s, d])
-            home = {int(e): w for e, w in zip(lk[s, d, h], cb[s, d, h]) if e < nl}
-            for j in range(len(ps)):
-                if j == h:
-                    continue
-                mine = {int(e): w for e, w in zip(lk[s, d, j], cb[s, d, j]) if e < nl}
-                dom[s, d, j] = all(mine.get(e, 0.0) >= w for e, w in home.items())
-        self.dominated = dom
-        sq = depth * depth
-        self.pair_idx = (lk[..., :, None] * (nl + 1) + lk[..., None, :]).reshape(n, n, width, sq)
-        self.pair_cu = (self.cu[..., :, None] * self.cu[..., None, :]).reshape(n, n, width, sq)
+            cost = [sum(w * self.inv_cap[e] for e, w in a.items()) for a in u]
+            fastest = min(range(len(u)), key=lambda j: (cost[j], j))
+
+            def beaten(j):
+                return any(i != j and all(u[j].get(e, 0.0) >= w for e, w in u[i].items())
+                           and (u[j] != u[i] or i < j) for i in range(len(u)))
+            kept.append([fastest] + [j for j in range(len(u)) if j != fastest and not beaten(j)])
+        width = max(1, max(len(k) for k in kept))
+        depth = max(1, max((len(use[p][j]) for p, k in enumerate(kept) for j in k), default=1))
+        self.R, self.K = width, depth
+        self.nkeep = np.array([len(k) for k in kept])
+        rcol = np.zeros((n * n, width), dtype=np.intp)
+        rlk = np.full((n * n, width, depth), nl, dtype=np.intp)
+        rcb = np.zeros((n * n, width, depth))
+        links_of = []                                   # per pair: the links its kept paths use
+        for p, k in enumerate(kept):
+            seen: dict[int, None] = {}
+            for r in range(width if k else 0):
+                j = k[r] if r < len(k) else k[0]
+                rcol[p, r] = j
+                for i, (e, w) in enumerate(use[p][j].items()):
+                    rlk[p, r, i], rcb[p, r, i] = e, w
+                    seen[e] = None
+            links_of.append(list(seen))
+        self.rcol, self.rlk = rcol, rlk
+        self.rcu = rcb * self.inv_cap_m[rlk]
+        self.rpad = np.arange(width) >= self.nkeep[:, None]
+        self.multi_ok = self.nkeep >= 2                 # pairs the solver may split
+        offdiag = np.ones((n, n), dtype=bool)
+        np.fill_diagonal(offdiag, False)
+        self.missing = (self.nkeep == 0) & offdiag.ravel()
+        self.has_missing = bool(self.missing.any())
+        # dense per path x link: bytes per byte routed (exact loads) and us per byte (times)
+        rows = np.repeat(np.arange(n * n * width), depth)
+        cbd = np.zeros((n * n * width, nm))
+        np.add.at(cbd, (rows, rlk.ravel()), rcb.ravel())
+        cbd[:, nl] = 0.0
+        self.cb_dense = cbd
+        self.cu_dense = cbd * self.inv_cap_m
+        self.cu_fast = np.ascontiguousarray(self.cu_dense.reshape(n * n, width, nm)[:, 0, :])
+        # the Schur complement's index sets: per path its link pairs, per pair its own links' pairs
+        self.rpair = (rlk[..., :, None] * nm + rlk[..., None, :]).reshape(n * n, width, depth * depth)
+        self.rpcu = (self.rcu[..., :, None] * self.rcu[..., None, :]).reshape(n * n, width, depth * depth)
+        kd = max(1, max(len(x) for x in links_of))
+        plink = np.full((n * n, kd), nl, dtype=np.intp)
+        for p, x in enumerate(links_of):
+            plink[p, :len(x)] = x
+        # the Schur complement's demand term: per demand over its own links (kd^2 entries each)
+        # when those are very few against all links (16 GPUs on a switch: 5 of 66), else one
+        # dense (links x demands x links) product, which measured faster up to 8 GPUs
+        self.compact = 10 * kd < nm
+        self.pouter = (plink[:, :, None] * nm + plink[:, None, :]).reshape(n * n, kd * kd)
+        self.home = np.zeros((n * n, width))            # one-hot on the fastest path (reduced column 0)
+        self.home[:, 0] = 1.0
+        self.ones_r = np.ones(width)
+        self.flat0 = np.arange(n * n) * width          # each pair's first column in (n*n, R) flat
+        # per call the solver gathers these rows and adds each demand's offset (k * M) to the link
+        # indices: its paths' links (for b_k) and then its own links (the compact b_k)
+        self.kc = np.concatenate((rlk.reshape(n * n, -1), plink), 1)
+        self.nkc = width * depth
+        # the solver's start: each demand split in proportion to 1 / (path time), a fair first guess
+        # for a switch (most on NVLink, a little over PCIe) that uniform fractions are not
+        cost = self.rcu.sum(-1)
+        inv = np.where(cost > 0, 1.0 / np.where(cost > 0, cost, 1.0), 0.0)
+        tot = inv.sum(1, keepdims=True)
+        self.f0 = np.where(tot > 0, inv / np.where(tot > 0, tot, 1.0), 0.0)
+        self.diag = np.arange(nm) * (nm + 1)
+        self.rows: dict[bytes, _Rows] = {}
+        self.has_pad = bool(self.rpad.any())
+        self.mix = np.array([0.75, 0.5, 0.25, 0.1])          # weights toward the fastest paths (_shorten)
+        # per flat (pair, reduced column): the pair and the candidate, for building flows
+        self.flat_keys = [divmod(i // width, n) for i in range(n * n * width)]
+        self.flat_paths = [self.paths[i // width][rcol[i // width, i % width]] if self.paths[i // width] else None
+                           for i in range(n * n * width)]
+
+    def original(self, vals):
+        """(n*n, R) values per reduced column -> (n*n, W) per original candidate (padding columns
+        are copies of column 0 and add into its candidate)."""
+        import numpy as np
+        width = max(1, max(len(p) for p in self.paths))
+        out = np.zeros((self.n * self.n, width), dtype=vals.dtype)
+        np.add.at(out, (np.arange(self.n * self.n)[:, None], self.rcol), vals)
+        return out
+
+
+class _Rows:
+    """The compiled tables gathered for one set of split demands (flat pair indices p), kept on
+    the compiled topology: the same demands recur from call to call, and gathering every per-pair
+    table costs more than the arithmetic done with it."""
+
+    def __init__(self, c: _Compiled, p):
+        import numpy as np
+        nd = len(p)
+        self.p = p
+        # the constraint matrix (see _solve) as one bincount: each path's link entries, then the
+        # slack columns (identity) and tau's (minus ones), their values fixed
+        P = nd * c.R
+        self.n_cols = P + c.M + 1                               # paths, slacks, tau
+        self.gidx = np.concatenate(((np.arange(P)[:, None] * c.M + c.rlk[p].reshape(P, -1)).ravel(),
+                                    (P + np.arange(c.M)) * c.M + np.arange(c.M),
+                                    (P + c.M) * c.M + np.arange(c.M)))
+        self.gtail = np.concatenate((np.ones(c.M), -np.ones(c.M)))
+        self.rcu = c.rcu[p]                                     # (nd, R, K) us per byte of each path's links
+        self.rpcu = c.rpcu[p]                                   # (nd, R, K*K) products of those
+        self.compact = c.compact
+        if c.compact:
+            idx = c.kc[p] + (np.arange(nd) * c.M)[:, None]     # link indices, offset per demand
+            self.kidx = idx[:, :c.nkc].ravel()
+            self.cidx = idx[:, c.nkc:].ravel()
+            self.sidx = np.concatenate((c.rpair[p].ravel(), c.pouter[p].ravel(), c.diag))
+        else:
+            self.kidx = (c.rlk[p].reshape(nd, -1) + (np.arange(nd) * c.M)[:, None]).ravel()
+            self.cidx = None
+            self.sidx = np.concatenate((c.rpair[p].ravel(), c.diag))
+        self.f0 = c.f0[p]
+        self.pad = c.rpad[p] if c.has_pad else None
+        if self.pad is not None and not self.pad.any():
+            self.pad = None
+        self.mix = c.mix
+        self.home = c.home[:nd]
+
+
+def _rows(c: _Compiled, many) -> _Rows:
+    key = many.tobytes()
+    rows = c.rows.get(key)
+    if rows is None:
+        import numpy as np
+        if len(c.rows) >= 16:
+            c.rows.clear()
+        rows = c.rows[key] = _Rows(c, np.flatnonzero(many))
+    return rows
 
 
 def _compiled(topo: Topology) -> _Compiled:
     """The topology's arrays, rebuilt when its links or capacities change (paths are compiled
     once: a caller that edits `topo.paths` in place after planning must `del topo._compiled`)."""
-    key = (len(topo.paths), tuple(topo.capacity.items()))
     c = topo.__dict__.get("_compiled")
-    if c is None or c.key != key:
-        c = _Compiled(topo, key)
+    if c is None or c.npaths != len(topo.paths) or c.capacity != topo.capacity:
+        c = _Compiled(topo)
         topo.__dict__["_compiled"] = c
     return c
 
 
-START_MARGIN = 1.0      # dual start: each demand priced 1 (scaled units) below its cheapest path; 0.3 and 1 measured alike
+def _rowmin(x, pick=None):
+    """Each row's least entry (or largest, pick=numpy.maximum): pairwise picks of column halves,
+    a few whole-array calls; numpy's own reduction over a short row axis costs more here."""
+    import numpy as np
+    pick = pick or np.minimum
+    while x.shape[1] > 1:
+        h = x.shape[1] // 2
+        y = pick(x[:, :h], x[:, h:2 * h])
+        x = y if x.shape[1] == 2 * h else np.concatenate((y, x[:, 2 * h:]), 1)
+    return x[:, 0]
 
 
-def _solve(A, lk, pidx, pcu, fixed, L: int, gap: float, iters: int):
+def _solve(Gx, A, pcu, rows: _Rows, fixed, gap: float, iters: int):
     """Mehrotra predictor-corrector interior point method on the path LP
 
         min tau  s.t.  sum_j f[k, j] = 1                          (every demand fully routed)
-                       sum_kj f[k, j] A[k, j, e] + fixed[e] + s[e] = tau   (link e's time <= tau)
+                       sum_kj f[k, j] G[kj, e] + fixed[e] + s[e] = tau   (link e's time <= tau)
                        f, s, tau >= 0
 
-    A[k, j, i] is the time (us, scaled) link lk[k, j, i] takes if all of demand k goes on path j.
-    The Newton system is reduced to links (L x L): every demand's block is eliminated in closed
-    form, so one round costs a few sparse passes over the paths and one L x L solve. Stops when
-    the best plan seen is within `gap` of the best lower bound seen:
-        upper: the most loaded link of f normalised to exact row sums (a feasible plan);
-        lower: for link prices w = max(-y, 0) (the dual), sum_k min_j price_kj + fixed.w, over
-               sum(w): any plan's price-weighted mean link time, so at most its largest (weak duality).
-    Returns (fractions (nd, W), upper, lower, prices w / sum(w) or None)."""
+    G[kj, e] is the time (us) link e takes if all of demand k goes on path j (dense, paths x
+    links), the first rows of Gx: the constraint matrix's columns as rows (path kj -> its link
+    times, plus its demand's multiplier added apart; slack e -> link e; tau -> minus every link).
+    A holds G's numbers per path entry (A[kj, i] for the path's i-th link), for the sums that
+    only need each path's few links. Eliminating every demand's block leaves one
+    links x links system per Newton solve:
+
+        S = sum_k [ sum_j D_kj a_kj a_kj^T  -  b_k b_k^T / delta_k ] + diag(D_s) + D_tau
+            (a_kj: path kj's link times; b_k = sum_j D_kj a_kj; delta_k = sum_j D_kj)
+
+    The first sum is one bincount over each path's link pairs (pcu: their products); the second
+    is a dense product, or where a demand's links are very few against all links (rows.compact)
+    a bincount over each demand's own link pairs. The start is primal feasible (fractions summing
+    to 1, slacks = tau - link time) and dual feasible, and Newton steps keep both, so the duality
+    gap is z . s and each Newton system needs only its right-hand side, no residuals.
+
+    The certificate: a plan's upper bound is the most loaded link of its fractions normalised to
+    exact row sums (a feasible plan); a lower bound, for link prices w = max(-y, 0) (the dual), is
+    (sum_k min_j price_kj + fixed.w) / sum(w): any plan's price-weighted mean link time, so at most
+    its largest (weak duality). It stops when the best upper bound seen is within `gap` of the best
+    lower bound seen. Both are tried at the iterate and at the predictor's point (the iterate plus
+    the full affine step), which is often closer to the optimum: a hit there skips the corrector.
+    Returns (fractions (nd, R), upper, lower, prices w / sum(w) over the M links, link times of
+    the returned fractions)."""
     import numpy as np
-    nd, width, depth = A.shape
-    P = nd * width
-    N = P + L + 1
-    lkf = lk.ravel()
-    kidx = (np.arange(nd)[:, None, None] * (L + 1) + lk).ravel()
-    sq = (L + 1) * (L + 1)
-    ones_w, ones_k = np.ones(width), np.ones(depth)      # short-axis sums as matrix-vector products
-    yx = np.zeros(L + 1)                                 # prices with the "no link" slot at 0
+    f0 = rows.f0
+    kidx, cidx, sidx, compact = rows.kidx, rows.cidx, rows.sidx, rows.compact
+    nd, width = f0.shape
+    N, M = Gx.shape
+    P = N - M - 1
+    G = Gx[:P]
+    ones_w = np.ones(width)
+    add, minimum, maximum = np.add.reduce, np.minimum.reduce, np.maximum.reduce
+    solve = np.linalg.solve
+    inner = slice(P, P + M)
+    t = f0.ravel() @ G + fixed
+    tau = 1.6 * float(maximum(t))                  # 1.6 x the start's most loaded link
+    slack = tau - t
+    z = np.concatenate((f0.ravel(), slack, (tau,)))
+    # a centred dual start: every link's slack times its price is the same mu (the prices sum to
+    # 0.9), and each demand's multiplier is the largest that keeps every path's dual slack at
+    # least mu / its fraction; measured one round fewer than uniform prices on the 8-GPU presets
+    mu = 0.9 / float(add(1.0 / slack))
+    w = mu / slack
+    pr = (G @ w).reshape(nd, width)
+    y1 = minimum((pr - mu / f0).T)
+    y2 = -w
+    sg = np.concatenate(((pr - y1[:, None]).ravel(), w, (1.0 - float(add(w)),)))
+    best = [math.inf, 0.0, None, None, None]      # upper, lower, fractions, prices, link times
 
-    def load(f):                                   # link times of fractions f (nd, W)
-        return np.bincount(lkf, (A * f[..., None]).ravel(), L + 1)[:L]
-
-    def price(y):                                  # per path: sum of its links' y
-        yx[:L] = y
-        return (A * np.take(yx, lk)) @ ones_k
-
-    scale = (load(np.full((nd, width), 1.0 / width)) + fixed).max()
-    A = A / scale
-    pcu = pcu / (scale * scale)
-    fixed = fixed / scale
-    z = np.empty(N)
-    z[:P] = 1.0 / width
-    t = load(z[:P].reshape(nd, width)) + fixed
-    z[-1] = 1.5 * t.max() + 0.1
-    z[P:P + L] = z[-1] - t
-    g = np.empty(N)
-    # a dual-feasible start: every link priced alike (half the budget), each demand's multiplier
-    # one below its cheapest path, so every dual slack is positive
-    y2 = np.full(L, -0.5 / L)
-    pr = price(-y2)
-    y1 = -pr.min(1) - START_MARGIN
-    sg = np.empty(N)
-    sg[:P] = (-y1[:, None] - pr).ravel()
-    sg[P:P + L] = -y2
-    sg[-1] = 0.5
-    best_ub, best_lb, best_f, best_w = math.inf, 0.0, None, None
-
-    def gt(u1, u2):                                # G^T u
-        g[:P] = (u1[:, None] + price(u2)).ravel()
-        g[P:P + L] = u2
-        g[-1] = -u2.sum()
-        return g.copy()
-
-    for it in range(iters):
-        f = z[:P].reshape(nd, width)
-        rows = f @ ones_w
-        t = load(f) + fixed
-        rp1 = 1.0 - rows
-        rp2 = z[-1] - t - z[P:P + L]
-        rd = -gt(y1, y2) - sg
-        rd[-1] += 1.0
-        if z[-1] - (y1.sum() - fixed @ y2) <= 0.5 * gap * z[-1] or it == iters - 1 or it >= 4:
-            fn = f / rows[:, None]
-            ub = (load(fn) + fixed).max()
-            if ub < best_ub:
-                best_ub, best_f = ub, fn
-            w = np.maximum(-y2, 0.0)
-            ws = w.sum()
+    def certify(zf, y):                            # update the best bounds; True when within gap
+        fr = zf.reshape(nd, width)
+        fn = fr / (fr @ ones_w)[:, None]
+        tn = fn.ravel() @ G + fixed
+        ub = float(maximum(tn))
+        if ub < best[0]:
+            best[0], best[2], best[4] = ub, fn, tn
+        w = np.maximum(-y, 0.0)
+        w[-1] = 0.0                                # the dummy link carries nothing
+        for _ in range(2):
+            ws = float(add(w))
             if ws > 0:
-                lb = (price(w).min(1).sum() + fixed @ w) / ws
-                if lb > best_lb:
-                    best_lb, best_w = lb, w / ws
-            if best_ub <= best_lb * (1 + gap) or it == iters - 1:
-                break
-        mu = z @ sg / N
+                lb = (float(add(_rowmin((G @ w).reshape(nd, width)))) + float(fixed @ w)) / ws
+                if lb > best[1]:
+                    best[1], best[3] = lb, w / ws
+            if best[0] <= best[1] * (1 + gap):
+                return True
+            # the same prices on the plan's busy links only (>= 90% of its largest time): an
+            # interior iterate still prices slack links a little, which an optimal dual does not
+            w = w * (tn >= 0.9 * ub)
+        return False
+
+    def step(v, dv):                               # longest step in [0, 1] keeping v + a dv >= 0
+        return 1.0 / max(1.0, -float(minimum(dv / v)))
+
+    def dual_step(v, h):                           # the same for v - a h
+        return 1.0 / max(1.0, float(maximum(h / v)))
+
+    rhs1, nfixed = np.ones(nd), -fixed
+    for it in range(iters):
+        zs = z * sg
+        gap_now = float(add(zs))                   # primal - dual objective (both feasible)
+        if (gap_now <= 0.05 * z[-1] or it == iters - 1) and (certify(z[:P], y2) or it == iters - 1):
+            break
         D = z / sg
-        Df = D[:P].reshape(nd, width)
-        delta = Df @ ones_w
-        bk = np.bincount(kidx, (A * Df[..., None]).ravel(), nd * (L + 1)).reshape(nd, L + 1)[:, :L]
-        S = np.bincount(pidx, (pcu * Df[..., None]).ravel(), sq).reshape(L + 1, L + 1)[:L, :L]
-        S[np.diag_indices(L)] += D[P:P + L]
+        Df = D[:P]
+        idelta = 1.0 / (Df.reshape(nd, width) @ ones_w)
+        bkx = np.bincount(kidx, (A * Df[:, None]).ravel(), nd * M)      # b_k, dense (nd, M)
+        bk = bkx.reshape(nd, M)
+        bkt = bk.T * idelta
+        if compact:
+            bc = bkx[cidx].reshape(nd, -1)                              # b_k on the demand's own links
+            kd = bc.shape[1]
+            outer = (bc * -idelta[:, None]).reshape(nd, kd, 1) * bc.reshape(nd, 1, kd)
+            S = np.bincount(sidx, np.concatenate(((pcu * Df[:, None]).ravel(), outer.ravel(), D[inner])),
+                            M * M).reshape(M, M)
+        else:
+            S = np.bincount(sidx, np.concatenate(((pcu * Df[:, None]).ravel(), D[inner])), M * M).reshape(M, M)
+            S -= bkt @ bk
         S += D[-1]
-        bkt = bk.T / delta
-        S -= bkt @ bk
 
-        def newton(rc):
-            q = (rc - z * rd) / sg
-            qf = q[:P].reshape(nd, width)
-            r1 = rp1 - qf @ ones_w
-            r2 = rp2 - (load(qf) + q[P:P + L] - q[-1])
-            u2 = np.linalg.solve(S, r2 - bkt @ r1)
-            u1 = (r1 - bk @ u2) / delta
-            h = gt(u1, u2)
-            return u1, u2, q + D * h, rd - h
+        def direction(r1, r2):                     # Newton direction: link multipliers, A^T u
+            u2 = solve(S, r2 - bkt @ r1)
+            h = Gx @ u2
+            h[:P] += ((r1 - bk @ u2) * idelta).repeat(width)
+            return u2, h
 
-        def step(v, dv):
-            return min(1.0, float((v / np.maximum(-dv, 1e-300)).min()))
-
-        _, _, dz, ds = newton(-z * sg)
-        ap, ad = step(z, dz), step(sg, ds)
-        sigma = (((z + ap * dz) @ (sg + ad * ds)) / N / mu) ** 3
-        u1, u2, dz, ds2 = newton(sigma * mu - z * sg - dz * ds)
-        ap, ad = 0.99 * step(z, dz), 0.99 * step(sg, ds2)
+        # predictor (affine step): its right-hand side is the constraints' own (1, -fixed)
+        u2, h = direction(rhs1, nfixed)
+        dz = D * h - z
+        ap, ad = step(z, dz), dual_step(sg, h)
+        dzh = dz * h
+        gap_aff = gap_now + ap * float(dz @ sg) - ad * float(z @ h) - ap * ad * float(add(dzh))
+        if gap_aff <= 0.1 * (z[-1] + ap * dz[-1]) and certify(z[:P] + ap * dz[:P], y2 + ad * u2):
+            break
+        # corrector: centre toward sigma * mu, less the predictor's second-order term
+        sigma = (gap_aff / gap_now) ** 3
+        q = (sigma * gap_now / N + dzh) / sg
+        u2, h = direction(rhs1 - q[:P].reshape(nd, width) @ ones_w, nfixed - q @ Gx)
+        dz = q - z + D * h
+        ap, ad = 0.99 * step(z, dz), 0.99 * dual_step(sg, h)
         z = z + ap * dz
-        sg = sg + ad * ds2
-        y1 = y1 + ad * u1
+        sg = sg - ad * h
         y2 = y2 + ad * u2
-    return best_f, best_ub * scale, best_lb * scale, best_w
+    return best[2], best[0], best[1], best[3], best[4]
 
 
 class RoutePlan:
@@ -364,45 +509,58 @@ class RoutePlan:
 
     flows: (src, dst) -> [(Path, bytes)], bytes > 0 summing exactly to the demand. Built from the
     integer split on first access (a dict of Path objects costs more than the plan itself on a
-    cache hit); `split` has the same numbers as arrays: (src, dst, bytes[nd, W]) with column j
-    = the pair's j-th candidate.
-    link_load: link -> bytes (weighted by the path's use of the link); max_load_us: the most
-    loaded link's time; lower_bound_us: proven, no split over these paths beats it (0: none);
-    reused: an earlier plan's path fractions rescaled to this matrix."""
+    cache hit); `split` has the same numbers as arrays: (src, dst, bytes[n*n, W]) over every
+    ordered pair, column j = the pair's j-th candidate.
+    link_load: link -> bytes (weighted by the path's use of the link), also built on first access;
+    max_load_us: the most loaded link's time; lower_bound_us: proven, no split over these paths
+    beats it (0: none); reused: an earlier plan's path fractions rescaled to this matrix."""
 
-    def __init__(self, topology: str, flows, link_load: dict[str, float], max_load_us: float,
-                 plan_time_us: float, lower_bound_us: float = 0.0, reused: bool = False,
-                 fractions=None, prices=None, split=None, paths=None):
+    def __init__(self, topology: str, c: _Compiled, ints, loads, max_load_us: float, plan_time_us: float,
+                 lower_bound_us: float = 0.0, reused: bool = False, fractions=None, prices=None):
         self.topology = topology
-        self._flows = flows
-        self.link_load = link_load
         self.max_load_us = max_load_us
         self.plan_time_us = plan_time_us
         self.lower_bound_us = lower_bound_us
         self.reused = reused
-        self.fractions = fractions        # (n, n, W) path fractions, for reuse (numpy) or None
-        self.prices = prices              # (L,) the solve's link prices (dual), for reuse, or None
-        self.split = split
-        self._paths = paths
+        self.fractions = fractions        # (n*n, R) fractions over the reduced columns, for reuse
+        self.prices = prices              # (M,) the solve's link prices (dual), for reuse, or None
+        self._c, self._ints, self._loads = c, ints, loads
+        self._flows = self._link_load = None
 
     @property
     def flows(self) -> dict[tuple[int, int], list[tuple[Path, int]]]:
         if self._flows is None:
             import numpy as np
-            s, d, ints = self.split
+            c = self._c
+            ints = self._ints
+            if c.has_pad:                          # padding columns are copies of column 0
+                ints = ints.copy()
+                ints[:, 0] += (ints * c.rpad) @ c.ones_r
+                ints[c.rpad] = 0.0
+            nz = np.flatnonzero(ints)
             out: dict[tuple[int, int], list[tuple[Path, int]]] = {}
-            kk, jj = np.nonzero(ints)
-            sl, dl = s.tolist(), d.tolist()
-            for k, j, v in zip(kk.tolist(), jj.tolist(), ints[kk, jj].tolist()):
-                key = (sl[k], dl[k])
-                item = (self._paths[key[0]][key[1]][j], v)
-                fl = out.get(key)
+            keys, paths = c.flat_keys, c.flat_paths
+            for i, v in zip(nz.tolist(), ints.ravel()[nz].astype(np.int64).tolist()):
+                fl = out.get(keys[i])
                 if fl is None:
-                    out[key] = [item]
+                    out[keys[i]] = [(paths[i], v)]
                 else:
-                    fl.append(item)
+                    fl.append((paths[i], v))
             self._flows = out
         return self._flows
+
+    @property
+    def split(self):
+        import numpy as np
+        c = self._c
+        s, d = np.divmod(np.arange(c.n * c.n), c.n)
+        return s, d, c.original(self._ints).astype(np.int64)
+
+    @property
+    def link_load(self) -> dict[str, float]:
+        if self._link_load is None:
+            self._link_load = dict(zip(self._c.names, self._loads[:self._c.L].tolist()))
+        return self._link_load
 
     def __repr__(self) -> str:
         return (f"RoutePlan({self.topology!r}, demands={len(self.flows)}, max_load_us={self.max_load_us:.1f}, "
@@ -420,52 +578,43 @@ class RoutePlan:
         }
 
 
-def _matrix(topo: Topology, matrix):
+def _matrix(topo: Topology, c: _Compiled, matrix):
+    """The matrix as whole bytes, flat (n*n), diagonal and negative entries zero."""
     import numpy as np
-    try:
-        m = np.array(matrix, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"the traffic matrix must be {topo.num_gpus} rows of {topo.num_gpus} byte counts: {exc}")
-    if m.shape != (topo.num_gpus, topo.num_gpus):
-        raise ValueError(f"the traffic matrix is {m.shape}, {topo.name} needs {topo.num_gpus} x {topo.num_gpus}")
-    np.fill_diagonal(m, 0.0)
-    if (m > 2.0 ** 52).any():
+    n = topo.num_gpus
+    m = None
+    if type(matrix) is list and len(matrix) == n and all(type(r) is list and len(r) == n for r in matrix):
+        try:                                       # rows of numbers: no nested conversion
+            m = np.fromiter(itertools.chain.from_iterable(matrix), np.float64, n * n)
+        except (TypeError, ValueError):
+            m = None
+    if m is None:
+        try:
+            m = np.array(matrix, dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"the traffic matrix must be {n} rows of {n} byte counts: {exc}")
+        if m.shape != (n, n):
+            raise ValueError(f"the traffic matrix is {m.shape}, {topo.name} needs {n} x {n}")
+        m = m.ravel()
+    m[::n + 1] = 0.0
+    if m.max() > 2.0 ** 52:
         raise ValueError("a demand above 2**52 bytes: split it before routing")
+    np.floor(m, out=m)
+    np.fmax(m, 0.0, out=m)                         # negative (and NaN) entries carry nothing
+    if c.has_missing and (c.missing & (m > 0)).any():
+        p = int(np.argmax(c.missing & (m > 0)))
+        raise ValueError(f"no candidate path from GPU {p // n} to GPU {p % n}: add one to the topology")
     return m
 
 
-def _demands(c: _Compiled, m):
+def _materialize(c: _Compiled, b, frac, col):
+    """Integer bytes per reduced column from fractions frac (n*n, R): floors, the remainder to
+    column col of each pair (its largest share); then the exact link loads and the largest time."""
     import numpy as np
-    s, d = np.nonzero(m > 0)
-    b = np.floor(m[s, d])
-    if (c.num[s, d] == 0).any():
-        k = int(np.argmax(c.num[s, d] == 0))
-        raise ValueError(f"no candidate path from GPU {s[k]} to GPU {d[k]}: add one to the topology")
-    return s, d, b
-
-
-def _materialize(topo: Topology, c: _Compiled, s, d, b, frac, t0: float) -> RoutePlan:
-    """Integer bytes per path from per-demand fractions frac (nd, W), summing exactly to each demand
-    (floors, the remainder to the demand's largest share), then the exact link loads."""
-    import numpy as np
-    nd = len(b)
-    if nd == 0:
-        return RoutePlan(topo.name, {}, {e: 0.0 for e in c.names}, 0.0, (time.perf_counter() - t0) * 1e6)
     ints = np.floor(frac * b[:, None])
-    ints[np.arange(nd), frac.argmax(1)] += b - ints.sum(1)
-    loads = np.bincount(c.lk[s, d].ravel(), (c.cb[s, d] * ints[..., None]).ravel(), c.L + 1)[:c.L]
-    return RoutePlan(topo.name, None, dict(zip(c.names, loads.tolist())), float((loads * c.inv_cap).max()),
-                     (time.perf_counter() - t0) * 1e6, split=(s, d, ints.astype(np.int64)), paths=c.paths)
-
-
-def _merge_pads(c: _Compiled, s, d, frac):
-    """Fold padding columns (duplicates of candidate 0) back into candidate 0."""
-    pad = c.pad[s, d]
-    if pad.any():
-        frac = frac.copy()
-        frac[:, 0] += (frac * pad).sum(1)
-        frac[pad] = 0.0
-    return frac
+    ints.ravel()[c.flat0 + col] += b - ints @ c.ones_r
+    loads = ints.ravel() @ c.cb_dense
+    return ints, loads, float((loads * c.inv_cap_m).max())
 
 
 def route(topo: Topology, matrix: list[list[int]], iters: int = 30, min_split_bytes: int = 1 << 20,
@@ -475,76 +624,86 @@ def route(topo: Topology, matrix: list[list[int]], iters: int = 30, min_split_by
     An interior point method on the path LP (see `_solve`): a handful of Newton rounds, each
     reduced to one links x links system, stopping once the plan is provably within `gap` of the
     optimum (a dual lower bound certifies it; `lower_bound_us` keeps it). Demands at or below
-    `min_split_bytes` take their fastest path and are fixed load for the rest. Shares under
-    `min_share` of a demand are dropped and the demand renormalised, if that keeps the plan within
-    `gap` of the bound (an interior point leaves a little of every demand on every path).
+    `min_split_bytes`, and pairs with one useful candidate, take their fastest path and are fixed
+    load for the rest. Then the plan is made short where the bound allows (`_shorten`).
     Rejected: Frank-Wolfe on a soft maximum (first-order: 30-120 rounds and 9-100 ms here, still
     1.05x on some matrices, stalls where links tie) and slice-by-slice greedy (1.17x)."""
     import numpy as np
     t0 = time.perf_counter()
     c = _compiled(topo)
-    m = _matrix(topo, matrix)
-    s, d, b = _demands(c, m)
-    nd, width = len(b), c.W
-    frac = np.zeros((nd, width))
-    one = b <= min_split_bytes
-    frac[one, c.fastest[s[one], d[one]]] = 1.0
+    b = _matrix(topo, c, matrix)
+    frac = c.home * (b > 0)[:, None]
     lower, prices = 0.0, None
-    multi = np.nonzero(~one)[0]
-    if len(multi):
-        sm, dm = s[multi], d[multi]
-        fixed = np.bincount(c.lk[s[one], d[one], c.fastest[s[one], d[one]]].ravel(),
-                            (c.cu[s[one], d[one], c.fastest[s[one], d[one]]] * b[one, None]).ravel(),
-                            c.L + 1)[:c.L] if one.any() else np.zeros(c.L)
-        A = c.cu[sm, dm] * b[multi, None, None]
-        fm, upper, lower, prices = _solve(A, c.lk[sm, dm], c.pair_idx[sm, dm].ravel(), c.pair_cu[sm, dm] * (b[multi] ** 2)[:, None, None],
-                                          fixed, c.L, gap, iters)
-        fm = _merge_pads(c, sm, dm, fm)
-        # prefer short plans: an interior point spreads every demand over all its equally good
-        # paths (relays included), which costs latency, relay memory and extra lane setup in the
-        # data plane. Mix the plan toward "every demand on its fastest path" as far as the bound
-        # allows (one bincount per trial; ties, e.g. balanced traffic, go all the way back).
-        rows, hcol = np.arange(len(multi)), c.fastest[sm, dm]
-        dom = c.dominated[sm, dm] & (fm > 0)
-        if dom.any():     # dominated paths hand their bytes to the fastest path (loads only drop)
-            fm = fm.copy()
-            fm[rows, hcol] += np.where(dom, fm, 0.0).sum(1)
-            fm[dom] = 0.0
-        home = np.zeros_like(fm)
-        home[rows, hcol] = 1.0
-        limit = max(upper, lower * (1 + gap))
-        lks = c.lk[sm, dm]
-        # first, demands whose fastest path has slack on every link go home whole: that only
-        # takes load off the near-critical links (checked below for the links it adds to)
-        t = np.bincount(lks.ravel(), (A * fm[..., None]).ravel(), c.L + 1)[:c.L] + fixed
-        tight = np.append(t >= 0.97 * limit, False)
-        free = ~tight[lks[rows, hcol]].any(-1)
-        if free.any():
-            trial = np.where(free[:, None], home, fm)
-            t = np.bincount(lks.ravel(), (A * trial[..., None]).ravel(), c.L + 1)[:c.L] + fixed
-            if t.max() <= limit:
-                fm = trial
-        for lam in (1.0, 0.75, 0.5, 0.25, 0.1):
-            mixed = (1 - lam) * fm + lam * home
-            t = np.bincount(c.lk[sm, dm].ravel(), (A * mixed[..., None]).ravel(), c.L + 1)[:c.L] + fixed
-            if t.max() <= limit:
-                fm = mixed
-                break
-        for share in (min_share * 5, min_share) if min_share > 0 else ():
-            kept = np.where(fm >= share * fm.max(1, keepdims=True), fm, 0.0)
-            kept /= kept.sum(1, keepdims=True)
-            t = np.bincount(c.lk[sm, dm].ravel(), (A * kept[..., None]).ravel(), c.L + 1)[:c.L] + fixed
-            if t.max() <= max(upper, lower * (1 + gap)):
-                fm = kept
-                break
-        frac[multi] = fm
-    plan = _materialize(topo, c, s, d, b, frac, t0)
-    plan.lower_bound_us = float(lower)
-    full = np.zeros((c.n, c.n, width))
-    full[s, d] = frac
-    plan.fractions, plan.prices = full, prices
+    many = (b > min_split_bytes) & c.multi_ok
+    if many.any():
+        rows = _rows(c, many)
+        p = rows.p
+        bm = b[p]
+        b3 = bm[:, None, None]
+        one = b.copy()
+        one[p] = 0.0
+        fixed = one @ c.cu_fast                    # the one-path demands' link times
+        A = rows.rcu * b3                          # (nd, R, K) us of each path's links
+        Gx = np.bincount(rows.gidx, np.concatenate((A.ravel(), rows.gtail)), rows.n_cols * c.M).reshape(-1, c.M)
+        G = Gx[:A.shape[0] * c.R]
+        fm, upper, lower, prices, t = _solve(Gx, A.reshape(len(G), -1),
+                                             (rows.rpcu * (b3 * b3)).reshape(len(G), -1), rows, fixed, gap, iters)
+        frac[p] = _shorten(fm, G, fixed, t, rows, max(upper, lower * (1 + gap)), min_share)
+    ints, loads, worst = _materialize(c, b, frac, frac.argmax(1))
+    if prices is None and worst > 0:
+        # nothing to solve (every demand on its one path): price the busiest link alone; the bound
+        # is then every demand's least time on it, at least the load of the demands that have no
+        # other useful path, which is the whole load when no demand could move
+        e = int((loads * c.inv_cap_m).argmax())
+        prices = np.zeros(c.M)
+        prices[e] = 1.0
+        lower = float(b @ c.cu_dense[:, e].reshape(-1, c.R).min(1))
+    plan = RoutePlan(topo.name, c, ints, loads, worst, 0.0, float(lower), fractions=frac, prices=prices)
     plan.plan_time_us = (time.perf_counter() - t0) * 1e6
     return plan
+
+
+def _shorten(fm, G, fixed, t, rows: _Rows, limit: float, min_share: float):
+    """Prefer short plans within the certified bound. An interior point spreads every demand over
+    all its equally good paths, which costs latency, relay memory and lane setup in the data plane.
+    Each step is kept only if no link's time (t: the current ones) goes above `limit`, the bound
+    the solve proved:
+    1. demands whose fastest path (column 0) avoids every near-critical link (>= 97% of the limit)
+       go back to it whole: that only takes load off the critical links;
+    2. the plan is mixed toward "every demand on its fastest path" as far as the bound allows (all
+       the way for balanced traffic): the mix's link times are linear in the mixing weight, so
+       every weight is tried at once;
+    3. shares under 5% (then 1%) of a demand's largest share are dropped, the demand renormalised."""
+    import numpy as np
+    nd, width = fm.shape
+    pad = rows.pad
+    if pad is not None:                            # padding columns are copies of column 0
+        fm = fm.copy()
+        fm[:, 0] += (fm * pad) @ np.ones(width)
+        fm[pad] = 0.0
+    home = rows.home                               # (nd, R): 1 on each demand's fastest path
+    th = home.ravel() @ G + fixed                  # every demand on its fastest path
+    if th.max() <= limit:
+        return home
+    free = (G @ (t >= 0.97 * limit)).reshape(nd, width)[:, 0] == 0
+    if free.any():
+        trial = fm * ~free[:, None]
+        trial[:, 0] += free
+        tt = trial.ravel() @ G + fixed
+        if tt.max() <= limit:
+            fm, t = trial, tt
+    lams = rows.mix
+    ok = (t[:, None] + (th - t)[:, None] * lams).max(0) <= limit
+    if ok.any():
+        lam = lams[int(ok.argmax())]
+        fm = (1 - lam) * fm
+        fm[:, 0] += lam
+    for share in (min_share * 5, min_share) if min_share > 0 else ():
+        kept = fm * (fm >= share * _rowmin(fm, np.maximum)[:, None])
+        kept /= (kept @ np.ones(width))[:, None]
+        if (kept.ravel() @ G + fixed).max() <= limit:
+            return kept
+    return fm
 
 
 def direct_only(topo: Topology, matrix: list[list[int]]) -> float:
@@ -563,11 +722,11 @@ def signature(matrix: list[list[int]]) -> tuple:
     return tuple(tuple(0 if b <= 0 else int(math.log2(b)) for b in row) for row in matrix)
 
 
-def _signature_key(m) -> bytes:
-    """signature() of a float matrix as bytes, in a few numpy calls (the Router's cache key)."""
+def _signature_key(b) -> bytes:
+    """signature() of whole nonnegative byte counts (flat numpy) as bytes, in two numpy calls (the
+    Router's cache key): frexp's exponent of max(b, 1) is floor(log2 b) + 1, and 0 shares 1's."""
     import numpy as np
-    e = np.frexp(m)[1] - 1                       # floor(log2 b) for b > 0
-    return np.where(m > 0, np.maximum(e, 0), 0).astype(np.int8).tobytes()
+    return np.frexp(np.maximum(b, 1.0))[1].tobytes()
 
 
 class SplitThreshold:
@@ -661,23 +820,23 @@ class Router:
     def plan(self, matrix: list[list[int]]) -> tuple[RoutePlan, bool]:
         t0 = time.perf_counter()
         c = _compiled(self.topo)
-        m = _matrix(self.topo, matrix)
+        m = _matrix(self.topo, c, matrix)
         key = _signature_key(m)
         split = self.threshold.threshold_bytes
         seen = self.cache.get(key)
         for old in (seen, self.last):
-            if old is None or old.fractions is None or old.prices is None:
+            if old is None or old.prices is None:
                 continue
-            plan = self.rescale(old, m, split, t0)
+            plan = self._rescale(c, old, m, split, t0)
             if plan is not None:
                 self.last = plan
                 self.hits += 1
                 return plan, True
             if old is self.last:
                 break
-        made = route(self.topo, m, min_split_bytes=split, **self.kwargs)
-        if made.prices is not None:                # the reuse bound's table, paid on the miss
-            self._cheapest(made)
+        made = route(self.topo, m.reshape(c.n, c.n), min_split_bytes=split, **self.kwargs)
+        if made.prices is not None:                # the reuse table, paid on the miss
+            self._reuse_table(c, made)
             made.plan_time_us = (time.perf_counter() - t0) * 1e6
         if len(self.cache) >= self.max_cached:
             self.cache.clear()
@@ -686,42 +845,46 @@ class Router:
         self.misses += 1
         return made, False
 
-    def _cheapest(self, plan: RoutePlan):
-        """Per pair under the plan's link prices: the cheapest candidate and its price (us/byte)."""
+    @staticmethod
+    def _reuse_table(c: _Compiled, plan: RoutePlan):
+        """What a reuse of `plan` needs, computed once per solve: per pair the cheapest candidate's
+        price under the plan's link prices (us per byte; the bound is one product with the new
+        matrix), and the fractions to apply: the plan's own, with pairs that had no demand moved
+        whole to their cheapest candidate, and each pair's largest share (it takes the rounding
+        remainder)."""
         import numpy as np
-        cheap = plan.__dict__.get("_cheapest")
-        if cheap is None:
-            c = _compiled(self.topo)
-            pr = (c.cu * np.take(np.append(plan.prices, 0.0), c.lk)).sum(-1)
-            pr[c.pad] = np.inf
-            j = pr.argmin(-1)
-            cheap = (j, np.take_along_axis(pr, j[..., None], -1)[..., 0])
-            plan.__dict__["_cheapest"] = cheap
-        return cheap
+        table = plan.__dict__.get("_reuse")
+        if table is None:
+            import numpy as np
+            pr = (c.cu_dense @ plan.prices).reshape(-1, c.R)
+            j = pr.argmin(1)
+            cheap = pr[np.arange(len(j)), j]
+            frac = plan.fractions
+            fresh = (frac @ np.ones(c.R)) < 0.5
+            base = np.where(fresh[:, None], np.arange(c.R) == j[:, None], frac)
+            table = (cheap, base, c.flat0 + base.argmax(1))
+            plan.__dict__["_reuse"] = table
+        return table
 
     def rescale(self, old: RoutePlan, m, split: int, t0: float | None = None) -> RoutePlan | None:
         """`old`'s path fractions applied to matrix m (exact bytes), or None when the result is
         not provably within `tolerance` of the optimum for m."""
-        import numpy as np
-        t0 = time.perf_counter() if t0 is None else t0
         c = _compiled(self.topo)
-        s, d, b = _demands(c, m)
-        frac = old.fractions[s, d]
-        cheap = self._cheapest(old)
-        lower = float((b * cheap[1][s, d]).sum())
-        one = b <= split
-        fresh = frac.sum(1) < 0.5                  # zero in the old matrix: its cheapest path
-        if one.any() or fresh.any():
-            frac = frac.copy()
-            frac[fresh] = 0.0
-            frac[fresh, cheap[0][s[fresh], d[fresh]]] = 1.0
-            frac[one] = 0.0
-            frac[one, c.fastest[s[one], d[one]]] = 1.0
-        plan = _materialize(self.topo, c, s, d, b, frac, t0)
-        if plan.max_load_us > (1 + self.tolerance) * lower:
+        return self._rescale(c, old, _matrix(self.topo, c, m), split, time.perf_counter() if t0 is None else t0)
+
+    def _rescale(self, c: _Compiled, old: RoutePlan, b, split: int, t0: float) -> RoutePlan | None:
+        import numpy as np
+        cheap, base, col = self._reuse_table(c, old)
+        lower = float(b @ cheap)
+        split_b = b * (b > split)                  # demands at or below the threshold: one path
+        ints = np.floor(base * split_b[:, None])
+        ints.ravel()[col] += split_b - ints @ c.ones_r
+        ints[:, 0] += b - split_b
+        loads = ints.ravel() @ c.cb_dense
+        worst = float((loads * c.inv_cap_m).max())
+        if worst > (1 + self.tolerance) * lower:
             return None
-        plan.lower_bound_us, plan.reused = lower, True
-        plan.fractions, plan.prices = old.fractions, old.prices
-        plan.__dict__["_cheapest"] = cheap
+        plan = RoutePlan(self.topo.name, c, ints, loads, worst, 0.0, lower, True, old.fractions, old.prices)
+        plan.__dict__["_reuse"] = old.__dict__["_reuse"]
         plan.plan_time_us = (time.perf_counter() - t0) * 1e6
         return plan
