@@ -22,15 +22,7 @@ from braid.planner import router as new  # noqa: E402
 from braid.planner.lp import lp_optimum  # noqa: E402
 from test_router import adversarial, matrices  # noqa: E402
 
-TOPOS = {
-    "h200x4": lambda r: r.preset("h200x4"),
-    "mesh4": lambda r: r.preset("mesh4"),
-    "nvswitch8": lambda r: r.preset("nvswitch8"),
-    "mesh8": lambda r: r.mesh(8),
-    "2x4gpu-4nic": lambda r: r.multi_node(2, gpus_per_node=4, nics=4),
-    "nvswitch16": lambda r: r.preset("nvswitch16"),
-    "2x8gpu-8nic": lambda r: r.multi_node(2, gpus_per_node=8, nics=8),
-}
+from bench_router import TOPOS  # noqa: E402  (the same topologies as the timing table)
 
 
 def main():
