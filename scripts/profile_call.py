@@ -61,6 +61,9 @@ def worker(rank, world, port, args):
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
         print(s.getvalue()[-4500:], flush=True)
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(35)
+        print(s.getvalue()[-7000:], flush=True)
     braid.close()
     dist.destroy_process_group()
 

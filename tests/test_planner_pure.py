@@ -712,3 +712,33 @@ def test_ring_schedule_waits_for_the_right_readers():
     assert prod2[0].ring == (PAIR, 0, 1) and prod2[0].g == 0
     prod3, _ = schedule(broadcast_movement(3, 2, 0).transfers, 0, 3, 2, cur[0], False)
     assert prod3[0].g == 5 and prod3[0].wait_for == ((1, 4), (2, 4))
+
+
+# --- the copy engines' piece rule (planner/pieces.py) ------------------------------------------
+
+@pytest.mark.parametrize("longest, want_bytes, count", [
+    (64 << 20, 16 << 20, 4),
+    (1 << 30, 256 << 20, 4),
+    (493 << 20, (493 << 20) // 4, 4),
+    (8 << 30, 256 << 20, 32),         # the piece cap wins over the count
+    (3 << 20, 4 << 20, 1),            # the piece floor
+])
+def test_piece_rule_table(longest, want_bytes, count):
+    from braid.planner.pieces import piece_elems, pieces
+    per = piece_elems(longest, 2)
+    got = per * 2
+    assert got % 4096 == 0
+    assert abs(got - want_bytes) < 4096
+    cut = pieces(longest // 2, per)
+    assert len(cut) == count
+    assert cut[0][0] == 0 and cut[-1][1] == longest // 2
+    assert all(a == b for (_, a), (b, _) in zip(cut, cut[1:]))
+
+
+def test_piece_rule_override_and_limits():
+    from braid.planner.pieces import MAX_PIECES, piece_elems
+    assert piece_elems(1 << 29, 2, piece_mb=8) * 2 == 8 << 20
+    # an override that would need too many pieces doubles until the counter space holds them
+    per = piece_elems(1 << 30, 2, piece_mb=1)
+    assert -(-(1 << 30) // (per * 2)) <= MAX_PIECES
+    assert piece_elems(0, 4) >= 1

@@ -85,6 +85,18 @@ _define("BRAID_CALIBRATE", str, "auto",
         "calibrate` or `braid bench`), else the built-in lane model; force/off: ignore the cache.")
 _define("BRAID_MIN_SPLIT_KB", _positive_int, 256,
         "Pieces of a transfer smaller than this are not split across lanes.")
+def _nonneg_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"expected 0 or a positive integer, got {value}")
+    return value
+
+
+_define("BRAID_CE_PIECE_MB", _nonneg_int, 0,
+        "Piece size of the copy engines' pipelined reduction in MiB (experiments); 0 = braid's "
+        "rule (planner/pieces.py: every chunk in 4 pieces of 4 to 256 MiB).")
+
+
 def _route(text: str) -> str:
     value = text.strip().lower()
     if value not in ("auto", "on", "off"):

@@ -29,44 +29,37 @@ sequence number times MAX_PIECES, so the counters only grow (GEQ waits are cycli
 Each element is reduced once, in rank order, accumulating half precision in float32 and rounding
 once: the same inputs give bitwise the same output on every rank and every run.
 
+What the GPU does (torch.profiler timeline, 2 x H200 of the 4-GPU host, 1 GiB, 2026-11-22): the
+gathers do not overlap the pulls. Both are peer-to-peer copies into this GPU and run one after the
+other, each at 340-372 GB/s, so the incoming direction is busy throughout and the piece count
+hardly matters for bandwidth; what it changes is host work per call (more launches) and the small
+gaps between copies. 4 pieces of ~123 MB: 3106 us per call of GPU time; 16 pieces of 32 MiB: 3227.
+
 Rejected: one stream that interleaves pulls and gathers (a gather that waits for a lagging peer
 blocks the next pulls); a bounded ring of slots instead of one slot row per peer (back-pressure
-needs one more counter per piece and the memory saved is the size of the chunk).
+needs one more counter per piece and the memory saved is the size of the chunk); on two GPUs,
+each rank pulling the peer's whole input and reducing all of it (no gather, no wait on the peer's
+reduction, same bytes per NVLink direction): one pull stream at 349 GB/s, 3288 us per call at
+1 GiB against 3106 for this pipeline (measured, then removed).
 """
 from __future__ import annotations
 
 import torch
 
+from .. import envs
 from ..lanes import _cuda
 from ..lanes.base import LaneRun
+from ..planner import pieces as _pc
+from ..planner.pieces import MAX_PIECES, pieces
 from ..planner.plan import LaneKind
 from .reduce import reduce_pair, reduce_slots
 
-MAX_PIECES = 64
-# Few pieces: the incoming NVLink direction carries the pulls and the gathers alike, so it stays
-# busy whatever the piece count, and the only exposed work is the reduction of the last piece. Each
-# piece costs ~50 us of host-side launches; with 16 pieces the calls were CPU-bound (2 x H200,
-# 2026-11-22: 1.7 ms at 64 MiB, where NCCL takes 0.25 ms).
-TARGET_PIECES = 4
-MIN_PIECE_BYTES = 4 << 20
-MAX_PIECE_BYTES = 256 << 20
 
 
 def piece_elems(chunks: list[tuple[int, int]], esz: int) -> int:
-    """Elements per piece: the largest chunk in about TARGET_PIECES pieces, whole pages, within
-    [MIN_PIECE_BYTES, MAX_PIECE_BYTES]. A pure function of the agreed chunks, so every rank
-    computes the same."""
+    """Elements per piece for these agreed chunks (`planner.pieces`' rule on the largest)."""
     longest = max((n for _, n in chunks), default=0) * esz
-    want = min(max(-(-longest // TARGET_PIECES), MIN_PIECE_BYTES), MAX_PIECE_BYTES)
-    want = -(-want // 4096) * 4096
-    per = max(1, want // esz)
-    while longest and -(-longest // (per * esz)) > MAX_PIECES:
-        per *= 2
-    return per
-
-
-def pieces(n: int, per: int) -> list[tuple[int, int]]:
-    return [(a, min(n, a + per)) for a in range(0, n, per)]
+    return _pc.piece_elems(longest, esz, piece_mb=envs.get("BRAID_CE_PIECE_MB"))
 
 
 class CeReduction:

@@ -43,6 +43,7 @@ from ..planner.model import MULTI_LANE_OVERHEAD_US, LaneCost, choose_shares, cho
 from ..planner.plan import (Movement, Plan, all_gather_movement, all_to_all_movement, broadcast_movement,
                             chunk_bounds, cut_points, gather_chunks, gather_chunks_movement, p2p_movement,
                             reduce_scatter_chunks, reduce_scatter_movement, split)
+from ..planner.pieces import piece_elems
 from .flow import BYTES_PER_US, Flow, FlowResult, simulate
 from .topology import SimTopology
 
@@ -51,11 +52,6 @@ REDUCTIONS = ("all_reduce", "reduce_scatter", "reduce")
 OPS = ("all_gather", "all_reduce", "reduce_scatter", "broadcast", "send_recv", "all_to_all_single", "reduce")
 CE_REDUCE = ("pipelined", "staged")      # braid's copy-engine reduction: since session 3 / before (run 3)
 
-# collectives/ce_reduce.py's piece rule (not imported: that module needs torch; a test checks they agree)
-CE_TARGET_PIECES = 4
-CE_MIN_PIECE_BYTES = 4 << 20
-CE_MAX_PIECE_BYTES = 256 << 20
-CE_MAX_PIECES = 64
 PAGE = 4096                              # braid's cut points on GPUs (Communicator._plan, _reduction)
 
 # nccl-tests bus-bandwidth factors (REFERENCE.md)
@@ -246,15 +242,8 @@ def transfer_flows(topo: SimTopology, lane: str, plan: Plan, start_us: float = 0
 
 
 def ce_piece_bytes(chunk_bytes: list[int], esz: int = 2) -> int:
-    """Bytes per piece of the copy engines' pipelined reduction: `ce_reduce.piece_elems` (the
-    largest chunk in about CE_TARGET_PIECES pieces, whole pages, within the piece bounds)."""
-    longest = max(chunk_bytes, default=0)
-    want = min(max(-(-longest // CE_TARGET_PIECES), CE_MIN_PIECE_BYTES), CE_MAX_PIECE_BYTES)
-    want = -(-want // PAGE) * PAGE
-    per = max(1, want // esz)
-    while longest and -(-longest // (per * esz)) > CE_MAX_PIECES:
-        per *= 2
-    return per * esz
+    """Bytes per piece of the copy engines' pipelined reduction (`planner.pieces`, braid's rule)."""
+    return piece_elems(max(chunk_bytes, default=0), esz) * esz
 
 
 def _pieces(n: int, per: int) -> list[int]:
