@@ -47,3 +47,29 @@ def _worker(rank, w):
 
 def test_fast_path_answers_are_forgotten_when_they_may_change():
     assert run_world(_worker, 1) == [[True] * 6]
+
+
+def _verdict_worker(rank, w):
+    """The calibration's measured verdict per size bucket overrides the model's split: the split
+    (True), the native lane alone (False), or a named lane alone."""
+    import braid
+    comm = braid.init()
+    lane = {"latency_us": 5.0, "bw_gbps": 10.0, "floor_us": 5.0}
+    comm.set_calibration({f"all_gather/{w}": {"shm": lane, "gloo": lane},
+                          f"all_gather/{w}/pays": {"20": "shm", "22": False, "24": True}})
+    lanes = ["shm", "gloo"]
+    got = [comm.shares_for("all_gather", n, lanes) for n in (1 << 20, 1 << 22, 1 << 24)]
+    # a verdict naming a lane that is not usable here falls back to the native lane
+    comm.set_calibration({f"all_gather/{w}": {"shm": lane, "gloo": lane},
+                          f"all_gather/{w}/pays": {"20": "ce"}})
+    got.append(comm.shares_for("all_gather", 1 << 20, lanes))
+    braid.close()
+    return got
+
+
+def test_measured_verdict_picks_split_native_or_a_lane_alone():
+    (alone, native, split, fallback), = run_world(_verdict_worker, 1)
+    assert alone == {"shm": 1.0}
+    assert native == {"gloo": 1.0}
+    assert set(split) == {"shm", "gloo"} and abs(sum(split.values()) - 1.0) < 1e-9
+    assert fallback == {"gloo": 1.0}

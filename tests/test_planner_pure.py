@@ -742,3 +742,37 @@ def test_piece_rule_override_and_limits():
     per = piece_elems(1 << 30, 2, piece_mb=1)
     assert -(-(1 << 30) // (per * 2)) <= MAX_PIECES
     assert piece_elems(0, 4) >= 1
+
+
+# --- the calibration's line through host-bound points (model.fit_points) -----------------------
+
+def test_fit_points_skips_a_host_bound_small_size():
+    from braid.planner.model import fit_points
+    M = 1 << 20
+    # 2 x H200 copy engines, all_reduce: floor 350 us; 64 MiB host-bound at 480; 256 MiB 811; 512 MiB 1560
+    c = fit_points(350.0, [(64 * M, 480.0), (256 * M, 811.0), (512 * M, 1560.0)])
+    assert c.floor_us == 350.0
+    assert c.latency_us < 100.0
+    assert abs(c.time_us(256 * M) - 811.0) < 1.0 and abs(c.time_us(512 * M) - 1560.0) < 1.0
+    # the old two-point line through the host-bound size
+    from braid.planner.model import fit
+    old = fit(64 * M, 480.0, 512 * M, 1560.0)
+    assert old.latency_us > 200.0 and old.time_us(256 * M) > 900.0
+    # a small size well above the floor is used as before
+    # a lane whose small size is mostly bytes (NCCL: 55 us latency, 322 GB/s) keeps the two-point line
+    c2 = fit_points(80.0, [(64 * M, 55 + 64 * M / 322e3), (512 * M, 55 + 512 * M / 322e3)])
+    assert abs(c2.latency_us - 55.0) < 1e-6 and abs(c2.bw_gbps - 322.0) < 1e-6 and c2.floor_us == 80.0
+
+
+def test_fit_points_every_smaller_size_host_bound():
+    from braid.planner.model import fit_points
+    M = 1 << 20
+    # both smaller sizes dominated by fixed costs: the largest of them is used
+    c = fit_points(500.0, [(64 * M, 520.0), (256 * M, 600.0), (512 * M, 1000.0)])
+    assert abs(c.time_us(256 * M) - 600.0) < 1e-6 and abs(c.time_us(512 * M) - 1000.0) < 1e-6
+    assert c.time_us(1 * M) == 500.0                  # the floor bounds small calls
+    import pytest as _pytest
+    with _pytest.raises(ValueError):
+        fit_points(1.0, [(M, 2.0)])
+    with _pytest.raises(ValueError):
+        fit_points(1.0, [(M, 2.0), (M, 3.0)])

@@ -255,8 +255,11 @@ def test_routing_declines_when_the_host_cannot_post_it_in_time():
     assert rt.agree([{"rhost": 20.0}, {"rhost": 35.0}, {"rhost": None}, {}], names) is False
     assert rt.host_time_us() == pytest.approx(35.0)
     assert rt.plan(small, "cuda", GPU_COSTS, native, force=False)[0] is not None
-    rt.observe_host(10_000.0)                    # smoothed, not replaced
-    assert 20.0 < rt.host_us < 10_000.0
+    rt.observe_host(10_000.0)                    # one slow call (a cold plan) is not the estimate
+    assert rt.host_us == 20.0
+    for _ in range(RoutedAllToAll.HOST_WINDOW):  # calls that stay slow become it
+        rt.observe_host(900.0)
+    assert rt.host_us == 900.0
     # forced routing ignores the prediction
     slow = RoutedAllToAll(w)
     slow.agree([{"rhost": 1e9}], {"direct": "ce", "host": "host"})
@@ -359,3 +362,30 @@ def test_routed_plans_adapt_to_a_slow_second_lane_on_every_rank_alike():
     assert scale < 1.0, res
     for _, gb in res:
         assert gb[0] > 0 and gb[-1] < gb[0], gb      # the slow lane carries less than at first
+
+
+def test_a_decline_for_host_time_is_probed_again_and_cold_calls_do_not_count():
+    """An agreed host time that is too high would stop routing for good (no routed call, no new
+    measurement): every PROBE_EVERY-th such decline routes anyway. The first call of a plan (it
+    solved the plan, opened peers' buffers) is not a sample of the steady host time."""
+    w = 4
+    matrix = [[0 if s == d else ((512 << 20) if d == 0 else (1 << 20)) for d in range(w)] for s in range(w)]
+    native = LaneCost(15.0, 300.0)
+    rt = RoutedAllToAll(w)
+    plan, gpu_us, native_us = rt.plan(matrix, "cuda", GPU_COSTS, native, force=False)
+    assert plan is not None
+    rt.agree([{"rhost": 2.0 * native_us}], {"direct": "ce", "host": "host"})   # the cold first call's
+    got = [rt.plan(matrix, "cuda", GPU_COSTS, native, force=False)[0] is not None
+           for _ in range(2 * RoutedAllToAll.PROBE_EVERY)]
+    assert got.count(True) == 2 and got[RoutedAllToAll.PROBE_EVERY - 1] and got[-1]
+    # a host time above even the skip-the-solve bound is probed the same way
+    rt2 = RoutedAllToAll(w)
+    rt2.agree([{"rhost": 50.0 * native_us}], {"direct": "ce", "host": "host"})
+    got2 = [rt2.plan(matrix, "cuda", GPU_COSTS, native, force=False)[0] is not None
+            for _ in range(RoutedAllToAll.PROBE_EVERY)]
+    assert got2 == [False] * (RoutedAllToAll.PROBE_EVERY - 1) + [True]
+    # cold samples are dropped; steady ones make the estimate
+    rt.observe_host(9000.0, cold=True)
+    assert rt.host_us is None
+    rt.observe_host(300.0)
+    assert rt.host_us == 300.0

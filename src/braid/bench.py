@@ -985,9 +985,10 @@ def _calibrate(comm, cfg: Config) -> None:
     measured = {k[: -len("/pays")]: v for k, v in table.items() if k.endswith("/pays") and v}
     if measured:
         print()
-        print("split measured against the single lane (size bucket: split faster?):")
+        print("split measured against the single lanes (size bucket: split faster? or the lane alone that won):")
         for key, verdicts in measured.items():
-            cells = " ".join(f"{_human(1 << int(b))}B={'yes' if ok else 'no'}" for b, ok in sorted(verdicts.items(), key=lambda kv: int(kv[0])))
+            cells = " ".join(f"{_human(1 << int(b))}B={ok if isinstance(ok, str) else 'yes' if ok else 'no'}"
+                             for b, ok in sorted(verdicts.items(), key=lambda kv: int(kv[0])))
             print(f"  {key:<22}{cells}")
     sizes = (1 << 20, 64 << 20, 1 << 30) if comm.cuda else (256 << 10, 8 << 20, 64 << 20)
     print()

@@ -3,7 +3,8 @@
 Stage 1 of FlexLink's balancer, in its simplest form (the full two-stage balancer is the next
 issue; this module's output, a LaneCost per lane and op, is what it will start from):
 
-1. every lane alone, at two sizes -> LaneCost(latency, bandwidth) by a straight-line fit;
+1. every lane alone, at two sizes -> LaneCost(latency, bandwidth) by a straight-line fit (a third,
+   between them, when the smaller one turns out bound by the host: `planner.model.fit_points`);
 2. all lanes together with the equal-finish split of those costs, each lane timed on its own
    stream -> each lane's bandwidth re-estimated from the bytes it moved and its time while the
    others ran (lanes that share links slow each other); repeated `rounds` times.
@@ -25,13 +26,14 @@ import torch
 import torch.distributed as dist
 
 from . import envs
-from .planner.model import LaneCost, fit
+from .planner.model import LaneCost, fit_points, fixed_bound
 
 log = logging.getLogger("braid")
 
 # (floor size, two sizes for the latency/bandwidth line). The line is fitted where the device is
-# the bottleneck (host-side work hides behind the transfer there); the floor is the end-to-end time
-# of a small call, host-side work included.
+# the bottleneck (host-side work hides behind the transfer there; a host-bound small size is
+# replaced by half the large one); the floor is the end-to-end time of a small call, host-side
+# work included.
 GPU_SIZES = (1 << 20, 64 << 20, 512 << 20)
 CPU_SIZES = (64 << 10, 1 << 20, 8 << 20)
 
@@ -129,13 +131,19 @@ def calibrate_op(comm, op: str, lanes: list[str], sizes=None, iters: int = 5, ro
     tiny, small, large = sizes
     costs: dict[str, LaneCost] = {}
     loads = {n: make(comm, op, n, torch.uint8 if not comm.cuda else torch.bfloat16) for n in sizes}
+    mid = None
     for lane in lanes:
         with comm.fixed_shares({lane: 1.0}):
             floor = time_call(comm, loads[tiny].braid, iters * 4, warmup=2)
             ta = time_call(comm, loads[small].braid, iters)
             tb = time_call(comm, loads[large].braid, iters)
-        line = fit(loads[small].nbytes, ta, loads[large].nbytes, tb)
-        costs[lane] = LaneCost(line.latency_us, line.bw_gbps, floor)
+            points = [(loads[small].nbytes, ta), (loads[large].nbytes, tb)]
+            if fixed_bound(loads[small].nbytes, ta, loads[large].nbytes, tb):
+                # the small size is bound by the host: time one between it and the large one
+                mid = mid or make(comm, op, large // 2, torch.uint8 if not comm.cuda else torch.bfloat16)
+                points.insert(1, (mid.nbytes, time_call(comm, mid.braid, iters)))
+        costs[lane] = fit_points(floor, points)
+    del mid
     big = loads[large]
     for _ in range(rounds):
         shares = comm.split_rule(op, costs, big.nbytes)
@@ -167,10 +175,16 @@ PROBE_SIZES_GPU = (16 << 20, 64 << 20, 256 << 20, 1 << 30)
 PROBE_SIZES_CPU = (1 << 20, 4 << 20, 16 << 20)
 
 
-def split_pays(comm, op: str, costs: dict[str, LaneCost], iters: int = 5) -> dict[str, bool]:
-    """Per size bucket (log2 bytes): does the model's split beat the single lane, measured?
-    The cost model can be wrong near the crossover (run 2: a predicted 5% gain ran 23% slower);
-    a bucket that measured a loss keeps the single lane."""
+ALONE_OPS = ("all_reduce", "reduce_scatter")    # ops where the copy engines alone may replace NCCL
+
+
+def split_pays(comm, op: str, costs: dict[str, LaneCost], iters: int = 5) -> dict[str, bool | str]:
+    """Per size bucket (log2 bytes) where the model splits: what measured fastest? True: the
+    split; False: the native lane (NCCL / gloo) alone; a lane name: that lane alone (the copy
+    engines, for the reductions, which run an algorithm of their own). The cost model can be
+    wrong near the crossover (run 2: a predicted 5% gain ran 23% slower), and a split's host work
+    adds up over its lanes (2 x H200, 256 MiB all_reduce: copy engines + host lane 1.45 ms of
+    host time per call, copy engines alone 0.81 ms end to end, NCCL 0.89)."""
     from .planner.balancer import OnlineBalancer
     from .workloads import make
     single = "nccl" if "nccl" in costs else "gloo" if "gloo" in costs else None
@@ -184,9 +198,12 @@ def split_pays(comm, op: str, costs: dict[str, LaneCost], iters: int = 5) -> dic
         load = make(comm, op, n, torch.bfloat16 if comm.cuda else torch.float32)
         with comm.fixed_shares(shares):
             t_split = min(time_call(comm, load.braid, iters) for _ in range(2))
-        with comm.fixed_shares({single: 1.0}):
-            t_single = min(time_call(comm, load.braid, iters) for _ in range(2))
-        out[str(OnlineBalancer.bucket(op, load.nbytes)[1])] = t_split < t_single
+        timed: dict = {True: t_split}
+        alone = [single] + (["ce"] if op in ALONE_OPS and "ce" in costs else [])
+        for lane in alone:
+            with comm.fixed_shares({lane: 1.0}):
+                timed[False if lane == single else lane] = min(time_call(comm, load.braid, iters) for _ in range(2))
+        out[str(OnlineBalancer.bucket(op, load.nbytes)[1])] = min(timed, key=lambda k: (timed[k], str(k)))
         del load
     return out
 

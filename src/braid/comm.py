@@ -86,7 +86,7 @@ class Communicator:
         self._fixed: dict[str, dict[str, float]] | None = None
         self.last_handle: Handle | None = None
         self.calib: dict[str, dict[str, LaneCost]] = {}
-        self.pays: dict[str, dict[int, bool]] = {}
+        self.pays: dict[str, dict[int, bool | str]] = {}
         self.calib_digest = "default"
         self._share_cache: dict = {}
         self._native_cache: dict = {}
@@ -266,8 +266,11 @@ class Communicator:
             table = self.calib.get(f"{op}/{self.world_size}", {})
             costs = {k: table.get(k, DEFAULT_COSTS[k]) for k in lanes}
             shares = self.split_rule(op, costs, nbytes)
-            if len(shares) > 1 and not self._split_measured_to_pay(op, nbytes):
-                shares = {next(k for k in ("nccl", "gloo") if k in lanes): 1.0} if ("nccl" in lanes or "gloo" in lanes) else shares
+            verdict = self._split_verdict(op, nbytes) if len(shares) > 1 else True
+            if isinstance(verdict, str) and verdict in lanes:
+                shares = {verdict: 1.0}                 # a lane alone measured fastest here
+            elif verdict is not True and ("nccl" in lanes or "gloo" in lanes):
+                shares = {next(k for k in ("nccl", "gloo") if k in lanes): 1.0}
             if len(self._share_cache) > 4096:
                 self._share_cache.clear()
             self._share_cache[key] = shares
@@ -277,8 +280,10 @@ class Communicator:
             return self.balancer.shares(bkey)
         return shares
 
-    def _split_measured_to_pay(self, op: str, nbytes: int) -> bool:
-        """The calibration's verdict for the nearest measured size bucket (True when unmeasured)."""
+    def _split_verdict(self, op: str, nbytes: int) -> bool | str:
+        """The calibration's verdict for the nearest measured size bucket: True (the split measured
+        fastest, or nothing measured), False (the native lane alone), or the name of the lane that
+        alone measured fastest (`calibrate.split_pays`)."""
         pays = self.pays.get(f"{op}/{self.world_size}")
         if not pays:
             return True
@@ -359,6 +364,11 @@ class Communicator:
             if type(t) is not torch.Tensor or not t.is_cuda or t.get_device() != idx or not t.is_contiguous():
                 return False
         return True
+
+    def _ipc_maps(self) -> int:
+        """Peer buffers the copy-engine lane has opened so far (a routed call that opened one
+        paid for it: its host time is not the steady cost)."""
+        return len(getattr(self._lanes.get("ce"), "maps", ()))
 
     def _routed_observation(self):
         """[seq, lane times] of the observed routed call once it has finished here, else None
@@ -489,8 +499,10 @@ class Communicator:
             routed = route(descs, agreed) if route is not None else None
             shares = self.shares_for(op, size, agreed) if routed is None else routed.shares
             if routed is not None:
+                opened = self._ipc_maps()
                 handle = execute(self, routed, inp, outs, descs, peer)
-                self._routed.observe_host((time.perf_counter() - t_route) * 1e6)
+                self._routed.observe_host((time.perf_counter() - t_route) * 1e6,
+                                          cold=self._routed.last_cold or self._ipc_maps() != opened)
                 if self._routed_pending is None:   # the same call on every rank (agreed state)
                     self._routed_seq += 1
                     self._routed_pending = (self._routed_seq, handle, None)
@@ -1016,7 +1028,9 @@ class Communicator:
                     target = output if (opname == "all_reduce" or me == root) else torch.empty_like(output)
                     reduce_slots(slots, w, name, target.reshape(-1)[o_me: o_me + n_me], factor)
                     src = flat_bytes(target)
-                    d2 = self._exchange(dict(desc, op=f"{opname}/gather"), src, agreed)
+                    # only the staged lanes' descriptors (the copy engines' IPC handle of the
+                    # output is wanted only when they are one of them: reduce)
+                    d2 = self._exchange(dict(desc, op=f"{opname}/gather"), src, [k for k in agreed if k in rest])
                     mv = gather_chunks(w, list(byte_chunks), None if opname == "all_reduce" else root)
                     p2 = self._plan(("gather", byte_chunks, root), lambda: mv, rest, size, dev)
                     h2 = execute(self, p2, src, [ob], d2)
@@ -1113,7 +1127,7 @@ class Communicator:
         self.set_calibration(box[0] or {})
 
     def set_calibration(self, table: dict) -> None:
-        self.pays = {op[: -len("/pays")]: {int(b): bool(v) for b, v in t.items()}
+        self.pays = {op[: -len("/pays")]: {int(b): v if isinstance(v, str) else bool(v) for b, v in t.items()}
                      for op, t in table.items() if op.endswith("/pays")}
         self.calib = {op: {k: LaneCost(**v) if isinstance(v, dict) else v for k, v in lanes.items()}
                       for op, lanes in table.items() if not op.endswith("/pays")}

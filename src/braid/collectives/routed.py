@@ -23,6 +23,7 @@ lower the most loaded link there; the router drops them anyway).
 from __future__ import annotations
 
 import math
+import statistics
 
 from ..planner.model import MULTI_LANE_OVERHEAD_US, LaneCost
 from ..planner.plan import LaneKind, Plan, Transfer, all_to_all_movement
@@ -41,6 +42,8 @@ class RoutedAllToAll:
     # 2026-11-22), ~n^2 pieces: 75 us x n^2. A call whose GPU time is shorter than this is bound
     # by the host, which the byte model alone does not see.
     HOST_US_PER_PAIR = 75.0
+    HOST_WINDOW = 8
+    PROBE_EVERY = 8
 
     # Online correction of the second lane's port capacity from routed calls' lane times: a
     # ratio of finish times beyond HYSTERESIS moves the scale by its square root (at most 2x per
@@ -51,7 +54,10 @@ class RoutedAllToAll:
     def __init__(self, world_size: int):
         self.world_size = world_size
         self._routers: dict[tuple, Router] = {}
-        self.host_us: float | None = None       # this rank's host time per routed call (EMA)
+        self.host_us: float | None = None       # this rank's host time per routed call (median)
+        self._host_seen: list[float] = []
+        self._host_declines = 0                 # calls declined for host time alone (agreed)
+        self.last_cold = False                  # the last plan() solved afresh (no cache hit)
         self.agreed_host_us: float | None = None  # the slowest rank's, from the last exchange
         self.pcie_scale = 1.0                   # agreed correction of the second lane's capacity
 
@@ -62,10 +68,17 @@ class RoutedAllToAll:
             return self.agreed_host_us
         return self.HOST_US_PER_PAIR * self.world_size ** 2
 
-    def observe_host(self, us: float) -> None:
-        """This rank's routed call's host time (route + post), smoothed; reported to the others
-        in the next descriptor (`report`)."""
-        self.host_us = us if self.host_us is None else 0.8 * self.host_us + 0.2 * us
+    def observe_host(self, us: float, cold: bool = False) -> None:
+        """This rank's routed call's host time (route + post): the lower median of the last
+        HOST_WINDOW calls, reported to the others in the next descriptor (`report`). A median, not
+        a running mean: the first call of a plan also solves it and opens the peers' buffers
+        (4 x H200, 2026-11-22: a mean still read 3.6 ms per call after calls that took 1.5 ms
+        end to end, and routing was declined on it)."""
+        if cold:          # this call solved its plan or opened peers' buffers: not the steady cost
+            return
+        self._host_seen.append(us)
+        del self._host_seen[:-self.HOST_WINDOW]
+        self.host_us = statistics.median_low(self._host_seen)
 
     def report(self, lane_obs) -> dict:
         """This rank's part of the next descriptor: its host time, and (seq, lane times) of an
@@ -133,16 +146,30 @@ class RoutedAllToAll:
         if router is None:
             return None, 0.0, 0.0
         native_us = native_time_us(matrix, native_cost) if native_cost is not None else float("inf")
+        # a decline for host time alone is re-checked every PROBE_EVERY calls by routing anyway:
+        # otherwise an estimate that is too high is never measured again (the count advances
+        # alike on every rank: it follows agreed decisions only)
+        probe = False
         if not force and self.host_time_us() >= 0.97 * native_us:
-            return None, self.host_time_us(), native_us     # no plan can win: skip the solve
-        rp, _ = router.plan(matrix)
+            self._host_declines += 1
+            if self._host_declines % self.PROBE_EVERY:
+                return None, self.host_time_us(), native_us     # no plan can win: skip the solve
+            probe = True
+        rp, hit = router.plan(matrix)
+        self.last_cold = not hit
         names = PATH_LANE[device_type]
         lat = max(costs[names["direct"]].latency_us, costs[names["host"]].latency_us)
         # the host runs ahead of the GPU while a call's GPU time exceeds its host time; below
         # that, calls come no faster than the host posts them
-        routed_us = max(rp.max_load_us + lat + MULTI_LANE_OVERHEAD_US, self.host_time_us())
+        gpu_us = rp.max_load_us + lat + MULTI_LANE_OVERHEAD_US
+        routed_us = max(gpu_us, self.host_time_us())
         if not force and routed_us >= 0.97 * native_us:
-            return None, routed_us, native_us
+            if not (gpu_us < 0.97 * native_us and self.host_time_us() >= 0.97 * native_us):
+                return None, routed_us, native_us
+            if not probe:
+                self._host_declines += 1
+                if self._host_declines % self.PROBE_EVERY:
+                    return None, routed_us, native_us
         return build_plan(matrix, rp.flows, names), routed_us, native_us
 
 

@@ -55,6 +55,34 @@ def fit(size_a: int, time_a_us: float, size_b: int, time_b_us: float) -> LaneCos
     return LaneCost(latency, 1.0 / slope / 1e3)
 
 
+# A timed size whose line to the largest size puts more than this fraction of its time in the
+# fixed part was bound by the host (or a fixed cost), not by bytes: it says little about the
+# bandwidth. On 2 x H200 the copy engines' all_reduce took ~480 us at 64 MiB (device time ~190
+# us); the line through 64 and 512 MiB had a 317 us latency and predicted 985 us at 256 MiB
+# (measured: 811), so NCCL (890) kept that size.
+FIXED_FRACTION = 0.5
+
+
+def fixed_bound(n: int, t_us: float, big_n: int, big_t_us: float) -> bool:
+    """Is the point (n, t) dominated by fixed costs, judged by its line to (big_n, big_t)?"""
+    return fit(n, t_us, big_n, big_t_us).latency_us > FIXED_FRACTION * t_us
+
+
+def fit_points(floor_us: float, points: list[tuple[int, float]]) -> LaneCost:
+    """The lane's line from timed (bytes, us) points, sizes ascending, the largest last: through
+    the largest point and the smallest one that is not `fixed_bound`, else the largest other
+    point. The floor is kept."""
+    if len(points) < 2:
+        raise ValueError("fit_points needs at least two timed sizes")
+    big_n, big_t = points[-1]
+    others = [(n, t) for n, t in points[:-1] if n < big_n]
+    if not others:
+        raise ValueError("fit_points needs a size below the largest")
+    use = next(((n, t) for n, t in others if not fixed_bound(n, t, big_n, big_t)), others[-1])
+    line = fit(use[0], use[1], big_n, big_t)
+    return LaneCost(line.latency_us, line.bw_gbps, floor_us)
+
+
 def equal_finish(costs: dict[str, LaneCost], nbytes: int) -> dict[str, float]:
     """Shares (fractions summing to 1) that make every lane finish at the same time."""
     if nbytes <= 0 or len(costs) == 1:
