@@ -35,6 +35,12 @@ log = logging.getLogger("braid")
 # replaced by half the large one); the floor is the end-to-end time of a small call, host-side
 # work included.
 GPU_SIZES = (1 << 20, 64 << 20, 512 << 20)
+# Calls per timed point, after warm-up calls, as the bench times them. A window of few calls adds
+# one exposed host-side start per window: with 5 calls and 1 warm-up the copy engines' 256 MiB
+# all_reduce on 2 x H200 timed 935-966 us a call, with 20 and 5 816-828 (NCCL: 924-929 / 898), and
+# the calibration kept NCCL where the copy engines are 9% faster (2026-11-22, .carry/calprobe.py).
+LINE_ITERS = 20
+LINE_WARMUP = 5
 CPU_SIZES = (64 << 10, 1 << 20, 8 << 20)
 
 
@@ -132,16 +138,17 @@ def calibrate_op(comm, op: str, lanes: list[str], sizes=None, iters: int = 5, ro
     costs: dict[str, LaneCost] = {}
     loads = {n: make(comm, op, n, torch.uint8 if not comm.cuda else torch.bfloat16) for n in sizes}
     mid = None
+    li, lw = (LINE_ITERS, LINE_WARMUP) if comm.cuda else (iters, 1)
     for lane in lanes:
         with comm.fixed_shares({lane: 1.0}):
             floor = time_call(comm, loads[tiny].braid, iters * 4, warmup=2)
-            ta = time_call(comm, loads[small].braid, iters)
-            tb = time_call(comm, loads[large].braid, iters)
+            ta = time_call(comm, loads[small].braid, li, lw)
+            tb = time_call(comm, loads[large].braid, li, lw)
             points = [(loads[small].nbytes, ta), (loads[large].nbytes, tb)]
             if fixed_bound(loads[small].nbytes, ta, loads[large].nbytes, tb):
                 # the small size is bound by the host: time one between it and the large one
                 mid = mid or make(comm, op, large // 2, torch.uint8 if not comm.cuda else torch.bfloat16)
-                points.insert(1, (mid.nbytes, time_call(comm, mid.braid, iters)))
+                points.insert(1, (mid.nbytes, time_call(comm, mid.braid, li, lw)))
         costs[lane] = fit_points(floor, points)
     del mid
     big = loads[large]
@@ -178,7 +185,7 @@ PROBE_SIZES_CPU = (1 << 20, 4 << 20, 16 << 20)
 ALONE_OPS = ("all_reduce", "reduce_scatter")    # ops where the copy engines alone may replace NCCL
 
 
-def split_pays(comm, op: str, costs: dict[str, LaneCost], iters: int = 5) -> dict[str, bool | str]:
+def split_pays(comm, op: str, costs: dict[str, LaneCost], iters: int | None = None) -> dict[str, bool | str]:
     """Per size bucket (log2 bytes) where the model splits: what measured fastest? True: the
     split; False: the native lane (NCCL / gloo) alone; a lane name: that lane alone (the copy
     engines, for the reductions, which run an algorithm of their own). The cost model can be
@@ -188,7 +195,8 @@ def split_pays(comm, op: str, costs: dict[str, LaneCost], iters: int = 5) -> dic
     from .planner.balancer import OnlineBalancer
     from .workloads import make
     single = "nccl" if "nccl" in costs else "gloo" if "gloo" in costs else None
-    out: dict[str, bool] = {}
+    out: dict[str, bool | str] = {}
+    iters, warm = (iters or LINE_ITERS, LINE_WARMUP) if comm.cuda else (iters or 5, 1)
     if single is None:
         return out
     for n in (PROBE_SIZES_GPU if comm.cuda else PROBE_SIZES_CPU):
@@ -197,12 +205,13 @@ def split_pays(comm, op: str, costs: dict[str, LaneCost], iters: int = 5) -> dic
             continue
         load = make(comm, op, n, torch.bfloat16 if comm.cuda else torch.float32)
         with comm.fixed_shares(shares):
-            t_split = min(time_call(comm, load.braid, iters) for _ in range(2))
+            t_split = min(time_call(comm, load.braid, iters, warm) for _ in range(2))
         timed: dict = {True: t_split}
         alone = [single] + (["ce"] if op in ALONE_OPS and "ce" in costs else [])
         for lane in alone:
             with comm.fixed_shares({lane: 1.0}):
-                timed[False if lane == single else lane] = min(time_call(comm, load.braid, iters) for _ in range(2))
+                timed[False if lane == single else lane] = min(time_call(comm, load.braid, iters, warm)
+                                                               for _ in range(2))
         out[str(OnlineBalancer.bucket(op, load.nbytes)[1])] = min(timed, key=lambda k: (timed[k], str(k)))
         del load
     return out
