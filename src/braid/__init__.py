@@ -68,6 +68,10 @@ def recv(tensor, src, async_op=False):
     return default().recv(tensor, src, async_op=async_op)
 
 
+def batch_isend_irecv(p2p_op_list, device=None):
+    return default().batch_isend_irecv(p2p_op_list, device=device)
+
+
 def broadcast(tensor, src=0, async_op=False):
     return default().broadcast(tensor, src, async_op=async_op)
 
@@ -86,7 +90,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
 
 __all__ = [
     "Communicator", "Handle", "init", "default", "close",
-    "send", "recv", "broadcast", "all_gather_into_tensor", "all_gather", "all_to_all_single",
+    "send", "recv", "batch_isend_irecv", "broadcast", "all_gather_into_tensor", "all_gather", "all_to_all_single",
     "all_reduce", "reduce_scatter_tensor", "reduce_scatter", "reduce", "PremulSum",
     "BraidError", "BraidTimeoutError", "LaneFailureError", "LaneUnavailableError", "MisuseError",
     "PeerMismatchError",

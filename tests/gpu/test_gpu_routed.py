@@ -49,3 +49,62 @@ def test_routed_all_to_all_two_gpus(tmp_path):
 @needs(4)
 def test_routed_all_to_all_four_gpus(tmp_path):
     run(4, tmp_path, _worker, ENV)
+
+
+def _batch_worker(rank, world, comm, dev):
+    """Batched send/recv against torch's batch_isend_irecv on NCCL: sends cut from one buffer (by
+    destination, then order) and receives into views of one buffer (by source) are routed; the
+    last case passes separate tensors (NCCL's own batch)."""
+    rng = random.Random(11)
+    for case in range(5):
+        one_buffer = case < 4
+        hot = rng.randrange(world)
+        pairs = []
+        for s in range(world):
+            for d in range(world):
+                if s != d:
+                    big = (40 << 20) if d == hot else (2 << 20)
+                    pairs.append((s, d, [rng.randrange(1, big) for _ in range(rng.randint(1, 3))]))
+        dtype = rng.choice([torch.bfloat16, torch.float32])
+        sends = [(d, k, n) for s, d, sizes in sorted(pairs, key=lambda p: (p[1], p[0])) if s == rank
+                 for k, n in enumerate(sizes)]
+        recvs = [(s, k, n) for s, d, sizes in sorted(pairs) if d == rank for k, n in enumerate(sizes)]
+        g = torch.Generator().manual_seed(case * 1000 + rank)
+        sbuf = (torch.randn(sum(n for _, _, n in sends), generator=g) * 9).to(dtype).to(dev)
+        rbuf = torch.zeros(sum(n for _, _, n in recvs), dtype=dtype, device=dev)
+        ref = torch.ones_like(rbuf)
+        mine, ref_ops, at = [], [], 0
+        for d, _, n in sends:
+            x = sbuf[at: at + n] if one_buffer else sbuf[at: at + n].clone()
+            mine.append(dist.P2POp(dist.isend, x, d))
+            ref_ops.append(dist.P2POp(dist.isend, x, d))
+            at += n
+        at, got_views = 0, []
+        for s, _, n in recvs:
+            v = rbuf[at: at + n] if one_buffer else torch.zeros(n, dtype=dtype, device=dev)
+            got_views.append(v)
+            mine.append(dist.P2POp(dist.irecv, v, s))
+            ref_ops.append(dist.P2POp(dist.irecv, ref[at: at + n], s))
+            at += n
+        reqs = comm.batch_isend_irecv(mine)
+        for r in reqs:
+            r.wait()
+        for r in dist.batch_isend_irecv(ref_ops):
+            r.wait()
+        torch.cuda.synchronize()
+        got = torch.cat(got_views) if got_views else rbuf
+        assert _same(got, ref), f"batch case {case} (hot {hot}, {dtype}) differs from NCCL's"
+        routed = reqs[0].plan is not None
+        assert routed == one_buffer, f"batch case {case}: routed {routed}, one buffer {one_buffer}"
+    if rank == 0:
+        print(f"world {world}: routed send/recv batches equal NCCL's", flush=True)
+
+
+@needs(2)
+def test_routed_batch_two_gpus(tmp_path):
+    run(2, tmp_path, _batch_worker, ENV)
+
+
+@needs(4)
+def test_routed_batch_four_gpus(tmp_path):
+    run(4, tmp_path, _batch_worker, ENV)
