@@ -389,3 +389,24 @@ def test_a_decline_for_host_time_is_probed_again_and_cold_calls_do_not_count():
     assert rt.host_us is None
     rt.observe_host(300.0)
     assert rt.host_us == 300.0
+
+
+def test_a_repeated_matrix_reuses_the_built_plan_until_anything_changes():
+    w = 4
+    m = [[0 if s == d else ((256 << 20) if d == 3 else (8 << 20)) for d in range(w)] for s in range(w)]
+    native = LaneCost(15.0, 300.0)
+    rt = RoutedAllToAll(w)
+    rt.agreed_host_us = 0.0
+    a = rt.plan(m, "cuda", GPU_COSTS, native, force=True)[0]
+    assert rt.last_cold
+    b = rt.plan([row[:] for row in m], "cuda", GPU_COSTS, native, force=True)[0]
+    assert b is a and not rt.last_cold
+    m2 = [row[:] for row in m]
+    m2[0][3] += 4096
+    c = rt.plan(m2, "cuda", GPU_COSTS, native, force=True)[0]
+    assert c is not a
+    _covered(c, m2)
+    rt.pcie_scale = 2.0                         # a learned lane capacity: another router, a new plan
+    d = rt.plan(m2, "cuda", GPU_COSTS, native, force=True)[0]
+    assert d is not c
+    _covered(d, m2)
