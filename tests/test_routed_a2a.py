@@ -366,7 +366,7 @@ def test_routed_plans_adapt_to_a_slow_second_lane_on_every_rank_alike():
 
 def test_a_decline_for_host_time_is_probed_again_and_cold_calls_do_not_count():
     """An agreed host time that is too high would stop routing for good (no routed call, no new
-    measurement): every PROBE_EVERY-th such decline routes anyway. The first call of a plan (it
+    measurement): such declines are probed by routing anyway, ever more rarely while they last. The first call of a plan (it
     solved the plan, opened peers' buffers) is not a sample of the steady host time."""
     w = 4
     matrix = [[0 if s == d else ((512 << 20) if d == 0 else (1 << 20)) for d in range(w)] for s in range(w)]
@@ -375,15 +375,19 @@ def test_a_decline_for_host_time_is_probed_again_and_cold_calls_do_not_count():
     plan, gpu_us, native_us = rt.plan(matrix, "cuda", GPU_COSTS, native, force=False)
     assert plan is not None
     rt.agree([{"rhost": 2.0 * native_us}], {"direct": "ce", "host": "host"})   # the cold first call's
-    got = [rt.plan(matrix, "cuda", GPU_COSTS, native, force=False)[0] is not None
-           for _ in range(2 * RoutedAllToAll.PROBE_EVERY)]
-    assert got.count(True) == 2 and got[RoutedAllToAll.PROBE_EVERY - 1] and got[-1]
+    P = RoutedAllToAll.PROBE_EVERY
+    got = [rt.plan(matrix, "cuda", GPU_COSTS, native, force=False)[0] is not None for _ in range(7 * P)]
+    # probes after P, then 2P, then 4P more declines: ever rarer while routing keeps losing
+    assert [i for i, g in enumerate(got) if g] == [P - 1, 3 * P - 1, 7 * P - 1]
+    # once a call routes on its own merits, the next stop is probed soon again
+    rt.agree([{"rhost": 0.0}], {"direct": "ce", "host": "host"})
+    assert rt.plan(matrix, "cuda", GPU_COSTS, native, force=False)[0] is not None
+    assert rt._probe_gap == P
     # a host time above even the skip-the-solve bound is probed the same way
     rt2 = RoutedAllToAll(w)
     rt2.agree([{"rhost": 50.0 * native_us}], {"direct": "ce", "host": "host"})
-    got2 = [rt2.plan(matrix, "cuda", GPU_COSTS, native, force=False)[0] is not None
-            for _ in range(RoutedAllToAll.PROBE_EVERY)]
-    assert got2 == [False] * (RoutedAllToAll.PROBE_EVERY - 1) + [True]
+    got2 = [rt2.plan(matrix, "cuda", GPU_COSTS, native, force=False)[0] is not None for _ in range(P)]
+    assert got2 == [False] * (P - 1) + [True]
     # cold samples are dropped; steady ones make the estimate
     rt.observe_host(9000.0, cold=True)
     assert rt.host_us is None

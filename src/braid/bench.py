@@ -724,7 +724,8 @@ def _bench(comm, cfg: Config):
                         point["hot_fraction"] = hot
                     if op == "all_to_all_single" and comm.last_route is not None:
                         # the router's prediction for the last skewed call: routed vs NCCL's (us)
-                        point["route_predicted_us"] = {"routed": comm.last_route[0], "native": comm.last_route[1]}
+                        point["route_predicted_us"] = {"routed": comm.last_route[0], "native": comm.last_route[1],
+                                                       "host": comm._routed.host_time_us()}
                     results.append(point)
                     ui.row(point)
                     ui.advance()

@@ -44,6 +44,7 @@ class RoutedAllToAll:
     HOST_US_PER_PAIR = 75.0
     HOST_WINDOW = 8
     PROBE_EVERY = 8
+    PROBE_MAX_GAP = 1024
 
     # Online correction of the second lane's port capacity from routed calls' lane times: a
     # ratio of finish times beyond HYSTERESIS moves the scale by its square root (at most 2x per
@@ -56,7 +57,8 @@ class RoutedAllToAll:
         self._routers: dict[tuple, Router] = {}
         self.host_us: float | None = None       # this rank's host time per routed call (median)
         self._host_seen: list[float] = []
-        self._host_declines = 0                 # calls declined for host time alone (agreed)
+        self._host_declines = 0                 # calls declined for host time alone since the last probe
+        self._probe_gap = self.PROBE_EVERY      # declines before the next probe (doubles, capped)
         self.last_cold = False                  # the last plan() solved afresh (no cache hit)
         # the last matrix's router result and braid Plan: a repeated matrix (fixed shapes, the
         # bench) skips the router's reuse check and the plan build (~200 us of ~290 on 4 GPUs)
@@ -70,6 +72,15 @@ class RoutedAllToAll:
         if self.agreed_host_us is not None:
             return self.agreed_host_us
         return self.HOST_US_PER_PAIR * self.world_size ** 2
+
+    def _probe_due(self) -> bool:
+        """Count a decline for host time; True when this call should be routed anyway."""
+        self._host_declines += 1
+        if self._host_declines < self._probe_gap:
+            return False
+        self._host_declines = 0
+        self._probe_gap = min(2 * self._probe_gap, self.PROBE_MAX_GAP)
+        return True
 
     def observe_host(self, us: float, cold: bool = False) -> None:
         """This rank's routed call's host time (route + post): the lower median of the last
@@ -149,13 +160,14 @@ class RoutedAllToAll:
         if router is None:
             return None, 0.0, 0.0
         native_us = native_time_us(matrix, native_cost) if native_cost is not None else float("inf")
-        # a decline for host time alone is re-checked every PROBE_EVERY calls by routing anyway:
-        # otherwise an estimate that is too high is never measured again (the count advances
-        # alike on every rank: it follows agreed decisions only)
+        # a decline for host time alone is re-checked now and then by routing anyway (otherwise an
+        # estimate that is too high is never measured again): after PROBE_EVERY declines, then
+        # twice as many after each probe that did not change the verdict, so a size where routing
+        # does lose pays for ever fewer probes (4 x H200, MoE 64 MiB: a probe every 8 calls cost
+        # 30%). The counts follow agreed decisions only, so every rank probes in the same call.
         probe = False
         if not force and self.host_time_us() >= 0.97 * native_us:
-            self._host_declines += 1
-            if self._host_declines % self.PROBE_EVERY:
+            if not self._probe_due():
                 return None, self.host_time_us(), native_us     # no plan can win: skip the solve
             probe = True
         mt = tuple(map(tuple, matrix))
@@ -177,10 +189,10 @@ class RoutedAllToAll:
         if not force and routed_us >= 0.97 * native_us:
             if not (gpu_us < 0.97 * native_us and self.host_time_us() >= 0.97 * native_us):
                 return None, routed_us, native_us
-            if not probe:
-                self._host_declines += 1
-                if self._host_declines % self.PROBE_EVERY:
-                    return None, routed_us, native_us
+            if not probe and not self._probe_due():
+                return None, routed_us, native_us
+        elif not force:
+            self._probe_gap = self.PROBE_EVERY          # routing pays again: probe soon if it stops
         if built is None:
             built = memo[3] = build_plan(matrix, rp.flows, names)
         return built, routed_us, native_us
