@@ -150,12 +150,15 @@ S3_FILES = ("s3-run2/bench_h200x4_ar_auto.json", "s3-run2/bench_h200x4_ar_nccl95
             "s3-run2/bench_h200x4_ar_nccl60_ce35_host05.json", "s3-run2/bench_h200x4_ar_ce95_host05.json",
             "s3-run2/bench_h200x4_rs_ce95.json", "s3-run2/bench_h200x4_hot.json",
             "s3-run3/bench_h200x4_a2a_balanced.json", "s3-run3/bench_h200x2_all_reduce_2gpu.json",
-            "s3-run3/bench_h200x2_reduce_scatter_2gpu.json")
+            "s3-run3/bench_h200x2_reduce_scatter_2gpu.json",
+            # session 4: the final auto sweeps and the hot all_to_all after the routed-lane changes
+            "s4-run5/bench_h200x2_all_reduce_2gpu.json", "s4-run5/bench_h200x2_reduce_scatter_2gpu.json",
+            "s4-run5/bench_h200x4_all_reduce.json", "s4-run4/bench_h200x4_hot.json")
 
 
-def test_own_session3_points_are_every_split_point_of_their_files():
-    """Every split point >= 256 MiB of session 3's reduction, a2a and 2-GPU files is stored, as
-    recorded (time, shares, lane times): none left out, none edited."""
+def test_own_session3_and_4_points_are_every_split_point_of_their_files():
+    """Every split point >= 256 MiB of session 3's and 4's reduction, a2a and 2-GPU files is
+    stored, as recorded (time, shares, lane times): none left out, none edited."""
     root = DATA.parent.parent.parent / "bench_results"
     stored = {(p["source"], p["op"], p["nbytes"], p.get("hot_fraction")): p
               for p in load_points(str(DATA)) if "source" in p}
@@ -170,7 +173,7 @@ def test_own_session3_points_are_every_split_point_of_their_files():
             assert p["shares"] == pytest.approx(r["shares"], abs=6e-5)
             assert p["lane_time_us"] == pytest.approx(r["lane_time_us"], abs=0.06)
             assert p["preset"] == "h200x4"           # 2-GPU rows ran on GPUs 0-1 of the 4-GPU machine
-    assert want == len(stored) == 19
+    assert want == len(stored) == 29
 
 
 def test_routed_hot_plan_is_the_routers_and_carries_the_recorded_shares():
@@ -189,7 +192,7 @@ def test_routed_hot_plan_is_the_routers_and_carries_the_recorded_shares():
             assert set(host) == {(0, 3), (1, 3), (2, 3)}
             assert max(host.values()) - min(host.values()) <= 4096
     hot = [p for p in load_points(str(DATA)) if p.get("hot_fraction") is not None]
-    assert len(hot) == 7
+    assert len(hot) == 12
     for p in hot:
         plan = routed_hot_plan(hot_matrix(p["world"], p["nbytes"], p["hot_fraction"]), p["shares"]["host"])
         assert plan.shares["host"] == pytest.approx(p["shares"]["host"], abs=2e-4)
