@@ -17,9 +17,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def worker(rank, world, port, args):
+def setup(rank, world, port, args, env=()):
+    """One rank: NCCL world, braid, the op's workload and the shares to hold (None: braid's own)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
                       TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    for kv in env:
+        k, v = kv.split("=", 1)
+        os.environ[k] = v
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world)
     import braid
@@ -27,12 +31,20 @@ def worker(rank, world, port, args):
     from braid.workloads import make
     comm = braid.init()
     wl = make(comm, args.op, parse_size(args.size), torch.bfloat16)
-    shares = None if args.shares == "auto" else parse_shares(args.shares)
+    return braid, comm, wl, None if args.shares == "auto" else parse_shares(args.shares)
+
+
+def warm(wl, calls: int = 5) -> None:
+    for _ in range(calls):
+        wl.braid()
+    torch.cuda.synchronize()
+    dist.barrier()
+
+
+def worker(rank, world, port, args):
+    braid, comm, wl, shares = setup(rank, world, port, args)
     with comm.fixed_shares(shares):
-        for _ in range(5):
-            wl.braid()
-        torch.cuda.synchronize()
-        dist.barrier()
+        warm(wl)
         n = 30
         t0 = time.perf_counter()
         for _ in range(n):

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from profile_call import spawn  # noqa: E402
+from profile_call import setup, spawn, warm  # noqa: E402
 
 
 def summarize(trace: dict, calls: int) -> None:
@@ -65,24 +65,9 @@ def summarize(trace: dict, calls: int) -> None:
 
 
 def worker(rank, world, port, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
-                      TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-    for kv in args.env:
-        k, v = kv.split("=", 1)
-        os.environ[k] = v
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world)
-    import braid
-    from braid.bench import parse_shares, parse_size
-    from braid.workloads import make
-    comm = braid.init()
-    wl = make(comm, args.op, parse_size(args.size), torch.bfloat16)
-    shares = None if args.shares == "auto" else parse_shares(args.shares)
+    braid, comm, wl, shares = setup(rank, world, port, args, args.env)
     with comm.fixed_shares(shares):
-        for _ in range(5):
-            wl.braid()
-        torch.cuda.synchronize()
-        dist.barrier()
+        warm(wl)
         n = args.calls
         if rank == 0:
             from torch.profiler import ProfilerActivity, profile
