@@ -150,3 +150,18 @@ def test_bad_batches_raise_on_every_rank(case, kind, words):
         assert all(r[0] == "mismatch" and words in r[1] for r in res), res
     else:
         assert all(r[0] == kind and words in r[1] for r in res), res
+
+
+def test_adjacent_views_make_one_buffer_only_when_back_to_back():
+    from braid.comm import _adjacent
+    buf = torch.arange(100, dtype=torch.uint8)
+    cpu = torch.device("cpu")
+    one = _adjacent([buf[0:10], buf[10:10], buf[10:40], buf[40:41]], cpu)
+    assert one is not None and one.data_ptr() == buf.data_ptr() and one.numel() == 41
+    assert torch.equal(one, buf[:41])
+    one[0] = 200                                   # a view: writes land in the caller's buffer
+    assert buf[0] == 200
+    assert _adjacent([buf[10:20], buf[0:10]], cpu) is None          # out of order
+    assert _adjacent([buf[0:10], buf[11:20]], cpu) is None          # a gap
+    assert _adjacent([buf[0:10], torch.zeros(5, dtype=torch.uint8)], cpu) is None   # two allocations
+    assert _adjacent([], cpu).numel() == 0
