@@ -372,3 +372,22 @@ def test_nvswitch_plans_never_relay_and_quiet_demands_stay_direct(n):
         if s != 1:
             assert [p.kind for p, _ in paths] == ["direct"], (s, d, [p.name() for p, _ in paths])
     assert any(p.kind == "host" for p, _ in plan.flows[(1, 2)])   # the hot sender offloads to PCIe
+
+
+def test_the_same_matrix_again_is_a_hit_on_the_same_plan():
+    topo = _topology("nvswitch8")
+    n = topo.num_gpus
+    rng = random.Random(5)
+    m = [[0 if s == d else rng.randint(2, 64) << 20 for d in range(n)] for s in range(n)]
+    router = Router(topo)
+    first, hit = router.plan(m)
+    assert not hit
+    again, hit = router.plan([row[:] for row in m])
+    assert hit and again.reused and again is not first
+    assert again.max_load_us == first.max_load_us and again.flows == first.flows
+    check_plan(topo, m, again)
+    # another split threshold: not the same question any more (small demands are cut differently)
+    router.threshold.threshold_bytes = 1 << 40
+    third, _ = router.plan(m)
+    assert third is not again and not any(len(p) > 1 for p in third.flows.values())
+    check_plan(topo, m, third)

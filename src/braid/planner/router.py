@@ -33,6 +33,7 @@ the measurements.
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import time
@@ -793,6 +794,7 @@ class Router:
     demand rounded down to a power of two), then the last plan returned (hysteresis: a drifting
     matrix keeps its plan until a new one would be more than `tolerance` better).
     miss: a fresh route(), cached under the signature.
+    A matrix equal to the last one returns the last plan again (a copy marked reused): ~5 us.
 
     Demands at or below the learned threshold (`self.threshold`, a SplitThreshold) take one path;
     `observe()` feeds it and a threshold move empties the cache."""
@@ -809,6 +811,7 @@ class Router:
         self.kwargs = kwargs
         self.cache: dict[bytes, RoutePlan] = {}
         self.last: RoutePlan | None = None
+        self._exact: tuple | None = None       # (matrix as tuples, threshold, the plan returned for it)
         self.hits = self.misses = 0
 
     def observe(self, nbytes: int, single_us: float, multipath_us: float) -> None:
@@ -819,6 +822,22 @@ class Router:
 
     def plan(self, matrix: list[list[int]]) -> tuple[RoutePlan, bool]:
         t0 = time.perf_counter()
+        # the very matrix of the last plan (fixed shapes): that plan again, a hit in microseconds
+        mt = tuple(map(tuple, matrix))
+        ex = self._exact
+        if ex is not None and ex[2] is self.last and ex[0] == mt and ex[1] == self.threshold.threshold_bytes:
+            again = copy.copy(ex[2])
+            again.reused = True
+            again.plan_time_us = (time.perf_counter() - t0) * 1e6
+            self.last = again
+            self._exact = (mt, ex[1], again)
+            self.hits += 1
+            return again, True
+        plan, hit = self._plan(matrix, t0)
+        self._exact = (mt, self.threshold.threshold_bytes, plan)
+        return plan, hit
+
+    def _plan(self, matrix, t0: float) -> tuple[RoutePlan, bool]:
         c = _compiled(self.topo)
         m = _matrix(self.topo, c, matrix)
         key = _signature_key(m)
