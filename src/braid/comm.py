@@ -455,7 +455,10 @@ class Communicator:
         present = [(r, d) for r, d in enumerate(descs) if d is not None]
         for key in keys:
             values = {r: d.get(key) for r, d in present}
-            if len(set(map(json.dumps, values.values()))) > 1:
+            vals = list(values.values())
+            if all(v == vals[0] for v in vals):
+                continue               # equal as objects (the common case: no serialising)
+            if len(set(map(json.dumps, vals))) > 1:       # a tuple and a list may still be equal
                 raise PeerMismatchError(f"{op}: ranks disagree on {key}: {values}. Every rank must pass "
                                         f"matching arguments to the same call.")
 
