@@ -1,9 +1,22 @@
-"""Why do calibration timings differ from the bench's? time_call with the calibration's settings vs the bench's."""
-import os, sys, socket
-import torch, torch.distributed as dist
-import torch.multiprocessing as mp
+"""Device probe: a lane's time per call as the calibration times it (few calls, one warm-up)
+against the bench's way (20 calls after 5 warm-up), for the copy engines and NCCL, 2 GPUs.
+Session 4 found the short windows added ~100-180 us a call to the copy engines (the host-side
+start of each window is exposed), which kept NCCL at 256 MiB where the copy engines are faster.
 
-def worker(rank, world, port):
+    python3 scripts/calprobe.py --nproc 2
+"""
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from profile_call import spawn  # noqa: E402
+
+
+def worker(rank, world, port, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world)
@@ -27,7 +40,12 @@ def worker(rank, world, port):
     braid.close()
     dist.destroy_process_group()
 
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nproc", type=int, default=2)
+    spawn(worker, ap.parse_args())
+
+
 if __name__ == "__main__":
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-    mp.spawn(worker, args=(2, port), nprocs=2)
+    main()

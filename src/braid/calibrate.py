@@ -35,13 +35,13 @@ log = logging.getLogger("braid")
 # replaced by half the large one); the floor is the end-to-end time of a small call, host-side
 # work included.
 GPU_SIZES = (1 << 20, 64 << 20, 512 << 20)
+CPU_SIZES = (64 << 10, 1 << 20, 8 << 20)
 # Calls per timed point, after warm-up calls, as the bench times them. A window of few calls adds
 # one exposed host-side start per window: with 5 calls and 1 warm-up the copy engines' 256 MiB
 # all_reduce on 2 x H200 timed 935-966 us a call, with 20 and 5 816-828 (NCCL: 924-929 / 898), and
-# the calibration kept NCCL where the copy engines are 9% faster (2026-11-22, .carry/calprobe.py).
+# the calibration kept NCCL where the copy engines are 9% faster (2026-11-22, scripts/calprobe.py).
 LINE_ITERS = 20
 LINE_WARMUP = 5
-CPU_SIZES = (64 << 10, 1 << 20, 8 << 20)
 
 
 def machine_key(comm) -> dict:
