@@ -13,17 +13,13 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from profile_call import spawn  # noqa: E402
+from profile_call import init_rank, spawn  # noqa: E402
 
 
 def worker(rank, world, port, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world)
-    import braid
+    braid, comm = init_rank(rank, world, port)
     from braid import calibrate as cal
     from braid.workloads import make
-    comm = braid.init()
     out = []
     for op in ("reduce_scatter", "all_reduce"):
         for n in (64 << 20, 512 << 20, 256 << 20):

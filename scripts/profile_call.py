@@ -17,8 +17,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def setup(rank, world, port, args, env=()):
-    """One rank: NCCL world, braid, the op's workload and the shares to hold (None: braid's own)."""
+def init_rank(rank, world, port, env=()):
+    """One rank of a local NCCL world with braid on top: (the braid module, its communicator).
+    `env`: NAME=VALUE settings for this rank, set before braid starts."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
                       TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     for kv in env:
@@ -27,9 +28,14 @@ def setup(rank, world, port, args, env=()):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world)
     import braid
+    return braid, braid.init()
+
+
+def setup(rank, world, port, args, env=()):
+    """One rank: NCCL world, braid, the op's workload and the shares to hold (None: braid's own)."""
+    braid, comm = init_rank(rank, world, port, env)
     from braid.bench import parse_shares, parse_size
     from braid.workloads import make
-    comm = braid.init()
     wl = make(comm, args.op, parse_size(args.size), torch.bfloat16)
     return braid, comm, wl, None if args.shares == "auto" else parse_shares(args.shares)
 
