@@ -47,6 +47,15 @@ def warm(wl, calls: int = 5) -> None:
     dist.barrier()
 
 
+def baseline_us(wl, n: int) -> float:
+    """Wall time per call of the workload's baseline (NCCL), n calls back to back."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        wl.baseline()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
 def worker(rank, world, port, args):
     braid, comm, wl, shares = setup(rank, world, port, args)
     with comm.fixed_shares(shares):
@@ -68,11 +77,7 @@ def worker(rank, world, port, args):
             prof.disable()
         torch.cuda.synchronize()
         dist.barrier()
-        nccl0 = time.perf_counter()
-        for _ in range(n):
-            wl.baseline()
-        torch.cuda.synchronize()
-        nccl = (time.perf_counter() - nccl0) / n * 1e6
+        nccl = baseline_us(wl, n)
     if rank == 0:
         print(f"{args.op} {args.size} {shares}: host time per call {cpu:.0f} us, wall per call {gpu_total:.0f} us, "
               f"nccl wall per call {nccl:.0f} us", flush=True)

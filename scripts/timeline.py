@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from profile_call import setup, spawn, warm  # noqa: E402
+from profile_call import baseline_us, setup, spawn, warm  # noqa: E402
 
 
 def summarize(trace: dict, calls: int) -> None:
@@ -84,11 +84,7 @@ def worker(rank, world, port, args):
         if rank == 0:
             prof.__exit__(None, None, None)
         dist.barrier()
-        base0 = time.perf_counter()
-        for _ in range(n):
-            wl.baseline()
-        torch.cuda.synchronize()
-        nccl = (time.perf_counter() - base0) / n * 1e6
+        nccl = baseline_us(wl, n)
     if rank == 0:
         print(f"{args.op} {args.size} {shares} {args.env}: host {host:.0f} us/call, wall {wall:.0f} us/call "
               f"(with the profiler on), NCCL {nccl:.0f} us/call", flush=True)
