@@ -414,3 +414,112 @@ def test_a_repeated_matrix_reuses_the_built_plan_until_anything_changes():
     d = rt.plan(m2, "cuda", GPU_COSTS, native, force=True)[0]
     assert d is not c
     _covered(d, m2)
+
+
+# ---------------------------------------------------------------------------------------------
+# learned corrections of the routing decision
+# ---------------------------------------------------------------------------------------------
+
+def _close_call(w=4):
+    """A skewed matrix and a native cost whose raw prediction beats routing by 15%."""
+    m = [[0 if s == d else ((256 << 20) if d == 3 else (16 << 20)) for d in range(w)] for s in range(w)]
+    probe = RoutedAllToAll(w)
+    probe.agreed_host_us = 0.0
+    probe.plan(m, "cuda", GPU_COSTS, LaneCost(0.0, 300.0), force=True)
+    kind, cls, gpu_raw = probe.last_pred
+    assert kind == "r"
+    busiest = max(sum(m[s][d] for s in range(w) if s != d) for d in range(w))
+    bw = busiest * w / (w - 1) / (gpu_raw / 1.15) / 1e3        # GB/s so that native = gpu_raw / 1.15
+    return m, LaneCost(0.0, bw), cls, gpu_raw
+
+
+def test_a_close_decline_is_explored_once_then_follows_what_was_measured():
+    """The raw model says native wins by 15%: the class is routed once to measure it; when the
+    agreed observations show routing faster and native slower than predicted (as h = 0.7 at
+    256 MiB on 4 x H200), every later call routes; the learning is agreed state only."""
+    m, native, cls, gpu_raw = _close_call()
+    names = {"direct": "ce", "host": "host"}
+    rt = RoutedAllToAll(4)
+    rt.agreed_host_us = 0.0
+    first = rt.plan(m, "cuda", GPU_COSTS, native, force=False)[0]
+    assert first is not None and rt.last_pred == ("r", cls, pytest.approx(gpu_raw))
+    second = rt.plan(m, "cuda", GPU_COSTS, native, force=False)
+    assert second[0] is None and second[1] > second[2]           # explored once only
+    assert rt.last_pred[0] == "n"
+    native_raw = rt.last_pred[2]
+    assert native_raw == pytest.approx(gpu_raw / 1.15, rel=1e-6)
+    # the routed call's slowest lane took 0.6x its prediction (reported by every rank)
+    rt.obs_pred = ("r", cls, gpu_raw)
+    t = 0.6 * gpu_raw
+    assert rt.agree([{"robs": [1, {"ce": t, "host": t * 0.95}]}, {"robs": [1, {"ce": t * 0.9, "host": t}]}], names)
+    assert rt.fix[cls]["r"] == pytest.approx(0.6)
+    # a declined native call took 1.4x its prediction
+    rt.obs_pred = ("n", cls, native_raw)
+    assert rt.agree([{"robs": [2, {"native": 1.4 * native_raw}]}, {"robs": [2, {"native": 1.3 * native_raw}]}], names)
+    assert rt.fix[cls]["n"] == pytest.approx(1.4)
+    assert rt.obs_pred is None
+    got = [rt.plan(m, "cuda", GPU_COSTS, native, force=False) for _ in range(20)]
+    assert all(p is not None for p, _, _ in got)
+    assert got[0][1] == pytest.approx(0.6 * gpu_raw) and got[0][2] == pytest.approx(1.4 * native_raw)
+    # a different shape class is not affected by what this one learned
+    big = [[v * 4 for v in row] for row in m]
+    rt.plan(big, "cuda", GPU_COSTS, native, force=False)
+    assert rt.last_pred[1] != cls
+
+
+def test_a_routed_side_measured_slow_stops_routing_and_far_declines_are_not_probed():
+    m, native, cls, gpu_raw = _close_call()
+    rt = RoutedAllToAll(4)
+    rt.agreed_host_us = 0.0
+    assert rt.plan(m, "cuda", GPU_COSTS, native, force=False)[0] is not None   # exploration
+    rt.obs_pred = ("r", cls, gpu_raw)
+    assert rt.agree([{"robs": [1, {"ce": 2.0 * gpu_raw, "host": gpu_raw}]}], {"direct": "ce", "host": "host"})
+    assert rt.fix[cls]["r"] == pytest.approx(2.0)
+    # now routing is predicted 2.3x native: no call of this class routes, not even as a probe
+    assert all(rt.plan(m, "cuda", GPU_COSTS, native, force=False)[0] is None for _ in range(40))
+
+
+def test_learn_time_averages_in_log_space_within_bounds():
+    rt = RoutedAllToAll(2)
+    rt.learn_time("n", (1, 0), 200.0, 100.0)
+    assert rt.fix[(1, 0)]["n"] == pytest.approx(2.0)
+    rt.learn_time("n", (1, 0), 50.0, 100.0)                       # half-way in log space: 2 * 0.5 -> 1
+    assert rt.fix[(1, 0)]["n"] == pytest.approx(1.0)
+    for _ in range(30):
+        rt.learn_time("r", (1, 0), 1e9, 1.0)
+    assert rt.fix[(1, 0)]["r"] == pytest.approx(RoutedAllToAll.FIX_RANGE[1])
+    rt.learn_time("r", (2, 0), 0.0, 100.0)                        # nothing measured: ignored
+    assert (2, 0) not in rt.fix
+
+
+def _native_obs_worker(rank, w, matrix, calls):
+    """Skewed calls that routing declines (host time set far above any call) run gloo's own
+    all_to_all; each is timed and the agreed time becomes the class's native correction."""
+    import braid
+    comm = braid.init()
+    comm._routed.agreed_host_us = 1e12          # test hook: no routed call can win
+    comm.pays[f"all_to_all_single/{w}"] = {20: False}   # and the calibration's verdict: gloo alone
+    esz = 4
+    ins = [matrix[rank][d] // esz for d in range(w)]
+    outs = [matrix[s][rank] // esz for s in range(w)]
+    x = make(("nobs", rank), sum(ins), torch.float32)
+    exp = torch.cat([make(("nobs", s), sum(matrix[s][d] // esz for d in range(w)), torch.float32)
+                     [sum(matrix[s][d] // esz for d in range(rank)):][: outs[s]] for s in range(w)])
+    for _ in range(calls):
+        y = torch.zeros_like(exp)
+        comm.all_to_all_single(y, x, outs, ins)
+        assert torch.equal(y, exp)
+        assert comm.last_handle.plan is None           # native
+    fix = {repr(k): v for k, v in comm._routed.fix.items()}
+    braid.close()
+    return fix
+
+
+def test_declined_native_calls_are_timed_and_learned_alike_on_every_rank():
+    w = 3
+    m = skewed(w, 1, 2 << 20, 0.9, random.Random(7))
+    m = [[(v // 4) * 4 for v in row] for row in m]
+    res = run_world(_native_obs_worker, w, m, 6, env={"BRAID_ROUTE": "auto"})
+    assert all(r == res[0] for r in res), res
+    (cls, ent), = res[0].items()
+    assert set(ent) == {"n"} and ent["n"] > 0

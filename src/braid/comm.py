@@ -378,9 +378,14 @@ class Communicator:
             return None
         seq, handle, times = p
         if times is None:
-            if not all(r.done() for r in handle.runs):
+            if isinstance(handle, _NativeTimer):
+                if not handle.done():
+                    return None
+                times = {"native": round(handle.elapsed_us(), 1)}
+            elif not all(r.done() for r in handle.runs):
                 return None
-            times = {k: round(v, 1) for k, v in handle.lane_times_us().items()}
+            else:
+                times = {k: round(v, 1) for k, v in handle.lane_times_us().items()}
             self._routed_pending = (seq, None, times)       # drop the handle, keep the numbers
         return [seq, times]
 
@@ -509,8 +514,17 @@ class Communicator:
                 if self._routed_pending is None:   # the same call on every rank (agreed state)
                     self._routed_seq += 1
                     self._routed_pending = (self._routed_seq, handle, None)
+                    self._routed.obs_pred = self._routed.last_pred
             elif self._native_ok(shares) and native is not None:
+                # a skewed call that routing declined: time it (once at a time), so the decision
+                # learns how far its native prediction is off for this kind of matrix
+                pred = self._routed.last_pred if route is not None and self._routed_pending is None else None
+                timer = _NativeTimer(device) if pred is not None and pred[0] == "n" else None
                 handle = _as_handle(native(self._native_group(shares)), next(iter(shares)))
+                if timer is not None and timer.stop(handle.native, self._timing_stream if device.type == "cuda" else None):
+                    self._routed_seq += 1
+                    self._routed_pending = (self._routed_seq, timer, None)
+                    self._routed.obs_pred = pred
             elif multi is not None:
                 handle = multi(descs, shares, self._plan(mkey, build, shares, size, device), agreed)
             else:
@@ -1184,6 +1198,13 @@ class Communicator:
             self._ce_red = CeReduction(self._lanes["ce"], self)
         return self._ce_red
 
+    def _timing_stream(self):
+        """Where native calls' end events are recorded (apart from braid's op stream, so no
+        braid work waits on them)."""
+        if getattr(self, "_timestream", None) is None:
+            self._timestream = torch.cuda.Stream(device=self.device)
+        return self._timestream
+
     def _op_stream(self):
         if getattr(self, "_opstream", None) is None:
             self._opstream = torch.cuda.Stream(device=self.device)
@@ -1414,6 +1435,48 @@ def _check_plan_bounds(plan: Plan, descs: list) -> None:
     if bad:
         raise MisuseError(f"run_plan: the plan does not fit the tensors passed: {bad[0]}"
                           + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
+
+
+class _NativeTimer:
+    """The time of one native (NCCL's or gloo's own) call, without blocking anyone: on GPUs two
+    timing events, the end one on a side stream that waits for the call's Work; on CPUs the
+    Work's future marks the end."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.t1: float | None = None
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+            self.end = None
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self, work, side_stream) -> bool:
+        """Mark the end at the Work's completion; False if this Work cannot be timed."""
+        try:
+            if self.cuda:
+                side = side_stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    work.wait()               # NCCL: a stream wait, no CPU block
+                    self.end = torch.cuda.Event(enable_timing=True)
+                    self.end.record(side)
+            else:
+                def mark(_fut) -> None:
+                    self.t1 = time.perf_counter()
+                work.get_future().add_done_callback(mark)
+            return True
+        except Exception:                     # noqa: BLE001 - untimable Work: no observation
+            return False
+
+    def done(self) -> bool:
+        return self.end.query() if self.cuda else self.t1 is not None
+
+    def elapsed_us(self) -> float:
+        if self.cuda:
+            return self.start.elapsed_time(self.end) * 1e3
+        return (self.t1 - self.t0) * 1e6
 
 
 class _Works:
