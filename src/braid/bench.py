@@ -23,6 +23,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -39,6 +40,7 @@ GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NV
 DTYPES = ("bfloat16", "float16", "float32", "float64", "int8", "uint8", "int32", "int64")
 GPU_SIZES = (1 << 20, 1 << 30)
 CPU_SIZES = (256 << 10, 16 << 20)   # with factor 4: a few minutes for every op on 2 cores
+SMALL_ROUNDS = 10       # alternating windows per point for small (host-bound) calls
 WRONG_EXIT = 3          # exit status when braid's output differs from the baseline's
 NO_GPU_LINE = "no GPU: running braid's CPU lanes (gloo+shm) against gloo"
 
@@ -704,15 +706,20 @@ def _bench(comm, cfg: Config):
                     probe = cal.time_call(comm, load.baseline, 3, cfg.warmup)
                     iters = max(cfg.iters, min(2000, int(20_000 / max(probe, 1.0))))
                     if iters > cfg.iters:
-                        rounds = max(cfg.repeat, 6)
+                        rounds = max(cfg.repeat, SMALL_ROUNDS)
                         iters = max(cfg.iters, iters * cfg.repeat // rounds)
+                bases, braids = [], []
                 for k in range(rounds):
                     first_base = k % 2 == 0
                     for is_base in ((True, False) if first_base else (False, True)):
                         if is_base:
-                            t_base = min(t_base, cal.time_call(comm, load.baseline, iters, cfg.warmup))
+                            bases.append(cal.time_call(comm, load.baseline, iters, cfg.warmup))
                         else:
-                            t_braid = min(t_braid, cal.time_call(comm, load.braid, iters, cfg.warmup))
+                            braids.append(cal.time_call(comm, load.braid, iters, cfg.warmup))
+                # large calls: the best of the repeats; small ones (many alternating windows):
+                # each side's median window, so one lucky quiet window does not decide the ratio
+                pick = statistics.median if rounds >= SMALL_ROUNDS else min
+                t_base, t_braid = pick(bases), pick(braids)
                 handle = comm.last_handle if load.participates else None
                 mine = (handle.shares, handle.lane_times_us()) if handle is not None else None
                 got = [None] * world
