@@ -488,6 +488,7 @@ class Communicator:
         else:
             if self.adapt and peer is None:
                 desc = dict(desc, obs=self._observation(op), bal=self.balancer.version)
+            t_call = time.perf_counter()      # a routed call's host time counts the exchange too
             descs = self._exchange(desc, inp, lanes, peer)
             if self.adapt and peer is None:
                 self._agree(op, descs, ("bal",))
@@ -503,15 +504,16 @@ class Communicator:
             self._agree(op, descs, agree_keys + ("calib",))
             size, mkey, build = movement_of(descs)
             agreed = self._agreed_lanes(descs)
-            t_route = time.perf_counter()
             routed = route(descs, agreed) if route is not None else None
             shares = self.shares_for(op, size, agreed) if routed is None else routed.shares
             if routed is not None:
                 opened = self._ipc_maps()
                 handle = execute(self, routed, inp, outs, descs, peer)
-                self._routed.observe_host((time.perf_counter() - t_route) * 1e6,
+                self._routed.observe_host((time.perf_counter() - t_call) * 1e6,
                                           cold=self._routed.last_cold or self._ipc_maps() != opened)
-                if self._routed_pending is None:   # the same call on every rank (agreed state)
+                # observed: the same calls on every rank (agreed state), not one that solved its
+                # plan (its peers may start late)
+                if self._routed_pending is None and not self._routed.last_cold:
                     self._routed_seq += 1
                     self._routed_pending = (self._routed_seq, handle, None)
                     self._routed.obs_pred = self._routed.last_pred

@@ -56,13 +56,19 @@ class RoutedAllToAll:
     # matrix (size of the busiest port, skew): measured / predicted time of routed calls (GPU
     # time, slowest lane of the slowest rank) and of native calls that routing declined. 4 x H200,
     # 2026-11-22, h = 0.7 at 256 MiB: predicted routed 1967 us / NCCL 1772, measured 1557 / 2471,
-    # so the raw model declined a call that routing ran 1.57x faster. A class with no routed
-    # sample is explored once (routed anyway) when the prediction is within EXPLORE of native;
-    # later declines within CLOSE of native are re-checked by the backing-off probes.
+    # so the raw model declined a call that routing ran 1.57x faster. A measured time can only be
+    # too long (a call's clock starts on this rank and also counts waiting for the last peer to
+    # arrive: one native call after a routed one read 1106 us against NCCL's 398), so a class's
+    # correction is the least ratio of its last FIX_WINDOW samples, used once it has FIX_MIN.
+    # A class without them is explored (routed anyway, at most EXPLORE_CALLS times) when the
+    # prediction is within EXPLORE of native; later declines within CLOSE of native are
+    # re-checked by the backing-off probes.
     EXPLORE = 1.5
+    EXPLORE_CALLS = 4
     CLOSE = 1.3
     FIX_RANGE = (0.25, 4.0)
-    FIX_WEIGHT = 0.5              # weight of a new sample in the log-space moving average
+    FIX_WINDOW = 6
+    FIX_MIN = 2
 
     def __init__(self, world_size: int):
         self.world_size = world_size
@@ -77,8 +83,8 @@ class RoutedAllToAll:
         self._memo: list | None = None
         self.agreed_host_us: float | None = None  # the slowest rank's, from the last exchange
         self.pcie_scale = 1.0                   # agreed correction of the second lane's capacity
-        self.fix: dict[tuple, dict[str, float]] = {}   # shape class -> {"r"|"n": measured/predicted}
-        self._explored: set = set()             # classes routed once to measure them
+        self.samples: dict[tuple, dict[str, list[float]]] = {}   # class -> {"r"|"n": measured/predicted}
+        self._explored: dict[tuple, int] = {}   # class -> calls routed to measure it
         self.last_pred: tuple | None = None     # ("r"|"n", class, raw predicted us) of the last decision
         self.obs_pred: tuple | None = None      # the same for the observed call (set by the caller)
 
@@ -136,17 +142,20 @@ class RoutedAllToAll:
         return True
 
     def learn_time(self, kind: str, cls: tuple, measured_us: float, predicted_us: float) -> None:
-        """Fold one agreed observation (kind "r": a routed call's GPU time, "n": a native call's
-        time) into the class's correction: a moving average of log(measured / predicted)."""
+        """Keep one agreed observation (kind "r": a routed call's GPU time, "n": a native call's
+        time) as the class's ratio measured / predicted."""
         if measured_us <= 0.0 or predicted_us <= 0.0:
             return
         lo, hi = self.FIX_RANGE
-        sample = min(max(measured_us / predicted_us, lo), hi)
-        ent = self.fix.setdefault(cls, {})
-        old = ent.get(kind)
-        new = sample if old is None else math.exp((1 - self.FIX_WEIGHT) * math.log(old)
-                                                  + self.FIX_WEIGHT * math.log(sample))
-        ent[kind] = min(max(new, lo), hi)
+        seen = self.samples.setdefault(cls, {}).setdefault(kind, [])
+        seen.append(min(max(measured_us / predicted_us, lo), hi))
+        del seen[:-self.FIX_WINDOW]
+
+    def fix(self, cls: tuple) -> dict[str, float]:
+        """The class's corrections in use: the least ratio of the recent samples, per kind that
+        has enough of them."""
+        got = self.samples.get(cls, {})
+        return {k: min(v) for k, v in got.items() if len(v) >= self.FIX_MIN}
 
     def learn_lanes(self, times: dict[str, float], names: dict[str, str]) -> None:
         """Move the second lane's capacity scale toward equal finish times of the two lanes
@@ -194,7 +203,7 @@ class RoutedAllToAll:
         if router is None:
             return None, 0.0, 0.0
         cls = shape_class(matrix)
-        fix = self.fix.get(cls, {})
+        fix = self.fix(cls)
         native_raw = native_time_us(matrix, native_cost) if native_cost is not None else float("inf")
         native_us = native_raw * fix.get("n", 1.0)
         if math.isfinite(native_raw):
@@ -228,10 +237,10 @@ class RoutedAllToAll:
         routed_us = max(gpu_us, self.host_time_us())
         if not force and routed_us >= 0.97 * native_us:
             host_bound = gpu_us < 0.97 * native_us and self.host_time_us() >= 0.97 * native_us
-            explore = (not host_bound and "r" not in fix and cls not in self._explored
+            explore = (not host_bound and "r" not in fix and self._explored.get(cls, 0) < self.EXPLORE_CALLS
                        and gpu_us < self.EXPLORE * native_us and self.host_time_us() < 0.97 * native_us)
             if explore:
-                self._explored.add(cls)        # measure the routed side of this class once
+                self._explored[cls] = self._explored.get(cls, 0) + 1   # measure the routed side
             elif not (host_bound or gpu_us < self.CLOSE * native_us):
                 return None, routed_us, native_us
             elif not probe and not self._probe_due():
