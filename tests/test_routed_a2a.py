@@ -521,3 +521,28 @@ def test_declined_native_calls_are_timed_and_learned_alike_on_every_rank():
     assert all(r == res[0] for r in res), res
     (cls, ent), = res[0].items()
     assert set(ent) == {"n"} and len(ent["n"]) >= 2 and min(ent["n"]) > 0
+
+
+def test_host_time_is_agreed_per_shape_class():
+    """A host time measured on 1 GiB calls (where the host waits for a busy GPU inside the call)
+    must not decline 256 MiB calls: each class has its own agreed value, the default elsewhere."""
+    w = 4
+    names = {"direct": "ce", "host": "host"}
+    big = [[0 if s == d else ((1 << 30) if d == 3 else (16 << 20)) for d in range(w)] for s in range(w)]
+    mid = [[v // 4 for v in row] for row in big]
+    rt = RoutedAllToAll(w)
+    from braid.collectives.routed import shape_class
+    cb, cm = shape_class(big), shape_class(mid)
+    assert cb != cm
+    rt.observe_host(6000.0, cls=cb)
+    rep = rt.report(None)
+    assert rep["rcls"] == list(cb)
+    # ranks reporting different classes: nothing agreed
+    assert not rt.agree([rep, {"rhost": 10.0, "rcls": list(cm)}], names)
+    assert rt.agreed_host == {}
+    rt.agree([rep, dict(rep, rhost=6500.0)], names)
+    assert rt.host_time_us(cb) == 6500.0
+    assert rt.host_time_us(cm) == pytest.approx(RoutedAllToAll.HOST_US_PER_PAIR * w * w)
+    native = LaneCost(15.0, 300.0)
+    rt.plan(mid, "cuda", GPU_COSTS, native, force=False)
+    assert rt.last_cls == cm and rt.host_time_us() == pytest.approx(RoutedAllToAll.HOST_US_PER_PAIR * w * w)

@@ -510,7 +510,8 @@ class Communicator:
                 opened = self._ipc_maps()
                 handle = execute(self, routed, inp, outs, descs, peer)
                 self._routed.observe_host((time.perf_counter() - t_call) * 1e6,
-                                          cold=self._routed.last_cold or self._ipc_maps() != opened)
+                                          cold=self._routed.last_cold or self._ipc_maps() != opened,
+                                          cls=self._routed.last_cls)
                 # observed: the same calls on every rank (agreed state), not one that solved its
                 # plan (its peers may start late)
                 if self._routed_pending is None and not self._routed.last_cold:

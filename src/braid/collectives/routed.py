@@ -74,14 +74,17 @@ class RoutedAllToAll:
         self.world_size = world_size
         self._routers: dict[tuple, Router] = {}
         self.host_us: float | None = None       # this rank's host time per routed call (median)
-        self._host_seen: list[float] = []
+        self._host_seen: dict[tuple, list[float]] = {}   # per shape class (see host_time_us)
+        self._host_cls: tuple | None = None     # the class host_us is of
+        self.agreed_host: dict[tuple, float] = {}
+        self.last_cls: tuple | None = None      # the shape class of the last planned matrix
         self._host_declines = 0                 # calls declined for host time alone since the last probe
         self._probe_gap = self.PROBE_EVERY      # declines before the next probe (doubles, capped)
         self.last_cold = False                  # the last plan() solved afresh (no cache hit)
         # the last matrix's router result and braid Plan: a repeated matrix (fixed shapes, the
         # bench) skips the router's reuse check and the plan build (~200 us of ~290 on 4 GPUs)
         self._memo: list | None = None
-        self.agreed_host_us: float | None = None  # the slowest rank's, from the last exchange
+        self.agreed_host_us: float | None = None  # a value for every class (tests, reports without a class)
         self.pcie_scale = 1.0                   # agreed correction of the second lane's capacity
         self.samples: dict[tuple, dict[str, list[float]]] = {}   # class -> {"r"|"n": measured/predicted}
         self._explored: dict[tuple, int] = {}   # class -> calls routed to measure it
@@ -90,7 +93,16 @@ class RoutedAllToAll:
 
     # Every decision below must come out the same on every rank: they read only agreed state
     # (`agree`, fed with the exchanged descriptors), never this rank's own measurements.
-    def host_time_us(self) -> float:
+    def host_time_us(self, cls: tuple | None = None) -> float:
+        """The agreed host time of a routed call of this shape class. Per class, because a
+        measured host time also holds back-pressure: where the GPU is the bottleneck the host
+        waits for it inside the call (4 x H200, 2026-11-22: 6.2 ms "host" time per call at 1 GiB,
+        which then declined every 256 MiB call when one value served all sizes)."""
+        if cls is None:
+            cls = self.last_cls
+        got = self.agreed_host.get(cls) if cls is not None else None
+        if got is not None:
+            return got
         if self.agreed_host_us is not None:
             return self.agreed_host_us
         return self.HOST_US_PER_PAIR * self.world_size ** 2
@@ -104,7 +116,7 @@ class RoutedAllToAll:
         self._probe_gap = min(2 * self._probe_gap, self.PROBE_MAX_GAP)
         return True
 
-    def observe_host(self, us: float, cold: bool = False) -> None:
+    def observe_host(self, us: float, cold: bool = False, cls: tuple | None = None) -> None:
         """This rank's routed call's host time (route + post): the lower median of the last
         HOST_WINDOW calls, reported to the others in the next descriptor (`report`). A median, not
         a running mean: the first call of a plan also solves it and opens the peers' buffers
@@ -112,21 +124,36 @@ class RoutedAllToAll:
         end to end, and routing was declined on it)."""
         if cold:          # this call solved its plan or opened peers' buffers: not the steady cost
             return
-        self._host_seen.append(us)
-        del self._host_seen[:-self.HOST_WINDOW]
-        self.host_us = statistics.median_low(self._host_seen)
+        seen = self._host_seen.setdefault(cls, [])
+        seen.append(us)
+        del seen[:-self.HOST_WINDOW]
+        if len(self._host_seen) > 64:
+            self._host_seen = {cls: seen}
+        self.host_us = statistics.median_low(seen)
+        self._host_cls = cls
 
     def report(self, lane_obs) -> dict:
         """This rank's part of the next descriptor: its host time, and (seq, lane times) of an
         observed routed call once that call has finished here (None before)."""
-        return {"rhost": self.host_us, "robs": lane_obs}
+        rep = {"rhost": self.host_us, "robs": lane_obs}
+        if self._host_cls is not None:
+            rep["rcls"] = list(self._host_cls)
+        return rep
 
     def agree(self, descs: list, names: dict[str, str]) -> bool:
         """Fold every rank's report into the agreed state. Returns True when a lane observation
         was learned (every rank reported the same observed call): the caller then drops it."""
-        hosts = [d.get("rhost") for d in descs if d is not None and d.get("rhost") is not None]
-        if hosts:
-            self.agreed_host_us = max(hosts)
+        reps = [d for d in descs if d is not None and d.get("rhost") is not None]
+        if reps:
+            classes = {tuple(d["rcls"]) if d.get("rcls") is not None else None for d in reps}
+            if len(classes) == 1:                # every rank's value is of the same class
+                cls = classes.pop()
+                if cls is None:
+                    self.agreed_host_us = max(d["rhost"] for d in reps)
+                else:
+                    if len(self.agreed_host) > 64:
+                        self.agreed_host.clear()
+                    self.agreed_host[cls] = max(d["rhost"] for d in reps)
         obs = [d.get("robs") for d in descs if d is not None]
         if not obs or any(o is None for o in obs) or len({o[0] for o in obs}) != 1:
             return False
@@ -202,7 +229,7 @@ class RoutedAllToAll:
         self.last_pred = None
         if router is None:
             return None, 0.0, 0.0
-        cls = shape_class(matrix)
+        cls = self.last_cls = shape_class(matrix)
         fix = self.fix(cls)
         native_raw = native_time_us(matrix, native_cost) if native_cost is not None else float("inf")
         native_us = native_raw * fix.get("n", 1.0)
