@@ -452,16 +452,16 @@ def test_a_close_decline_is_explored_then_follows_what_was_measured():
     assert rt.last_pred[0] == "n"
     native_raw = rt.last_pred[2]
     assert native_raw == pytest.approx(gpu_raw / 1.15, rel=1e-6)
-    # routed calls' slowest lane: 0.6x and 0.9x the prediction (slowest rank per lane, then the
-    # slowest lane); one sample is not enough, the least of two is the correction
+    # routed calls' cycles: 0.6x and 0.9x the prediction (the slowest rank's); one sample is not
+    # enough, the least of two is the correction
     t = 0.6 * gpu_raw
-    assert _observe(rt, 1, ("r", cls, gpu_raw), [{"ce": t, "host": t * 0.95}, {"ce": t * 0.9, "host": t}])
+    assert _observe(rt, 1, ("r", cls, gpu_raw), [{"ce": t, "host": t * 0.95, "cycle": t}, {"ce": t * 0.9, "host": t, "cycle": 0.5 * gpu_raw}])
     assert "r" not in rt.fix(cls)
-    assert _observe(rt, 2, ("r", cls, gpu_raw), [{"ce": 0.9 * gpu_raw, "host": 0.85 * gpu_raw}])
+    assert _observe(rt, 2, ("r", cls, gpu_raw), [{"ce": 0.9 * gpu_raw, "host": 0.85 * gpu_raw, "cycle": 0.9 * gpu_raw}])
     assert rt.fix(cls)["r"] == pytest.approx(0.6) and rt.pcie_scale == 1.0
     # declined native calls took 1.4x and 2.5x their prediction (the late one counted a peer's lag)
-    assert _observe(rt, 3, ("n", cls, native_raw), [{"native": 1.4 * native_raw}, {"native": 1.3 * native_raw}])
-    assert _observe(rt, 4, ("n", cls, native_raw), [{"native": 2.5 * native_raw}])
+    assert _observe(rt, 3, ("n", cls, native_raw), [{"cycle": 1.4 * native_raw}, {"cycle": 1.3 * native_raw}])
+    assert _observe(rt, 4, ("n", cls, native_raw), [{"cycle": 2.5 * native_raw}])
     assert rt.fix(cls)["n"] == pytest.approx(1.4)
     assert rt.obs_pred is None
     got = [rt.plan(m, "cuda", GPU_COSTS, native, force=False) for _ in range(20)]
@@ -469,7 +469,7 @@ def test_a_close_decline_is_explored_then_follows_what_was_measured():
     assert got[0][1] == pytest.approx(0.6 * gpu_raw) and got[0][2] == pytest.approx(1.4 * native_raw)
     # only the last FIX_WINDOW samples count: routing that became slow stops being chosen
     for k in range(RoutedAllToAll.FIX_WINDOW):
-        _observe(rt, 10 + k, ("r", cls, gpu_raw), [{"ce": 2.0 * gpu_raw, "host": 2.0 * gpu_raw}])
+        _observe(rt, 10 + k, ("r", cls, gpu_raw), [{"ce": 2.0 * gpu_raw, "host": 2.0 * gpu_raw, "cycle": 2.0 * gpu_raw}])
     assert rt.fix(cls)["r"] == pytest.approx(2.0)
     assert all(rt.plan(m, "cuda", GPU_COSTS, native, force=False)[0] is None for _ in range(40))
     # a different shape class is not affected by what this one learned

@@ -102,7 +102,8 @@ class Communicator:
         from .collectives.routed import RoutedAllToAll
         self._routed = RoutedAllToAll(self.world_size)
         self._routed_seq = 0                    # routed calls observed so far (same on every rank)
-        self._routed_pending = None             # (seq, handle, lane times) of the observed call
+        self._routed_pending = None             # (seq, handle, cycle, times) of the observed call
+        self._cycle_open = None                 # the observed call's cycle, ended by the next a2a call
         self.routing = envs.get("BRAID_ROUTE")      # skewed all_to_all through the router: auto/on/off
         self.last_route: tuple[float, float] | None = None
         self._p2p_pending: list["PendingP2P"] = []                  # posted, peer's side not read yet
@@ -376,17 +377,13 @@ class Communicator:
         p = self._routed_pending
         if p is None:
             return None
-        seq, handle, times = p
+        seq, handle, cycle, times = p
         if times is None:
-            if isinstance(handle, _NativeTimer):
-                if not handle.done():
-                    return None
-                times = {"native": round(handle.elapsed_us(), 1)}
-            elif not all(r.done() for r in handle.runs):
+            if not cycle.done() or (handle is not None and not all(r.done() for r in handle.runs)):
                 return None
-            else:
-                times = {k: round(v, 1) for k, v in handle.lane_times_us().items()}
-            self._routed_pending = (seq, None, times)       # drop the handle, keep the numbers
+            times = {k: round(v, 1) for k, v in handle.lane_times_us().items()} if handle is not None else {}
+            times["cycle"] = round(cycle.elapsed_us(), 1)
+            self._routed_pending = (seq, None, None, times)     # drop the handle, keep the numbers
         return [seq, times]
 
     def _fast_put(self, table: dict, n: int, sig: tuple, hit: bool) -> tuple:
@@ -489,6 +486,12 @@ class Communicator:
             if self.adapt and peer is None:
                 desc = dict(desc, obs=self._observation(op), bal=self.balancer.version)
             t_call = time.perf_counter()      # a routed call's host time counts the exchange too
+            cycle = None
+            if route is not None:             # skewed all_to_all: this call's start ends the observed
+                cycle = _Cycle(device)        # call's cycle (see _Cycle)
+                if self._cycle_open is not None:
+                    self._cycle_open.close(cycle)
+                    self._cycle_open = None
             descs = self._exchange(desc, inp, lanes, peer)
             if self.adapt and peer is None:
                 self._agree(op, descs, ("bal",))
@@ -516,18 +519,19 @@ class Communicator:
                 # plan (its peers may start late)
                 if self._routed_pending is None and not self._routed.last_cold:
                     self._routed_seq += 1
-                    self._routed_pending = (self._routed_seq, handle, None)
+                    self._routed_pending = (self._routed_seq, handle, cycle, None)
                     self._routed.obs_pred = self._routed.last_pred
+                    self._cycle_open = cycle
             elif self._native_ok(shares) and native is not None:
-                # a skewed call that routing declined: time it (once at a time), so the decision
-                # learns how far its native prediction is off for this kind of matrix
-                pred = self._routed.last_pred if route is not None and self._routed_pending is None else None
-                timer = _NativeTimer(device) if pred is not None and pred[0] == "n" else None
                 handle = _as_handle(native(self._native_group(shares)), next(iter(shares)))
-                if timer is not None and timer.stop(handle.native, self._timing_stream if device.type == "cuda" else None):
+                # a skewed call that routing declined: observed too (one at a time), so the
+                # decision learns how far its native prediction is off for this kind of matrix
+                pred = self._routed.last_pred if cycle is not None and self._routed_pending is None else None
+                if pred is not None and pred[0] == "n":
                     self._routed_seq += 1
-                    self._routed_pending = (self._routed_seq, timer, None)
+                    self._routed_pending = (self._routed_seq, None, cycle, None)
                     self._routed.obs_pred = pred
+                    self._cycle_open = cycle
             elif multi is not None:
                 handle = multi(descs, shares, self._plan(mkey, build, shares, size, device), agreed)
             else:
@@ -1201,13 +1205,6 @@ class Communicator:
             self._ce_red = CeReduction(self._lanes["ce"], self)
         return self._ce_red
 
-    def _timing_stream(self):
-        """Where native calls' end events are recorded (apart from braid's op stream, so no
-        braid work waits on them)."""
-        if getattr(self, "_timestream", None) is None:
-            self._timestream = torch.cuda.Stream(device=self.device)
-        return self._timestream
-
     def _op_stream(self):
         if getattr(self, "_opstream", None) is None:
             self._opstream = torch.cuda.Stream(device=self.device)
@@ -1440,46 +1437,35 @@ def _check_plan_bounds(plan: Plan, descs: list) -> None:
                           + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
 
 
-class _NativeTimer:
-    """The time of one native (NCCL's or gloo's own) call, without blocking anyone: on GPUs two
-    timing events, the end one on a side stream that waits for the call's Work; on CPUs the
-    Work's future marks the end."""
+class _Cycle:
+    """The cycle of one skewed all_to_all call: from its start to the start of the next one, on
+    the caller's stream (GPU: two timing events; CPU: the clock). In a loop this is what a call
+    costs whatever bounds it (the GPU's lanes, the host's posting, waiting for the last peer),
+    which neither a lane's own time nor the host time alone shows (4 x H200, 2026-11-22, h = 0.7
+    at 256 MiB: lane times 2451 / 2176 us in calls that came every 1800 us; the first native call
+    after a routed one read 1106 us from its own start to its end, NCCL's steady calls 398)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.t1: float | None = None
+        self.end = None
         if self.cuda:
             self.start = torch.cuda.Event(enable_timing=True)
             self.start.record()
-            self.end = None
         else:
-            self.t0 = time.perf_counter()
+            self.start = time.perf_counter()
 
-    def stop(self, work, side_stream) -> bool:
-        """Mark the end at the Work's completion; False if this Work cannot be timed."""
-        try:
-            if self.cuda:
-                side = side_stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    work.wait()               # NCCL: a stream wait, no CPU block
-                    self.end = torch.cuda.Event(enable_timing=True)
-                    self.end.record(side)
-            else:
-                def mark(_fut) -> None:
-                    self.t1 = time.perf_counter()
-                work.get_future().add_done_callback(mark)
-            return True
-        except Exception:                     # noqa: BLE001 - untimable Work: no observation
-            return False
+    def close(self, nxt: "_Cycle") -> None:
+        self.end = nxt.start
 
     def done(self) -> bool:
-        return self.end.query() if self.cuda else self.t1 is not None
+        if self.end is None:
+            return False
+        return self.end.query() if self.cuda else True
 
     def elapsed_us(self) -> float:
         if self.cuda:
             return self.start.elapsed_time(self.end) * 1e3
-        return (self.t1 - self.t0) * 1e6
+        return (self.end - self.start) * 1e6
 
 
 class _Works:

@@ -53,16 +53,15 @@ class RoutedAllToAll:
     SCALE_RANGE = (0.25, 8.0)
 
     # Learned corrections of the two predictions the decision compares, per shape class of the
-    # matrix (size of the busiest port, skew): measured / predicted time of routed calls (GPU
-    # time, slowest lane of the slowest rank) and of native calls that routing declined. 4 x H200,
-    # 2026-11-22, h = 0.7 at 256 MiB: predicted routed 1967 us / NCCL 1772, measured 1557 / 2471,
-    # so the raw model declined a call that routing ran 1.57x faster. A measured time can only be
-    # too long (a call's clock starts on this rank and also counts waiting for the last peer to
-    # arrive: one native call after a routed one read 1106 us against NCCL's 398), so a class's
-    # correction is the least ratio of its last FIX_WINDOW samples, used once it has FIX_MIN.
-    # A class without them is explored (routed anyway, at most EXPLORE_CALLS times) when the
-    # prediction is within EXPLORE of native; later declines within CLOSE of native are
-    # re-checked by the backing-off probes.
+    # matrix (size of the busiest port, skew): a call's measured cycle (start to the next call's
+    # start on the caller's stream, the slowest rank's; see comm._Cycle) over its prediction, for
+    # routed calls and for native calls that routing declined. 4 x H200, 2026-11-22, h = 0.7 at
+    # 256 MiB: predicted routed 1967 us / NCCL 1772, measured 1557 / 2471, so the raw model
+    # declined a call that routing ran 1.57x faster. A cycle can only be too long (work between
+    # calls, a late peer), so a class's correction is the least ratio of its last FIX_WINDOW
+    # samples, used once it has FIX_MIN. A class without them is explored (routed anyway, at
+    # most EXPLORE_CALLS times) when the prediction is within EXPLORE of native; later declines
+    # within CLOSE of native are re-checked by the backing-off probes.
     EXPLORE = 1.5
     EXPLORE_CALLS = 4
     CLOSE = 1.3
@@ -162,10 +161,11 @@ class RoutedAllToAll:
             for lane, t in times.items():
                 slowest[lane] = max(slowest.get(lane, 0.0), float(t))
         pred, self.obs_pred = self.obs_pred, None
-        if pred is None or pred[0] == "r":
+        cycle = slowest.pop("cycle", None)
+        if (pred is None or pred[0] == "r") and slowest:
             self.learn_lanes(slowest, names)
-        if pred is not None and slowest:
-            self.learn_time(pred[0], pred[1], max(slowest.values()), pred[2])
+        if pred is not None and cycle is not None:
+            self.learn_time(pred[0], pred[1], cycle, pred[2])
         return True
 
     def learn_time(self, kind: str, cls: tuple, measured_us: float, predicted_us: float) -> None:
