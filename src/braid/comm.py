@@ -485,7 +485,6 @@ class Communicator:
         else:
             if self.adapt and peer is None:
                 desc = dict(desc, obs=self._observation(op), bal=self.balancer.version)
-            t_call = time.perf_counter()      # a routed call's host time counts the exchange too
             cycle = None
             if route is not None:             # skewed all_to_all: this call's start ends the observed
                 cycle = _Cycle(device)        # call's cycle (see _Cycle)
@@ -507,6 +506,9 @@ class Communicator:
             self._agree(op, descs, agree_keys + ("calib",))
             size, mkey, build = movement_of(descs)
             agreed = self._agreed_lanes(descs)
+            # a routed call's host time: routing and posting. Not the exchange: waiting there for a
+            # late peer (one that opened buffers, or allocated) read up to 237 ms on 4 x H200
+            t_call = time.perf_counter()
             routed = route(descs, agreed) if route is not None else None
             shares = self.shares_for(op, size, agreed) if routed is None else routed.shares
             if routed is not None:

@@ -264,8 +264,10 @@ class RoutedAllToAll:
         routed_us = max(gpu_us, self.host_time_us())
         if not force and routed_us >= 0.97 * native_us:
             host_bound = gpu_us < 0.97 * native_us and self.host_time_us() >= 0.97 * native_us
+            # explored only where the model sees the GPU, not the host, as the routed call's bound
             explore = (not host_bound and "r" not in fix and self._explored.get(cls, 0) < self.EXPLORE_CALLS
-                       and gpu_us < self.EXPLORE * native_us and self.host_time_us() < 0.97 * native_us)
+                       and gpu_us < self.EXPLORE * native_us and self.host_time_us() < 0.97 * native_us
+                       and self.host_time_us() <= gpu_us)
             if explore:
                 self._explored[cls] = self._explored.get(cls, 0) + 1   # measure the routed side
             elif not (host_bound or gpu_us < self.CLOSE * native_us):
