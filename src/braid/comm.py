@@ -773,6 +773,11 @@ class Communicator:
             native_cost = table.get(native_name, DEFAULT_COSTS[native_name]) if native_name in agreed else None
             plan, routed_us, native_us = self._routed.plan(matrix, kind, costs, native_cost, force=mode == "on")
             self.last_route = (routed_us, native_us)
+            if log.isEnabledFor(logging.DEBUG):
+                rt = self._routed
+                log.debug("route rank %d class %s: routed %.0f us, native %.0f us, host %.0f us, fix %s -> %s",
+                          self.rank, rt.last_cls, routed_us, native_us, rt.host_time_us(),
+                          rt.fix(rt.last_cls) if rt.last_cls else {}, "routed" if plan is not None else "native")
             return plan
 
         return movement_of, route
