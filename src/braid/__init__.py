@@ -5,7 +5,9 @@
     braid.init()                               # the default communicator over the world group
     braid.all_gather_into_tensor(out, x)       # split across NVLink copy engines, NCCL, PCIe...
 
-Every op also exists as a method of `braid.Communicator`.
+Every op also exists as a method of `braid.Communicator`. Or, as a torch.distributed backend:
+
+    import braid; dist.init_process_group("braid")   # then plain dist.all_reduce(t), DDP...
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from .errors import (BraidError, BraidTimeoutError, LaneFailureError, LaneUnavai
                      PeerMismatchError)
 from .collectives.reduce import PremulSum
 from .executor import Handle
+from . import backend      # registers the "braid" torch.distributed backend
 
 __version__ = "0.1.0"
 _SUM = _dist.ReduceOp.SUM
@@ -24,10 +27,16 @@ _default: Communicator | None = None
 
 
 def init(lanes: list[str] | None = None) -> Communicator:
-    """Create (or return) the default communicator over the torch.distributed world."""
+    """Create (or return) the default communicator over the torch.distributed world. Under
+    init_process_group("braid") this is the backend's own communicator (`lanes` is then ignored
+    if a collective already made it)."""
     global _default
     if _default is None or _default.closed:
-        _default = Communicator(lanes=lanes)
+        pg = backend.world_group()
+        if pg is not None:
+            _default = pg.ensure_communicator(lanes)
+        else:
+            _default = Communicator(lanes=lanes)
     return _default
 
 
@@ -40,7 +49,8 @@ def default() -> Communicator:
 def close() -> None:
     global _default
     if _default is not None:
-        _default.close()
+        if not getattr(_default, "_braid_backend_owned", False):   # the backend's: destroy_process_group closes it
+            _default.close()
         _default = None
 
 

@@ -123,7 +123,10 @@ class Communicator:
         self.wanted = None if wanted is None else {LaneKind(str(x)).value for x in wanted}
 
         self.gloo_group = dist.new_group(backend="gloo")
-        self.cuda = torch.cuda.is_available() and dist.is_nccl_available() and "nccl" in str(dist.get_backend()).lower()
+        # GPU lanes under an NCCL default group, or under braid's own backend (its default group
+        # is braid's: whole calls then go to braid's NCCL group below, never to the default group)
+        backend = str(dist.get_backend()).lower()
+        self.cuda = torch.cuda.is_available() and dist.is_nccl_available() and ("nccl" in backend or backend == "braid")
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         ids = [None] * self.world_size
         dist.all_gather_object(ids, (socket.gethostname(), _boot_id(), os.getpid(),

@@ -1,0 +1,489 @@
+"""braid as a torch.distributed backend: `import braid; dist.init_process_group("braid")`.
+
+Plain torch.distributed calls (dist.all_reduce, all_gather_into_tensor, broadcast, send/recv,
+DDP...) then run on braid's lanes. The process group the factory builds is a Python
+`dist.ProcessGroup` that holds two raw inner groups, made from the rendezvous store at once:
+gloo always, NCCL where CUDA and NCCL are there. The braid `Communicator` cannot exist yet at
+that point (it makes its own groups with dist.new_group, which needs the default group), so it
+is made on the first collective braid takes: every rank calls that collective, so every rank
+makes it at the same point. Until then send/recv go to the inner groups; so do the ops braid
+does not have (gather, scatter, list all_to_all, coalesced ops, reductions braid cannot do such
+as bitwise ones or premul-sum, uneven all_gather lists, several tensors per call) and every op
+of a subgroup (new_group without a backend builds another of these groups, inner groups only).
+The inner groups are also registered as the group's cpu/cuda backends, so torch code that asks
+the group for its backend (group names, eager NCCL connect with device_id) finds them.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+
+import torch
+import torch.distributed as dist
+
+NAME = "braid"
+log = logging.getLogger("braid")
+
+
+def _plain_op(op):
+    """The ReduceOp value braid reduces with (SUM/AVG/PRODUCT/MIN/MAX), or None (bitwise ops,
+    premul-sum: its factor cannot be read back from torch's op object)."""
+    R = dist.ReduceOp
+    for cand in (R.SUM, R.AVG, R.MAX, R.MIN, R.PRODUCT):
+        try:
+            if op == cand:
+                return cand
+        except TypeError:
+            continue
+    return None
+
+
+def _tensors_in(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors_in(x)
+
+
+class BraidWork(dist._Work):
+    """torch's Work around a braid handle. wait(): on GPUs the current stream waits for the call
+    (no CPU block), on CPU it blocks until done, as Handle.wait does. get_future() waits the same
+    way and returns a completed future holding `result` (the tensors the call wrote): DDP's
+    communication hooks chain on it. handle None: the call has finished already."""
+
+    def __init__(self, handle, result):
+        super().__init__()
+        self._handle = handle
+        self._result = result
+        self._waited = handle is None
+        self._error: BaseException | None = None
+        self._future = None
+
+    def wait(self, timeout=None) -> bool:
+        if self._error is not None:
+            raise self._error
+        if not self._waited:
+            self._waited = True
+            try:
+                self._handle.wait()
+            except BaseException as exc:
+                self._error = exc
+                raise
+        return True
+
+    def is_completed(self) -> bool:
+        if self._waited:
+            return True
+        return bool(self._handle.is_completed())
+
+    def is_success(self) -> bool:
+        return self._error is None
+
+    def exception(self):
+        return self._error
+
+    def result(self):
+        return list(self._result)
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def get_future(self):
+        if self._future is None:
+            devices = sorted({str(t.device) for t in self._result if isinstance(t, torch.Tensor) and t.is_cuda})
+            fut = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+            self._future = fut
+            try:
+                self.wait()
+            except BaseException as exc:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(list(self._result))
+        return self._future
+
+
+class _QueuedWork(BraidWork):
+    """The Work of a queued GPU send/recv: asking it anything posts the queue first."""
+
+    def __init__(self, pg: "BraidProcessGroup", result):
+        super().__init__(None, result)
+        self._pg = pg
+        self._waited = False
+        self._inner = None
+
+    def _posted(self, work) -> None:
+        self._inner = work
+
+    def _post(self) -> None:
+        if self._inner is None:
+            self._pg.flush_p2p()
+
+    def wait(self, timeout=None) -> bool:
+        if self._error is not None:
+            raise self._error
+        if not self._waited:
+            self._waited = True
+            try:
+                self._post()
+                if self._inner is not None:
+                    self._inner.wait()
+            except BaseException as exc:
+                self._error = exc
+                raise
+        return True
+
+    def is_completed(self) -> bool:
+        self._post()
+        return self._waited or self._inner is None or bool(self._inner.is_completed())
+
+
+def _coalescing(fn, dev):
+    """A backend's _start/_end_coalescing: no argument on a raw backend (torch 2.11), the device
+    on a ProcessGroup."""
+    try:
+        return fn()
+    except TypeError:
+        return fn(dev)
+
+
+def _done(result=()) -> BraidWork:
+    return BraidWork(None, list(result))
+
+
+def _make_nccl(store, rank: int, size: int, timeout):
+    """A raw ProcessGroupNCCL over `store`, or None where CUDA or NCCL is missing."""
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        return None
+    try:
+        from torch.distributed import ProcessGroupNCCL
+        opts = ProcessGroupNCCL.Options()
+        if timeout is not None:
+            opts._timeout = timeout
+        return ProcessGroupNCCL(store, rank, size, opts)
+    except Exception as exc:    # an API change: braid still runs, CUDA ops braid lacks then fail
+        log.warning("braid backend: no inner NCCL group (%s); CUDA ops that braid does not "
+                    "implement will fail", exc)
+        return None
+
+
+class BraidProcessGroup(dist.ProcessGroup):
+    """The process group `init_process_group("braid")` makes (see the module text)."""
+
+    def __init__(self, store, rank: int, size: int, timeout, world: bool):
+        super().__init__(rank, size)
+        self._braid_rank, self._braid_size = rank, size
+        self._timeout = timeout if timeout is not None else datetime.timedelta(minutes=30)
+        self._world = world           # the default group: braid's Communicator runs on it
+        self._comm = None
+        self._closed = False
+        self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("braid/gloo/", store), rank, size, self._timeout)
+        self.nccl = _make_nccl(dist.PrefixStore("braid/nccl/", store), rank, size, self._timeout)
+        self._gpu = self.nccl is not None
+        self._p2p_queue: list[tuple] = []    # GPU send/recv not yet posted (see _p2p)
+        try:
+            self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self.gloo)
+            if self.nccl is not None:
+                self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, self.nccl)
+        except Exception as exc:   # only torch's own lookups of the group's backends need them
+            log.debug("braid backend: inner groups not registered as backends: %s", exc)
+
+    # identity ---------------------------------------------------------------------------------
+    def getBackendName(self) -> str:
+        return NAME
+
+    def __repr__(self) -> str:
+        return f"BraidProcessGroup(rank={self._braid_rank}, size={self._braid_size}, world={self._world})"
+
+    def ensure_communicator(self, lanes: list[str] | None = None):
+        """braid's Communicator of this (default) group, made now if no collective made it yet
+        (collective: every rank calls this at the same point; `lanes` applies only then)."""
+        from .errors import MisuseError
+        if not self._world:
+            raise MisuseError("this braid process group is a subgroup: braid's Communicator runs on the "
+                              "default (world) group only; subgroups use plain gloo/NCCL")
+        if self._closed:
+            raise MisuseError("the braid process group was destroyed")
+        if self._comm is None:
+            from .comm import Communicator
+            comm = Communicator(lanes=lanes)
+            comm._braid_backend_owned = True
+            self._comm = comm
+        return self._comm
+
+    # routing ----------------------------------------------------------------------------------
+    def _braid_for(self, tensors):
+        """braid's Communicator when it takes a call on these tensors (made on first use), else
+        None (the call goes to an inner group). Decided from facts every rank shares."""
+        if not self._world or self._closed or not tensors:
+            return None
+        kind = None
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                return None
+            if t.layout != torch.strided or t.is_quantized:
+                return None
+            if kind is None:
+                kind = t.device.type
+            elif t.device.type != kind:
+                return None
+        if kind == "cuda" and not self._gpu:
+            return None
+        if kind not in ("cpu", "cuda"):
+            return None
+        return self.ensure_communicator()
+
+    def _inner(self, tensors):
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.is_cuda and self.nccl is not None:
+                return self.nccl
+        return self.gloo
+
+    def _forward(self, name: str, *args, **kwargs):
+        self.flush_p2p()
+        inner = self._inner(list(_tensors_in((args, list(kwargs.values())))))
+        work = getattr(inner, name)(*args, **kwargs)
+        # a synchronous NCCL call may return no Work (it ran on the current stream)
+        return work if work is not None else _done()
+
+    def _run(self, call, opts, result):
+        """Run a braid call; synchronous calls (opts.asyncOp False) keep braid's own synchronous
+        path (on GPUs: NCCL's call on the current stream for small messages)."""
+        self.flush_p2p()
+        if not getattr(opts, "asyncOp", True):
+            call(False)
+            return _done(result)
+        return BraidWork(call(True), result)
+
+    @staticmethod
+    def _reducible(t, op) -> bool:
+        from .collectives.reduce import REDUCE_DTYPES
+        return op is not None and t.dtype in REDUCE_DTYPES
+
+    # collectives ------------------------------------------------------------------------------
+    def allreduce(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.AllreduceOptions()
+        op = _plain_op(opts.reduceOp)
+        if len(tensors) == 1 and self._reducible(tensors[0], op):
+            comm = self._braid_for(tensors)
+            if comm is not None:
+                t = tensors[0]
+                return self._run(lambda a: comm.all_reduce(t, op, async_op=a), opts, [t])
+        return self._forward("allreduce", tensors, opts)
+
+    def broadcast(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.BroadcastOptions()
+        if len(tensors) == 1 and opts.rootTensor == 0:
+            comm = self._braid_for(tensors)
+            if comm is not None:
+                t, root = tensors[0], opts.rootRank
+                return self._run(lambda a: comm.broadcast(t, root, async_op=a), opts, [t])
+        return self._forward("broadcast", tensors, opts)
+
+    def reduce(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.ReduceOptions()
+        op = _plain_op(opts.reduceOp)
+        if len(tensors) == 1 and opts.rootTensor == 0 and self._reducible(tensors[0], op):
+            comm = self._braid_for(tensors)
+            if comm is not None:
+                t, root = tensors[0], opts.rootRank
+                return self._run(lambda a: comm.reduce(t, root, op, async_op=a), opts, [t])
+        return self._forward("reduce", tensors, opts)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        if len(input_tensors) == 1 and len(output_tensors) == 1:
+            inp, outs = input_tensors[0], list(output_tensors[0])
+            even = len(outs) == self._braid_size and all(
+                isinstance(o, torch.Tensor) and o.numel() == inp.numel() and o.dtype == inp.dtype for o in outs)
+            comm = self._braid_for([inp] + outs) if even else None
+            if comm is not None:
+                return self._run(lambda a: comm.all_gather(outs, inp, async_op=a), opts, outs)
+        return self._forward("allgather", output_tensors, input_tensors, opts)
+
+    def _all_gather_single(self, name, output, input, opts):
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        comm = self._braid_for([output, input])
+        if comm is not None:
+            return self._run(lambda a: comm.all_gather_into_tensor(output, input, async_op=a), opts, [output])
+        return self._forward(name, output, input, opts)
+
+    def _allgather_base(self, output, input, opts=None):           # torch <= 2.12
+        return self._all_gather_single("_allgather_base", output, input, opts)
+
+    def all_gather_single(self, output, input, opts=None):         # torch >= 2.13
+        return self._all_gather_single("all_gather_single", output, input, opts)
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        op = _plain_op(opts.reduceOp)
+        if len(output_tensors) == 1 and len(input_tensors) == 1 and self._reducible(output_tensors[0], op):
+            out, ins = output_tensors[0], list(input_tensors[0])
+            even = len(ins) == self._braid_size and all(
+                isinstance(i, torch.Tensor) and i.numel() == out.numel() and i.dtype == out.dtype for i in ins)
+            comm = self._braid_for([out] + ins) if even else None
+            if comm is not None:
+                return self._run(lambda a: comm.reduce_scatter(out, ins, op, async_op=a), opts, [out])
+        return self._forward("reduce_scatter", output_tensors, input_tensors, opts)
+
+    def _reduce_scatter_single(self, name, output, input, opts):
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        op = _plain_op(opts.reduceOp)
+        comm = self._braid_for([output, input]) if self._reducible(output, op) else None
+        if comm is not None:
+            return self._run(lambda a: comm.reduce_scatter_tensor(output, input, op, async_op=a), opts, [output])
+        return self._forward(name, output, input, opts)
+
+    def _reduce_scatter_base(self, output, input, opts=None):       # torch <= 2.12
+        return self._reduce_scatter_single("_reduce_scatter_base", output, input, opts)
+
+    def reduce_scatter_single(self, output, input, opts=None):      # torch >= 2.13
+        return self._reduce_scatter_single("reduce_scatter_single", output, input, opts)
+
+    def _all_to_all_single(self, name, output, input, output_split_sizes, input_split_sizes, opts):
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        comm = self._braid_for([output, input])
+        if comm is not None:
+            osz = list(output_split_sizes) or None
+            isz = list(input_split_sizes) or None
+            return self._run(lambda a: comm.all_to_all_single(output, input, osz, isz, async_op=a), opts, [output])
+        return self._forward(name, output, input, output_split_sizes, input_split_sizes, opts)
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):   # torch <= 2.12
+        return self._all_to_all_single("alltoall_base", output, input, output_split_sizes, input_split_sizes, opts)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # >= 2.13
+        return self._all_to_all_single("all_to_all_single", output, input, output_split_sizes,
+                                       input_split_sizes, opts)
+
+    # point to point ---------------------------------------------------------------------------
+    # torch's batch_isend_irecv coalesces only for its own ProcessGroup type: for this group it
+    # issues the ops one by one, and two ranks that each isend and then irecv to the other hung in
+    # NCCL (2 x H200, torch 2.11). So a GPU send/recv that goes to NCCL is queued, and the queue is
+    # posted as one NCCL group when any of its Works is waited on or asked about, or before any
+    # other call on this group: the ops of one batch_isend_irecv always go together. Large
+    # messages that braid splits keep braid's own send/recv (its lanes start once both sides are
+    # posted, in any order).
+    def _p2p(self, sending: bool, tensors, peer: int, tag: int):
+        # before the first collective made the Communicator, or with a tag: the inner group
+        comm = self._comm if (self._comm is not None and tag == 0 and len(tensors) == 1) else None
+        if comm is not None and self._braid_for(tensors) is not None:
+            t = tensors[0]
+            if not (t.is_cuda and comm._native_for("send_recv", t.numel() * t.element_size())):
+                self.flush_p2p()
+                handle = comm.send(t, peer, async_op=True) if sending else comm.recv(t, peer, async_op=True)
+                return BraidWork(handle, [t])
+        if self.nccl is not None and any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
+            work = _QueuedWork(self, list(tensors))
+            self._p2p_queue.append((sending, list(tensors), peer, tag, work))
+            return work
+        self.flush_p2p()
+        return self._forward("send" if sending else "recv", tensors, peer, tag)
+
+    def flush_p2p(self) -> None:
+        """Post the queued GPU send/recv as one NCCL group (nothing to do when none is queued)."""
+        if not self._p2p_queue:
+            return
+        queue, self._p2p_queue = self._p2p_queue, []
+        dev = next(t.device for _, ts, _, _, _ in queue for t in ts if t.is_cuda)
+        inner = self.nccl
+        if len(queue) == 1:
+            sending, ts, peer, tag, w = queue[0]
+            w._posted(getattr(inner, "send" if sending else "recv")(ts, peer, tag))
+            return
+        _coalescing(inner._start_coalescing, dev)
+        try:
+            for sending, ts, peer, tag, _ in queue:
+                getattr(inner, "send" if sending else "recv")(ts, peer, tag)
+        finally:
+            group_work = _coalescing(inner._end_coalescing, dev)
+        for *_, w in queue:
+            w._posted(group_work)
+
+    def send(self, tensors, dstRank, tag=0):
+        return self._p2p(True, tensors, dstRank, tag)
+
+    def recv(self, tensors, srcRank, tag=0):
+        return self._p2p(False, tensors, srcRank, tag)
+
+    def recv_anysource(self, tensors, tag=0):
+        return self._forward("recv_anysource", tensors, tag)
+
+    def barrier(self, opts=None):
+        """On the inner gloo group (CPU). With braid's GPU lanes the current stream is drained
+        first, so work queued before the barrier has finished, as after NCCL's barrier."""
+        self.flush_p2p()
+        comm = self._comm
+        if comm is not None and getattr(comm, "cuda", False) and not comm.closed:
+            torch.cuda.current_stream().synchronize()
+        bo = dist.BarrierOptions()
+        timeout = getattr(opts, "timeout", None)
+        if timeout is not None:
+            try:
+                bo.timeout = timeout
+            except (TypeError, AttributeError):
+                pass
+        return self.gloo.barrier(bo)
+
+    # life cycle -------------------------------------------------------------------------------
+    def _release(self, how: str) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._p2p_queue = []                 # never posted: nothing of theirs is in flight
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            try:
+                comm.close()
+            except Exception as exc:     # shutting down: report, go on releasing
+                log.warning("braid backend: closing the communicator failed: %s", exc)
+        for inner in (self.nccl, self.gloo):
+            fn = getattr(inner, how, None) if inner is not None else None
+            if fn is not None:
+                try:
+                    fn()
+                except Exception as exc:
+                    log.debug("braid backend: inner %s failed: %s", how, exc)
+
+    def shutdown(self) -> None:
+        self._release("shutdown")
+
+    def abort(self) -> None:
+        self._release("abort")
+
+
+def _forwarding(name: str):
+    def method(self, *args, **kwargs):
+        return self._forward(name, *args, **kwargs)
+    method.__name__ = name
+    method.__doc__ = f"torch's {name}: braid has no version of its own; the inner gloo/NCCL group runs it."
+    return method
+
+
+for _name in ("gather", "scatter", "alltoall", "allreduce_coalesced", "allgather_coalesced",
+              "allgather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced", "monitored_barrier"):
+    setattr(BraidProcessGroup, _name, _forwarding(_name))
+
+
+def _create(store, rank, world_size, timeout):
+    """torch's factory hook. The default group is made before dist.is_initialized() turns True;
+    later groups with this backend (new_group without a backend) are subgroups."""
+    return BraidProcessGroup(store, rank, world_size, timeout, world=not dist.is_initialized())
+
+
+def world_group() -> BraidProcessGroup | None:
+    """The default process group when it is braid's, else None."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    pg = dist.distributed_c10d._get_default_group()
+    return pg if isinstance(pg, BraidProcessGroup) else None
+
+
+def register() -> None:
+    """Register the "braid" backend with torch.distributed (idempotent)."""
+    if not dist.is_available() or NAME in dist.Backend.backend_list:
+        return
+    dist.Backend.register_backend(NAME, _create, devices=["cpu", "cuda"])
+
+
+register()

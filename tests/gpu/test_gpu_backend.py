@@ -1,0 +1,278 @@
+"""GPU tier: the "braid" torch.distributed backend with CUDA tensors (plain dist.* calls, DDP,
+functional collectives, FSDP2), against references every rank computes locally.
+
+Skips without 2 GPUs. Run on a GPU machine:  python3 -m pytest tests/gpu/test_gpu_backend.py -q
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import traceback
+
+import pytest
+import torch
+
+from gpu_world import BASE_ENV, _port, needs
+
+NEEDS = needs(2)
+SIZES = [7, 1023, 1_000_003, 3 << 20]
+
+
+def _data(seed: int, n: int, dtype, dev) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.rand(n, generator=g) * 3 + 0.5) * (torch.randint(0, 2, (n,), generator=g) * 2 - 1)
+    if not dtype.is_floating_point:
+        x = (x * 1000).round()
+    return x.to(dtype).to(dev)
+
+
+def _close(got, want, what):
+    tol = {torch.bfloat16: 2e-2, torch.float16: 2e-3}.get(got.dtype, 1e-5)
+    if got.dtype.is_floating_point:
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol, msg=what)
+    else:
+        assert torch.equal(got, want), what
+
+
+def _cases(rank, w, dev, pg):
+    import torch.distributed as dist
+    R = dist.ReduceOp
+
+    def backend_name():
+        assert dist.get_backend() == "braid", dist.get_backend()
+        assert type(pg).__name__ == "BraidProcessGroup", type(pg)
+    yield "backend_name", backend_name
+
+    def batch(tag, sizes):
+        # torch's batch_isend_irecv on this group: both ranks isend first, then irecv (issued one
+        # by one for a Python group; braid queues GPU sends/recvs and posts them as one group)
+        def run():
+            for n in sizes:
+                x = _data(900 + rank + n, n, torch.float32, dev)
+                got = torch.empty_like(x)
+                ops = [dist.P2POp(dist.isend, x, 1 - rank), dist.P2POp(dist.irecv, got, 1 - rank)]
+                for wk in dist.batch_isend_irecv(ops):
+                    wk.wait()
+                _close(got, _data(900 + 1 - rank + n, n, torch.float32, dev), f"batch_isend_irecv {tag} n={n}")
+        return run
+
+    yield "batch_first", batch("before any collective", [4097])
+
+    def batch_first_state():
+        assert pg._comm is None
+    yield "batch_first_state", batch_first_state
+
+    def p2p_first():
+        x = _data(10 + rank, 4097, torch.float32, dev)
+        got = torch.empty_like(x)
+        # rank 0 sends first, rank 1 receives first: NCCL connects a pair on its first send/recv,
+        # and two first sends facing each other wait for each other
+        ws = [dist.isend(x, 1 - rank), dist.irecv(got, 1 - rank)] if rank == 0 else \
+            [dist.irecv(got, 1 - rank), dist.isend(x, 1 - rank)]
+        for wk in ws:
+            wk.wait()
+        _close(got, _data(10 + 1 - rank, 4097, torch.float32, dev), "isend/irecv before any collective")
+        assert pg._comm is None
+    yield "p2p_first", p2p_first
+
+    def reductions():
+        for dtype in (torch.float32, torch.bfloat16, torch.int64):
+            for n in SIZES:
+                parts = [_data(100 + r + n, n, dtype, dev) for r in range(w)]
+                ops = [("sum", R.SUM), ("max", R.MAX)] + ([("avg", R.AVG)] if dtype.is_floating_point else [])
+                for name, op in ops:
+                    t = parts[rank].clone()
+                    dist.all_reduce(t, op=op)
+                    st = torch.stack([p.double() for p in parts])
+                    ref = {"sum": st.sum(0), "max": st.amax(0), "avg": st.mean(0)}[name].to(dtype)
+                    _close(t, ref, f"all_reduce {name} {dtype} n={n}")
+                m = n // w
+                out = torch.empty(m, dtype=dtype, device=dev)
+                dist.reduce_scatter_tensor(out, parts[rank][: m * w].clone())
+                ref = torch.stack([p[rank * m:(rank + 1) * m].double() for p in parts]).sum(0).to(dtype)
+                _close(out, ref, f"reduce_scatter_tensor {dtype} n={n}")
+        assert pg._comm is not None and pg._comm.cuda
+    yield "reductions", reductions
+
+    def premul_sum():       # not a braid op: the inner NCCL group runs it
+        t = _data(7, 1023, torch.float32, dev) * (rank + 1)
+        dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
+        ref = sum(_data(7, 1023, torch.float32, dev) * (r + 1) for r in range(w)) * 0.5
+        _close(t, ref, "premul-sum")
+    yield "premul_sum", premul_sum
+
+    def moves():
+        for dtype in (torch.float32, torch.bfloat16, torch.uint8):
+            for n in SIZES:
+                parts = [_data(300 + r + n, n, dtype, dev) for r in range(w)]
+                out = torch.empty(n * w, dtype=dtype, device=dev)
+                dist.all_gather_into_tensor(out, parts[rank])
+                assert torch.equal(out, torch.cat(parts)), f"all_gather_into_tensor {dtype} n={n}"
+                outs = [torch.empty(n, dtype=dtype, device=dev) for _ in range(w)]
+                dist.all_gather(outs, parts[rank])
+                assert torch.equal(torch.cat(outs), torch.cat(parts)), f"all_gather {dtype} n={n}"
+                b = parts[rank].clone()
+                dist.broadcast(b, src=w - 1)
+                assert torch.equal(b, parts[w - 1]), f"broadcast {dtype} n={n}"
+        rows = [[(s + 2 * d + 1) * 1000 for d in range(w)] for s in range(w)]
+        ins = [_data(500 + s, sum(rows[s]) * 4, torch.float32, dev).view(-1, 4) for s in range(w)]
+        out = torch.empty(sum(rows[s][rank] for s in range(w)), 4, device=dev)
+        dist.all_to_all_single(out, ins[rank], [rows[s][rank] for s in range(w)], rows[rank])
+        assert torch.equal(out, torch.cat([ins[s].split(rows[s])[rank] for s in range(w)])), "all_to_all_single"
+    yield "moves", moves
+
+    def p2p_after():
+        for n in (4097, 3 << 20):
+            x = _data(20 + rank + n, n, torch.float32, dev)
+            got = torch.empty_like(x)
+            before = pg._comm.last_handle
+            ws = [dist.isend(x, 1 - rank), dist.irecv(got, 1 - rank)] if rank == 0 else \
+                [dist.irecv(got, 1 - rank), dist.isend(x, 1 - rank)]
+            for wk in ws:
+                wk.wait()
+            # braid's own send/recv where braid would split the message; else NCCL (queued, one group)
+            split = not pg._comm._native_for("send_recv", n * 4)
+            assert (pg._comm.last_handle is not before) == split, (n, split)
+            _close(got, _data(20 + 1 - rank + n, n, torch.float32, dev), f"isend/irecv n={n}")
+    yield "p2p_after", p2p_after
+    yield "batch_after", batch("after a collective", [4097, 3 << 20])
+
+    def async_and_future():
+        t = _data(40 + rank, 3 << 20, torch.float32, dev)
+        ref = _data(40, 3 << 20, torch.float32, dev) + _data(41, 3 << 20, torch.float32, dev)
+        work = dist.all_reduce(t, async_op=True)
+        val = work.get_future().wait()[0]
+        _close(val, ref, "future value")
+        work.wait()
+        _close(t, ref, "async all_reduce")
+    yield "async_and_future", async_and_future
+
+    def objects_barrier():
+        objs = [None] * w
+        dist.all_gather_object(objs, {"r": rank})
+        assert objs == [{"r": r} for r in range(w)], objs
+        dist.barrier()
+    yield "objects_barrier", objects_barrier
+
+    def ddp():
+        import copy
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 32).to(dev)
+        ref = copy.deepcopy(model)
+        ddp_model = DDP(model, device_ids=[dev.index])
+        xs = [_data(60 + r, 8 * 64, torch.float32, dev).view(8, 64) for r in range(w)]
+        (ddp_model(xs[rank]) ** 2).sum().backward()
+        grads = []
+        for r in range(w):
+            ref.zero_grad()
+            (ref(xs[r]) ** 2).sum().backward()
+            grads.append([p.grad.clone() for p in ref.parameters()])
+        for i, p in enumerate(model.parameters()):
+            _close(p.grad, sum(g[i] for g in grads) / w, f"DDP grad {i}")
+    yield "ddp", ddp
+
+    def functional():
+        import torch.distributed._functional_collectives as fc
+        x = _data(80 + rank, 1023, torch.float32, dev)
+        y = fc.all_reduce(x, "sum", dist.group.WORLD)
+        _close(y, _data(80, 1023, torch.float32, dev) + _data(81, 1023, torch.float32, dev), "functional all_reduce")
+    yield "functional", functional
+
+    def fsdp2():
+        from torch.distributed.device_mesh import init_device_mesh
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:
+            from torch.distributed._composable.fsdp import fully_shard
+        mesh = init_device_mesh("cuda", (w,))
+        torch.manual_seed(0)
+        mod = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4)).to(dev)
+        fully_shard(mod, mesh=mesh)
+        loss = mod(_data(90 + rank, 3 * 32, torch.float32, dev).view(3, 32)).sum()
+        loss.backward()
+        assert all(p.grad is not None for p in mod.parameters())
+    yield "fsdp2", fsdp2
+
+    def destroy():
+        comm = pg._comm
+        dist.destroy_process_group()
+        assert comm.closed
+        left = [ln for ln in open("/proc/self/maps") if "/braid-" in ln]
+        assert not left, left
+    yield "destroy", destroy
+
+
+def _bound_cases(rank, w, dev, pg):
+    """init_process_group(..., device_id=...): torch connects the inner NCCL group eagerly."""
+    import torch.distributed as dist
+
+    def collectives():
+        for n in (1023, 3 << 20):
+            t = _data(700 + rank + n, n, torch.float32, dev)
+            dist.all_reduce(t)
+            _close(t, sum(_data(700 + r + n, n, torch.float32, dev) for r in range(w)), f"all_reduce n={n}")
+        dist.barrier()
+        assert pg._comm is not None and pg._comm.cuda
+    yield "collectives", collectives
+
+    def destroy():
+        comm = pg._comm
+        dist.destroy_process_group()
+        assert comm.closed
+    yield "destroy", destroy
+
+
+def _entry(rank, world, port, out_dir, bound=False):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **BASE_ENV, BRAID_MIN_SPLIT_KB="1")
+    import torch.distributed as dist
+    import braid  # noqa: F401
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("braid", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120),
+                            **({"device_id": dev} if bound else {}))
+    pg = dist.distributed_c10d._get_default_group()
+    report = {}
+    for name, fn in (_bound_cases if bound else _cases)(rank, world, dev, pg):
+        try:
+            fn()
+            torch.cuda.synchronize()
+            report[name] = "ok"
+        except Exception:
+            report[name] = traceback.format_exc()[-2500:]
+    import json
+    with open(os.path.join(out_dir, f"r{rank}.json"), "w") as f:
+        json.dump(report, f)
+
+
+def _spawn(tmp_path_factory, bound: bool):
+    import json
+    import torch.multiprocessing as mp
+    out = tmp_path_factory.mktemp("backend")
+    mp.spawn(_entry, args=(2, _port(), str(out), bound), nprocs=2)
+    return [json.loads((out / f"r{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    return _spawn(tmp_path_factory, bound=False)
+
+
+@pytest.fixture(scope="module")
+def bound_reports(tmp_path_factory):
+    return _spawn(tmp_path_factory, bound=True)
+
+
+@NEEDS
+@pytest.mark.parametrize("case", ["backend_name", "batch_first", "batch_first_state", "p2p_first", "reductions", "premul_sum", "moves", "p2p_after",
+                                  "batch_after", "async_and_future", "objects_barrier", "ddp", "functional", "fsdp2", "destroy"])
+def test_gpu_backend(reports, case):
+    bad = {r: rep.get(case, "not run") for r, rep in enumerate(reports) if rep.get(case) != "ok"}
+    assert not bad, f"{case}:\n" + "\n".join(f"rank {r}: {v}" for r, v in bad.items())
+
+
+@NEEDS
+@pytest.mark.parametrize("case", ["collectives", "destroy"])
+def test_gpu_backend_with_device_id(bound_reports, case):
+    bad = {r: rep.get(case, "not run") for r, rep in enumerate(bound_reports) if rep.get(case) != "ok"}
+    assert not bad, f"{case}:\n" + "\n".join(f"rank {r}: {v}" for r, v in bad.items())
