@@ -1,0 +1,12 @@
+# session 5, run 1 (4 x H200): hot all_to_all with the learned routing decision (3 benches, the
+# first calibrates), 64 MiB guard, routed GPU tests on 4 GPUs
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+export LOGS=/tmp/L BENCH_TIMEOUT=150; mkdir -p $LOGS
+S="bash scripts/device_run.sh"
+$S info
+BENCH_OP=all_to_all_single BENCH_SIZES=256M:1G BENCH_TAG=hot_a BENCH_EXTRA="--hot-fraction 0.7,0.9" $S bench4 | grep -E "^ +[0-9]|calibrat|^# [a-z]"
+cp -r /tmp/braid_cache $LOGS/cache 2>/dev/null
+BENCH_OP=all_to_all_single BENCH_SIZES=256M:1G BENCH_TAG=hot_b BENCH_EXTRA="--hot-fraction 0.7,0.9,1.0 --no-calibrate" $S bench4 | grep -E "^ +[0-9]|^# [a-z]"
+BENCH_OP=all_to_all_single BENCH_SIZES=64M:256M BENCH_TAG=hot_c BENCH_EXTRA="--hot-fraction 0.4,0.7 --no-calibrate" $S bench4 | grep -E "^ +[0-9]|^# [a-z]"
+timeout 200 python3 -m pytest tests/gpu/test_gpu_routed.py -q -x 2>&1 | tee $LOGS/gpu_routed4.log | tail -5
+$S pack
