@@ -451,3 +451,80 @@ def test_register_is_idempotent():
     backend.register()
     assert dist.Backend.backend_list.count("braid") == 1
     assert "BRAID" in dist.Backend._plugins
+
+
+# ---- GPU send/recv queue (the logic, with a stand-in for the inner NCCL group) ----------------
+
+class _FakeTensor:
+    is_cuda = True
+    device = "cuda:0"
+
+
+class _FakeWork:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def wait(self):
+        self.log.append(("wait", self.name))
+        return True
+
+    def is_completed(self):
+        return True
+
+
+class _FakeNccl:
+    """Records what the queue posts; _start/_end_coalescing take no argument, as on a raw backend."""
+
+    def __init__(self):
+        self.log = []
+
+    def _start_coalescing(self):
+        self.log.append("start")
+
+    def _end_coalescing(self):
+        self.log.append("end")
+        return _FakeWork(self.log, "group")
+
+    def send(self, ts, peer, tag):
+        self.log.append(("send", peer))
+        return _FakeWork(self.log, f"send{peer}")
+
+    def recv(self, ts, peer, tag):
+        self.log.append(("recv", peer))
+        return _FakeWork(self.log, f"recv{peer}")
+
+
+def test_queued_gpu_sends_and_recvs_post_as_one_group_on_first_wait():
+    import types
+    from braid.backend import BraidProcessGroup, _QueuedWork
+    pg = types.SimpleNamespace(nccl=_FakeNccl(), _p2p_queue=[])
+    pg.flush_p2p = lambda: BraidProcessGroup.flush_p2p(pg)
+    works = []
+    for sending, peer in ((True, 1), (False, 1), (True, 2)):
+        w = _QueuedWork(pg, [_FakeTensor()])
+        pg._p2p_queue.append((sending, [_FakeTensor()], peer, 0, w))
+        works.append(w)
+    assert pg.nccl.log == []                        # nothing posted before anyone asks
+    works[1].wait()
+    assert pg.nccl.log == ["start", ("send", 1), ("recv", 1), ("send", 2), "end", ("wait", "group")]
+    assert pg._p2p_queue == []
+    assert works[0].is_completed() and works[2].wait()
+    assert pg.nccl.log.count("start") == 1          # posted once
+    # one op alone goes as it is, without a group
+    pg.nccl.log.clear()
+    w = _QueuedWork(pg, [_FakeTensor()])
+    pg._p2p_queue.append((False, [_FakeTensor()], 3, 0, w))
+    assert w.is_completed()
+    assert pg.nccl.log == [("recv", 3)]
+
+
+def test_coalescing_calls_pass_the_device_only_where_it_is_wanted():
+    from braid.backend import _coalescing
+    seen = []
+    assert _coalescing(lambda: seen.append("none") or "a", "cuda:0") == "a"
+
+    def with_dev(dev):
+        seen.append(dev)
+        return "b"
+    assert _coalescing(with_dev, "cuda:0") == "b"
+    assert seen == ["none", "cuda:0"]

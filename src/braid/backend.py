@@ -66,11 +66,14 @@ class BraidWork(dist._Work):
         if not self._waited:
             self._waited = True
             try:
-                self._handle.wait()
+                self._finish()
             except BaseException as exc:
                 self._error = exc
                 raise
         return True
+
+    def _finish(self) -> None:
+        self._handle.wait()
 
     def is_completed(self) -> bool:
         if self._waited:
@@ -119,19 +122,10 @@ class _QueuedWork(BraidWork):
         if self._inner is None:
             self._pg.flush_p2p()
 
-    def wait(self, timeout=None) -> bool:
-        if self._error is not None:
-            raise self._error
-        if not self._waited:
-            self._waited = True
-            try:
-                self._post()
-                if self._inner is not None:
-                    self._inner.wait()
-            except BaseException as exc:
-                self._error = exc
-                raise
-        return True
+    def _finish(self) -> None:
+        self._post()
+        if self._inner is not None:
+            self._inner.wait()
 
     def is_completed(self) -> bool:
         self._post()
