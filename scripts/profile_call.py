@@ -3,6 +3,7 @@ rank 0) and on the GPU (calls enqueued back to back, timed with events).
 
     python3 scripts/profile_call.py --nproc 2 --op all_reduce --size 16M --shares ce=1
     python3 scripts/profile_call.py --nproc 4 --op moe --size 64M --shares auto
+    python3 scripts/profile_call.py --nproc 4 --op all_to_all_single --hot 0.7 --size 1M --shares auto
 """
 import argparse
 import cProfile
@@ -36,7 +37,7 @@ def setup(rank, world, port, args, env=()):
     braid, comm = init_rank(rank, world, port, env)
     from braid.bench import parse_shares, parse_size
     from braid.workloads import make
-    wl = make(comm, args.op, parse_size(args.size), torch.bfloat16)
+    wl = make(comm, args.op, parse_size(args.size), torch.bfloat16, hot_fraction=args.hot)
     return braid, comm, wl, None if args.shares == "auto" else parse_shares(args.shares)
 
 
@@ -97,6 +98,7 @@ def main():
     ap.add_argument("--op", default="all_reduce")
     ap.add_argument("--size", default="16M")
     ap.add_argument("--shares", default="ce=1", help="fixed shares, or 'auto' (braid's own choice)")
+    ap.add_argument("--hot", type=float, default=None, help="all_to_all_single: this fraction of every rank's bytes to the last rank")
     spawn(worker, ap.parse_args())
 
 

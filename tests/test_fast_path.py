@@ -73,3 +73,53 @@ def test_measured_verdict_picks_split_native_or_a_lane_alone():
     assert native == {"gloo": 1.0}
     assert set(split) == {"shm", "gloo"} and abs(sum(split.values()) - 1.0) < 1e-9
     assert fallback == {"gloo": 1.0}
+
+
+def _values_worker(rank, w):
+    """The two-number agreement that precedes a small uneven all_to_all on GPUs: every rank gets
+    every rank's values in rank order, interleaved with descriptor exchanges on the same sequence;
+    a rank that made a different call is named."""
+    import braid
+    from braid.errors import PeerMismatchError
+    comm = braid.init()
+    seg = comm.segment
+    out = []
+    for k in range(5):
+        got = seg.exchange_values([rank * 10 + k, 7 ** (rank + k)], "probe")
+        out.append(got == [[r * 10 + k, 7 ** (r + k)] for r in range(w)])
+        descs = seg.exchange_collective({"op": "probe", "k": k, "rank": rank}, list(range(w)))
+        out.append([d["rank"] for d in descs] == list(range(w)) and {d["k"] for d in descs} == {k})
+    # rank 0 agrees on one number, the others on two: a clear error on the ranks that read it
+    err = None
+    try:
+        seg.exchange_values([1] if rank == 0 else [1, 2], "probe")
+    except PeerMismatchError as e:
+        err = str(e)
+    braid.close()
+    return out, err
+
+
+def test_exchange_values_agrees_in_rank_order_and_names_a_mismatch():
+    w = 3
+    res = run_world(_values_worker, w)
+    for rank, (out, err) in enumerate(res):
+        assert all(out), (rank, out)
+        assert err is not None and "different call" in err, (rank, err)
+
+
+def test_options_for_direct_calls_are_built_once_per_shape():
+    """The fast path calls the NCCL backend with torch's own options objects: one per (kind, op,
+    root, async), with the reduction, the root and the async flag set as torch.distributed would."""
+    from braid.comm import Communicator
+    c = Communicator.__new__(Communicator)
+    c._fast_opts = {}
+    a = c._opts("allreduce", False, op=dist.ReduceOp.MAX)
+    assert a is c._opts("allreduce", False, op=dist.ReduceOp.MAX)
+    assert a is not c._opts("allreduce", True, op=dist.ReduceOp.MAX)
+    assert a.reduceOp == dist.ReduceOp.MAX
+    if hasattr(a, "asyncOp"):
+        assert a.asyncOp is False and c._opts("allreduce", True, op=dist.ReduceOp.MAX).asyncOp is True
+    b = c._opts("broadcast", False, root=2)
+    r = c._opts("reduce", True, op=dist.ReduceOp.SUM, root=1)
+    assert (b.rootRank, b.rootTensor) == (2, 0) and (r.rootRank, r.reduceOp) == (1, dist.ReduceOp.SUM)
+    assert type(c._opts("alltoall", False)).__name__ == "AllToAllOptions"

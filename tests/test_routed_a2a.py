@@ -252,7 +252,7 @@ def test_routing_declines_when_the_host_cannot_post_it_in_time():
     rt.observe_host(20.0)
     assert rt.report(None) == {"rhost": 20.0, "robs": None}
     assert rt.host_time_us() == pytest.approx(RoutedAllToAll.HOST_US_PER_PAIR * w * w)
-    assert rt.agree([{"rhost": 20.0}, {"rhost": 35.0}, {"rhost": None}, {}], names) is False
+    assert rt.agree([{"rhost": 20.0}, {"rhost": 35.0}, {"rhost": None}, {}], names) == []
     assert rt.host_time_us() == pytest.approx(35.0)
     assert rt.plan(small, "cuda", GPU_COSTS, native, force=False)[0] is not None
     rt.observe_host(10_000.0)                    # one slow call (a cold plan) is not the estimate
@@ -284,15 +284,17 @@ def test_lane_observations_are_learned_only_when_every_rank_reports_the_same_cal
     names = {"direct": "ce", "host": "host"}
     rt = RoutedAllToAll(3)
     # one rank has not finished the observed call: nothing learned
-    assert rt.agree([{"robs": [1, {"ce": 900.0, "host": 300.0}]}, {"robs": None},
-                     {"robs": [1, {"ce": 900.0, "host": 300.0}]}], names) is False
+    assert rt.agree([{"robs": [[1, {"ce": 900.0, "host": 300.0}]]}, {"robs": None},
+                     {"robs": [[1, {"ce": 900.0, "host": 300.0}]]}], names) == []
     assert rt.pcie_scale == 1.0
     # different calls: nothing learned
-    assert rt.agree([{"robs": [1, {"ce": 900.0, "host": 300.0}]}, {"robs": [2, {"ce": 1.0, "host": 1.0}]},
-                     {"robs": [1, {"ce": 900.0, "host": 300.0}]}], names) is False
-    # the same call everywhere: the slowest rank's time per lane; host finished at 1/3: more host
-    assert rt.agree([{"robs": [1, {"ce": 900.0, "host": 300.0}]}, {"robs": [1, {"ce": 800.0, "host": 450.0}]},
-                     {"robs": [1, {"ce": 700.0, "host": 200.0}]}], names) is True
+    assert rt.agree([{"robs": [[1, {"ce": 900.0, "host": 300.0}]]}, {"robs": [[2, {"ce": 1.0, "host": 1.0}]]},
+                     {"robs": [[1, {"ce": 900.0, "host": 300.0}]]}], names) == []
+    # the same call everywhere: the slowest rank's time per lane; host finished at 1/3: more host.
+    # A rank that has finished a later call too reports both; only the call all reported is learned
+    assert rt.agree([{"robs": [[1, {"ce": 900.0, "host": 300.0}], [2, {"ce": 1.0, "host": 1.0}]]},
+                     {"robs": [[1, {"ce": 800.0, "host": 450.0}]]},
+                     {"robs": [[1, {"ce": 700.0, "host": 200.0}]]}], names) == [1]
     assert rt.pcie_scale == pytest.approx(2 ** (round(math.log2((900 / 450) ** 0.5) * 8) / 8))
 
 
@@ -364,30 +366,29 @@ def test_routed_plans_adapt_to_a_slow_second_lane_on_every_rank_alike():
         assert gb[0] > 0 and gb[-1] < gb[0], gb      # the slow lane carries less than at first
 
 
-def test_a_decline_for_host_time_is_probed_again_and_cold_calls_do_not_count():
+def test_a_decline_for_host_time_is_rechecked_in_trials_ever_more_rarely():
     """An agreed host time that is too high would stop routing for good (no routed call, no new
-    measurement): such declines are probed by routing anyway, ever more rarely while they last. The first call of a plan (it
-    solved the plan, opened peers' buffers) is not a sample of the steady host time."""
+    measurement): such declines are re-checked by a trial of TRIAL routed calls in a row, after
+    RECHECK_FAR calls (routing far from winning), then twice as many each time. The first call of
+    a plan (it solved the plan, opened peers' buffers) is not a sample of the steady host time."""
     w = 4
     matrix = [[0 if s == d else ((512 << 20) if d == 0 else (1 << 20)) for d in range(w)] for s in range(w)]
     native = LaneCost(15.0, 300.0)
     rt = RoutedAllToAll(w)
     plan, gpu_us, native_us = rt.plan(matrix, "cuda", GPU_COSTS, native, force=False)
     assert plan is not None
-    rt.agree([{"rhost": 2.0 * native_us}], {"direct": "ce", "host": "host"})   # the cold first call's
-    P = RoutedAllToAll.PROBE_EVERY
-    got = [rt.plan(matrix, "cuda", GPU_COSTS, native, force=False)[0] is not None for _ in range(7 * P)]
-    # probes after P, then 2P, then 4P more declines: ever rarer while routing keeps losing
-    assert [i for i, g in enumerate(got) if g] == [P - 1, 3 * P - 1, 7 * P - 1]
-    # once a call routes on its own merits, the next stop is probed soon again
-    rt.agree([{"rhost": 0.0}], {"direct": "ce", "host": "host"})
-    assert rt.plan(matrix, "cuda", GPU_COSTS, native, force=False)[0] is not None
-    assert rt._probe_gap == P
-    # a host time above even the skip-the-solve bound is probed the same way
-    rt2 = RoutedAllToAll(w)
-    rt2.agree([{"rhost": 50.0 * native_us}], {"direct": "ce", "host": "host"})
-    got2 = [rt2.plan(matrix, "cuda", GPU_COSTS, native, force=False)[0] is not None for _ in range(P)]
-    assert got2 == [False] * (P - 1) + [True]
+    rt.agree([{"rhost": 50.0 * native_us}], {"direct": "ce", "host": "host"})   # the cold first call's
+    T, F = RoutedAllToAll.TRIAL, RoutedAllToAll.RECHECK_FAR
+    got = [rt.plan(matrix, "cuda", GPU_COSTS, native, force=False)[0] is not None for _ in range(4 * F + 3 * T)]
+    routed = [i for i, g in enumerate(got) if g]
+    starts = [i for i in routed if i - 1 not in routed]
+    assert starts == [F - 1, 3 * F + T - 2] and len(routed) == 2 * T, routed
+    # steady: a routed call after a routed call of the same class; the first of a trial is not
+    steady = []
+    for _ in range(T):
+        rt.plan(matrix, "cuda", GPU_COSTS, native, force=True)
+        steady.append(rt.steady)
+    assert steady == [False] + [True] * (T - 1)
     # cold samples are dropped; steady ones make the estimate
     rt.observe_host(9000.0, cold=True)
     assert rt.host_us is None
@@ -434,44 +435,68 @@ def _close_call(w=4):
 
 
 def _observe(rt, seq, pred, times_per_rank):
-    rt.obs_pred = pred
-    return rt.agree([{"robs": [seq, t]} for t in times_per_rank], {"direct": "ce", "host": "host"})
+    rt.in_flight[seq] = pred
+    return rt.agree([{"robs": [[seq, t]]} for t in times_per_rank], {"direct": "ce", "host": "host"}) == [seq]
 
 
-def test_a_close_decline_is_explored_then_follows_what_was_measured():
-    """The raw model says native wins by 15%: the class is routed a few times to measure it;
-    when the agreed observations show routing faster and native slower than predicted (as
-    h = 0.7 at 256 MiB on 4 x H200), every later call routes. Learning is agreed state only."""
+def _calls(rt, m, native, n):
+    return ["r" if rt.plan(m, "cuda", GPU_COSTS, native, force=False)[0] is not None else "n" for _ in range(n)]
+
+
+def test_a_close_decline_is_tried_in_a_block_then_follows_what_was_measured():
+    """The raw model says native wins by 15%. Once the native side has its samples, routing is
+    tried in a block of TRIAL calls in a row; when the agreed observations show routing faster
+    and native slower than predicted (as h = 0.7 at 256 MiB on 4 x H200), every later call
+    routes. Learning is agreed state only."""
     m, native, cls, gpu_raw = _close_call()
     rt = RoutedAllToAll(4)
     rt.agreed_host_us = 0.0
-    E = RoutedAllToAll.EXPLORE_CALLS
-    got = [rt.plan(m, "cuda", GPU_COSTS, native, force=False) for _ in range(E + 3)]
-    assert [p is not None for p, _, _ in got] == [True] * E + [False] * 3   # explored, then the model
-    assert got[-1][1] > got[-1][2]
-    assert rt.last_pred[0] == "n"
+    T = RoutedAllToAll.TRIAL
+    assert _calls(rt, m, native, 5) == ["n"] * 5          # no native samples yet: no trial
+    assert rt.last_pred[0] == "n" and rt.steady
     native_raw = rt.last_pred[2]
     assert native_raw == pytest.approx(gpu_raw / 1.15, rel=1e-6)
+    # declined native calls took 1.05x and 2.5x their prediction (the late one counted a peer's lag)
+    assert _observe(rt, 1, ("n", cls, native_raw), [{"cycle": 1.05 * native_raw}, {"cycle": 0.9 * native_raw}])
+    assert "n" not in rt.fix(cls)
+    assert _observe(rt, 2, ("n", cls, native_raw), [{"cycle": 2.5 * native_raw}])
+    assert rt.fix(cls)["n"] == pytest.approx(1.05)
+    # native measured, routing within EXPLORE of it and never measured: a block of T routed calls
+    got, steady = [], []
+    for seq in range(3, 3 + T + 3):        # the caller times the steady calls (comm._observe)
+        got += _calls(rt, m, native, 1)
+        steady.append(rt.steady)
+        if rt.steady:
+            rt.expect(seq)
+    assert got == ["r"] * T + ["n"] * 3 and steady == [False] + [True] * (T - 1) + [False, True, True]
+    assert [p[0] for p in rt.in_flight.values()] == ["r"] * (T - 1) + ["n"] * 2
+    # while the trial's observations are in flight, no other trial starts
+    assert _calls(rt, m, native, 2) == ["n", "n"]
     # routed calls' cycles: 0.6x and 0.9x the prediction (the slowest rank's); one sample is not
     # enough, the least of two is the correction
     t = 0.6 * gpu_raw
-    assert _observe(rt, 1, ("r", cls, gpu_raw), [{"ce": t, "host": t * 0.95, "cycle": t}, {"ce": t * 0.9, "host": t, "cycle": 0.5 * gpu_raw}])
+    names = {"direct": "ce", "host": "host"}
+    assert rt.in_flight[4] == ("r", cls, gpu_raw)
+    assert rt.agree([{"robs": [[4, {"ce": t, "host": t * 0.95, "cycle": t}]]},
+                     {"robs": [[4, {"ce": t * 0.9, "host": t, "cycle": 0.5 * gpu_raw}]]}], names) == [4]
     assert "r" not in rt.fix(cls)
-    assert _observe(rt, 2, ("r", cls, gpu_raw), [{"ce": 0.9 * gpu_raw, "host": 0.85 * gpu_raw, "cycle": 0.9 * gpu_raw}])
+    assert rt.agree([{"robs": [[5, {"ce": 0.9 * gpu_raw, "host": 0.85 * gpu_raw, "cycle": 0.9 * gpu_raw}]]}],
+                    names) == [5]
     assert rt.fix(cls)["r"] == pytest.approx(0.6) and rt.pcie_scale == 1.0
-    # declined native calls took 1.4x and 2.5x their prediction (the late one counted a peer's lag)
-    assert _observe(rt, 3, ("n", cls, native_raw), [{"cycle": 1.4 * native_raw}, {"cycle": 1.3 * native_raw}])
-    assert _observe(rt, 4, ("n", cls, native_raw), [{"cycle": 2.5 * native_raw}])
-    assert rt.fix(cls)["n"] == pytest.approx(1.4)
-    assert rt.obs_pred is None
-    got = [rt.plan(m, "cuda", GPU_COSTS, native, force=False) for _ in range(20)]
-    assert all(p is not None for p, _, _ in got)
-    assert got[0][1] == pytest.approx(0.6 * gpu_raw) and got[0][2] == pytest.approx(1.4 * native_raw)
+    rt.in_flight.clear()
+    first = rt.plan(m, "cuda", GPU_COSTS, native, force=False)
+    assert first[0] is not None
+    assert first[1] == pytest.approx(0.6 * gpu_raw) and first[2] == pytest.approx(1.05 * native_raw)
+    # routing wins now; native is re-checked in a block after RECHECK[0] calls, then twice as many
+    R = RoutedAllToAll.RECHECK[0]
+    got = ["r"] + _calls(rt, m, native, 3 * R + 2 * T)
+    nat = [i for i, k in enumerate(got) if k == "n"]
+    assert nat == list(range(R - 1, R - 1 + T)) + list(range(3 * R + T - 2, 3 * R + 2 * T - 2)), nat
     # only the last FIX_WINDOW samples count: routing that became slow stops being chosen
     for k in range(RoutedAllToAll.FIX_WINDOW):
         _observe(rt, 10 + k, ("r", cls, gpu_raw), [{"ce": 2.0 * gpu_raw, "host": 2.0 * gpu_raw, "cycle": 2.0 * gpu_raw}])
     assert rt.fix(cls)["r"] == pytest.approx(2.0)
-    assert all(rt.plan(m, "cuda", GPU_COSTS, native, force=False)[0] is None for _ in range(40))
+    assert _calls(rt, m, native, 40) == ["n"] * 40
     # a different shape class is not affected by what this one learned
     big = [[v * 4 for v in row] for row in m]
     rt.plan(big, "cuda", GPU_COSTS, native, force=False)
@@ -546,3 +571,45 @@ def test_host_time_is_agreed_per_shape_class():
     native = LaneCost(15.0, 300.0)
     rt.plan(mid, "cuda", GPU_COSTS, native, force=False)
     assert rt.last_cls == cm and rt.host_time_us() == pytest.approx(RoutedAllToAll.HOST_US_PER_PAIR * w * w)
+
+
+def _trial_worker(rank, w, matrix, calls):
+    """Skewed calls under BRAID_ROUTE=auto with the host time hook at zero (routing plausible): the
+    class is measured on the side the model picks, then the other side is tried in a block. Every
+    call bitwise right; the sequence of sides and the learned samples must be the same on every
+    rank (agreed state only)."""
+    import braid
+    comm = braid.init()
+    comm._routed.agreed_host_us = 0.0
+    comm.pays[f"all_to_all_single/{w}"] = {20: False}   # the share-based split is out: native or routed
+    esz = 4
+    ins = [matrix[rank][d] // esz for d in range(w)]
+    outs = [matrix[s][rank] // esz for s in range(w)]
+    x = make(("trial", rank), sum(ins), torch.float32)
+    exp = torch.cat([make(("trial", s), sum(matrix[s][d] // esz for d in range(w)), torch.float32)
+                     [sum(matrix[s][d] // esz for d in range(rank)):][: outs[s]] for s in range(w)])
+    sides = []
+    for _ in range(calls):
+        y = torch.zeros_like(exp)
+        comm.all_to_all_single(y, x, outs, ins)
+        assert torch.equal(y, exp)
+        sides.append("r" if comm.last_handle.plan is not None else "n")
+        assert len(comm._routed_pending) <= comm._routed.IN_FLIGHT
+    samples = {repr(k): v for k, v in comm._routed.samples.items()}
+    braid.close()
+    return "".join(sides), samples
+
+
+def test_both_sides_are_measured_in_blocks_alike_on_every_rank():
+    w = 3
+    m = skewed(w, 1, 2 << 20, 0.9, random.Random(11))
+    m = [[(v // 4) * 4 for v in row] for row in m]
+    res = run_world(_trial_worker, w, m, 40, env={"BRAID_ROUTE": "auto"})
+    assert all(r == res[0] for r in res), res
+    sides, samples = res[0]
+    (cls, ent), = samples.items()
+    # both sides measured, each from steady calls: a block of the other side came after the first
+    assert set(ent) == {"r", "n"} and all(len(v) >= 1 for v in ent.values()), res[0]
+    first = sides[0]
+    other = "n" if first == "r" else "r"
+    assert other * RoutedAllToAll.TRIAL in sides, sides

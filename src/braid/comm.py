@@ -44,6 +44,7 @@ DEFAULT_COSTS = {
 }
 P2P_DESC_BYTES = 2048
 ROUTE_MIN_BYTES = 1 << 20    # NIMBLE: multipath off at or below 1 MB
+_DECLINED = object()         # a skewed call's routing decision: the native collective, not a share split
 class _NativeDone(Handle):
     """last_handle after a synchronous fast-path call: NCCL took the whole call, already waited."""
 
@@ -101,9 +102,9 @@ class Communicator:
         self._pending: dict[str, tuple] = {}   # op -> (bucket key, shares used, handle) of its last split call
         from .collectives.routed import RoutedAllToAll
         self._routed = RoutedAllToAll(self.world_size)
-        self._routed_seq = 0                    # routed calls observed so far (same on every rank)
-        self._routed_pending = None             # (seq, handle, cycle, times) of the observed call
-        self._cycle_open = None                 # the observed call's cycle, ended by the next a2a call
+        self._routed_seq = 0                    # skewed calls observed so far (same on every rank)
+        self._routed_pending: list = []         # [seq, handle, cycle, times] of each observed call
+        self._cycle_open = None                 # the last skewed call's cycle, ended by the next one
         self.routing = envs.get("BRAID_ROUTE")      # skewed all_to_all through the router: auto/on/off
         self.last_route: tuple[float, float] | None = None
         self._p2p_pending: list["PendingP2P"] = []                  # posted, peer's side not read yet
@@ -152,6 +153,8 @@ class Communicator:
         self.native_group = self.nccl_group
         if self.cuda and "nccl" in str(dist.get_backend()).lower():
             self.native_group = dist.group.WORLD
+        self._fast_be = _backend_of(self.native_group, self.device) if self.cuda else None
+        self._fast_opts: dict = {}
         self._lanes = self._make_lanes()
         self.watchdog = _Watchdog(self.segment, self.rank, self.world_size) if self.segment is not None and self.cuda else None
         self._closer = weakref.finalize(self, _finalize, self.segment, self.seg_dev_ptr, self.watchdog)
@@ -374,20 +377,31 @@ class Communicator:
         paid for it: its host time is not the steady cost)."""
         return len(getattr(self._lanes.get("ce"), "maps", ()))
 
-    def _routed_observation(self):
-        """[seq, lane times] of the observed routed call once it has finished here, else None
+    def _routed_observation(self) -> list:
+        """[seq, lane times] of each observed skewed call that has finished here, oldest first
         (reported in descriptors until every rank has reported it in the same call)."""
-        p = self._routed_pending
-        if p is None:
-            return None
-        seq, handle, cycle, times = p
-        if times is None:
-            if not cycle.done() or (handle is not None and not all(r.done() for r in handle.runs)):
-                return None
-            times = {k: round(v, 1) for k, v in handle.lane_times_us().items()} if handle is not None else {}
-            times["cycle"] = round(cycle.elapsed_us(), 1)
-            self._routed_pending = (seq, None, None, times)     # drop the handle, keep the numbers
-        return [seq, times]
+        out = []
+        for p in self._routed_pending:
+            seq, handle, cycle, times = p
+            if times is None:
+                if not cycle.done() or (handle is not None and not all(r.done() for r in handle.runs)):
+                    break
+                times = {k: round(v, 1) for k, v in handle.lane_times_us().items()} if handle is not None else {}
+                times["cycle"] = round(cycle.elapsed_us(), 1)
+                p[1:] = [None, None, times]          # drop the handle and events, keep the numbers
+            out.append([seq, times])
+        return out
+
+    def _observe(self, handle, cycle) -> None:
+        """Time this skewed call (routed: `handle`'s lanes too) when the routing decision calls it
+        a steady sample; its cycle ends at the next skewed call's start in any case."""
+        rt = self._routed
+        self._cycle_open = cycle if rt.last_pred is not None else None
+        if cycle is None or rt.last_pred is None or not rt.steady or len(self._routed_pending) >= rt.IN_FLIGHT:
+            return
+        self._routed_seq += 1
+        self._routed_pending.append([self._routed_seq, handle, cycle, None])
+        rt.expect(self._routed_seq)
 
     def _fast_put(self, table: dict, n: int, sig: tuple, hit: bool) -> tuple:
         """The fast path (whole calls of CUDA tensors that NCCL's own collective takes, e.g.
@@ -404,22 +418,46 @@ class Communicator:
         for t in (self._fast_ar, self._fast_rs, self._fast_ag, self._fast_a2a, self._fast_bc):
             t.clear()
 
-    def _native_call(self, call, async_op: bool):
-        """The small-message fast path: NCCL's own call. Synchronous calls stay synchronous, so torch
-        runs them on the caller's stream (no event record + wait around the kernel, a few
-        microseconds per call at 1 MiB); async calls return a braid Handle around torch's Work."""
-        if async_op:
-            return self._finish(call(True), True)
-        call(False)
-        self.last_handle = _NATIVE_DONE
-        return None
-
     def _finish(self, work, async_op: bool):
         handle = Handle(native=work)
         self.last_handle = handle
         if async_op:
             return handle
         work.wait()
+        return None
+
+    def _opts(self, kind: str, async_op: bool, op=None, root: int = 0):
+        """torch's options object for a fast-path call, built once per (kind, op, root, async)."""
+        key = (kind, op, root, async_op)
+        o = self._fast_opts.get(key)
+        if o is None:
+            o = _OPTS[kind]()
+            if op is not None:
+                o.reduceOp = op
+            if kind in ("broadcast", "reduce"):
+                o.rootRank, o.rootTensor = root, 0
+            if hasattr(o, "asyncOp"):
+                o.asyncOp = async_op     # synchronous: NCCL runs on the caller's stream (torch >= 2.8)
+            if len(self._fast_opts) > 256:
+                self._fast_opts.clear()
+            self._fast_opts[key] = o
+        return o
+
+    def _native_fast(self, method: str, args: tuple, kind: str, async_op: bool, op=None, root: int = 0,
+                     fallback=None):
+        """The fast path's call: the NCCL backend's own method with cached options, as
+        torch.distributed's wrapper would make it, without the wrapper's per-call checks (the
+        fast path made them once per call shape). Without that backend object: `fallback`."""
+        be = self._fast_be
+        if be is None:
+            work = fallback(async_op)
+        else:
+            work = getattr(be, method)(*args, self._opts(kind, async_op, op, root))
+        if async_op:
+            return self._finish(work, True)
+        if work is not None:
+            work.wait()
+        self.last_handle = _NATIVE_DONE
         return None
 
     # descriptor exchange --------------------------------------------------------------------------
@@ -489,11 +527,6 @@ class Communicator:
             if self.adapt and peer is None:
                 desc = dict(desc, obs=self._observation(op), bal=self.balancer.version)
             cycle = None
-            if route is not None:             # skewed all_to_all: this call's start ends the observed
-                cycle = _Cycle(device)        # call's cycle (see _Cycle)
-                if self._cycle_open is not None:
-                    self._cycle_open.close(cycle)
-                    self._cycle_open = None
             descs = self._exchange(desc, inp, lanes, peer)
             if self.adapt and peer is None:
                 self._agree(op, descs, ("bal",))
@@ -513,34 +546,35 @@ class Communicator:
             # late peer (one that opened buffers, or allocated) read up to 237 ms on 4 x H200
             t_call = time.perf_counter()
             routed = route(descs, agreed) if route is not None else None
-            shares = self.shares_for(op, size, agreed) if routed is None else routed.shares
+            if route is not None and (self._routed.last_pred is not None or self._cycle_open is not None):
+                # a skewed call that routing decided (or the one after it): its start on the stream
+                # (nothing of this call is enqueued yet) ends the last decided call's cycle
+                cycle = _Cycle(device)
+                if self._cycle_open is not None:
+                    self._cycle_open.close(cycle)
+                    self._cycle_open = None
+            if routed is _DECLINED:        # routing measured against the native call and chose it
+                routed, shares = None, {"nccl" if device.type == "cuda" else "gloo": 1.0}
+            else:
+                shares = self.shares_for(op, size, agreed) if routed is None else routed.shares
             if routed is not None:
                 opened = self._ipc_maps()
                 handle = execute(self, routed, inp, outs, descs, peer)
                 self._routed.observe_host((time.perf_counter() - t_call) * 1e6,
                                           cold=self._routed.last_cold or self._ipc_maps() != opened,
                                           cls=self._routed.last_cls)
-                # observed: the same calls on every rank (agreed state), not one that solved its
-                # plan (its peers may start late)
-                if self._routed_pending is None and not self._routed.last_cold:
-                    self._routed_seq += 1
-                    self._routed_pending = (self._routed_seq, handle, cycle, None)
-                    self._routed.obs_pred = self._routed.last_pred
-                    self._cycle_open = cycle
+                self._observe(handle, cycle)
             elif self._native_ok(shares) and native is not None:
                 handle = _as_handle(native(self._native_group(shares)), next(iter(shares)))
-                # a skewed call that routing declined: observed too (one at a time), so the
-                # decision learns how far its native prediction is off for this kind of matrix
-                pred = self._routed.last_pred if cycle is not None and self._routed_pending is None else None
-                if pred is not None and pred[0] == "n":
-                    self._routed_seq += 1
-                    self._routed_pending = (self._routed_seq, None, cycle, None)
-                    self._routed.obs_pred = pred
-                    self._cycle_open = cycle
-            elif multi is not None:
-                handle = multi(descs, shares, self._plan(mkey, build, shares, size, device), agreed)
+                if cycle is not None:          # a skewed call that routing declined: timed too
+                    self._observe(None, cycle)
             else:
-                handle = execute(self, self._plan(mkey, build, shares, size, device), inp, outs, descs, peer)
+                if cycle is not None:          # a declined skewed call split by shares: neither side
+                    self._routed.begin()
+                if multi is not None:
+                    handle = multi(descs, shares, self._plan(mkey, build, shares, size, device), agreed)
+                else:
+                    handle = execute(self, self._plan(mkey, build, shares, size, device), inp, outs, descs, peer)
             fixed_here = self._fixed is not None and self._fixed.get(op, self._fixed.get("*")) is not None
             if peer is None and self.adapt and not fixed_here and routed is None:
                 bkey = self._balancer_key(op, size, agreed)
@@ -636,11 +670,8 @@ class Communicator:
                                      and output.numel() == n * self.world_size
                                      and self._native_for(op, n * input.element_size()))
             if ent[-1]:
-                if not async_op:
-                    dist.all_gather_into_tensor(output, input, group=self.native_group)
-                    self.last_handle = _NATIVE_DONE
-                    return None
-                return self._finish(dist.all_gather_into_tensor(output, input, group=self.native_group, async_op=True), True)
+                return self._native_fast("_allgather_base", (output, input), "allgather", async_op, fallback=lambda a:
+                                         dist.all_gather_into_tensor(output, input, group=self.native_group, async_op=a))
         dev = self._device_for(input)
         ib = input_bytes(input, "input", dev, op)
         ob = output_bytes(output, "output", dev, op)
@@ -681,11 +712,8 @@ class Communicator:
                 ent = self._fast_put(self._fast_bc, n, (dt, src), 0 <= src < self.world_size
                                      and self._native_for(op, n * tensor.element_size()))
             if ent[-1]:
-                if not async_op:
-                    dist.broadcast(tensor, src=src, group=self.native_group)
-                    self.last_handle = _NATIVE_DONE
-                    return None
-                return self._finish(dist.broadcast(tensor, src=src, group=self.native_group, async_op=True), True)
+                return self._native_fast("broadcast", ([tensor],), "broadcast", async_op, root=src, fallback=lambda a:
+                                         dist.broadcast(tensor, src=src, group=self.native_group, async_op=a))
         dev = self._device_for(tensor)
         check_rank(src, self.world_size, "src", op)
         tb = output_bytes(tensor, "tensor", dev, op)
@@ -709,17 +737,28 @@ class Communicator:
                                      and n == output.numel() and rows % self.world_size == 0
                                      and self._native_for(op, n * input.element_size()))
             if ent[-1]:
-                if not async_op:
-                    dist.all_to_all_single(output, input, group=self.native_group)
-                    self.last_handle = _NATIVE_DONE
-                    return None
-                return self._finish(dist.all_to_all_single(output, input, group=self.native_group, async_op=True), True)
+                return self._native_fast("alltoall_base", (output, input, [], []), "alltoall", async_op, fallback=lambda a:
+                                         dist.all_to_all_single(output, input, group=self.native_group, async_op=a))
         dev = self._device_for(input)
         ib = input_bytes(input, "input", dev, op)
         ob = output_bytes(output, "output", dev, op)
         same_dtype(input, output, op)
         ins = split_bytes(input_split_sizes, input, self.world_size, "input", op)
         outs = split_bytes(output_split_sizes, output, self.world_size, "output", op)
+        balanced = not input_split_sizes and not output_split_sizes
+        if not balanced and self.segment is not None and dev.type == "cuda" and not self.check \
+                and self._fixed is None and self.routing != "on":
+            # uneven splits: each rank knows only its row and column of the matrix. Agree on two
+            # numbers first (the largest demand, the largest row or column); when no demand exceeds
+            # the routing threshold and NCCL takes calls of that size whole, that is the call, with
+            # no descriptor exchange (4 x H200, 1 MiB hot: ~400 us per call with it, NCCL ~45)
+            me = self.rank
+            big = max([v for d, v in enumerate(ins) if d != me] + [v for s, v in enumerate(outs) if s != me] + [0])
+            got = self.segment.exchange_values([big, max(sum(ins), sum(outs))], op)
+            if max(g[0] for g in got) <= ROUTE_MIN_BYTES and self._native_for(op, max(g[1] for g in got)):
+                return self._native_fast("alltoall_base", (ob, ib, list(outs), list(ins)), "alltoall", async_op,
+                                         fallback=lambda a: dist.all_to_all_single(
+                                             ob, ib, list(outs), list(ins), group=self.native_group, async_op=a))
         desc = {"op": op, "dtype": str(input.dtype), "in": ins, "out": outs,
                 **self._routed.report(self._routed_observation())}
 
@@ -730,7 +769,6 @@ class Communicator:
 
         # Without split sizes the traffic is balanced by contract (as for NCCL), so every rank
         # knows the whole matrix and can pick the path alone; uneven splits must be exchanged first.
-        balanced = not input_split_sizes and not output_split_sizes
         return self._run(op, desc, sum(ins), ib, [ob], movement_of, native, ("op", "dtype"), async_op,
                          always_exchange=not balanced and (len(self.lanes_for(dev)) > 1 or self.check),
                          route=route)
@@ -757,8 +795,11 @@ class Communicator:
             from .collectives.routed import PATH_LANE
             kind = dev.type
             names = PATH_LANE[kind]
-            if self._routed.agree(descs, names):      # every rank reported the observed call
-                self._routed_pending = None
+            learned = self._routed.agree(descs, names)   # every rank reported these observations
+            if learned:
+                gone = set(learned)
+                self._routed_pending = [p for p in self._routed_pending if p[0] not in gone]
+            self._routed.begin()
             mode = self.routing
             if mode == "off" or (mode == "auto" and self._fixed is not None):
                 return None
@@ -768,7 +809,7 @@ class Communicator:
                 return None      # a rank's bytes are not one buffer (batch_isend_irecv)
             matrix = [list(descs[s]["in"]) for s in range(w)]
             off = [matrix[s][d] for s in range(w) for d in range(w) if s != d]
-            if mode == "auto" and (not off or max(off) < ROUTE_MIN_BYTES or max(off) < 1.5 * sum(off) / len(off)):
+            if mode == "auto" and (not off or max(off) <= ROUTE_MIN_BYTES or max(off) < 1.5 * sum(off) / len(off)):
                 return None      # small or balanced: the share-based split (or NCCL) handles it
             table = self.calib.get(f"{op}/{w}", {})
             costs = {k: table.get(k, DEFAULT_COSTS[k]) for k in names.values()}
@@ -778,9 +819,14 @@ class Communicator:
             self.last_route = (routed_us, native_us)
             if log.isEnabledFor(logging.DEBUG):
                 rt = self._routed
-                log.debug("route rank %d class %s: routed %.0f us, native %.0f us, host %.0f us, fix %s -> %s",
+                st = rt._classes.get(rt.last_cls, {})
+                log.debug("route rank %d class %s: routed %.0f us, native %.0f us, host %.0f us, fix %s, "
+                          "trial %s, steady %s, in flight %d -> %s",
                           self.rank, rt.last_cls, routed_us, native_us, rt.host_time_us(),
-                          rt.fix(rt.last_cls) if rt.last_cls else {}, "routed" if plan is not None else "native")
+                          rt.fix(rt.last_cls) if rt.last_cls else {}, st.get("trial"), rt.steady,
+                          len(rt.in_flight), "routed" if plan is not None else "native")
+            if plan is None and self._routed.last_pred is not None and not self.check:
+                return _DECLINED           # the side compared with routing: the native call itself
             return plan
 
         return movement_of, route
@@ -872,9 +918,17 @@ class Communicator:
         op = "send_recv"
         if (self._fast_ok(tensor) and type(peer) is int and 0 <= peer < self.world_size and peer != self.rank
                 and self._native_for(op, tensor.numel() * tensor.element_size())):
-            g = self.native_group
-            work = dist.isend(tensor, dst=peer, group=g) if sending else dist.irecv(tensor, src=peer, group=g)
-            return self._finish(work, async_op)
+            be = self._fast_be
+            if be is not None:           # the backend's own send/recv (tag 0, as torch's isend/irecv)
+                work = be.send([tensor], peer, 0) if sending else be.recv([tensor], peer, 0)
+            else:
+                g = self.native_group
+                work = dist.isend(tensor, dst=peer, group=g) if sending else dist.irecv(tensor, src=peer, group=g)
+            if async_op:
+                return self._finish(work, True)
+            work.wait()
+            self.last_handle = _NATIVE_DONE
+            return None
         dev = self._device_for(tensor)
         check_rank(peer, self.world_size, "dst" if sending else "src", "send" if sending else "recv", me=self.rank)
         if sending:
@@ -953,11 +1007,8 @@ class Communicator:
                 ent = self._fast_put(self._fast_ar, n, (dt, op), self._fast_reduce_ok(op, dt)
                                      and self._native_for("all_reduce", n * tensor.element_size()))
             if ent[-1]:
-                if not async_op:
-                    dist.all_reduce(tensor, op=op, group=self.native_group)
-                    self.last_handle = _NATIVE_DONE
-                    return None
-                return self._finish(dist.all_reduce(tensor, op=op, group=self.native_group, async_op=True), True)
+                return self._native_fast("allreduce", ([tensor],), "allreduce", async_op, op=op, fallback=lambda a:
+                                         dist.all_reduce(tensor, op=op, group=self.native_group, async_op=a))
         return self._reduction("all_reduce", tensor, tensor, op, None, async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
@@ -972,12 +1023,9 @@ class Communicator:
                                      and n == output.numel() * self.world_size and self._fast_reduce_ok(op, dt)
                                      and self._native_for("reduce_scatter", n * input.element_size()))
             if ent[-1]:
-                g = self.native_group
-                if not async_op:
-                    dist.reduce_scatter_tensor(output, input, op=op, group=g)
-                    self.last_handle = _NATIVE_DONE
-                    return None
-                return self._finish(dist.reduce_scatter_tensor(output, input, op=op, group=g, async_op=True), True)
+                return self._native_fast("_reduce_scatter_base", (output, input), "reducescatter", async_op, op=op,
+                                         fallback=lambda a: dist.reduce_scatter_tensor(
+                                             output, input, op=op, group=self.native_group, async_op=a))
         return self._reduction("reduce_scatter", output, input, op, None, async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op=dist.ReduceOp.SUM,
@@ -997,7 +1045,8 @@ class Communicator:
         if (self._fast_ok(tensor) and type(dst) is int and 0 <= dst < self.world_size
                 and self._fast_reduce_ok(op, tensor.dtype)
                 and self._native_for("reduce", tensor.numel() * tensor.element_size())):
-            return self._native_call(lambda a: dist.reduce(tensor, dst=dst, op=op, group=self.native_group, async_op=a), async_op)
+            return self._native_fast("reduce", ([tensor],), "reduce", async_op, op=op, root=dst, fallback=lambda a:
+                                     dist.reduce(tensor, dst=dst, op=op, group=self.native_group, async_op=a))
         check_rank(dst, self.world_size, "dst", "reduce")
         return self._reduction("reduce", tensor, tensor, op, dst, async_op)
 
@@ -1445,6 +1494,25 @@ def _check_plan_bounds(plan: Plan, descs: list) -> None:
     if bad:
         raise MisuseError(f"run_plan: the plan does not fit the tensors passed: {bad[0]}"
                           + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
+
+
+from torch._C import _distributed_c10d as _c10d   # noqa: E402  (the options classes, all of them)
+
+_OPTS = {"allreduce": _c10d.AllreduceOptions, "reducescatter": _c10d.ReduceScatterOptions,
+         "allgather": _c10d.AllgatherOptions, "alltoall": _c10d.AllToAllOptions,
+         "broadcast": _c10d.BroadcastOptions, "reduce": _c10d.ReduceOptions}
+
+
+def _backend_of(group, device: torch.device):
+    """The backend object (ProcessGroupNCCL) behind `group` for `device`, when this torch exposes
+    it and its methods; None otherwise (the fast path then calls torch.distributed)."""
+    try:
+        be = group._get_backend(device)
+    except Exception:                                   # noqa: BLE001 (any torch without it)
+        return None
+    need = ("allreduce", "_reduce_scatter_base", "_allgather_base", "alltoall_base", "broadcast", "reduce",
+            "send", "recv")
+    return be if all(hasattr(be, m) for m in need) else None
 
 
 class _Cycle:

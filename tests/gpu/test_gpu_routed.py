@@ -108,3 +108,43 @@ def test_routed_batch_two_gpus(tmp_path):
 @needs(4)
 def test_routed_batch_four_gpus(tmp_path):
     run(4, tmp_path, _batch_worker, ENV)
+
+
+def _auto_worker(rank, world, comm, dev):
+    """BRAID_ROUTE=auto: skewed calls at and below the routing threshold agree on two numbers and
+    go to NCCL whole (no descriptor exchange); larger ones take the exchange and the decision.
+    Bitwise against NCCL either way, with odd sizes and a zero split."""
+    rng = random.Random(11)
+    for case in range(10):
+        hot = rng.randrange(world)
+        h = rng.choice([0.7, 1.0])
+        dtype = rng.choice([torch.bfloat16, torch.float32, torch.int8])
+        total = rng.choice([64 << 10, 1 << 20, 3 << 20, 24 << 20]) + rng.randrange(-5000, 1)
+        esz = torch.empty((), dtype=dtype).element_size()
+        mat = [[0 if (s, d) == (0, world - 1) else int(total * (h if d == hot else (1 - h) / max(world - 1, 1)) / esz)
+                + rng.randrange(0, 3) for d in range(world)] for s in range(world)]
+        ins, outs = mat[rank], [mat[s][rank] for s in range(world)]
+        g = torch.Generator().manual_seed(case * 100 + rank)
+        x = (torch.randn(sum(ins), generator=g) * 50).to(dtype).to(dev)
+        got = torch.full((sum(outs),), 3, dtype=dtype, device=dev)
+        ref = torch.empty_like(got)
+        before = comm.segment.coll_seq
+        comm.all_to_all_single(got, x, outs, ins)
+        dist.all_to_all_single(ref, x, outs, ins)
+        torch.cuda.synchronize()
+        assert _same(got, ref), f"auto all_to_all case {case} (hot {hot}, h {h}, {dtype}, {total} B) differs from NCCL"
+        biggest = max(mat[s][d] * esz for s in range(world) for d in range(world) if s != d)
+        small = biggest <= (1 << 20) and comm._native_for("all_to_all_single", max(
+            max(sum(r) for r in mat), max(sum(mat[s][d] for s in range(world)) for d in range(world))) * esz)
+        # one agreement of two numbers for a small call; a descriptor exchange after it otherwise
+        assert (comm.segment.coll_seq - before == 1) == small, (case, biggest, comm.segment.coll_seq - before)
+
+
+@needs(2)
+def test_auto_all_to_all_small_and_large_two_gpus(tmp_path):
+    run(2, tmp_path, _auto_worker, {"BRAID_ROUTE": "auto"})
+
+
+@needs(4)
+def test_auto_all_to_all_small_and_large_four_gpus(tmp_path):
+    run(4, tmp_path, _auto_worker, {"BRAID_ROUTE": "auto"})

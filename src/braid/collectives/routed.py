@@ -43,8 +43,6 @@ class RoutedAllToAll:
     # by the host, which the byte model alone does not see.
     HOST_US_PER_PAIR = 75.0
     HOST_WINDOW = 8
-    PROBE_EVERY = 8
-    PROBE_MAX_GAP = 1024
 
     # Online correction of the second lane's port capacity from routed calls' lane times: a
     # ratio of finish times beyond HYSTERESIS moves the scale by its square root (at most 2x per
@@ -55,16 +53,27 @@ class RoutedAllToAll:
     # Learned corrections of the two predictions the decision compares, per shape class of the
     # matrix (size of the busiest port, skew): a call's measured cycle (start to the next call's
     # start on the caller's stream, the slowest rank's; see comm._Cycle) over its prediction, for
-    # routed calls and for native calls that routing declined. 4 x H200, 2026-11-22, h = 0.7 at
-    # 256 MiB: predicted routed 1967 us / NCCL 1772, measured 1557 / 2471, so the raw model
-    # declined a call that routing ran 1.57x faster. A cycle can only be too long (work between
-    # calls, a late peer), so a class's correction is the least ratio of its last FIX_WINDOW
-    # samples, used once it has FIX_MIN. A class without them is explored (routed anyway, at
-    # most EXPLORE_CALLS times) when the prediction is within EXPLORE of native; later declines
-    # within CLOSE of native are re-checked by the backing-off probes.
+    # routed calls and for native ones. 4 x H200, 2026-11-22, h = 0.7 at 256 MiB: predicted routed
+    # 1967 us / NCCL 1772, measured 1557 / 2471, so the raw model declined a call that routing ran
+    # 1.57x faster. A cycle can only be too long (work between calls, a late peer), so a class's
+    # correction is the least ratio of its last FIX_WINDOW samples, used once it has FIX_MIN.
+    #
+    # Only steady calls are samples: the previous skewed call took the same side in the same
+    # class, and this one did not solve its plan. A routed call between native ones read 2692 us
+    # where routed calls in a row came every ~1550 (4 x H200, 256 MiB, h = 0.7), and native calls
+    # right after routed ones read up to 2.9x their prediction: one side draining into the other.
+    # So the side not in use is measured in TRIAL-call blocks (its first call is the change-over,
+    # the rest are samples): first once the side in use has its samples, where the class has none
+    # of the other (of routing only when the model puts it within EXPLORE of native), then again
+    # after RECHECK calls of the class, the gap doubling while the verdict holds (a clear loss,
+    # beyond CLOSE, waits at least RECHECK_FAR).
     EXPLORE = 1.5
-    EXPLORE_CALLS = 4
     CLOSE = 1.3
+    TRIAL = 4
+    TRIES = 2
+    RECHECK = (64, 1024)
+    RECHECK_FAR = 256
+    IN_FLIGHT = 8
     FIX_RANGE = (0.25, 4.0)
     FIX_WINDOW = 6
     FIX_MIN = 2
@@ -77,8 +86,6 @@ class RoutedAllToAll:
         self._host_cls: tuple | None = None     # the class host_us is of
         self.agreed_host: dict[tuple, float] = {}
         self.last_cls: tuple | None = None      # the shape class of the last planned matrix
-        self._host_declines = 0                 # calls declined for host time alone since the last probe
-        self._probe_gap = self.PROBE_EVERY      # declines before the next probe (doubles, capped)
         self.last_cold = False                  # the last plan() solved afresh (no cache hit)
         # the last matrix's router result and braid Plan: a repeated matrix (fixed shapes, the
         # bench) skips the router's reuse check and the plan build (~200 us of ~290 on 4 GPUs)
@@ -86,9 +93,12 @@ class RoutedAllToAll:
         self.agreed_host_us: float | None = None  # a value for every class (tests, reports without a class)
         self.pcie_scale = 1.0                   # agreed correction of the second lane's capacity
         self.samples: dict[tuple, dict[str, list[float]]] = {}   # class -> {"r"|"n": measured/predicted}
-        self._explored: dict[tuple, int] = {}   # class -> calls routed to measure it
+        self._classes: dict[tuple, dict] = {}   # class -> trial state (see _state)
         self.last_pred: tuple | None = None     # ("r"|"n", class, raw predicted us) of the last decision
-        self.obs_pred: tuple | None = None      # the same for the observed call (set by the caller)
+        self.steady = False                     # the last decision's call is a sample (see above)
+        self._prev: tuple | None = None         # (side, class) of the previous skewed call
+        self._before: tuple | None = None
+        self.in_flight: dict[int, tuple] = {}   # seq -> ("r"|"n", class, raw prediction) being timed
 
     # Every decision below must come out the same on every rank: they read only agreed state
     # (`agree`, fed with the exchanged descriptors), never this rank's own measurements.
@@ -106,15 +116,6 @@ class RoutedAllToAll:
             return self.agreed_host_us
         return self.HOST_US_PER_PAIR * self.world_size ** 2
 
-    def _probe_due(self) -> bool:
-        """Count a decline for host time; True when this call should be routed anyway."""
-        self._host_declines += 1
-        if self._host_declines < self._probe_gap:
-            return False
-        self._host_declines = 0
-        self._probe_gap = min(2 * self._probe_gap, self.PROBE_MAX_GAP)
-        return True
-
     def observe_host(self, us: float, cold: bool = False, cls: tuple | None = None) -> None:
         """This rank's routed call's host time (route + post): the lower median of the last
         HOST_WINDOW calls, reported to the others in the next descriptor (`report`). A median, not
@@ -131,17 +132,21 @@ class RoutedAllToAll:
         self.host_us = statistics.median_low(seen)
         self._host_cls = cls
 
-    def report(self, lane_obs) -> dict:
-        """This rank's part of the next descriptor: its host time, and (seq, lane times) of an
-        observed routed call once that call has finished here (None before)."""
-        rep = {"rhost": self.host_us, "robs": lane_obs}
+    def report(self, lane_obs: list | None) -> dict:
+        """This rank's part of the next descriptor: its host time, and [seq, lane times] of each
+        observed call that has finished here (oldest first; None or [] before)."""
+        rep = {"rhost": self.host_us, "robs": lane_obs or None}
         if self._host_cls is not None:
             rep["rcls"] = list(self._host_cls)
         return rep
 
-    def agree(self, descs: list, names: dict[str, str]) -> bool:
-        """Fold every rank's report into the agreed state. Returns True when a lane observation
-        was learned (every rank reported the same observed call): the caller then drops it."""
+    def expect(self, seq: int) -> None:
+        """The caller times the call just decided (a steady one) as observation `seq`."""
+        self.in_flight[seq] = self.last_pred
+
+    def agree(self, descs: list, names: dict[str, str]) -> list[int]:
+        """Fold every rank's report into the agreed state. Returns the observations learned (their
+        seqs: every rank reported them in this call), which the caller then drops."""
         reps = [d for d in descs if d is not None and d.get("rhost") is not None]
         if reps:
             classes = {tuple(d["rcls"]) if d.get("rcls") is not None else None for d in reps}
@@ -154,23 +159,26 @@ class RoutedAllToAll:
                         self.agreed_host.clear()
                     self.agreed_host[cls] = max(d["rhost"] for d in reps)
         obs = [d.get("robs") for d in descs if d is not None]
-        if not obs or any(o is None for o in obs) or len({o[0] for o in obs}) != 1:
-            return False
-        slowest: dict[str, float] = {}
-        for _, times in obs:
-            for lane, t in times.items():
-                slowest[lane] = max(slowest.get(lane, 0.0), float(t))
-        pred, self.obs_pred = self.obs_pred, None
-        cycle = slowest.pop("cycle", None)
-        if (pred is None or pred[0] == "r") and slowest:
-            self.learn_lanes(slowest, names)
-        if pred is not None and cycle is not None:
-            self.learn_time(pred[0], pred[1], cycle, pred[2])
-        return True
+        if not obs or any(not o for o in obs):
+            return []
+        per_rank = [{int(seq): times for seq, times in o} for o in obs]
+        common = sorted(set.intersection(*(set(p) for p in per_rank)))
+        for seq in common:
+            slowest: dict[str, float] = {}
+            for p in per_rank:
+                for lane, t in p[seq].items():
+                    slowest[lane] = max(slowest.get(lane, 0.0), float(t))
+            pred = self.in_flight.pop(seq, None)
+            cycle = slowest.pop("cycle", None)
+            if (pred is None or pred[0] == "r") and slowest:
+                self.learn_lanes(slowest, names)
+            if pred is not None and cycle is not None:
+                self.learn_time(pred[0], pred[1], cycle, pred[2])
+        return common
 
     def learn_time(self, kind: str, cls: tuple, measured_us: float, predicted_us: float) -> None:
-        """Keep one agreed observation (kind "r": a routed call's GPU time, "n": a native call's
-        time) as the class's ratio measured / predicted."""
+        """Keep one agreed observation (kind "r": a routed call's cycle, "n": a native call's)
+        as the class's ratio measured / predicted."""
         if measured_us <= 0.0 or predicted_us <= 0.0:
             return
         lo, hi = self.FIX_RANGE
@@ -221,10 +229,67 @@ class RoutedAllToAll:
             r = self._routers[key] = Router(topo)
         return r
 
+    # the decision ------------------------------------------------------------------------------
+    def begin(self) -> None:
+        """A skewed call starts its routing decision (plan() may not follow: then the call is
+        neither side, and the next one is not steady)."""
+        self._before, self._prev = self._prev, None
+        self.last_pred = None
+        self.steady = False
+
+    def _state(self, cls: tuple) -> dict:
+        st = self._classes.get(cls)
+        if st is None:
+            if len(self._classes) > 256:
+                self._classes.clear()
+            st = self._classes[cls] = {"trial": None, "tries": {"r": 0, "n": 0}, "since": 0,
+                                       "gap": self.RECHECK[0], "verdict": None}
+        return st
+
+    def _busy(self, kind: str, cls: tuple) -> bool:
+        """Observations of this side and class still being timed (a trial waits for them)."""
+        return any(p is not None and p[0] == kind and p[1] == cls for p in self.in_flight.values())
+
+    def _choose(self, st: dict, cls: tuple, fix: dict, routed_us: float, native_us: float) -> str:
+        """The side for this call: a trial in progress, else the faster prediction, or a trial of
+        the other side when one is due."""
+        trial = st["trial"]
+        if trial is not None:
+            trial[1] -= 1
+            if trial[1] <= 0:
+                st["trial"] = None
+            return trial[0]
+        verdict = "r" if routed_us < 0.97 * native_us else "n"
+        if st["verdict"] is not None and verdict != st["verdict"]:
+            st["gap"], st["since"] = self.RECHECK[0], 0          # it changed: look again soon
+        st["verdict"] = verdict
+        other = "n" if verdict == "r" else "r"
+        if other not in fix and st["tries"][other] < self.TRIES and verdict in fix and (
+                other == "n" or routed_us < self.EXPLORE * native_us):
+            due, first = True, True           # the side in use is measured, this one never, and may win
+        else:
+            if other == "r" and routed_us >= self.CLOSE * native_us:
+                st["gap"] = max(st["gap"], self.RECHECK_FAR)      # far from winning: look less often
+            st["since"] += 1
+            due, first = st["since"] >= st["gap"], False
+        if due and not self._busy(other, cls):
+            if first:
+                st["tries"][other] += 1
+            else:
+                st["gap"] = min(2 * st["gap"], self.RECHECK[1])
+            st["since"] = 0
+            st["trial"] = [other, self.TRIAL - 1]
+            return other
+        return verdict
+
     def plan(self, matrix: list[list[int]], device_type: str, costs: dict[str, LaneCost],
              native_cost: LaneCost | None, force: bool) -> tuple[Plan | None, float, float]:
         """(plan or None, predicted us routed, predicted us for the native all_to_all). None when
-        routing is not predicted to beat the native call by 3% (unless `force`)."""
+        routing is not predicted to beat the native call by 3% and no trial of it is due (unless
+        `force`)."""
+        if self._before is None and self._prev is not None:
+            self.begin()                      # the caller did not call begin() first
+        before, self._before = self._before, None
         router = self.router(device_type, costs)
         self.last_pred = None
         if router is None:
@@ -233,18 +298,22 @@ class RoutedAllToAll:
         fix = self.fix(cls)
         native_raw = native_time_us(matrix, native_cost) if native_cost is not None else float("inf")
         native_us = native_raw * fix.get("n", 1.0)
-        if math.isfinite(native_raw):
+        host = self.host_time_us(cls)
+        st = self._state(cls)
+
+        def native(routed_us: float):
             self.last_pred = ("n", cls, native_raw)
-        # a decline for host time alone is re-checked now and then by routing anyway (otherwise an
-        # estimate that is too high is never measured again): after PROBE_EVERY declines, then
-        # twice as many after each probe that did not change the verdict, so a size where routing
-        # does lose pays for ever fewer probes (4 x H200, MoE 64 MiB: a probe every 8 calls cost
-        # 30%). The counts follow agreed decisions only, so every rank probes in the same call.
-        probe = False
-        if not force and self.host_time_us() >= 0.97 * native_us:
-            if not self._probe_due():
-                return None, self.host_time_us(), native_us     # no plan can win: skip the solve
-            probe = True
+            self.steady = before == ("n", cls)
+            self._prev = ("n", cls)
+            return None, routed_us, native_us
+
+        if not force and math.isfinite(native_raw) and "r" not in fix and st["trial"] is None \
+                and host >= 0.97 * native_us:
+            # the host alone is predicted to lose and no routed call of this class was measured:
+            # no solve, unless a trial of routing is due now
+            if self._choose(st, cls, fix, host, native_us) == "n":
+                return native(host)
+            st["trial"][1] += 1                # _choose counted this call; it continues below
         mt = tuple(map(tuple, matrix))
         memo = self._memo
         if memo is not None and memo[0] is router and memo[1] == mt:
@@ -257,28 +326,19 @@ class RoutedAllToAll:
             self._memo = memo = [router, mt, rp, None]
         names = PATH_LANE[device_type]
         lat = max(costs[names["direct"]].latency_us, costs[names["host"]].latency_us)
-        # the host runs ahead of the GPU while a call's GPU time exceeds its host time; below
-        # that, calls come no faster than the host posts them
         gpu_raw = rp.max_load_us + lat + MULTI_LANE_OVERHEAD_US
-        gpu_us = gpu_raw * fix.get("r", 1.0)
-        routed_us = max(gpu_us, self.host_time_us())
-        if not force and routed_us >= 0.97 * native_us:
-            host_bound = gpu_us < 0.97 * native_us and self.host_time_us() >= 0.97 * native_us
-            # explored only where the model sees the GPU, not the host, as the routed call's bound
-            explore = (not host_bound and "r" not in fix and self._explored.get(cls, 0) < self.EXPLORE_CALLS
-                       and gpu_us < self.EXPLORE * native_us and self.host_time_us() < 0.97 * native_us
-                       and self.host_time_us() <= gpu_us)
-            if explore:
-                self._explored[cls] = self._explored.get(cls, 0) + 1   # measure the routed side
-            elif not (host_bound or gpu_us < self.CLOSE * native_us):
-                return None, routed_us, native_us
-            elif not probe and not self._probe_due():
-                return None, routed_us, native_us
-        elif not force:
-            self._probe_gap = self.PROBE_EVERY          # routing pays again: probe soon if it stops
+        # measured cycles hold whatever bounds a routed call (GPU, host, peers); before there are
+        # any, the host runs ahead of the GPU while a call's GPU time exceeds its host time, and
+        # below that calls come no faster than the host posts them
+        routed_us = gpu_raw * fix["r"] if "r" in fix else max(gpu_raw, host)
+        if not force and math.isfinite(native_raw):
+            if self._choose(st, cls, fix, routed_us, native_us) == "n":
+                return native(routed_us)
         if built is None:
             built = memo[3] = build_plan(matrix, rp.flows, names)
         self.last_pred = ("r", cls, gpu_raw)
+        self.steady = before == ("r", cls) and not self.last_cold
+        self._prev = ("r", cls)
         return built, routed_us, native_us
 
 
