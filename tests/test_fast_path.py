@@ -89,6 +89,12 @@ def _values_worker(rank, w):
         out.append(got == [[r * 10 + k, 7 ** (r + k)] for r in range(w)])
         descs = seg.exchange_collective({"op": "probe", "k": k, "rank": rank}, list(range(w)))
         out.append([d["rank"] for d in descs] == list(range(w)) and {d["k"] for d in descs} == {k})
+    # a rank that knows the outcome posts without waiting; the others still read its values, and
+    # the descriptor exchange after it pairs up on every rank
+    got = seg.exchange_values([rank + 100, 5], "probe", wait=rank != 1)
+    out.append(got is None if rank == 1 else got == [[r + 100, 5] for r in range(w)])
+    descs = seg.exchange_collective({"op": "probe", "rank": rank}, list(range(w)))
+    out.append([d["rank"] for d in descs] == list(range(w)))
     # rank 0 agrees on one number, the others on two: a clear error on the ranks that read it
     err = None
     try:

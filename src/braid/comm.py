@@ -751,11 +751,13 @@ class Communicator:
             # uneven splits: each rank knows only its row and column of the matrix. Agree on two
             # numbers first (the largest demand, the largest row or column); when no demand exceeds
             # the routing threshold and NCCL takes calls of that size whole, that is the call, with
-            # no descriptor exchange (4 x H200, 1 MiB hot: ~400 us per call with it, NCCL ~45)
+            # no descriptor exchange (4 x H200, 1 MiB hot: ~400 us per call with it, NCCL ~45). A
+            # rank with a larger demand of its own knows the answer: it posts and does not wait.
             me = self.rank
             big = max([v for d, v in enumerate(ins) if d != me] + [v for s, v in enumerate(outs) if s != me] + [0])
-            got = self.segment.exchange_values([big, max(sum(ins), sum(outs))], op)
-            if max(g[0] for g in got) <= ROUTE_MIN_BYTES and self._native_for(op, max(g[1] for g in got)):
+            got = self.segment.exchange_values([big, max(sum(ins), sum(outs))], op, wait=big <= ROUTE_MIN_BYTES)
+            if got is not None and max(g[0] for g in got) <= ROUTE_MIN_BYTES \
+                    and self._native_for(op, max(g[1] for g in got)):
                 return self._native_fast("alltoall_base", (ob, ib, list(outs), list(ins)), "alltoall", async_op,
                                          fallback=lambda a: dist.all_to_all_single(
                                              ob, ib, list(outs), list(ins), group=self.native_group, async_op=a))

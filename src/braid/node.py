@@ -244,11 +244,14 @@ class NodeSegment:
             out.append(self._read(slot(r)))
         return out
 
-    def exchange_values(self, values: list[int], what: str) -> list[list[int]]:
+    def exchange_values(self, values: list[int], what: str, wait: bool = True) -> list[list[int]] | None:
         """Every rank's few non-negative integers for the next collective, without JSON: the
         same mailboxes and sequence as exchange_collective (one call of either per collective),
         for the decisions that must be agreed before a small call (a few microseconds, against
-        ~150 for a descriptor)."""
+        ~150 for a descriptor). wait=False posts this rank's values and returns None at once: for
+        a rank that already knows the outcome (its own values decide it), when every rank then
+        makes the same next exchange (a slot is rewritten two exchanges later, after every peer
+        has posted the exchange between, so after it read this one)."""
         self.coll_seq += 1
         seq = self.coll_seq
         lay = self.layout
@@ -260,6 +263,8 @@ class NodeSegment:
 
         struct.pack_into(fmt, self.mm, slot(self.rank), n, *values)
         self.set(lay.counter("mbox_coll", self.rank), seq)
+        if not wait:
+            return None
         deadline = time.monotonic() + envs.get("BRAID_TIMEOUT_S")
         out = []
         for r in range(lay.world_size):
