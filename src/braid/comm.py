@@ -393,11 +393,11 @@ class Communicator:
         return out
 
     def _observe(self, handle, cycle) -> None:
-        """Time this skewed call (routed: `handle`'s lanes too) when the routing decision calls it
-        a steady sample; its cycle ends at the next skewed call's start in any case."""
+        """Time this skewed call (routed: `handle`'s lanes too) when the routing decision wants it
+        as a sample (`cycle` was made for it); its cycle ends at the next skewed call's start."""
         rt = self._routed
-        self._cycle_open = cycle if rt.last_pred is not None else None
-        if cycle is None or rt.last_pred is None or not rt.steady or len(self._routed_pending) >= rt.IN_FLIGHT:
+        self._cycle_open = cycle
+        if cycle is None:
             return
         self._routed_seq += 1
         self._routed_pending.append([self._routed_seq, handle, cycle, None])
@@ -546,13 +546,16 @@ class Communicator:
             # late peer (one that opened buffers, or allocated) read up to 237 ms on 4 x H200
             t_call = time.perf_counter()
             routed = route(descs, agreed) if route is not None else None
-            if route is not None and (self._routed.last_pred is not None or self._cycle_open is not None):
-                # a skewed call that routing decided (or the one after it): its start on the stream
-                # (nothing of this call is enqueued yet) ends the last decided call's cycle
+            sample = route is not None and self._routed.wants_sample(len(self._routed_pending))
+            if sample or self._cycle_open is not None:
+                # a skewed call timed as a sample of its decision (or the one after it): its start
+                # on the stream (nothing of this call is enqueued yet) ends the last one's cycle
                 cycle = _Cycle(device)
                 if self._cycle_open is not None:
                     self._cycle_open.close(cycle)
                     self._cycle_open = None
+                if not sample:
+                    cycle = None
             if routed is _DECLINED:        # routing measured against the native call and chose it
                 routed, shares = None, {"nccl" if device.type == "cuda" else "gloo": 1.0}
             else:
@@ -569,7 +572,7 @@ class Communicator:
                 if cycle is not None:          # a skewed call that routing declined: timed too
                     self._observe(None, cycle)
             else:
-                if cycle is not None:          # a declined skewed call split by shares: neither side
+                if route is not None:          # a skewed call split by shares: neither side
                     self._routed.begin()
                 if multi is not None:
                     handle = multi(descs, shares, self._plan(mkey, build, shares, size, device), agreed)

@@ -46,9 +46,12 @@ class RoutedAllToAll:
 
     # Online correction of the second lane's port capacity from routed calls' lane times: a
     # ratio of finish times beyond HYSTERESIS moves the scale by its square root (at most 2x per
-    # step), in quanta of 2^(1/8), within [1/4, 8].
+    # step), in quanta of 2^(1/8), within [1/4, 1]: the calibrated capacity is the ceiling. Lane
+    # times alone pushed more onto the host lane than it could take (4 x H200, 256 MiB h = 0.7:
+    # the host share rose from 0.08 to 0.12 while calls slowed from ~1530 to ~2040 us, cycles
+    # that then declined routing); below the calibration they follow a busy PCIe down and back.
     HYSTERESIS = 1.15
-    SCALE_RANGE = (0.25, 8.0)
+    SCALE_RANGE = (0.25, 1.0)
 
     # Learned corrections of the two predictions the decision compares, per shape class of the
     # matrix (size of the busiest port, skew): a call's measured cycle (start to the next call's
@@ -74,6 +77,7 @@ class RoutedAllToAll:
     RECHECK = (64, 1024)
     RECHECK_FAR = 256
     IN_FLIGHT = 8
+    MEMO = 8
     FIX_RANGE = (0.25, 4.0)
     FIX_WINDOW = 6
     FIX_MIN = 2
@@ -87,15 +91,18 @@ class RoutedAllToAll:
         self.agreed_host: dict[tuple, float] = {}
         self.last_cls: tuple | None = None      # the shape class of the last planned matrix
         self.last_cold = False                  # the last plan() solved afresh (no cache hit)
-        # the last matrix's router result and braid Plan: a repeated matrix (fixed shapes, the
-        # bench) skips the router's reuse check and the plan build (~200 us of ~290 on 4 GPUs)
-        self._memo: list | None = None
+        # the last few matrices' router results and braid Plans: a repeated matrix (fixed shapes,
+        # the bench, an MoE layer's dispatch and combine in turn) skips the router's reuse check and
+        # the plan build (~200 us of ~290 on 4 GPUs; 155 us per call of an MoE layer that kept one)
+        self._memo: dict[tuple, list] = {}
         self.agreed_host_us: float | None = None  # a value for every class (tests, reports without a class)
         self.pcie_scale = 1.0                   # agreed correction of the second lane's capacity
         self.samples: dict[tuple, dict[str, list[float]]] = {}   # class -> {"r"|"n": measured/predicted}
         self._classes: dict[tuple, dict] = {}   # class -> trial state (see _state)
         self.last_pred: tuple | None = None     # ("r"|"n", class, raw predicted us) of the last decision
         self.steady = False                     # the last decision's call is a sample (see above)
+        self.sample_limit = 1                   # observations in flight wanted for it (see plan)
+        self._sampling = False
         self._prev: tuple | None = None         # (side, class) of the previous skewed call
         self._before: tuple | None = None
         self.in_flight: dict[int, tuple] = {}   # seq -> ("r"|"n", class, raw prediction) being timed
@@ -139,6 +146,10 @@ class RoutedAllToAll:
         if self._host_cls is not None:
             rep["rcls"] = list(self._host_cls)
         return rep
+
+    def wants_sample(self, in_flight: int) -> bool:
+        """Time the call just decided? A steady call, while fewer than sample_limit are timed."""
+        return self.last_pred is not None and self.steady and in_flight < self.sample_limit
 
     def expect(self, seq: int) -> None:
         """The caller times the call just decided (a steady one) as observation `seq`."""
@@ -254,6 +265,7 @@ class RoutedAllToAll:
         """The side for this call: a trial in progress, else the faster prediction, or a trial of
         the other side when one is due."""
         trial = st["trial"]
+        self._sampling = trial is not None
         if trial is not None:
             trial[1] -= 1
             if trial[1] <= 0:
@@ -279,6 +291,7 @@ class RoutedAllToAll:
                 st["gap"] = min(2 * st["gap"], self.RECHECK[1])
             st["since"] = 0
             st["trial"] = [other, self.TRIAL - 1]
+            self._sampling = True
             return other
         return verdict
 
@@ -301,10 +314,13 @@ class RoutedAllToAll:
         host = self.host_time_us(cls)
         st = self._state(cls)
 
+        self._sampling = False
+
         def native(routed_us: float):
             self.last_pred = ("n", cls, native_raw)
             self.steady = before == ("n", cls)
             self._prev = ("n", cls)
+            self._limit("n", fix)
             return None, routed_us, native_us
 
         if not force and math.isfinite(native_raw) and "r" not in fix and st["trial"] is None \
@@ -315,15 +331,17 @@ class RoutedAllToAll:
                 return native(host)
             st["trial"][1] += 1                # _choose counted this call; it continues below
         mt = tuple(map(tuple, matrix))
-        memo = self._memo
-        if memo is not None and memo[0] is router and memo[1] == mt:
-            rp, built = memo[2], memo[3]          # the same matrix again: no router, no rebuild
+        memo = self._memo.get(mt)
+        if memo is not None and memo[0] is router:
+            rp, built = memo[1], memo[2]          # a recent matrix again: no router, no rebuild
             self.last_cold = False
         else:
             rp, hit = router.plan(matrix)
             self.last_cold = not hit
             built = None
-            self._memo = memo = [router, mt, rp, None]
+            if len(self._memo) >= self.MEMO:
+                self._memo.pop(next(iter(self._memo)))
+            self._memo[mt] = memo = [router, rp, None]
         names = PATH_LANE[device_type]
         lat = max(costs[names["direct"]].latency_us, costs[names["host"]].latency_us)
         gpu_raw = rp.max_load_us + lat + MULTI_LANE_OVERHEAD_US
@@ -335,11 +353,18 @@ class RoutedAllToAll:
             if self._choose(st, cls, fix, routed_us, native_us) == "n":
                 return native(routed_us)
         if built is None:
-            built = memo[3] = build_plan(matrix, rp.flows, names)
+            built = memo[2] = build_plan(matrix, rp.flows, names)
         self.last_pred = ("r", cls, gpu_raw)
         self.steady = before == ("r", cls) and not self.last_cold
         self._prev = ("r", cls)
+        self._limit("r", fix)
         return built, routed_us, native_us
+
+    def _limit(self, kind: str, fix: dict) -> None:
+        """How many observations may be in flight when this call is timed: every steady call of a
+        trial or of a side without its samples; one at a time otherwise (each costs two timing
+        events and a query per call, ~60 us of host time on 4 x H200)."""
+        self.sample_limit = self.IN_FLIGHT if self._sampling or kind not in fix else 1
 
 
 def shape_class(matrix: list[list[int]]) -> tuple[int, int]:
