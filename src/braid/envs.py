@@ -106,11 +106,12 @@ def _route(text: str) -> str:
 
 _define("BRAID_ROUTE", _route, "auto",
         "Skewed all_to_all_single through the router (per-pair lane mixes): auto = when a pair "
-        "carries >= 1 MiB and 1.5x the mean and the routed plan is predicted 3% faster than the "
-        "native call (predictions corrected per kind of matrix by what earlier calls measured); "
+        "carries more than 1 MiB and 1.5x the mean and the routed plan is predicted 3% faster than "
+        "NCCL's own call (predictions corrected per kind of matrix by what steady calls of each "
+        "side measured; the side not in use is tried in blocks of 4 calls now and then); "
         "on = always (tests); off = never.")
 _define("BRAID_LOG_LEVEL", str, "WARNING", "Log level of the 'braid' logger (debug: one line per "
-        "skewed all_to_all routing decision).")
+        "skewed all_to_all routing decision, with its corrections and trial state).")
 
 
 def get(name: str) -> Any:
