@@ -750,7 +750,7 @@ class Communicator:
         outs = split_bytes(output_split_sizes, output, self.world_size, "output", op)
         balanced = not input_split_sizes and not output_split_sizes
         if not balanced and self.segment is not None and dev.type == "cuda" and not self.check \
-                and self._fixed is None and self.routing != "on":
+                and self._fixed is None and self.routing != "on" and len(self.lanes_for(dev)) > 1:
             # uneven splits: each rank knows only its row and column of the matrix. Agree on two
             # numbers first (the largest demand, the largest row or column); when no demand exceeds
             # the routing threshold and NCCL takes calls of that size whole, that is the call, with
