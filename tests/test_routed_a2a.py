@@ -650,3 +650,66 @@ def test_steady_calls_are_timed_freely_while_measuring_and_one_at_a_time_after()
     # the trial's steady calls all timed; the native ones wait until those are learned
     assert [p[0] for p in rt.in_flight.values()] == ["r"] * (RoutedAllToAll.TRIAL - 1)
     assert not rt.wants_sample(len(rt.in_flight)) and rt.wants_sample(0)
+
+
+def _declined_worker(rank, w, matrix):
+    """A skewed call that routing declines runs the native all_to_all itself (what the decision
+    compared routing with), even where the calibration would split balanced traffic of that size;
+    with routing off, the same call takes the share split."""
+    import braid
+    comm = braid.init()
+    comm._routed.agreed_host_us = 1e12          # test hook: no routed call can win
+    comm.pays[f"all_to_all_single/{w}"] = {20: True}   # the split pays for this size
+    esz = 4
+    ins = [matrix[rank][d] // esz for d in range(w)]
+    outs = [matrix[s][rank] // esz for s in range(w)]
+    x = make(("decl", rank), sum(ins), torch.float32)
+    exp = torch.cat([make(("decl", s), sum(matrix[s][d] // esz for d in range(w)), torch.float32)
+                     [sum(matrix[s][d] // esz for d in range(rank)):][: outs[s]] for s in range(w)])
+    got = []
+    for mode in ("auto", "off"):
+        comm.routing = mode
+        y = torch.zeros_like(exp)
+        comm.all_to_all_single(y, x, outs, ins)
+        assert torch.equal(y, exp), mode
+        got.append(sorted(comm.last_handle.shares))
+    braid.close()
+    return got
+
+
+def test_a_declined_skewed_call_is_the_native_all_to_all_not_the_share_split():
+    w = 3
+    m = skewed(w, 1, 4 << 20, 0.9, random.Random(3))
+    m = [[(v // 4) * 4 for v in row] for row in m]
+    res = run_world(_declined_worker, w, m)
+    for auto, off in res:
+        assert auto == ["gloo"], res
+        assert len(off) > 1, res                 # the split the declined call did not take
+
+
+def _threshold_worker(rank, w, mib_exact):
+    """The routing threshold is inclusive, as NIMBLE's (multipath off at or below 1 MB): a pair of
+    exactly 1 MiB is not routed even with every other pair empty, 1 MiB + 4 KiB is."""
+    import braid
+    comm = braid.init()
+    comm._routed.agreed_host_us = 0.0
+    out = []
+    for big in ((1 << 20), (1 << 20) + 4096):
+        matrix = [[0] * w for _ in range(w)]
+        matrix[0][w - 1] = big
+        ins = [matrix[rank][d] // 4 for d in range(w)]
+        outs = [matrix[s][rank] // 4 for s in range(w)]
+        x = make(("thr", rank, big), sum(ins), torch.float32)
+        y = torch.zeros(sum(outs), dtype=torch.float32)
+        comm.all_to_all_single(y, x, outs, ins)
+        if rank == w - 1:
+            assert torch.equal(y, make(("thr", 0, big), big // 4, torch.float32))
+        out.append(comm.last_route is not None and comm._routed.last_pred is not None)
+        comm.last_route = None
+    braid.close()
+    return out
+
+
+def test_the_routing_threshold_is_at_or_below_one_mib():
+    res = run_world(_threshold_worker, 3, True, env={"BRAID_ROUTE": "auto"})
+    assert all(r == [False, True] for r in res), res
