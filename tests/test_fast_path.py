@@ -91,10 +91,14 @@ def _values_worker(rank, w):
         out.append([d["rank"] for d in descs] == list(range(w)) and {d["k"] for d in descs} == {k})
     # a rank that knows the outcome posts without waiting; the others still read its values, and
     # the descriptor exchange after it pairs up on every rank
-    got = seg.exchange_values([rank + 100, 5], "probe", wait=rank != 1)
-    out.append(got is None if rank == 1 else got == [[r + 100, 5] for r in range(w)])
-    descs = seg.exchange_collective({"op": "probe", "rank": rank}, list(range(w)))
-    out.append([d["rank"] for d in descs] == list(range(w)))
+    # (many rounds, a different rank not waiting each time: a rank that does not wait must not
+    # overwrite a descriptor a slower peer is still reading)
+    for i in range(40):
+        skip = i % w
+        got = seg.exchange_values([rank + 100, i], "probe", wait=rank != skip)
+        out.append(got is None if rank == skip else got == [[r + 100, i] for r in range(w)])
+        descs = seg.exchange_collective({"op": "probe", "rank": rank, "i": i}, list(range(w)))
+        out.append([d["rank"] for d in descs] == list(range(w)) and {d.get("i") for d in descs} == {i})
     # rank 0 agrees on one number, the others on two: a clear error on the ranks that read it
     err = None
     try:

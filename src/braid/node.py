@@ -37,6 +37,12 @@ log = logging.getLogger("braid")
 
 LINE = 64                  # bytes between counters (no false sharing between writers)
 COLL_MBOX_BYTES = 16384    # one collective descriptor (all_to_all splits for large worlds fit)
+# A rank's collective mailboxes, used in turn. Writing exchange t reuses the slot of t - 3, which
+# every peer has read once it posted t - 2. A rank that waited at t - 1 or t - 2 for every peer's
+# post knows that; exchanges that do not wait (exchange_values(wait=False)) are always followed by
+# one that does. Two slots were not enough: after a non-waiting post, the next exchange reused the
+# slot that a slow peer was still reading (a 3-rank CPU test read a later descriptor).
+COLL_SLOTS = 3
 P2P_MBOX_BYTES = 2048
 P2P_DEPTH = 4               # send/recv descriptors a direction may have posted and not yet read
 PAGE = 4096
@@ -81,7 +87,7 @@ class Layout:
         self.num_counters = idx
         off = _align(PAGE + idx * LINE)
         self.mbox_coll_off = off
-        off = _align(off + n * 2 * COLL_MBOX_BYTES)
+        off = _align(off + n * COLL_SLOTS * COLL_MBOX_BYTES)
         self.mbox_p2p_off = off
         off = _align(off + n * n * 2 * P2P_DEPTH * P2P_MBOX_BYTES)
         # rings: per rank half the budget for the collective ring, half split over pair rings
@@ -232,7 +238,7 @@ class NodeSegment:
         lay = self.layout
 
         def slot(r: int) -> int:
-            return lay.mbox_coll_off + (r * 2 + seq % 2) * COLL_MBOX_BYTES
+            return lay.mbox_coll_off + (r * COLL_SLOTS + seq % COLL_SLOTS) * COLL_MBOX_BYTES
 
         self._write(slot(self.rank), COLL_MBOX_BYTES, desc)
         self.set(lay.counter("mbox_coll", self.rank), seq)
@@ -249,9 +255,8 @@ class NodeSegment:
         same mailboxes and sequence as exchange_collective (one call of either per collective),
         for the decisions that must be agreed before a small call (a few microseconds, against
         ~150 for a descriptor). wait=False posts this rank's values and returns None at once: for
-        a rank that already knows the outcome (its own values decide it), when every rank then
-        makes the same next exchange (a slot is rewritten two exchanges later, after every peer
-        has posted the exchange between, so after it read this one)."""
+        a rank that already knows the outcome (its own values decide it); its next exchange must
+        wait (see COLL_SLOTS)."""
         self.coll_seq += 1
         seq = self.coll_seq
         lay = self.layout
@@ -259,7 +264,7 @@ class NodeSegment:
         fmt = f"<I{n}Q"
 
         def slot(r: int) -> int:
-            return lay.mbox_coll_off + (r * 2 + seq % 2) * COLL_MBOX_BYTES
+            return lay.mbox_coll_off + (r * COLL_SLOTS + seq % COLL_SLOTS) * COLL_MBOX_BYTES
 
         struct.pack_into(fmt, self.mm, slot(self.rank), n, *values)
         self.set(lay.counter("mbox_coll", self.rank), seq)
