@@ -231,8 +231,9 @@ class NodeSegment:
             self.u32[idx] = (int(self.u32[idx]) + 0x40000000) & 0xFFFFFFFF
 
     # mailboxes ----------------------------------------------------------------------------------
-    def exchange_collective(self, desc: dict, participants: list[int]) -> list[dict]:
-        """Post this rank's descriptor for the next collective and read every rank's."""
+    def _coll_round(self, post, read, participants, what: str, wait: bool = True) -> list | None:
+        """One collective exchange: `post(offset)` writes this rank's slot, then (unless not
+        `wait`) `read(rank, offset, seq)` reads each participant's once it has posted."""
         self.coll_seq += 1
         seq = self.coll_seq
         lay = self.layout
@@ -240,15 +241,22 @@ class NodeSegment:
         def slot(r: int) -> int:
             return lay.mbox_coll_off + (r * COLL_SLOTS + seq % COLL_SLOTS) * COLL_MBOX_BYTES
 
-        self._write(slot(self.rank), COLL_MBOX_BYTES, desc)
+        post(slot(self.rank))
         self.set(lay.counter("mbox_coll", self.rank), seq)
+        if not wait:
+            return None
         deadline = time.monotonic() + envs.get("BRAID_TIMEOUT_S")
         out = []
         for r in participants:
             if r != self.rank:
-                self.wait_geq(lay.counter("mbox_coll", r), seq, f"collective #{seq} {desc.get('op')}", r, deadline)
-            out.append(self._read(slot(r)))
+                self.wait_geq(lay.counter("mbox_coll", r), seq, f"collective #{seq} {what}", r, deadline)
+            out.append(read(r, slot(r), seq))
         return out
+
+    def exchange_collective(self, desc: dict, participants: list[int]) -> list[dict]:
+        """Post this rank's descriptor for the next collective and read every rank's."""
+        return self._coll_round(lambda off: self._write(off, COLL_MBOX_BYTES, desc),
+                                lambda r, off, seq: self._read(off), participants, desc.get("op"))
 
     def exchange_values(self, values: list[int], what: str, wait: bool = True) -> list[list[int]] | None:
         """Every rank's few non-negative integers for the next collective, without JSON: the
@@ -257,30 +265,18 @@ class NodeSegment:
         ~150 for a descriptor). wait=False posts this rank's values and returns None at once: for
         a rank that already knows the outcome (its own values decide it); its next exchange must
         wait (see COLL_SLOTS)."""
-        self.coll_seq += 1
-        seq = self.coll_seq
-        lay = self.layout
         n = len(values)
         fmt = f"<I{n}Q"
 
-        def slot(r: int) -> int:
-            return lay.mbox_coll_off + (r * COLL_SLOTS + seq % COLL_SLOTS) * COLL_MBOX_BYTES
-
-        struct.pack_into(fmt, self.mm, slot(self.rank), n, *values)
-        self.set(lay.counter("mbox_coll", self.rank), seq)
-        if not wait:
-            return None
-        deadline = time.monotonic() + envs.get("BRAID_TIMEOUT_S")
-        out = []
-        for r in range(lay.world_size):
-            if r != self.rank:
-                self.wait_geq(lay.counter("mbox_coll", r), seq, f"collective #{seq} {what}", r, deadline)
-            got = struct.unpack_from(fmt, self.mm, slot(r))
+        def read(r: int, off: int, seq: int) -> list[int]:
+            got = struct.unpack_from(fmt, self.mm, off)
             if got[0] != n:
                 raise PeerMismatchError(f"{what}: rank {r} made a different call at collective #{seq} "
                                         f"(every rank must issue the same collectives in the same order)")
-            out.append(list(got[1:]))
-        return out
+            return list(got[1:])
+
+        return self._coll_round(lambda off: struct.pack_into(fmt, self.mm, off, n, *values), read,
+                                range(self.layout.world_size), what, wait)
 
     # Point-to-point descriptors are matched per direction: rank a's k-th send to b meets b's k-th
     # recv from a, whatever else the two exchange in between (b's own sends to a use other

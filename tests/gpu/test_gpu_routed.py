@@ -13,25 +13,32 @@ from test_gpu_collectives import _same
 ENV = {"BRAID_ROUTE": "on"}
 
 
+def _hot_case(rng, world, rank, case, dev, fractions, totals, jitter, zero_pair=False):
+    """One skewed case, the same on every rank (rng seeded alike): a hot rank gets a fraction h
+    of every rank's bytes, odd element counts, a random dtype; this rank's input (seeded by case and
+    rank), an output filled with a marker, a reference output, and the split sizes."""
+    hot = rng.randrange(world)
+    h = rng.choice(fractions)
+    dtype = rng.choice([torch.bfloat16, torch.float32, torch.int8])
+    total = rng.choice(totals) + rng.randrange(*jitter)
+    esz = torch.empty((), dtype=dtype).element_size()
+    mat = [[0 if zero_pair and (s, d) == (0, world - 1)
+            else int(total * (h if d == hot else (1 - h) / max(world - 1, 1)) / esz) + rng.randrange(0, 3)
+            for d in range(world)] for s in range(world)]
+    ins, outs = mat[rank], [mat[s][rank] for s in range(world)]
+    g = torch.Generator().manual_seed(case * 100 + rank)
+    x = (torch.randn(sum(ins), generator=g) * 50).to(dtype).to(dev)
+    got = torch.full((sum(outs),), 3, dtype=dtype, device=dev)
+    return dict(hot=hot, h=h, dtype=dtype, total=total, esz=esz, mat=mat, ins=ins, outs=outs, x=x,
+                got=got, ref=torch.empty_like(got))
+
+
 def _worker(rank, world, comm, dev):
     rng = random.Random(7)               # the same matrices on every rank
     for case in range(8):
-        hot = rng.randrange(world)
-        h = rng.choice([0.4, 0.7, 0.9, 1.0])
-        dtype = rng.choice([torch.bfloat16, torch.float32, torch.int8])
-        total = rng.choice([3 << 20, 40 << 20, 200 << 20]) + rng.randrange(1, 5000)
-        esz = torch.empty((), dtype=dtype).element_size()
-        mat = [[0] * world for _ in range(world)]
-        for s in range(world):
-            for d in range(world):
-                share = h if d == hot else (1 - h) / max(world - 1, 1)
-                mat[s][d] = int(total * share / esz) + rng.randrange(0, 3)
-        ins = mat[rank]
-        outs = [mat[s][rank] for s in range(world)]
-        g = torch.Generator().manual_seed(case * 100 + rank)
-        x = (torch.randn(sum(ins), generator=g) * 50).to(dtype).to(dev)
-        got = torch.full((sum(outs),), 3, dtype=dtype, device=dev)
-        ref = torch.empty_like(got)
+        c = _hot_case(rng, world, rank, case, dev, [0.4, 0.7, 0.9, 1.0], [3 << 20, 40 << 20, 200 << 20], (1, 5000))
+        hot, h, dtype, total, ins, outs, x, got, ref = (c[k] for k in ("hot", "h", "dtype", "total", "ins", "outs",
+                                                                        "x", "got", "ref"))
         comm.all_to_all_single(got, x, outs, ins)
         dist.all_to_all_single(ref, x, outs, ins)
         torch.cuda.synchronize()
@@ -116,18 +123,10 @@ def _auto_worker(rank, world, comm, dev):
     Bitwise against NCCL either way, with odd sizes and a zero split."""
     rng = random.Random(11)
     for case in range(10):
-        hot = rng.randrange(world)
-        h = rng.choice([0.7, 1.0])
-        dtype = rng.choice([torch.bfloat16, torch.float32, torch.int8])
-        total = rng.choice([64 << 10, 1 << 20, 3 << 20, 24 << 20]) + rng.randrange(-5000, 1)
-        esz = torch.empty((), dtype=dtype).element_size()
-        mat = [[0 if (s, d) == (0, world - 1) else int(total * (h if d == hot else (1 - h) / max(world - 1, 1)) / esz)
-                + rng.randrange(0, 3) for d in range(world)] for s in range(world)]
-        ins, outs = mat[rank], [mat[s][rank] for s in range(world)]
-        g = torch.Generator().manual_seed(case * 100 + rank)
-        x = (torch.randn(sum(ins), generator=g) * 50).to(dtype).to(dev)
-        got = torch.full((sum(outs),), 3, dtype=dtype, device=dev)
-        ref = torch.empty_like(got)
+        c = _hot_case(rng, world, rank, case, dev, [0.7, 1.0], [64 << 10, 1 << 20, 3 << 20, 24 << 20], (-5000, 1),
+                      zero_pair=True)
+        hot, h, dtype, total, esz, mat, ins, outs, x, got, ref = (
+            c[k] for k in ("hot", "h", "dtype", "total", "esz", "mat", "ins", "outs", "x", "got", "ref"))
         before = comm.segment.coll_seq
         comm.all_to_all_single(got, x, outs, ins)
         dist.all_to_all_single(ref, x, outs, ins)
