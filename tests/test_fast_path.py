@@ -109,6 +109,65 @@ def _values_worker(rank, w):
     return out, err
 
 
+def _split_values_worker(rank, w):
+    """post_values / read_values with the caller's own work between them (a sleep of a different
+    length on every rank and round), in turn with non-waiting posts and descriptor exchanges."""
+    import time
+    import braid
+    comm = braid.init()
+    seg = comm.segment
+    out = []
+    for i in range(30):
+        tok = seg.post_values([rank, i, 3 * rank + i])
+        time.sleep(((rank * 7 + i * 3) % 5) * 0.0004)
+        out.append(seg.read_values(tok, "probe") == [[r, i, 3 * r + i] for r in range(w)])
+        if i % 3 == 0:
+            got = seg.exchange_values([i], "probe", wait=rank != i % w)
+            out.append(got is None if rank == i % w else got == [[i]] * w)
+        descs = seg.exchange_collective({"op": "probe", "rank": rank, "i": i}, list(range(w)))
+        out.append([d["rank"] for d in descs] == list(range(w)) and {d["i"] for d in descs} == {i})
+    braid.close()
+    return out
+
+
+def _small_run_worker(rank, w):
+    """The uneven all_to_all's agreement (Communicator._uneven_small) over a scripted sequence of
+    each rank's largest demand, with descriptor exchanges where the real call would make them."""
+    import braid
+    comm = braid.init()
+    big_at = {5: 2, 22: 1, 24: 0}          # call -> the rank with a demand over 1 MiB
+    out = []
+    for i in range(26):
+        big = (2 << 20) if big_at.get(i) == rank else 1000 + i
+        small = comm._uneven_small(big, "all_to_all_single")
+        out.append(small)
+        if not small:                       # the general path: a descriptor exchange
+            comm.segment.exchange_collective({"op": "probe", "i": i}, list(range(w)))
+        if i == 22:                         # another collective between two uneven calls
+            descs = comm.segment.exchange_collective({"op": "other", "rank": rank}, list(range(w)))
+            out.append([d["rank"] for d in descs] == list(range(w)))
+    braid.close()
+    return out
+
+
+def test_small_uneven_calls_read_their_agreement_late_after_a_run():
+    """16 small calls in a row, then each call's agreement is read at the next: a large demand in
+    that mode runs once as NCCL's whole call on every rank (call 22), and the ranks wait again
+    from the next call (23, then 24 sees its large demand at once)."""
+    from braid.comm import SMALL_RUN
+    assert SMALL_RUN == 16
+    res = run_world(_small_run_worker, 3)
+    want = [True] * 5 + [False] + [True] * 16 + [True, True] + [True, False, True]   # call 22, then the check
+    for rank, out in enumerate(res):
+        assert out == want, (rank, out)
+
+
+def test_values_posted_early_and_read_late_stay_in_step():
+    res = run_world(_split_values_worker, 3)
+    for rank, out in enumerate(res):
+        assert len(out) == 70 and all(out), (rank, out)
+
+
 def test_exchange_values_agrees_in_rank_order_and_names_a_mismatch():
     w = 3
     res = run_world(_values_worker, w)

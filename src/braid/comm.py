@@ -44,6 +44,7 @@ DEFAULT_COSTS = {
 }
 P2P_DESC_BYTES = 2048
 ROUTE_MIN_BYTES = 1 << 20    # NIMBLE: multipath off at or below 1 MB
+SMALL_RUN = 16               # agreed-small uneven calls in a row after which their agreement is read one call late
 _DECLINED = object()         # a skewed call's routing decision: the native collective, not a share split
 class _NativeDone(Handle):
     """last_handle after a synchronous fast-path call: NCCL took the whole call, already waited."""
@@ -95,6 +96,8 @@ class Communicator:
         self._fast_rs: dict = {}
         self._fast_ag: dict = {}
         self._fast_a2a: dict = {}
+        self._fast_a2av: dict = {}   # uneven all_to_all: (in, out elements) -> shape facts, may agree fast
+        self._small_run = 0          # uneven calls in a row agreed small (see _uneven_small)
         self._fast_bc: dict = {}
         from .planner.balancer import OnlineBalancer
         self.balancer = OnlineBalancer()
@@ -415,7 +418,7 @@ class Communicator:
         return ent
 
     def _fast_clear(self) -> None:
-        for t in (self._fast_ar, self._fast_rs, self._fast_ag, self._fast_a2a, self._fast_bc):
+        for t in (self._fast_ar, self._fast_rs, self._fast_ag, self._fast_a2a, self._fast_a2av, self._fast_bc):
             t.clear()
 
     def _finish(self, work, async_op: bool):
@@ -742,6 +745,43 @@ class Communicator:
             if ent[-1]:
                 return self._native_fast("alltoall_base", (output, input, [], []), "alltoall", async_op, fallback=lambda a:
                                          dist.all_to_all_single(output, input, group=self.native_group, async_op=a))
+        agreed = False
+        if input_split_sizes and output_split_sizes and type(input) is torch.Tensor \
+                and type(output) is torch.Tensor and input.is_cuda and output.is_cuda and input.dim() > 0 \
+                and output.dim() > 0 and input.is_contiguous() and output.is_contiguous():
+            # uneven splits: each rank knows only its row and column of the matrix. The ranks agree
+            # on one number first, the largest demand: when none exceeds the routing threshold
+            # (NIMBLE: multipath off at or below 1 MB), the call is NCCL's own, whole, with no
+            # descriptor exchange (4 x H200, 1 MiB hot: ~400 us per call with one, NCCL ~45). A
+            # rank with a larger demand of its own knows the answer: it posts and does not wait.
+            # The shape facts, and whether this communicator agrees this way at all, are kept per
+            # call shape, so a call costs a few Python steps besides NCCL's own.
+            key = (input.numel(), output.numel())
+            ent = self._fast_a2av.get(key)
+            dt, rin, rout = input.dtype, input.size(0), output.size(0)
+            if ent is None or ent[0] is not dt or ent[1] != rin or ent[2] != rout:
+                idx = self.device.index if self.cuda else None
+                ok = (dt is output.dtype and self.segment is not None and not self.check
+                      and self._fixed is None and self.routing != "on" and input.get_device() == idx
+                      and output.get_device() == idx and len(self.lanes_for(self.device)) > 1
+                      and "nccl" in self.lanes_for(self.device))
+                esz = input.element_size()     # bytes per row; an empty side's splits are all 0
+                ent = self._fast_put(self._fast_a2av, key, (dt, rin, rout, key[0] // max(rin, 1) * esz,
+                                                             key[1] // max(rout, 1) * esz), ok)
+            w = self.world_size
+            if ent[-1] and len(input_split_sizes) == w and len(output_split_sizes) == w \
+                    and sum(input_split_sizes) == rin and sum(output_split_sizes) == rout \
+                    and min(input_split_sizes) >= 0 and min(output_split_sizes) >= 0:
+                me = self.rank
+                a, b = list(input_split_sizes), list(output_split_sizes)
+                a[me] = b[me] = 0
+                big = max(max(a) * ent[3], max(b) * ent[4])
+                agreed = True
+                if self._uneven_small(big, op):
+                    args = (output, input, list(output_split_sizes), list(input_split_sizes))
+                    return self._native_fast("alltoall_base", args, "alltoall", async_op, fallback=lambda x:
+                                             dist.all_to_all_single(output, input, args[2], args[3],
+                                                                    group=self.native_group, async_op=x))
         dev = self._device_for(input)
         ib = input_bytes(input, "input", dev, op)
         ob = output_bytes(output, "output", dev, op)
@@ -749,18 +789,12 @@ class Communicator:
         ins = split_bytes(input_split_sizes, input, self.world_size, "input", op)
         outs = split_bytes(output_split_sizes, output, self.world_size, "output", op)
         balanced = not input_split_sizes and not output_split_sizes
-        if not balanced and self.segment is not None and dev.type == "cuda" and not self.check \
+        if not agreed and not balanced and self.segment is not None and dev.type == "cuda" and not self.check \
                 and self._fixed is None and self.routing != "on" and len(self.lanes_for(dev)) > 1:
-            # uneven splits: each rank knows only its row and column of the matrix. Agree on two
-            # numbers first (the largest demand, the largest row or column); when no demand exceeds
-            # the routing threshold and NCCL takes calls of that size whole, that is the call, with
-            # no descriptor exchange (4 x H200, 1 MiB hot: ~400 us per call with it, NCCL ~45). A
-            # rank with a larger demand of its own knows the answer: it posts and does not wait.
+            # the same agreement for the uneven calls the block above leaves (one split list given)
             me = self.rank
             big = max([v for d, v in enumerate(ins) if d != me] + [v for s, v in enumerate(outs) if s != me] + [0])
-            got = self.segment.exchange_values([big, max(sum(ins), sum(outs))], op, wait=big <= ROUTE_MIN_BYTES)
-            if got is not None and max(g[0] for g in got) <= ROUTE_MIN_BYTES \
-                    and self._native_for(op, max(g[1] for g in got)):
+            if "nccl" in self.lanes_for(dev) and self._uneven_small(big, op):
                 return self._native_fast("alltoall_base", (ob, ib, list(outs), list(ins)), "alltoall", async_op,
                                          fallback=lambda a: dist.all_to_all_single(
                                              ob, ib, list(outs), list(ins), group=self.native_group, async_op=a))
@@ -777,6 +811,35 @@ class Communicator:
         return self._run(op, desc, sum(ins), ib, [ob], movement_of, native, ("op", "dtype"), async_op,
                          always_exchange=not balanced and (len(self.lanes_for(dev)) > 1 or self.check),
                          route=route)
+
+    def _uneven_small(self, big: int, op: str) -> bool:
+        """The agreement before an uneven all_to_all on GPUs: does no rank have a demand (to or
+        from another rank) over ROUTE_MIN_BYTES? Then the call is NCCL's own, whole.
+
+        Every rank posts its largest demand in the node segment and reads all (a rank whose own
+        demand is larger knows the answer and does not wait). That read holds each rank's call
+        until the slowest rank has posted: for calls of a few tens of microseconds this lockstep
+        was the larger part of braid's cost (4 x H200, 1 MiB hot: ~50 us per call against NCCL's
+        ~40). So after SMALL_RUN calls in a row agreed small, the ranks take the next calls as
+        small without waiting, and read each call's values at the next call (a peer has long
+        posted them by then). When those values show a large demand, that one call has already
+        run as NCCL's whole (correct, only not routed) and the ranks go back to waiting from the
+        next call. Every step depends only on values every rank read, so all ranks switch at the
+        same call."""
+        seg = self.segment
+        last = seg.settle()
+        if last is not None and max(last)[0] > ROUTE_MIN_BYTES:
+            self._small_run = 0
+        token = seg.post_values([big])
+        if self._small_run >= SMALL_RUN:
+            seg.defer(token, op)
+            return True
+        if big > ROUTE_MIN_BYTES:
+            self._small_run = 0
+            return False
+        small = max(seg.read_values(token, op))[0] <= ROUTE_MIN_BYTES
+        self._small_run = self._small_run + 1 if small else 0
+        return small
 
     def _a2a_rules(self, op: str, dev: torch.device):
         """The uneven all_to_all's matrix check and routing decision, from the exchanged

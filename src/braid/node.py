@@ -43,6 +43,7 @@ COLL_MBOX_BYTES = 16384    # one collective descriptor (all_to_all splits for la
 # one that does. Two slots were not enough: after a non-waiting post, the next exchange reused the
 # slot that a slow peer was still reading (a 3-rank CPU test read a later descriptor).
 COLL_SLOTS = 3
+_VALUE_FMT = [f"<I{n}Q" for n in range(9)]   # exchange_values' record: count, then the values
 P2P_MBOX_BYTES = 2048
 P2P_DEPTH = 4               # send/recv descriptors a direction may have posted and not yet read
 PAGE = 4096
@@ -159,6 +160,12 @@ class NodeSegment:
         self.coll_seq = 0
         self.p2p_seq: dict[tuple[int, int], int] = {}
         self.closed = False
+        # offsets the small-call exchange (post_values / read_values) needs on every call
+        self._coll_ctr = [layout.counter("mbox_coll", r) for r in range(layout.world_size)]
+        self._deferred: tuple | None = None          # a post whose read is put off (see defer)
+        self.deferred_values: list | None = None
+        self._coll_slots = [[layout.mbox_coll_off + (r * COLL_SLOTS + k) * COLL_MBOX_BYTES for k in range(COLL_SLOTS)]
+                            for r in range(layout.world_size)]
 
     @staticmethod
     def new_name() -> str:
@@ -181,14 +188,17 @@ class NodeSegment:
     def set(self, off: int, value: int) -> None:
         self.u32[off // 4] = value & 0xFFFFFFFF
 
-    def wait_geq(self, off: int, value: int, what: str, peer: int, deadline: float) -> None:
-        """Poll a counter until it reaches value; raise on timeout or a dead peer.
+    def wait_geq(self, off: int, value: int, what: str, peer: int, deadline: float | None) -> None:
+        """Poll a counter until it reaches value; raise on timeout or a dead peer (deadline None:
+        BRAID_TIMEOUT_S from the first check).
 
         Spins for the first `spin_s` (peers usually arrive within microseconds, and a sleep costs
         60-80 us on Linux however short it is asked to be), then sleeps in 0.5 ms steps. CPU-only
         communicators spin briefly: their ranks share few cores with the lanes' own threads."""
         if geq(self.get(off), value):
             return
+        if deadline is None:
+            deadline = time.monotonic() + envs.get("BRAID_TIMEOUT_S")
         idx = off // 4
         u32 = self.u32
         spin_until = time.perf_counter() + self.spin_s
@@ -234,23 +244,20 @@ class NodeSegment:
     def _coll_round(self, post, read, participants, what: str, wait: bool = True) -> list | None:
         """One collective exchange: `post(offset)` writes this rank's slot, then (unless not
         `wait`) `read(rank, offset, seq)` reads each participant's once it has posted."""
+        self._settle_deferred()
         self.coll_seq += 1
         seq = self.coll_seq
-        lay = self.layout
-
-        def slot(r: int) -> int:
-            return lay.mbox_coll_off + (r * COLL_SLOTS + seq % COLL_SLOTS) * COLL_MBOX_BYTES
-
-        post(slot(self.rank))
-        self.set(lay.counter("mbox_coll", self.rank), seq)
+        k = seq % COLL_SLOTS
+        post(self._coll_slots[self.rank][k])
+        self.u32[self._coll_ctr[self.rank] // 4] = seq & 0xFFFFFFFF
         if not wait:
             return None
         deadline = time.monotonic() + envs.get("BRAID_TIMEOUT_S")
         out = []
         for r in participants:
             if r != self.rank:
-                self.wait_geq(lay.counter("mbox_coll", r), seq, f"collective #{seq} {what}", r, deadline)
-            out.append(read(r, slot(r), seq))
+                self.wait_geq(self._coll_ctr[r], seq, f"collective #{seq} {what}", r, deadline)
+            out.append(read(r, self._coll_slots[r][k], seq))
         return out
 
     def exchange_collective(self, desc: dict, participants: list[int]) -> list[dict]:
@@ -265,18 +272,59 @@ class NodeSegment:
         ~150 for a descriptor). wait=False posts this rank's values and returns None at once: for
         a rank that already knows the outcome (its own values decide it); its next exchange must
         wait (see COLL_SLOTS)."""
-        n = len(values)
-        fmt = f"<I{n}Q"
+        token = self.post_values(values)
+        return self.read_values(token, what) if wait else None
 
-        def read(r: int, off: int, seq: int) -> list[int]:
-            got = struct.unpack_from(fmt, self.mm, off)
+    def post_values(self, values: list[int]) -> tuple:
+        """The first half of exchange_values: post this rank's values and return the token that
+        read_values takes. A caller may do its own work between the two (the peers' posts land
+        meanwhile); every post must be read or followed by a waiting exchange (see COLL_SLOTS)."""
+        self._settle_deferred()
+        self.coll_seq += 1
+        seq = self.coll_seq
+        n = len(values)
+        struct.pack_into(_VALUE_FMT[n] if n < len(_VALUE_FMT) else f"<I{n}Q", self.mm,
+                         self._coll_slots[self.rank][seq % COLL_SLOTS], n, *values)
+        self.u32[self._coll_ctr[self.rank] // 4] = seq & 0xFFFFFFFF
+        return seq, n
+
+    def read_values(self, token: tuple, what: str) -> list[list[int]]:
+        """Every rank's values of the exchange `token` (from post_values), in rank order, once
+        each has posted them."""
+        seq, n = token
+        fmt = _VALUE_FMT[n] if n < len(_VALUE_FMT) else f"<I{n}Q"
+        k = seq % COLL_SLOTS
+        u32, mm, me = self.u32, self.mm, self.rank
+        out = []
+        for r, ctr in enumerate(self._coll_ctr):
+            if r != me and ((int(u32[ctr // 4]) - seq) & 0xFFFFFFFF) >= 0x80000000:
+                self.wait_geq(ctr, seq, f"collective #{seq} {what}", r, None)
+            got = struct.unpack_from(fmt, mm, self._coll_slots[r][k])
             if got[0] != n:
                 raise PeerMismatchError(f"{what}: rank {r} made a different call at collective #{seq} "
                                         f"(every rank must issue the same collectives in the same order)")
-            return list(got[1:])
+            out.append(list(got[1:]))
+        return out
 
-        return self._coll_round(lambda off: struct.pack_into(fmt, self.mm, off, n, *values), read,
-                                range(self.layout.world_size), what, wait)
+    def defer(self, token: tuple, what: str) -> None:
+        """Put off reading the values of post `token` until the next exchange of any kind (or
+        settle()): the peers' posts are read one collective late, when they have long landed. The
+        slot rule (COLL_SLOTS) holds: the next post first reads this one, so every peer had posted
+        it, and so had read everything before it."""
+        self._deferred = (token, what)
+
+    def _settle_deferred(self) -> None:
+        if self._deferred is not None:
+            token, what = self._deferred
+            self._deferred = None
+            self.deferred_values = self.read_values(token, what)
+
+    def settle(self) -> list[list[int]] | None:
+        """The values of the last deferred post (read now if no exchange has read them since),
+        once; None if there was none."""
+        self._settle_deferred()
+        got, self.deferred_values = self.deferred_values, None
+        return got
 
     # Point-to-point descriptors are matched per direction: rank a's k-th send to b meets b's k-th
     # recv from a, whatever else the two exchange in between (b's own sends to a use other

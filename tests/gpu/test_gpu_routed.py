@@ -118,25 +118,65 @@ def test_routed_batch_four_gpus(tmp_path):
 
 
 def _auto_worker(rank, world, comm, dev):
-    """BRAID_ROUTE=auto: skewed calls at and below the routing threshold agree on two numbers and
-    go to NCCL whole (no descriptor exchange); larger ones take the exchange and the decision.
-    Bitwise against NCCL either way, with odd sizes and a zero split."""
+    """BRAID_ROUTE=auto: skewed calls whose demands are all at or below the routing threshold agree
+    on one number and go to NCCL whole (no descriptor exchange); larger ones take the exchange and
+    the decision. Bitwise against NCCL either way, with odd sizes, a zero split and rows of 1-3
+    elements."""
     rng = random.Random(11)
     for case in range(10):
         c = _hot_case(rng, world, rank, case, dev, [0.7, 1.0], [64 << 10, 1 << 20, 3 << 20, 24 << 20], (-5000, 1),
                       zero_pair=True)
         hot, h, dtype, total, esz, mat, ins, outs, x, got, ref = (
             c[k] for k in ("hot", "h", "dtype", "total", "esz", "mat", "ins", "outs", "x", "got", "ref"))
+        width = 1 + case % 3               # rows of 1, 2 or 3 elements (the splits count rows)
+        if width > 1:
+            x = torch.stack([x + k for k in range(width)], 1)
+            got, ref = (torch.full((sum(outs), width), 3, dtype=dtype, device=dev) for _ in range(2))
         before = comm.segment.coll_seq
         comm.all_to_all_single(got, x, outs, ins)
         dist.all_to_all_single(ref, x, outs, ins)
         torch.cuda.synchronize()
         assert _same(got, ref), f"auto all_to_all case {case} (hot {hot}, h {h}, {dtype}, {total} B) differs from NCCL"
-        biggest = max(mat[s][d] * esz for s in range(world) for d in range(world) if s != d)
-        small = biggest <= (1 << 20) and comm._native_for("all_to_all_single", max(
-            max(sum(r) for r in mat), max(sum(mat[s][d] for s in range(world)) for d in range(world))) * esz)
-        # one agreement of two numbers for a small call; a descriptor exchange after it otherwise
+        row = esz * width
+        biggest = max(mat[s][d] * row for s in range(world) for d in range(world) if s != d)
+        small = biggest <= (1 << 20)
+        # one agreement of one number when no demand exceeds 1 MiB (NCCL's call, whole); a
+        # descriptor exchange after it otherwise
         assert (comm.segment.coll_seq - before == 1) == small, (case, biggest, comm.segment.coll_seq - before)
+    # every rank sends all its rows to the last rank (itself included): the others receive nothing,
+    # and their empty outputs take the same one-number agreement
+    for width in (1, 3):
+        mat = [[0] * (world - 1) + [40000 + 7 * s] for s in range(world)]
+        ins, outs = mat[rank], [mat[s][rank] for s in range(world)]
+        g = torch.Generator().manual_seed(50 + rank)
+        x = torch.randn(sum(ins), width, generator=g).to(torch.bfloat16).to(dev)
+        got, ref = (torch.full((sum(outs), width), 3, dtype=torch.bfloat16, device=dev) for _ in range(2))
+        before = comm.segment.coll_seq
+        comm.all_to_all_single(got, x, outs, ins)
+        dist.all_to_all_single(ref, x, outs, ins)
+        torch.cuda.synchronize()
+        assert _same(got, ref) and (rank == world - 1 or got.numel() == 0), (width, rank)
+        assert comm.segment.coll_seq - before == 1, (width, comm.segment.coll_seq - before)
+    # a run of small calls: after SMALL_RUN of them the agreement is read one call late, so the
+    # first large call after the run is NCCL's whole call (one post), and the next one is
+    # decided as usual (a post, then the descriptor exchange); bitwise against NCCL throughout
+    from braid.comm import SMALL_RUN
+    steps = []
+    for i in range(SMALL_RUN + 6):
+        large = i >= SMALL_RUN + 2
+        per = (3 << 20) if large else (40 << 10) + 2 * i
+        mat = [[per + 2 * s + d for d in range(world)] for s in range(world)]
+        ins, outs = mat[rank], [mat[s][rank] for s in range(world)]
+        g = torch.Generator().manual_seed(900 + 10 * i + rank)
+        x = torch.randint(-100, 100, (sum(ins),), generator=g, dtype=torch.int8).to(dev)
+        got, ref = (torch.full((sum(outs),), 3, dtype=torch.int8, device=dev) for _ in range(2))
+        before = comm.segment.coll_seq
+        comm.all_to_all_single(got, x, outs, ins)
+        dist.all_to_all_single(ref, x, outs, ins)
+        torch.cuda.synchronize()
+        assert _same(got, ref), ("run", i)
+        steps.append(comm.segment.coll_seq - before)
+    assert steps[:SMALL_RUN + 3] == [1] * (SMALL_RUN + 3) and all(n >= 2 for n in steps[SMALL_RUN + 3:]), steps
 
 
 @needs(2)
