@@ -75,6 +75,45 @@ def test_measured_verdict_picks_split_native_or_a_lane_alone():
     assert fallback == {"gloo": 1.0}
 
 
+def _repeat_worker(rank, w):
+    """Collectives through the descriptor exchange on CPU lanes (fixed split shares, uneven
+    all_to_all): a call repeating the last one on every rank takes one digest round, anything new on
+    any rank the full exchange; every result checked against the expected data."""
+    import braid
+    comm = braid.init()
+    seg = comm.segment
+    steps, ok = [], []
+    with comm.fixed_shares({"shm": 0.5, "gloo": 0.5}):
+        for n in (50001, 50001, 50001, 70001, 70001):
+            x = torch.arange(n, dtype=torch.float32) + 1000 * rank
+            out = torch.empty(w * n)
+            before = seg.coll_seq
+            comm.all_gather_into_tensor(out, x)
+            steps.append(seg.coll_seq - before)
+            ok.append(torch.equal(out, torch.cat([torch.arange(n, dtype=torch.float32) + 1000 * r for r in range(w)])))
+    # uneven all_to_all: rank r sends (r + 1) * 1000 + d rows to rank d; in the third call only the
+    # last rank changes what it sends itself, so only its descriptor differs
+    for call in range(4):
+        mat = [[(s + 1) * 1000 + d + (500 if call >= 2 and s == d == w - 1 else 0) for d in range(w)] for s in range(w)]
+        ins, outs = mat[rank], [mat[s][rank] for s in range(w)]
+        x = torch.cat([torch.full((ins[d],), float(100 * rank + d)) for d in range(w)])
+        y = torch.empty(sum(outs))
+        before = seg.coll_seq
+        comm.all_to_all_single(y, x, outs, ins)
+        steps.append(seg.coll_seq - before)
+        ok.append(torch.equal(y, torch.cat([torch.full((outs[s],), float(100 * s + rank)) for s in range(w)])))
+    braid.close()
+    return steps, ok
+
+
+def test_a_repeated_call_reuses_the_last_exchange_on_every_rank():
+    res = run_world(_repeat_worker, 3)
+    for rank, (steps, ok) in enumerate(res):
+        assert all(ok), (rank, ok)
+        # all_gather: new, repeat, repeat, new size, repeat; all_to_all: new, repeat, one rank changed, repeat
+        assert steps == [2, 1, 1, 2, 1, 2, 1, 2, 1], (rank, steps)
+
+
 def _values_worker(rank, w):
     """The two-number agreement that precedes a small uneven all_to_all on GPUs: every rank gets
     every rank's values in rank order, interleaved with descriptor exchanges on the same sequence;
@@ -107,6 +146,80 @@ def _values_worker(rank, w):
         err = str(e)
     braid.close()
     return out, err
+
+
+def _alone_worker(rank, w):
+    """For the reductions, a lane measured faster alone in a size's own bucket replaces the native
+    lane the model keeps there; nowhere else, and not for the other ops."""
+    import braid
+    comm = braid.init()
+    fast = {"latency_us": 5.0, "bw_gbps": 10.0, "floor_us": 5.0}
+    slow = {"latency_us": 5000.0, "bw_gbps": 1.0, "floor_us": 5000.0}      # the model never picks it
+    lanes = ["shm", "gloo"]
+    got = []
+    for op in ("all_reduce", "all_gather"):
+        comm.set_calibration({f"{op}/{w}": {"shm": slow, "gloo": fast}, f"{op}/{w}/pays": {"24": "shm", "22": False}})
+        got.append([comm.shares_for(op, n, lanes) for n in (1 << 24, (1 << 24) + 4096, 1 << 23, 1 << 22, 1 << 25)])
+    braid.close()
+    return got
+
+
+def test_a_lane_alone_replaces_the_native_one_only_in_its_measured_bucket():
+    (red, other), = run_world(_alone_worker, 1)
+    shm, gloo = {"shm": 1.0}, {"gloo": 1.0}
+    assert red == [shm, shm, gloo, gloo, gloo]
+    assert other == [gloo] * 5
+
+
+def test_calibration_times_the_copy_engines_alone_where_the_model_keeps_nccl(monkeypatch):
+    """split_pays on a reduction: where the model keeps NCCL alone but the copy engines alone come
+    within ALONE_CHECK of it, both are timed and the faster named; sizes where the model splits
+    are timed as before; hopeless sizes are not timed at all."""
+    import contextlib
+    from braid import calibrate, workloads
+    from braid.planner.model import LaneCost
+    timed_at = []
+
+    class FakeComm:
+        cuda = True
+        now = None
+
+        def split_rule(self, op, costs, n):
+            return {"nccl": 0.9, "host": 0.1} if n >= 1 << 30 else {"nccl": 1.0}
+
+        @contextlib.contextmanager
+        def fixed_shares(self, shares):
+            self.now = dict(shares)
+            yield
+
+    class Load:
+        def __init__(self, n):
+            self.nbytes, self.braid = n, None
+
+    comm = FakeComm()
+    speed = {"nccl": 1.0, "ce": 0.8, "host": 5.0}           # us per MiB, per lane alone
+
+    def fake_time(c, fn, iters, warm):
+        timed_at.append((c.now_n, tuple(sorted(c.now))))
+        if len(c.now) > 1:
+            return 0.95 * speed["nccl"] * c.now_n / (1 << 20)
+        return speed[next(iter(c.now))] * c.now_n / (1 << 20)
+    monkeypatch.setattr(calibrate, "time_call", fake_time)
+
+    def make(c, op, n, dt):
+        c.now_n = n
+        return Load(n)
+    monkeypatch.setattr(workloads, "make", make)
+    # ce's line: within 1.5x of NCCL's from 256 MiB up (its fixed cost 100 us), not below
+    costs = {"nccl": LaneCost(10.0, 1000.0), "ce": LaneCost(100.0, 1100.0), "host": LaneCost(100.0, 50.0)}
+    got = calibrate.split_pays(comm, "reduce_scatter", costs)
+    assert got == {"28": "ce", "30": "ce"}, got
+    sizes = sorted({n for n, _ in timed_at})
+    assert sizes == [256 << 20, 1 << 30], sizes
+    assert ((1 << 30), ("host", "nccl")) in timed_at          # the model's split still timed at 1 GiB
+    # an op without a lane of its own (all_gather): only where the model splits
+    timed_at.clear()
+    assert calibrate.split_pays(comm, "all_gather", costs) == {"30": True}
 
 
 def _split_values_worker(rank, w):
