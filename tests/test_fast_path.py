@@ -91,6 +91,14 @@ def _repeat_worker(rank, w):
             comm.all_gather_into_tensor(out, x)
             steps.append(seg.coll_seq - before)
             ok.append(torch.equal(out, torch.cat([torch.arange(n, dtype=torch.float32) + 1000 * r for r in range(w)])))
+        # two shapes in turn (a training loop's buckets): each remembered after its first exchange
+        for n in (30001, 40001, 30001, 40001):
+            x = torch.arange(n, dtype=torch.float32) - rank
+            out = torch.empty(w * n)
+            before = seg.coll_seq
+            comm.all_gather_into_tensor(out, x)
+            steps.append(seg.coll_seq - before)
+            ok.append(torch.equal(out, torch.cat([torch.arange(n, dtype=torch.float32) - r for r in range(w)])))
     # uneven all_to_all: rank r sends (r + 1) * 1000 + d rows to rank d; in the third call only the
     # last rank changes what it sends itself, so only its descriptor differs
     for call in range(4):
@@ -110,8 +118,9 @@ def test_a_repeated_call_reuses_the_last_exchange_on_every_rank():
     res = run_world(_repeat_worker, 3)
     for rank, (steps, ok) in enumerate(res):
         assert all(ok), (rank, ok)
-        # all_gather: new, repeat, repeat, new size, repeat; all_to_all: new, repeat, one rank changed, repeat
-        assert steps == [2, 1, 1, 2, 1, 2, 1, 2, 1], (rank, steps)
+        # all_gather: new, repeat, repeat, new size, repeat; two sizes in turn: new, new, then both
+        # remembered; all_to_all: new, repeat, one rank changed, repeat
+        assert steps == [2, 1, 1, 2, 1, 2, 2, 1, 1, 2, 1, 2, 1], (rank, steps)
 
 
 def _values_worker(rank, w):

@@ -44,6 +44,7 @@ DEFAULT_COSTS = {
 }
 P2P_DESC_BYTES = 2048
 ROUTE_MIN_BYTES = 1 << 20    # NIMBLE: multipath off at or below 1 MB
+DESC_MEMO = 16               # full descriptor exchanges remembered for repeated calls (_exchange_node)
 SMALL_RUN = 16               # agreed-small uneven calls in a row after which their agreement is read one call late
 _DECLINED = object()         # a skewed call's routing decision: the native collective, not a share split
 class _NativeDone(Handle):
@@ -98,7 +99,7 @@ class Communicator:
         self._fast_a2a: dict = {}
         self._fast_a2av: dict = {}   # uneven all_to_all: (in, out elements) -> shape facts, may agree fast
         self._small_run = 0          # uneven calls in a row agreed small (see _uneven_small)
-        self._last_descs: tuple | None = None   # (every rank's digest, the descriptors) of the last full exchange
+        self._desc_memo: dict = {}   # every rank's descriptor digest -> those descriptors (recent full exchanges)
         self._fast_bc: dict = {}
         from .planner.balancer import OnlineBalancer
         self.balancer = OnlineBalancer()
@@ -477,22 +478,25 @@ class Communicator:
 
     # descriptor exchange --------------------------------------------------------------------------
     def _exchange_node(self, desc: dict) -> list:
-        """Every rank's descriptor for a collective through the node segment. A call repeating
-        the last exchanged one on every rank (same shapes, buffers, lanes, nothing new to report:
+        """Every rank's descriptor for a collective through the node segment. A call repeating a
+        recently exchanged one on every rank (same shapes, buffers, lanes, nothing new to report:
         a training loop's buckets, a bench loop) needs no JSON round: each rank posts a 63-bit
         digest of its descriptor (`hash` of its repr, stable within the process), and when every
-        rank's digest is the one it posted at the last full exchange, that exchange's descriptors
-        are the answer (4 x H200: the JSON round took 50-260 us of a 256 MiB reduce_scatter's
-        ~470). Otherwise the full exchange follows. Every rank decides from the same posted values
-        and the same remembered ones, so all take the same branch."""
+        rank's digests match those of one of the last DESC_MEMO full exchanges, that exchange's
+        descriptors are the answer (4 x H200: the JSON round took 50-260 us of a 256 MiB
+        reduce_scatter's ~470). Otherwise the full exchange follows. Every rank decides from the
+        same posted values and the same memo, so all take the same branch."""
         seg = self.segment
         digest = hash(repr(desc)) & 0x7FFFFFFFFFFFFFFF
-        digests = [g[0] for g in seg.read_values(seg.post_values([digest]), str(desc.get("op")))]
-        last = self._last_descs
-        if last is not None and last[0] == digests:
-            return list(last[1])
+        key = tuple(g[0] for g in seg.read_values(seg.post_values([digest]), str(desc.get("op"))))
+        memo = self._desc_memo
+        hit = memo.get(key)
+        if hit is not None:
+            return list(hit)
         descs = seg.exchange_collective(desc, list(range(self.world_size)))
-        self._last_descs = (digests, descs)
+        if len(memo) >= DESC_MEMO:
+            memo.pop(next(iter(memo)))
+        memo[key] = descs
         return descs
 
     def _exchange(self, desc: dict, inp: torch.Tensor | None, lanes: list[str], peer: int | None = None) -> list:
