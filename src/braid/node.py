@@ -39,8 +39,9 @@ LINE = 64                  # bytes between counters (no false sharing between wr
 COLL_MBOX_BYTES = 16384    # one collective descriptor (all_to_all splits for large worlds fit)
 # A rank's collective mailboxes, used in turn. Writing exchange t reuses the slot of t - 3, which
 # every peer has read once it posted t - 2. A rank that waited at t - 1 or t - 2 for every peer's
-# post knows that; exchanges that do not wait (exchange_values(wait=False)) are always followed by
-# one that does. Two slots were not enough: after a non-waiting post, the next exchange reused the
+# post knows that; a post that is not read (post_values without read_values, exchange_values with
+# wait=False) is always followed by an exchange that waits, and a deferred read (defer) is done
+# before the rank's next post. Two slots were not enough: after a non-waiting post, the next exchange reused the
 # slot that a slow peer was still reading (a 3-rank CPU test read a later descriptor).
 COLL_SLOTS = 3
 _VALUE_FMT = [f"<I{n}Q" for n in range(9)]   # exchange_values' record: count, then the values
