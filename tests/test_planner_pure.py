@@ -737,11 +737,61 @@ def test_piece_rule_table(longest, want_bytes, count):
 
 def test_piece_rule_override_and_limits():
     from braid.planner.pieces import MAX_PIECES, piece_elems
-    assert piece_elems(1 << 29, 2, piece_mb=8) * 2 == 8 << 20
+    assert piece_elems(1 << 28, 2, piece_mb=8) * 2 == 8 << 20
     # an override that would need too many pieces doubles until the counter space holds them
     per = piece_elems(1 << 30, 2, piece_mb=1)
     assert -(-(1 << 30) // (per * 2)) <= MAX_PIECES
     assert piece_elems(0, 4) >= 1
+
+
+@pytest.mark.parametrize("longest_mb", [64, 200, 471, 1024, 4096, 8192])
+def test_piece_rule_tapered_tail(longest_mb):
+    """Large pieces end in a taper (1/2, 1/4, 1/8, 1/8 of a piece): the cut still covers the chunk
+    exactly, in order, within the counter space, and only the end changes."""
+    from braid.planner.pieces import MAX_PIECES, PAGE, TAPER_FROM_BYTES, piece_elems, pieces, tail_elems
+    esz = 2
+    n = (longest_mb << 20) // esz - 123              # an odd length
+    per = piece_elems(n * esz, esz)
+    tail = tail_elems(per, esz)
+    flat, cut = pieces(n, per), pieces(n, per, tail)
+    assert cut[0][0] == 0 and cut[-1][1] == n
+    assert all(b == c for (_, b), (c, _) in zip(cut, cut[1:])) and all(b > a for a, b in cut)
+    assert len(cut) <= MAX_PIECES
+    if per * esz < TAPER_FROM_BYTES:
+        assert tail == 0 and cut == flat
+        return
+    assert tail * esz % PAGE == 0 and tail <= per // 8
+    sizes = [b - a for a, b in cut]
+    assert sizes[-1] == sizes[-2] == tail
+    assert sizes[-4:] == [4 * tail, 2 * tail, tail, tail]
+    assert len(flat) + 2 <= len(cut) <= len(flat) + 4
+    # before the taper: whole pieces, then at most one shorter one
+    head = sizes[:-4]
+    assert all(x == per for x in head[:-1]) and 0 < head[-1] <= per
+
+
+def test_piece_rule_no_taper_for_small_or_single_pieces():
+    from braid.planner.pieces import pieces
+    assert pieces(100, 100, 10) == [(0, 100)]           # one piece: nothing to overlap
+    assert pieces(1000, 100, 0) == pieces(1000, 100)
+    assert pieces(1000, 100, 60) == pieces(1000, 100)   # a tail over half a piece is no taper
+    assert [b - a for a, b in pieces(1000, 100, 10)][-4:] == [40, 20, 10, 10]
+
+
+def test_sim_taper_shortens_a_large_ce_reduce_scatter_only():
+    """The simulator runs the same cut: at 1 GiB on 2 x H200 the tapered end saves most of the
+    last piece's reduction; at 256 MiB (pieces of 32 MiB) nothing changes."""
+    from braid import envs
+    from braid.sim.collectives import simulate_op
+    from braid.sim.topology import load
+    topo = load("h200x2")
+    t = {}
+    for size in (256 << 20, 1 << 30):
+        for on in (0, 1):
+            with envs.override(BRAID_CE_TAPER=on):
+                t[size, on] = simulate_op(topo, "reduce_scatter", 2, size, {"ce": 1.0}).time_us
+    assert t[256 << 20, 1] == pytest.approx(t[256 << 20, 0])
+    assert 0.85 * t[1 << 30, 0] < t[1 << 30, 1] < 0.97 * t[1 << 30, 0]
 
 
 # --- the calibration's line through host-bound points (model.fit_points) -----------------------

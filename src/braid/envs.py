@@ -95,6 +95,12 @@ def _nonneg_int(text: str) -> int:
 _define("BRAID_CE_PIECE_MB", _nonneg_int, 0,
         "Piece size of the copy engines' pipelined reduction in MiB (experiments); 0 = braid's "
         "rule (planner/pieces.py: every chunk in 4 pieces of 4 to 256 MiB).")
+_define("BRAID_CE_TAPER", _bool, True,
+        "Taper the end of each chunk of the copy engines' pipelined reduction into smaller pieces "
+        "(planner/pieces.py: pieces of 64 MiB and up). Must be the same on every rank.")
+_define("BRAID_CE_TAPER_FROM_KB", _nonneg_int, 64 << 10,
+        "The smallest piece, in KiB, whose chunk gets the tapered end (tests lower it). Must be the "
+        "same on every rank.")
 
 
 def _route(text: str) -> str:

@@ -108,6 +108,21 @@ def _worker(rank, world, comm, dev):
                 comm.reduce_scatter_tensor(out, full, name)
             exp_rs = _expected([x[:m] for x in xs], name, dtype)
             assert _close(out.cpu(), exp_rs, dtype, world), f"pipelined reduce_scatter {shares} {dtype} n={m}"
+    # the tapered cut and the even one reduce every element in the same order: bitwise the same
+    # (the two-GPU run tapers pieces from 1 MiB, so both cuts differ there)
+    from braid import envs
+    x = (torch.randn(5_000_011, device=dev) * (rank + 1)).to(torch.bfloat16)
+    for shares in ({"ce": 1.0}, {"ce": 0.9, "host": 0.1}):
+        got = []
+        for taper in (0, 1):
+            with envs.override(BRAID_CE_TAPER=taper), comm.fixed_shares(shares):
+                t = x.clone()
+                comm.all_reduce(t)
+                o = torch.empty(x.numel() // world, dtype=x.dtype, device=dev)
+                comm.reduce_scatter_tensor(o, x[: o.numel() * world])
+                got.append((t, o))
+        assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]), \
+            f"tapered and even cuts differ {shares}"
     if rank == 0:
         print(f"world {world}: pipelined odd sizes {time.perf_counter() - t0:.1f} s", flush=True)
     # every op x dtype x size on every lane set with 2 GPUs; with more, each lane set takes a
@@ -150,7 +165,9 @@ def _worker(rank, world, comm, dev):
 
 @NEEDS
 def test_reductions_two_gpus(tmp_path):
-    run(2, tmp_path, _worker, ENV)
+    # pieces of 1 MiB and up end in a taper here (planner/pieces.py; by default from 64 MiB), so
+    # the tapered cut runs at these sizes; the four-GPU run keeps the default (even pieces)
+    run(2, tmp_path, _worker, dict(ENV, BRAID_CE_TAPER_FROM_KB="1024"))
 
 
 @needs(4)

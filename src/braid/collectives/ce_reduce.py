@@ -62,6 +62,13 @@ def piece_elems(chunks: list[tuple[int, int]], esz: int) -> int:
     return _pc.piece_elems(longest, esz, piece_mb=envs.get("BRAID_CE_PIECE_MB"))
 
 
+def tail_elems(per: int, esz: int) -> int:
+    """The smallest piece of a chunk's tapered end (`planner.pieces`), in elements; 0: none."""
+    if not envs.get("BRAID_CE_TAPER"):
+        return 0
+    return _pc.tail_elems(per, esz, envs.get("BRAID_CE_TAPER_FROM_KB") << 10)
+
+
 class CeReduction:
     """Posts one pipelined reduction on rank `comm.rank` (see the module docstring)."""
 
@@ -93,7 +100,8 @@ class CeReduction:
         start.record(ps)
         per = piece_elems(chunks, esz)
         my_off, my_len = chunks[me]
-        mine = pieces(my_len, per)
+        tail = tail_elems(per, esz)
+        mine = pieces(my_len, per, tail)
         peers = [(me + i) % w for i in range(1, w)]          # rotated: sources are read evenly
         ptr = {p: lane._peer_ptr(p, descs[p]) for p in peers if descs[p] and "ce_h" in descs[p]}
         arrive = lambda r: seg + lay.counter("ce_arrive", r)            # noqa: E731
@@ -127,7 +135,7 @@ class CeReduction:
                 _cuda.write_value(rs.cuda_stream, red(me), base + k + 1)
         if gather:
             out_ptr = out.data_ptr()
-            theirs = {p: pieces(chunks[p][1], per) for p in peers}
+            theirs = {p: pieces(chunks[p][1], per, tail) for p in peers}
             rounds = max((len(v) for v in theirs.values()), default=0)
             for k in range(rounds):
                 for p in peers:

@@ -43,7 +43,8 @@ from ..planner.model import MULTI_LANE_OVERHEAD_US, LaneCost, choose_shares, cho
 from ..planner.plan import (Movement, Plan, all_gather_movement, all_to_all_movement, broadcast_movement,
                             chunk_bounds, cut_points, gather_chunks, gather_chunks_movement, p2p_movement,
                             reduce_scatter_chunks, reduce_scatter_movement, split)
-from ..planner.pieces import piece_elems
+from .. import envs
+from ..planner.pieces import piece_elems, pieces, tail_elems
 from .flow import BYTES_PER_US, Flow, FlowResult, simulate
 from .topology import SimTopology
 
@@ -246,11 +247,12 @@ def ce_piece_bytes(chunk_bytes: list[int], esz: int = 2) -> int:
     return piece_elems(max(chunk_bytes, default=0), esz) * esz
 
 
-def _pieces(n: int, per: int) -> list[int]:
-    return [min(n, a + per) - a for a in range(0, n, per)]
+def _pieces(n: int, per: int, tail: int) -> list[int]:
+    return [b - a for a, b in pieces(n, per, tail)]
 
 
-def ce_reduction_flows(topo: SimTopology, op: str, world: int, chunk_bytes: list[int], esz: int = 2) -> list[Flow]:
+def ce_reduction_flows(topo: SimTopology, op: str, world: int, chunk_bytes: list[int], esz: int = 2,
+                       taper: bool | None = None) -> list[Flow]:
     """The copy engines' pipelined reduction (collectives/ce_reduce.py) of `chunk_bytes[r]` bytes
     reduced by rank r, as flows that wait for what the GPU streams wait for:
 
@@ -266,7 +268,9 @@ def ce_reduction_flows(topo: SimTopology, op: str, world: int, chunk_bytes: list
     and gather streams share nv_in{me}; nothing is assumed about overlap beyond what the waits allow."""
     lat = topo.c("ce_latency_us") if topo.has("ce_latency_us") else 0.0
     per = ce_piece_bytes(chunk_bytes, esz)
-    pcs = [_pieces(n, per) for n in chunk_bytes]
+    on = envs.get("BRAID_CE_TAPER") if taper is None else taper
+    tail = tail_elems(per // esz, esz, envs.get("BRAID_CE_TAPER_FROM_KB") << 10) * esz if on else 0
+    pcs = [_pieces(n, per, tail) for n in chunk_bytes]
     red_w = 3.0 if world == 2 else world + 2.0
     out: list[Flow] = []
     for r in range(world):

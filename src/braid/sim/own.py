@@ -32,6 +32,8 @@ table; how it runs beside the other lanes (NVLink shared with the copy engines) 
 """
 from __future__ import annotations
 
+from .. import envs
+
 import json
 from dataclasses import asdict, dataclass
 
@@ -118,7 +120,13 @@ def routed_hot_plan(matrix: list[list[int]], host_share: float) -> Plan:
 
 
 def simulate_point(topo, p: dict):
-    """The simulator's result for one recorded point, as braid ran it."""
+    """The simulator's result for one recorded point, as braid ran it (points recorded before
+    the copy engines' tapered tail, session 8, carry no "ce_taper": their pieces were even)."""
+    with envs.override(BRAID_CE_TAPER=int(bool(p.get("ce_taper", False)))):
+        return _simulate_point(topo, p)
+
+
+def _simulate_point(topo, p: dict):
     if p.get("hot_fraction") is not None:
         matrix = hot_matrix(p["world"], p["nbytes"], p["hot_fraction"])
         return simulate_plan(topo, routed_hot_plan(matrix, p["shares"].get("host", 0.0)))
