@@ -203,9 +203,11 @@ def test_calibration_times_the_copy_engines_alone_where_the_model_keeps_nccl(mon
 
     class Load:
         def __init__(self, n):
-            self.nbytes, self.braid = n, None
+            self.nbytes, self.braid = n, lambda: None
 
     comm = FakeComm()
+    comm.last_handle = None                                   # no lane times: shares stay the model's
+    monkeypatch.setattr(calibrate, "_max_over_ranks", lambda c, values: values)
     speed = {"nccl": 1.0, "ce": 0.8, "host": 5.0}           # us per MiB, per lane alone
 
     def fake_time(c, fn, iters, warm):
@@ -228,7 +230,92 @@ def test_calibration_times_the_copy_engines_alone_where_the_model_keeps_nccl(mon
     assert ((1 << 30), ("host", "nccl")) in timed_at          # the model's split still timed at 1 GiB
     # an op without a lane of its own (all_gather): only where the model splits
     timed_at.clear()
-    assert calibrate.split_pays(comm, "all_gather", costs) == {"30": True}
+    assert calibrate.split_pays(comm, "all_gather", costs) == {"30": {"nccl": 0.9, "host": 0.1}}
+
+
+def test_calibration_balances_the_split_before_timing_it(monkeypatch):
+    """split_pays runs FlexLink's stage 1 at each size it times a split: lane times move the shares
+    to equal finish (the model gave the slow host lane too much), the split is timed with those
+    shares, and when it wins the verdict is the balanced shares, which shares_for then uses."""
+    import contextlib
+    from braid import calibrate, workloads
+    from braid.planner.balancer import spread
+    from braid.planner.model import LaneCost
+
+    def lane_us(shares):        # ce: 1000 us for the whole op + 50; host: 10x slower + 200
+        return {"ce": shares.get("ce", 0) * 1000 + 50, "host": shares.get("host", 0) * 10000 + 200}
+
+    class Handle:
+        def __init__(self, shares):
+            self.t = {k: v for k, v in lane_us(shares).items() if k in shares}
+
+        def lane_times_us(self):
+            return dict(self.t)
+
+    class FakeComm:
+        cuda = True
+        now = None
+        last_handle = None
+
+        def split_rule(self, op, costs, n):
+            return {"ce": 0.905, "host": 0.095}
+
+        @contextlib.contextmanager
+        def fixed_shares(self, shares):
+            self.now = dict(shares)
+            yield
+
+    comm = FakeComm()
+    used = []
+
+    class Load:
+        participates = True
+
+        def __init__(self, n):
+            self.nbytes = n
+
+        def braid(self):
+            comm.last_handle = Handle(comm.now)
+
+    def fake_time(c, fn, iters, warm):
+        used.append(dict(c.now))
+        if len(c.now) > 1:
+            return max(lane_us(c.now).values())
+        return {"nccl": 1400.0, "ce": 1050.0}[next(iter(c.now))]
+    monkeypatch.setattr(calibrate, "time_call", fake_time)
+    monkeypatch.setattr(calibrate, "_max_over_ranks", lambda c, values: values)
+    monkeypatch.setattr(workloads, "make", lambda c, op, n, dt: Load(n))
+    costs = {"nccl": LaneCost(10.0, 1000.0), "ce": LaneCost(50.0, 1000.0), "host": LaneCost(200.0, 100.0)}
+    got = calibrate.split_pays(comm, "reduce_scatter", costs)
+    assert set(got) == {"24", "26", "28", "30"}
+    for verdict in got.values():
+        assert isinstance(verdict, dict) and set(verdict) == {"ce", "host"}
+        assert abs(sum(verdict.values()) - 1) < 1e-3
+        assert spread(lane_us(verdict)) <= calibrate.BALANCE_SPREAD        # the lanes finish together
+        assert abs(verdict["host"] - 850 / 11000) < 0.01                   # equal finish: 0.077
+    # the split was timed with the balanced shares, never with the model's
+    assert {"ce": 0.905, "host": 0.095} not in [u for u in used if len(u) > 1]
+    # an unbalanced model split would have lost to the copy engines alone (1147 us vs 1050)
+    assert max(lane_us({"ce": 0.905, "host": 0.095}).values()) > 1050 > max(lane_us(got["30"]).values())
+
+
+def test_shares_for_uses_the_balanced_verdict():
+    """A calibration table whose verdict is the balanced shares: the op starts from them; the
+    buckets around it keep their own verdicts."""
+    from braid.comm import Communicator
+    from braid.planner.model import LaneCost
+    c = Communicator.__new__(Communicator)
+    c.world_size, c.cuda, c.adapt, c._fixed, c._share_cache, c.calib_digest = 2, True, False, None, {}, "t"
+    costs = {"nccl": LaneCost(30.0, 500.0), "ce": LaneCost(80.0, 600.0), "host": LaneCost(230.0, 70.0)}
+    c.calib = {"reduce_scatter/2": costs}
+    c.pays = {"reduce_scatter/2": {30: {"ce": 0.92, "host": 0.08}, 28: "ce", 26: False}}
+    lanes = ["ce", "host", "nccl"]
+    model = c.split_rule("reduce_scatter", costs, 1 << 30)
+    assert len(model) > 1 and model != {"ce": 0.92, "host": 0.08}
+    assert c.shares_for("reduce_scatter", 1 << 30, lanes) == {"ce": 0.92, "host": 0.08}
+    assert c.shares_for("reduce_scatter", 3 << 29, lanes) == {"ce": 0.92, "host": 0.08}   # nearest bucket
+    assert c.shares_for("reduce_scatter", 1 << 28, lanes) == {"ce": 1.0}
+    assert c._split_verdict("reduce_scatter", 1 << 26, exact=True) is False
 
 
 def _split_values_worker(rank, w):

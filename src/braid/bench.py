@@ -993,14 +993,20 @@ def _calibrate(comm, cfg: Config) -> None:
     measured = {k[: -len("/pays")]: v for k, v in table.items() if k.endswith("/pays") and v}
     if measured:
         print()
-        print("split measured against the single lanes (size bucket: split faster? or the lane alone that won):")
+        print("split measured against the single lanes (size bucket: the split's balanced shares when it "
+              "was faster, 'no' when NCCL alone was, or the lane alone that won):")
+
+        def cell(ok) -> str:
+            if isinstance(ok, dict):
+                return "(" + format_shares(ok).replace(" ", ",") + ")"
+            return ok if isinstance(ok, str) else "yes" if ok else "no"
         for key, verdicts in measured.items():
-            cells = " ".join(f"{_human(1 << int(b))}B={ok if isinstance(ok, str) else 'yes' if ok else 'no'}"
+            cells = " ".join(f"{_human(1 << int(b))}B={cell(ok)}"
                              for b, ok in sorted(verdicts.items(), key=lambda kv: int(kv[0])))
             print(f"  {key:<22}{cells}")
     sizes = (1 << 20, 64 << 20, 1 << 30) if comm.cuda else (256 << 10, 8 << 20, 64 << 20)
     print()
-    print("split the model picks:")
+    print("shares the ops start from:")
     print(f"{'op':<20}" + "".join(f"{_human(n) + 'B':>24}" for n in sizes))
     for op in cfg.ops:
         if f"{op}/{comm.world_size}" not in table:

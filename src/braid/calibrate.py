@@ -198,7 +198,13 @@ def split_pays(comm, op: str, costs: dict[str, LaneCost], iters: int | None = No
     NCCL alone (False) or the copy engines alone ("ce"). The cost model can be
     wrong near the crossover (run 2: a predicted 5% gain ran 23% slower), and a split's host work
     adds up over its lanes (2 x H200, 256 MiB all_reduce: copy engines + host lane 1.45 ms of
-    host time per call, copy engines alone 0.81 ms end to end, NCCL 0.89)."""
+    host time per call, copy engines alone 0.81 ms end to end, NCCL 0.89).
+
+    The split is timed with its shares balanced at that size first (`balance_at`, FlexLink's
+    stage 1): when it wins, the verdict is those shares (a dict), which the ops then start from.
+    The model's split alone lost to the copy engines alone at 1 GiB reduce_scatter on 2 x H200
+    (s8-run4: its host share 0.095 made the host lane the slowest), where ce 0.92 + host 0.08 ran
+    3.6% faster than the copy engines alone (s8-run3)."""
     from .planner.balancer import OnlineBalancer
     from .workloads import make
     single = "nccl" if "nccl" in costs else "gloo" if "gloo" in costs else None
@@ -215,15 +221,49 @@ def split_pays(comm, op: str, costs: dict[str, LaneCost], iters: int | None = No
         load = make(comm, op, n, torch.bfloat16 if comm.cuda else torch.float32)
         timed: dict = {}
         if len(shares) > 1:
+            shares = balance_at(comm, load, shares, costs)
             with comm.fixed_shares(shares):
                 timed[True] = min(time_call(comm, load.braid, iters, warm) for _ in range(2))
         for lane in alone:
             with comm.fixed_shares({lane: 1.0}):
                 timed[False if lane == single else lane] = min(time_call(comm, load.braid, iters, warm)
                                                                for _ in range(2))
-        out[str(OnlineBalancer.bucket(op, load.nbytes)[1])] = min(timed, key=lambda k: (timed[k], str(k)))
+        best = min(timed, key=lambda k: (timed[k], str(k)))
+        out[str(OnlineBalancer.bucket(op, load.nbytes)[1])] = dict(shares) if best is True else best
         del load
     return out
+
+
+BALANCE_ROUNDS = 3      # equal-finish rounds per split size in split_pays
+BALANCE_CALLS = 5       # calls whose lane times make one round
+BALANCE_SPREAD = 0.05   # done when the slowest and fastest lane differ by less than this
+
+
+def balance_at(comm, load, shares: dict[str, float], costs: dict[str, LaneCost],
+               rounds: int = BALANCE_ROUNDS) -> dict[str, float]:
+    """FlexLink's stage 1 at one size: run the split, take each lane's mean time over a few calls
+    (the slowest rank's), move the shares toward equal finish (`planner.balancer.rate_step`), and
+    repeat until the lanes finish within BALANCE_SPREAD of each other. Every rank ends with the
+    same shares (the times are agreed first)."""
+    from .planner.balancer import rate_step, spread
+    lat = {k: costs[k].latency_us for k in shares if k in costs}
+    for _ in range(rounds):
+        times: dict[str, float] = {}
+        with comm.fixed_shares(shares):
+            for _ in range(2):
+                load.braid()
+            for _ in range(BALANCE_CALLS):
+                load.braid()
+                handle = getattr(comm, "last_handle", None)
+                if getattr(load, "participates", True) and handle is not None:
+                    for k, v in handle.lane_times_us().items():
+                        times[k] = times.get(k, 0.0) + v / BALANCE_CALLS
+        names = sorted(shares)
+        times = dict(zip(names, _max_over_ranks(comm, [times.get(k, 0.0) for k in names])))
+        if min(times.values()) <= 0 or spread(times) <= BALANCE_SPREAD:
+            break
+        shares = {k: round(v, 4) for k, v in rate_step(shares, times, lat, gain=0.8).items() if v > 0}
+    return shares
 
 
 def calibrate(comm, ops=("send_recv", "broadcast", "all_gather", "all_to_all_single", "all_reduce", "reduce_scatter",

@@ -89,7 +89,7 @@ class Communicator:
         self._fixed: dict[str, dict[str, float]] | None = None
         self.last_handle: Handle | None = None
         self.calib: dict[str, dict[str, LaneCost]] = {}
-        self.pays: dict[str, dict[int, bool | str]] = {}
+        self.pays: dict[str, dict[int, bool | str | dict]] = {}
         self.calib_digest = "default"
         self._share_cache: dict = {}
         self._native_cache: dict = {}
@@ -287,7 +287,10 @@ class Communicator:
                 verdict = verdict if isinstance(verdict, str) else True
             else:
                 verdict = True
-            if isinstance(verdict, str) and verdict in lanes:
+            if isinstance(verdict, dict):               # the split, balanced at calibration
+                if len(shares) > 1 and set(verdict) <= set(lanes):
+                    shares = dict(verdict)
+            elif isinstance(verdict, str) and verdict in lanes:
                 shares = {verdict: 1.0}                 # a lane alone measured fastest here
             elif verdict is not True and ("nccl" in lanes or "gloo" in lanes):
                 shares = {next(k for k in ("nccl", "gloo") if k in lanes): 1.0}
@@ -300,11 +303,11 @@ class Communicator:
             return self.balancer.shares(bkey)
         return shares
 
-    def _split_verdict(self, op: str, nbytes: int, exact: bool = False) -> bool | str:
+    def _split_verdict(self, op: str, nbytes: int, exact: bool = False) -> bool | str | dict:
         """The calibration's verdict for the nearest measured size bucket (with `exact`, only this
-        size's own bucket): True (the split measured fastest, or nothing measured), False (the
-        native lane alone), or the name of the lane that alone measured fastest
-        (`calibrate.split_pays`)."""
+        size's own bucket): True (nothing measured, or an old table's split), the split's shares as
+        balanced there (a dict: the split measured fastest), False (the native lane alone), or the
+        name of the lane that alone measured fastest (`calibrate.split_pays`)."""
         pays = self.pays.get(f"{op}/{self.world_size}")
         if not pays:
             return True
@@ -1401,7 +1404,7 @@ class Communicator:
         self.set_calibration(box[0] or {})
 
     def set_calibration(self, table: dict) -> None:
-        self.pays = {op[: -len("/pays")]: {int(b): v if isinstance(v, str) else bool(v) for b, v in t.items()}
+        self.pays = {op[: -len("/pays")]: {int(b): v if isinstance(v, (str, dict)) else bool(v) for b, v in t.items()}
                      for op, t in table.items() if op.endswith("/pays")}
         self.calib = {op: {k: LaneCost(**v) if isinstance(v, dict) else v for k, v in lanes.items()}
                       for op, lanes in table.items() if not op.endswith("/pays")}
