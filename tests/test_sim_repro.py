@@ -104,6 +104,11 @@ OWN_MISSES = {
         "NCCL's kernels and the copy engines on one NVLink port moved 304 GB/s together, less than either "
         "alone (NCCL 353, ce 329); the model shares the port between them at full rate, with no interference "
         "between the two engines (simulated NCCL lane 4491 us vs recorded 5053)"),
+    # session 8 (tapered cut)
+    "h200x4-w2-reduce_scatter-1024M-s8-run5": (
+        "a slow process start: the recorded copy-engine lane (1571 us) is the simulated one (1571), but the "
+        "host lane took 1799 us for its 7% (simulated 1549 with the others) and the call 1910; the same "
+        "shares ran 1558 us in s8-run3's process (the VM's host-speed spread, docs/results.md)"),
     "h200x4-all_reduce-1024M-ce95_host05": (
         "the recorded total is 485 us above braid's slowest recorded lane (ce 4648 us, which the model "
         "matches: 4586); the model has no time outside the lanes (host-side posting), as in run 3's "
@@ -161,7 +166,7 @@ def test_own_session3_and_4_points_are_every_split_point_of_their_files():
     stored, as recorded (time, shares, lane times): none left out, none edited."""
     root = DATA.parent.parent.parent / "bench_results"
     stored = {(p["source"], p["op"], p["nbytes"], p.get("hot_fraction")): p
-              for p in load_points(str(DATA)) if "source" in p}
+              for p in load_points(str(DATA)) if "source" in p and not p.get("ce_taper")}
     want = 0
     for f in S3_FILES:
         for r in json.loads((root / f"2026-11-22-{f}").read_text()):
@@ -249,3 +254,35 @@ def test_cli_reproduce_writes_json(tmp_path, capsys):
                  "--json", str(tmp_path / "s.json")]) == 0
     assert len(json.loads((tmp_path / "s.json").read_text())) == 3
     assert main(["sim", "scale", "--op", "alltoallv", "--nodes", "1"]) == 2
+
+
+S8_FILES = ("s8-run4/bench_h200x2_reduce_scatter.json", "s8-run4/bench_h200x2_all_reduce.json",
+            "s8-run4/bench_h200x4_reduce_scatter.json", "s8-run5/bench_h200x2_reduce_scatter.json",
+            "s8-run5/bench_h200x2_all_reduce.json", "s8-run5/bench_h200x4_reduce_scatter.json",
+            "s8-run5/bench_h200x4_all_reduce.json", "s8-run7/bench_h200x2_reduce_scatter.json",
+            "s8-run7/bench_h200x2_all_reduce.json", "s8-run7/bench_h200x4_all_reduce.json")
+
+
+def test_own_session8_points_are_every_split_point_of_their_files():
+    """Session 8's bench (the tapered cut, calibrated in each run): every point >= 256 MiB that is
+    not NCCL alone is stored as recorded and simulated with the tapered cut; none left out."""
+    root = DATA.parent.parent.parent / "bench_results"
+    stored = {(p["source"], p["op"], p["nbytes"]): p for p in load_points(str(DATA)) if p.get("ce_taper")}
+    want = 0
+    for f in S8_FILES:
+        for r in json.loads((root / f"2026-11-22-{f}").read_text()):
+            if r["nbytes"] < 256 << 20 or set(r["shares"]) == {"nccl"}:
+                continue
+            want += 1
+            p = stored[(f"bench_results/2026-11-22-{f}", r["op"], r["nbytes"])]
+            assert p["world"] == r["world_size"] and p["braid_us"] == pytest.approx(r["time_us"], abs=0.06)
+            assert p["shares"] == pytest.approx(r["shares"], abs=6e-5)
+            assert p["lane_time_us"] == pytest.approx(r["lane_time_us"], abs=0.06)
+            assert p["variant"] == f.split("/")[0]
+    assert want == len(stored) == 14
+    # a tapered point is simulated with the taper: at 1 GiB it changes the prediction
+    from braid.sim.own import simulate_point
+    from braid.sim.topology import load
+    p = stored[("bench_results/2026-11-22-s8-run7/bench_h200x2_reduce_scatter.json", "reduce_scatter", 1 << 30)]
+    t = load(p["preset"])
+    assert simulate_point(t, p).time_us < 0.97 * simulate_point(t, dict(p, ce_taper=False)).time_us

@@ -21,7 +21,11 @@ to the last rank, the rest evenly, `workloads.hot_matrix`) ran as the router's p
 the hot rank, the same on each (whatever the lane costs; tests/test_sim_repro.py checks it with
 braid's Router), so the plan is rebuilt from the recorded host share by that rule and simulated
 transfer by transfer. 2-GPU points recorded on GPUs 0-1 of the 4-GPU machine use the h200x4
-constants (that machine's links and calibration) with world 2.
+constants (that machine's links and calibration) with world 2, except where NCCL took a share of a
+2-GPU split (session 8): h200x4 has NCCL measured on 4 GPUs only, so those take h200x2's.
+
+Session 8's points (`ce_taper`) ran the copy engines' tapered cut (planner/pieces.py); earlier
+points ran even pieces, and each is simulated with the cut it ran.
 
 What is a prediction and what is an input: NCCL's own kernels are not modelled on our machines; the
 preset carries NCCL's measured bus bandwidths (HARDWARE.md, or an earlier bench run), so a point
@@ -32,11 +36,10 @@ table; how it runs beside the other lanes (NVLink shared with the copy engines) 
 """
 from __future__ import annotations
 
-from .. import envs
-
 import json
 from dataclasses import asdict, dataclass
 
+from .. import envs
 from ..planner.plan import Plan, all_to_all_movement
 from ..planner.traffic import hot_matrix as traffic_hot_matrix
 from .collectives import PAGE, choose, simulate_op, simulate_plan
