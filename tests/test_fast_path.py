@@ -371,6 +371,79 @@ def test_small_uneven_calls_read_their_agreement_late_after_a_run():
         assert out == want, (rank, out)
 
 
+def _deep_defer_worker(rank, w):
+    """A long run of small uneven calls with no other exchange in between: a large demand at call
+    30 is read DEFER_DEPTH calls later; meanwhile each rank sleeps a different, changing time per
+    call (host jitter), so ranks drift apart by several calls without waiting on each other."""
+    import time
+    import braid
+    comm = braid.init()
+    out = []
+    for i in range(60):
+        big = (2 << 20) if (i == 30 and rank == w - 1) or (i == 50 and rank == 0) else 1000 + i
+        small = comm._uneven_small(big, "all_to_all_single")
+        out.append(small)
+        if not small:
+            comm.segment.exchange_collective({"op": "probe", "i": i}, list(range(w)))
+        time.sleep(((rank * 5 + i * 7) % 4) * 0.0003)
+    braid.close()
+    return out
+
+
+def test_small_uneven_calls_read_their_agreement_depth_calls_late():
+    """In the late mode a call's agreement is read DEFER_DEPTH calls later: the large demand of
+    call 30 is seen at call 30 + DEFER_DEPTH on every rank (the calls between ran as NCCL's whole
+    calls), which then waits again; one more large call there (50, after a new run of 16 small
+    calls would only start at 39 + 16 = 55) is seen at once."""
+    from braid.comm import SMALL_RUN
+    from braid.node import COLL_SLOTS, DEFER_DEPTH
+    assert COLL_SLOTS >= 2 * DEFER_DEPTH + 1
+    res = run_world(_deep_defer_worker, 3)
+    seen = 30 + DEFER_DEPTH
+    want = [True] * 60
+    want[50] = False                    # waiting again since call `seen`: its own large demand counts
+    assert seen + 1 + SMALL_RUN > 50
+    for rank, out in enumerate(res):
+        assert out == want, (rank, out)
+
+
+def _defer_stress_worker(rank, w):
+    """Random large demands (the same script on every rank, from one seed), random host jitter per
+    rank, and now and then another collective's descriptor exchange, over 240 uneven calls."""
+    import random
+    import time
+    import braid
+    comm = braid.init()
+    script = random.Random(7)
+    jitter = random.Random(100 + rank)
+    out = []
+    for i in range(240):
+        who = script.randrange(w) if script.random() < 0.04 else None
+        other = script.random() < 0.03
+        big = (2 << 20) if who == rank else 1000 + i
+        small = comm._uneven_small(big, "all_to_all_single")
+        out.append(("call", small))
+        if not small:
+            descs = comm.segment.exchange_collective({"op": "probe", "i": i}, list(range(w)))
+            out.append(("desc", {d["i"] for d in descs} == {i}))
+        if other:
+            descs = comm.segment.exchange_collective({"op": "other", "i": i}, list(range(w)))
+            out.append(("desc", {d["i"] for d in descs} == {i}))
+        if jitter.random() < 0.2:
+            time.sleep(jitter.random() * 0.002)
+    braid.close()
+    return out
+
+
+def test_deferred_agreement_under_jitter_keeps_every_rank_in_step():
+    """Every rank takes the same decision at every call, whatever the drift between them, and
+    every descriptor read is the one posted for that exchange (no slot reused too early)."""
+    res = run_world(_defer_stress_worker, 3)
+    assert all(out == res[0] for out in res), [sum(1 for a, b in zip(o, res[0]) if a != b) for o in res]
+    assert all(ok for kind, ok in res[0] if kind == "desc")
+    assert [ok for kind, ok in res[0] if kind == "call"].count(False) >= 3    # large demands seen
+
+
 def test_values_posted_early_and_read_late_stay_in_step():
     res = run_world(_split_values_worker, 3)
     for rank, out in enumerate(res):
