@@ -45,7 +45,7 @@ DEFAULT_COSTS = {
 P2P_DESC_BYTES = 2048
 ROUTE_MIN_BYTES = 1 << 20    # NIMBLE: multipath off at or below 1 MB
 DESC_MEMO = 16               # full descriptor exchanges remembered for repeated calls (_exchange_node)
-SMALL_RUN = 16               # agreed-small uneven calls in a row after which their agreement is read late (node.DEFER_DEPTH)
+SMALL_RUN = 16               # agreed-small uneven calls in a row after which their agreement is read one call late
 _DECLINED = object()         # a skewed call's routing decision: the native collective, not a share split
 class _NativeDone(Handle):
     """last_handle after a synchronous fast-path call: NCCL took the whole call, already waited."""
@@ -859,17 +859,16 @@ class Communicator:
         until the slowest rank has posted: for calls of a few tens of microseconds this lockstep
         was the larger part of braid's cost (4 x H200, 1 MiB hot: ~50 us per call against NCCL's
         ~40). So after SMALL_RUN calls in a row agreed small, the ranks take the next calls as
-        small without waiting, and read each call's values DEFER_DEPTH calls later (or at the
-        next exchange that waits). A rank then waits only when it runs DEFER_DEPTH calls ahead of
-        the slowest one, so the ranks' host-side jitter no longer adds up call by call (read one
-        call late, as in session 7, it still did). When those values show a large demand, the
-        calls since then have already run as NCCL's whole calls (correct, only not routed) and
-        the ranks go back to waiting from the next call. Every step depends only on values every
-        rank read, so all ranks switch at the same call."""
+        small without waiting, and read each call's values at the next call (a peer has long
+        posted them by then). When those values show a large demand, that one call has already
+        run as NCCL's whole (correct, only not routed) and the ranks go back to waiting from the
+        next call. Every step depends only on values every rank read, so all ranks switch at the
+        same call."""
         seg = self.segment
-        if any(max(v)[0] > ROUTE_MIN_BYTES for v in seg.settle(late=True)):
+        last = seg.settle()
+        if last is not None and max(last)[0] > ROUTE_MIN_BYTES:
             self._small_run = 0
-        token = seg.post_values([big], late=True)
+        token = seg.post_values([big])
         if self._small_run >= SMALL_RUN:
             seg.defer(token, op)
             return True

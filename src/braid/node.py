@@ -19,7 +19,6 @@ Counters compare wrap-aware (as the GPU's GEQ wait does): a >= b iff (a - b) mod
 from __future__ import annotations
 
 import json
-import collections
 import logging
 import mmap
 import os
@@ -38,16 +37,13 @@ log = logging.getLogger("braid")
 
 LINE = 64                  # bytes between counters (no false sharing between writers)
 COLL_MBOX_BYTES = 16384    # one collective descriptor (all_to_all splits for large worlds fit)
-# A rank's collective mailboxes, used in turn; every rank posts the same sequence of exchanges.
-# Reads may be put off (`defer`) by up to DEFER_DEPTH posts: when a rank posts t, it has read every
-# post up to t - DEFER_DEPTH. So a rank that reads the peers' post t - D at its post t (the late mode)
-# knows they had read everything up to t - 2D: writing post t reuses the slot of t - COLL_SLOTS, which
-# must be older than that, with one more step of margin for a post nobody waits on (post_values
-# without read_values, exchange_values with wait=False: always followed by an exchange that waits).
-# With no deferred reads this is the old rule, 3 slots; 2 were not enough: after a non-waiting post
-# the next exchange reused the slot a slow peer was still reading (a 3-rank CPU test caught it).
-DEFER_DEPTH = 8
-COLL_SLOTS = 2 * DEFER_DEPTH + 2
+# A rank's collective mailboxes, used in turn. Writing exchange t reuses the slot of t - 3, which
+# every peer has read once it posted t - 2. A rank that waited at t - 1 or t - 2 for every peer's
+# post knows that; a post that is not read (post_values without read_values, exchange_values with
+# wait=False) is always followed by an exchange that waits, and a deferred read (defer) is done
+# before the rank's next post. Two slots were not enough: after a non-waiting post, the next exchange reused the
+# slot that a slow peer was still reading (a 3-rank CPU test read a later descriptor).
+COLL_SLOTS = 3
 _VALUE_FMT = [f"<I{n}Q" for n in range(9)]   # exchange_values' record: count, then the values
 P2P_MBOX_BYTES = 2048
 P2P_DEPTH = 4               # send/recv descriptors a direction may have posted and not yet read
@@ -167,8 +163,8 @@ class NodeSegment:
         self.closed = False
         # offsets the small-call exchange (post_values / read_values) needs on every call
         self._coll_ctr = [layout.counter("mbox_coll", r) for r in range(layout.world_size)]
-        self._deferred: collections.deque = collections.deque()   # posts whose read is put off (defer)
-        self.deferred_values: list = []              # their values once read, oldest first (settle)
+        self._deferred: tuple | None = None          # a post whose read is put off (see defer)
+        self.deferred_values: list | None = None
         self._coll_slots = [[layout.mbox_coll_off + (r * COLL_SLOTS + k) * COLL_MBOX_BYTES for k in range(COLL_SLOTS)]
                             for r in range(layout.world_size)]
 
@@ -280,12 +276,11 @@ class NodeSegment:
         token = self.post_values(values)
         return self.read_values(token, what) if wait else None
 
-    def post_values(self, values: list[int], late: bool = False) -> tuple:
+    def post_values(self, values: list[int]) -> tuple:
         """The first half of exchange_values: post this rank's values and return the token that
         read_values takes. A caller may do its own work between the two (the peers' posts land
-        meanwhile); every post must be read or followed by a waiting exchange (see COLL_SLOTS).
-        `late`: deferred reads younger than DEFER_DEPTH posts stay unread for now."""
-        self._settle_deferred(late)
+        meanwhile); every post must be read or followed by a waiting exchange (see COLL_SLOTS)."""
+        self._settle_deferred()
         self.coll_seq += 1
         seq = self.coll_seq
         n = len(values)
@@ -313,26 +308,23 @@ class NodeSegment:
         return out
 
     def defer(self, token: tuple, what: str) -> None:
-        """Put off reading the values of post `token`: they are read at the first exchange that
-        waits, or by the post DEFER_DEPTH after it (post_values, settle with `late`), when the
-        peers have long posted them. Every rank must defer the same posts (the slot rule,
-        COLL_SLOTS, counts on it)."""
-        self._deferred.append((token, what))
+        """Put off reading the values of post `token` until the next exchange of any kind (or
+        settle()): the peers' posts are read one collective late, when they have long landed. The
+        slot rule (COLL_SLOTS) holds: the next post first reads this one, so every peer had posted
+        it, and so had read everything before it."""
+        self._deferred = (token, what)
 
-    def _settle_deferred(self, late: bool = False) -> None:
-        """Read the deferred posts: all of them, or with `late` those the next post must have
-        read (DEFER_DEPTH or more posts before it: the slot rule counts posts, not reads)."""
-        upto = self.coll_seq + 1 - DEFER_DEPTH if late else None
-        while self._deferred and (upto is None or self._deferred[0][0][0] <= upto):
-            token, what = self._deferred.popleft()
-            self.deferred_values.append(self.read_values(token, what))
+    def _settle_deferred(self) -> None:
+        if self._deferred is not None:
+            token, what = self._deferred
+            self._deferred = None
+            self.deferred_values = self.read_values(token, what)
 
-    def settle(self, late: bool = False) -> list[list[list[int]]]:
-        """The values of every deferred post read since the last settle(), oldest first (each as
-        read_values gives it), reading now those still unread (with `late`: only those at least
-        DEFER_DEPTH posts old by the next post)."""
-        self._settle_deferred(late)
-        got, self.deferred_values = self.deferred_values, []
+    def settle(self) -> list[list[int]] | None:
+        """The values of the last deferred post (read now if no exchange has read them since),
+        once; None if there was none."""
+        self._settle_deferred()
+        got, self.deferred_values = self.deferred_values, None
         return got
 
     # Point-to-point descriptors are matched per direction: rank a's k-th send to b meets b's k-th
