@@ -371,6 +371,43 @@ def test_small_uneven_calls_read_their_agreement_late_after_a_run():
         assert out == want, (rank, out)
 
 
+def _defer_stress_worker(rank, w):
+    """Random large demands (the same script on every rank, from one seed), random host jitter per
+    rank, and now and then another collective's descriptor exchange, over 240 uneven calls."""
+    import random
+    import time
+    import braid
+    comm = braid.init()
+    script = random.Random(7)
+    jitter = random.Random(100 + rank)
+    out = []
+    for i in range(240):
+        who = script.randrange(w) if script.random() < 0.04 else None
+        other = script.random() < 0.03
+        big = (2 << 20) if who == rank else 1000 + i
+        small = comm._uneven_small(big, "all_to_all_single")
+        out.append(("call", small))
+        if not small:
+            descs = comm.segment.exchange_collective({"op": "probe", "i": i}, list(range(w)))
+            out.append(("desc", {d["i"] for d in descs} == {i}))
+        if other:
+            descs = comm.segment.exchange_collective({"op": "other", "i": i}, list(range(w)))
+            out.append(("desc", {d["i"] for d in descs} == {i}))
+        if jitter.random() < 0.2:
+            time.sleep(jitter.random() * 0.002)
+    braid.close()
+    return out
+
+
+def test_deferred_agreement_under_jitter_keeps_every_rank_in_step():
+    """Every rank takes the same decision at every call, whatever the drift between them, and
+    every descriptor read is the one posted for that exchange (no slot reused too early)."""
+    res = run_world(_defer_stress_worker, 3)
+    assert all(out == res[0] for out in res), [sum(1 for a, b in zip(o, res[0]) if a != b) for o in res]
+    assert all(ok for kind, ok in res[0] if kind == "desc")
+    assert [ok for kind, ok in res[0] if kind == "call"].count(False) >= 3    # large demands seen
+
+
 def test_values_posted_early_and_read_late_stay_in_step():
     res = run_world(_split_values_worker, 3)
     for rank, out in enumerate(res):
