@@ -286,8 +286,12 @@ def test_calibration_balances_the_split_before_timing_it(monkeypatch):
     monkeypatch.setattr(calibrate, "_max_over_ranks", lambda c, values: values)
     monkeypatch.setattr(workloads, "make", lambda c, op, n, dt: Load(n))
     costs = {"nccl": LaneCost(10.0, 1000.0), "ce": LaneCost(50.0, 1000.0), "host": LaneCost(200.0, 100.0)}
-    got = calibrate.split_pays(comm, "reduce_scatter", costs)
+    record: dict = {}
+    got = calibrate.split_pays(comm, "reduce_scatter", costs, record=record)
     assert set(got) == {"24", "26", "28", "30"}
+    # the table keeps what was timed: the balanced split and each lane alone, per bucket
+    assert record["30"]["split_shares"] == got["30"] and record["30"]["ce"] == 1050.0
+    assert record["30"]["nccl"] == 1400.0 and record["30"]["split"] < 1050.0
     for verdict in got.values():
         assert isinstance(verdict, dict) and set(verdict) == {"ce", "host"}
         assert abs(sum(verdict.values()) - 1) < 1e-3

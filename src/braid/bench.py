@@ -984,7 +984,7 @@ def _calibrate(comm, cfg: Config) -> None:
     print()
     print(f"{'op/world':<22}{'lane':<7}{'latency_us':>12}{'bw_GB/s':>10}{'floor_us':>10}")
     for key, costs in table.items():
-        if key.endswith("/pays"):
+        if key.endswith(("/pays", "/timed")):
             continue
         if not costs:
             print(f"{key:<22}{'-':<7}  (one lane: nothing to split)")

@@ -190,7 +190,8 @@ ALONE_OPS = ("all_reduce", "reduce_scatter")    # ops where the copy engines alo
 ALONE_CHECK = 1.5
 
 
-def split_pays(comm, op: str, costs: dict[str, LaneCost], iters: int | None = None) -> dict[str, bool | str]:
+def split_pays(comm, op: str, costs: dict[str, LaneCost], iters: int | None = None,
+               record: dict | None = None) -> dict[str, bool | str | dict]:
     """Per size bucket (log2 bytes) where the model splits: what measured fastest? True: the
     split; False: the native lane (NCCL / gloo) alone; a lane name: that lane alone (the copy
     engines, for the reductions, which run an algorithm of their own). For the reductions also
@@ -231,7 +232,13 @@ def split_pays(comm, op: str, costs: dict[str, LaneCost], iters: int | None = No
                     t = time_call(comm, load.braid, iters, warm)
                 timed[key] = min(timed.get(key, t), t)
         best = min(timed, key=lambda k: (timed[k], str(k)))
-        out[str(OnlineBalancer.bucket(op, load.nbytes)[1])] = dict(shares) if best is True else best
+        bucket = str(OnlineBalancer.bucket(op, load.nbytes)[1])
+        out[bucket] = dict(shares) if best is True else best
+        if record is not None:      # what was timed, for the table (why a bucket went where it did)
+            record[bucket] = {("split" if k is True else single if k is False else k): round(v, 1)
+                              for k, v in timed.items()}
+            if len(shares) > 1:
+                record[bucket]["split_shares"] = dict(shares)
         del load
     return out
 
@@ -281,7 +288,9 @@ def calibrate(comm, ops=("send_recv", "broadcast", "all_gather", "all_to_all_sin
         costs = calibrate_op(comm, op, lanes, sizes=sizes) if len(lanes) > 1 else {}
         table[f"{op}/{comm.world_size}"] = {k: c.to_dict() for k, c in costs.items()}
         if costs:
-            table[f"{op}/{comm.world_size}/pays"] = split_pays(comm, op, costs)
+            timed: dict = {}
+            table[f"{op}/{comm.world_size}/pays"] = split_pays(comm, op, costs, record=timed)
+            table[f"{op}/{comm.world_size}/timed"] = timed
     box = [table]
     dist.broadcast_object_list(box, src=0, group=comm.gloo_group)
     table = box[0]

@@ -1407,7 +1407,7 @@ class Communicator:
         self.pays = {op[: -len("/pays")]: {int(b): v if isinstance(v, (str, dict)) else bool(v) for b, v in t.items()}
                      for op, t in table.items() if op.endswith("/pays")}
         self.calib = {op: {k: LaneCost(**v) if isinstance(v, dict) else v for k, v in lanes.items()}
-                      for op, lanes in table.items() if not op.endswith("/pays")}
+                      for op, lanes in table.items() if not op.endswith(("/pays", "/timed"))}
         text = json.dumps({"costs": {op: {k: c.to_dict() for k, c in v.items()} for op, v in self.calib.items()},
                            "pays": self.pays}, sort_keys=True)
         self.calib_digest = hashlib.sha1(text.encode()).hexdigest()[:12] if self.calib else "default"
