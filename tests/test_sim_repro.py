@@ -109,6 +109,10 @@ OWN_MISSES = {
         "a slow process start: the recorded copy-engine lane (1571 us) is the simulated one (1571), but the "
         "host lane took 1799 us for its 7% (simulated 1549 with the others) and the call 1910; the same "
         "shares ran 1558 us in s8-run3's process (the VM's host-speed spread, docs/results.md)"),
+    "h200x2-reduce_scatter-256M-s8-run10": (
+        "the recorded copy-engine lane alone took 571 us where the same process's calibration had timed "
+        "the whole call at 467 us (and s8-run9, same machine, 456): the simulator's 441 us matches those; "
+        "this first bench point after calibration ran slow for a reason the recorded data does not show"),
     "h200x4-all_reduce-1024M-ce95_host05": (
         "the recorded total is 485 us above braid's slowest recorded lane (ce 4648 us, which the model "
         "matches: 4586); the model has no time outside the lanes (host-side posting), as in run 3's "
@@ -260,7 +264,10 @@ S8_FILES = ("s8-run4/bench_h200x2_reduce_scatter.json", "s8-run4/bench_h200x2_al
             "s8-run4/bench_h200x4_reduce_scatter.json", "s8-run5/bench_h200x2_reduce_scatter.json",
             "s8-run5/bench_h200x2_all_reduce.json", "s8-run5/bench_h200x4_reduce_scatter.json",
             "s8-run5/bench_h200x4_all_reduce.json", "s8-run7/bench_h200x2_reduce_scatter.json",
-            "s8-run7/bench_h200x2_all_reduce.json", "s8-run7/bench_h200x4_all_reduce.json")
+            "s8-run7/bench_h200x2_all_reduce.json", "s8-run7/bench_h200x4_all_reduce.json",
+            # the 2 x H200 machine (preset h200x2)
+            "s8-run9/bench_h200x2_reduce_scatter.json", "s8-run9/bench_h200x2_all_reduce.json",
+            "s8-run10/bench_h200x2_reduce_scatter.json")
 
 
 def test_own_session8_points_are_every_split_point_of_their_files():
@@ -279,7 +286,7 @@ def test_own_session8_points_are_every_split_point_of_their_files():
             assert p["shares"] == pytest.approx(r["shares"], abs=6e-5)
             assert p["lane_time_us"] == pytest.approx(r["lane_time_us"], abs=0.06)
             assert p["variant"] == f.split("/")[0]
-    assert want == len(stored) == 14
+    assert want == len(stored) == 20
     # a tapered point is simulated with the taper: at 1 GiB it changes the prediction
     from braid.sim.own import simulate_point
     from braid.sim.topology import load
