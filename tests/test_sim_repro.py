@@ -168,21 +168,28 @@ S3_FILES = ("s3-run2/bench_h200x4_ar_auto.json", "s3-run2/bench_h200x4_ar_nccl95
 def test_own_session3_and_4_points_are_every_split_point_of_their_files():
     """Every split point >= 256 MiB of session 3's and 4's reduction, a2a and 2-GPU files is
     stored, as recorded (time, shares, lane times): none left out, none edited."""
-    root = DATA.parent.parent.parent / "bench_results"
     stored = {(p["source"], p["op"], p["nbytes"], p.get("hot_fraction")): p
               for p in load_points(str(DATA)) if "source" in p and not p.get("ce_taper")}
-    want = 0
-    for f in S3_FILES:
+    got = _recorded_split_points(S3_FILES, stored)
+    assert all(p["preset"] == "h200x4" for p in got)   # 2-GPU rows ran on GPUs 0-1 of the 4-GPU machine
+    assert len(got) == len(stored) == 29
+
+
+def _recorded_split_points(files, stored: dict) -> list:
+    """The stored point of every split point >= 256 MiB of these bench files, each checked equal
+    to its row (time, shares, lane times); `stored` is keyed (source, op, nbytes, hot fraction)."""
+    root = DATA.parent.parent.parent / "bench_results"
+    got = []
+    for f in files:
         for r in json.loads((root / f"2026-11-22-{f}").read_text()):
             if r["nbytes"] < 256 << 20 or set(r["shares"]) == {"nccl"}:
                 continue
-            want += 1
             p = stored[(f"bench_results/2026-11-22-{f}", r["op"], r["nbytes"], r.get("hot_fraction"))]
             assert p["world"] == r["world_size"] and p["braid_us"] == pytest.approx(r["time_us"], abs=0.06)
             assert p["shares"] == pytest.approx(r["shares"], abs=6e-5)
             assert p["lane_time_us"] == pytest.approx(r["lane_time_us"], abs=0.06)
-            assert p["preset"] == "h200x4"           # 2-GPU rows ran on GPUs 0-1 of the 4-GPU machine
-    assert want == len(stored) == 29
+            got.append(p)
+    return got
 
 
 def test_routed_hot_plan_is_the_routers_and_carries_the_recorded_shares():
@@ -273,23 +280,13 @@ S8_FILES = ("s8-run4/bench_h200x2_reduce_scatter.json", "s8-run4/bench_h200x2_al
 def test_own_session8_points_are_every_split_point_of_their_files():
     """Session 8's bench (the tapered cut, calibrated in each run): every point >= 256 MiB that is
     not NCCL alone is stored as recorded and simulated with the tapered cut; none left out."""
-    root = DATA.parent.parent.parent / "bench_results"
-    stored = {(p["source"], p["op"], p["nbytes"]): p for p in load_points(str(DATA)) if p.get("ce_taper")}
-    want = 0
-    for f in S8_FILES:
-        for r in json.loads((root / f"2026-11-22-{f}").read_text()):
-            if r["nbytes"] < 256 << 20 or set(r["shares"]) == {"nccl"}:
-                continue
-            want += 1
-            p = stored[(f"bench_results/2026-11-22-{f}", r["op"], r["nbytes"])]
-            assert p["world"] == r["world_size"] and p["braid_us"] == pytest.approx(r["time_us"], abs=0.06)
-            assert p["shares"] == pytest.approx(r["shares"], abs=6e-5)
-            assert p["lane_time_us"] == pytest.approx(r["lane_time_us"], abs=0.06)
-            assert p["variant"] == f.split("/")[0]
-    assert want == len(stored) == 20
+    stored = {(p["source"], p["op"], p["nbytes"], None): p for p in load_points(str(DATA)) if p.get("ce_taper")}
+    got = _recorded_split_points(S8_FILES, stored)
+    assert all(p["variant"] == p["source"].split("2026-11-22-")[1].split("/")[0] for p in got)
+    assert len(got) == len(stored) == 20
     # a tapered point is simulated with the taper: at 1 GiB it changes the prediction
     from braid.sim.own import simulate_point
     from braid.sim.topology import load
-    p = stored[("bench_results/2026-11-22-s8-run7/bench_h200x2_reduce_scatter.json", "reduce_scatter", 1 << 30)]
+    p = stored[("bench_results/2026-11-22-s8-run7/bench_h200x2_reduce_scatter.json", "reduce_scatter", 1 << 30, None)]
     t = load(p["preset"])
     assert simulate_point(t, p).time_us < 0.97 * simulate_point(t, dict(p, ce_taper=False)).time_us
