@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from .errors import MisuseError
+from .planner.pieces import TAPER_FROM_BYTES
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ _define("BRAID_CE_PIECE_MB", _nonneg_int, 0,
 _define("BRAID_CE_TAPER", _bool, True,
         "Taper the end of each chunk of the copy engines' pipelined reduction into smaller pieces "
         "(planner/pieces.py: pieces of 64 MiB and up). Must be the same on every rank.")
-_define("BRAID_CE_TAPER_FROM_KB", _nonneg_int, 64 << 10,
+_define("BRAID_CE_TAPER_FROM_KB", _nonneg_int, TAPER_FROM_BYTES >> 10,
         "The smallest piece, in KiB, whose chunk gets the tapered end (tests lower it). Must be the "
         "same on every rank.")
 

@@ -40,9 +40,10 @@ def tail_elems(per: int, esz: int, from_bytes: int = TAPER_FROM_BYTES) -> int:
     TAPER_FROM_BYTES, where the last piece's reduction (~140 us for 118 MiB of bf16 on H200) is
     worth 3 more pieces of host-side posting (~30 us each on the VM here, 2026-11-22); 0: none.
 
-    Measured (2 x H200, reduce_scatter 1 GiB on the copy engines alone, alternating windows in
-    one process, s8-run2): 1685 us flat, 1622 us with a tail of 4 MiB; NCCL 2044. `from_bytes`:
-    the smallest piece that gets a taper (tests lower it to reach the taper at small sizes)."""
+    Measured (GPUs 0-1 of the 4 x H200 machine, reduce_scatter 1 GiB, alternating windows in one
+    process, s8-run3): copy engines alone 1669 us even, 1616 tapered; ce 0.92 + host 0.08 1589 and
+    1558; NCCL 2026-2034. `from_bytes`: the smallest piece that gets a taper (tests lower it to
+    reach the taper at small sizes)."""
     if per * esz < from_bytes:
         return 0
     return max(1, (per // 8) * esz // PAGE * PAGE // esz)

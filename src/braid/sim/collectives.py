@@ -39,11 +39,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .. import envs
 from ..planner.model import MULTI_LANE_OVERHEAD_US, LaneCost, choose_shares, choose_with_native, fit
 from ..planner.plan import (Movement, Plan, all_gather_movement, all_to_all_movement, broadcast_movement,
                             chunk_bounds, cut_points, gather_chunks, gather_chunks_movement, p2p_movement,
                             reduce_scatter_chunks, reduce_scatter_movement, split)
-from .. import envs
 from ..planner.pieces import piece_elems, pieces, tail_elems
 from .flow import BYTES_PER_US, Flow, FlowResult, simulate
 from .topology import SimTopology
@@ -251,8 +251,7 @@ def _pieces(n: int, per: int, tail: int) -> list[int]:
     return [b - a for a, b in pieces(n, per, tail)]
 
 
-def ce_reduction_flows(topo: SimTopology, op: str, world: int, chunk_bytes: list[int], esz: int = 2,
-                       taper: bool | None = None) -> list[Flow]:
+def ce_reduction_flows(topo: SimTopology, op: str, world: int, chunk_bytes: list[int], esz: int = 2) -> list[Flow]:
     """The copy engines' pipelined reduction (collectives/ce_reduce.py) of `chunk_bytes[r]` bytes
     reduced by rank r, as flows that wait for what the GPU streams wait for:
 
@@ -268,8 +267,8 @@ def ce_reduction_flows(topo: SimTopology, op: str, world: int, chunk_bytes: list
     and gather streams share nv_in{me}; nothing is assumed about overlap beyond what the waits allow."""
     lat = topo.c("ce_latency_us") if topo.has("ce_latency_us") else 0.0
     per = ce_piece_bytes(chunk_bytes, esz)
-    on = envs.get("BRAID_CE_TAPER") if taper is None else taper
-    tail = tail_elems(per // esz, esz, envs.get("BRAID_CE_TAPER_FROM_KB") << 10) * esz if on else 0
+    # the executor's cut (collectives/ce_reduce.py), under the same settings
+    tail = tail_elems(per // esz, esz, envs.get("BRAID_CE_TAPER_FROM_KB") << 10) * esz if envs.get("BRAID_CE_TAPER") else 0
     pcs = [_pieces(n, per, tail) for n in chunk_bytes]
     red_w = 3.0 if world == 2 else world + 2.0
     out: list[Flow] = []
