@@ -60,3 +60,74 @@ def test_bench_hot_fraction_and_moe_on_cpu_lanes(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "braid", "bench", "--op", "all_to_all_single",
                           "--hot-fraction", "1.5"], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "fractions between 0 and 1" in bad.stderr
+
+
+def _launch_seen(monkeypatch, ngpu: int, argv: list[str], task: str = "bench"):
+    """What `launch` would spawn on a machine showing `ngpu` GPUs: (exit status, world, cfg, printed)."""
+    import io
+    from contextlib import redirect_stdout
+
+    import torch
+    import torch.multiprocessing as mp
+
+    from braid import bench
+    seen = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: ngpu > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: ngpu)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(bench, "set_gpu_env", lambda: None)
+
+    def fake_start(fn, args, nprocs, join, start_method):
+        seen["cfg"], seen["world"] = args[0], args[1]
+        assert nprocs == args[1] and start_method == "spawn"
+    monkeypatch.setattr(mp, "start_processes", fake_start)
+    import argparse
+    p = argparse.ArgumentParser()
+    (bench.add_bench_arguments if task == "bench" else bench.add_calibrate_arguments)(p)
+    args = p.parse_args(argv)
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        rc = bench.launch(bench.config_from_args(task, args), args.nproc)
+    return rc, seen.get("world"), seen.get("cfg"), buf.getvalue()
+
+
+def test_one_gpu_runs_the_cpu_lanes_not_an_error(monkeypatch):
+    """The README's bench command on a one-GPU machine: 2 gloo ranks on the CPU lanes, said once."""
+    rc, world, cfg, out = _launch_seen(monkeypatch, 1, ["--op", "all"])
+    assert rc == 0 and world == 2 and cfg.cpu is True
+    assert "one GPU visible" in out
+    rc, world, cfg, out = _launch_seen(monkeypatch, 1, [], task="calibrate")
+    assert rc == 0 and world == 2 and cfg.cpu is True and "one GPU visible" in out
+
+
+def test_gpu_machines_keep_one_rank_per_gpu(monkeypatch):
+    rc, world, cfg, out = _launch_seen(monkeypatch, 4, ["--op", "all_reduce"])
+    assert rc == 0 and world == 4 and cfg.cpu is False and out == ""
+    # asking for more ranks than GPUs is still an error naming both numbers, spawning nothing
+    rc, world, cfg, out = _launch_seen(monkeypatch, 1, ["--nproc", "2"])
+    assert rc == 2 and world is None
+    # --cpu chooses the CPU lanes on a GPU machine (2 ranks by default), and says so
+    rc, world, cfg, out = _launch_seen(monkeypatch, 4, ["--cpu"])
+    assert rc == 0 and world == 2 and cfg.cpu is True and "--cpu" in out
+
+
+def test_no_gpu_line_without_gpus(monkeypatch):
+    rc, world, cfg, out = _launch_seen(monkeypatch, 0, [])
+    assert rc == 0 and world == 2 and "no GPU" in out
+
+
+def test_cpu_workers_join_with_gloo(monkeypatch):
+    """A rank told `cpu` on a GPU machine initialises gloo, not NCCL."""
+    import torch
+    import torch.distributed as dist
+
+    from braid import bench
+    got = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: got.setdefault("set_device", i))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: got.setdefault("backend", backend))
+    monkeypatch.setattr(bench, "set_gpu_env", lambda: None)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    assert bench._init_rank(0, 2, 12345, cpu=True) is False
+    assert got == {"backend": "gloo"}

@@ -43,6 +43,9 @@ CPU_SIZES = (256 << 10, 16 << 20)   # with factor 4: a few minutes for every op 
 SMALL_ROUNDS = 10       # alternating windows per point for small (host-bound) calls
 WRONG_EXIT = 3          # exit status when braid's output differs from the baseline's
 NO_GPU_LINE = "no GPU: running braid's CPU lanes (gloo+shm) against gloo"
+ONE_GPU_LINE = ("one GPU visible: braid's GPU lanes join two or more GPUs, so this runs on braid's CPU lanes "
+                "(gloo+shm, 2 ranks); with 2+ GPUs braid runs against NCCL")
+CPU_LINE = "--cpu: running braid's CPU lanes (gloo+shm) against gloo"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,9 +139,13 @@ def _factor(text: str) -> float:
 
 def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=_positive_int, default=None,
-                   help="ranks to spawn (default: number of GPUs, or 2 without GPUs); ignored under torchrun")
+                   help="ranks to spawn (default: number of GPUs, or 2 on the CPU lanes with fewer than 2 GPUs or --cpu); "
+                        "ignored under torchrun")
     p.add_argument("--lanes", type=parse_lanes, default=None,
                    help="restrict braid to these lanes, e.g. ce,host (sets BRAID_LANES in the workers)")
+    p.add_argument("--cpu", action="store_true",
+                   help="CPU tensors and CPU lanes (gloo ranks) even where GPUs are visible; the default on a "
+                        "machine with one GPU, where braid has no GPU peer to join")
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -217,6 +224,7 @@ class Config:
     plot_path: str | None = None
     check: bool = True
     plain: bool = False
+    cpu: bool = False                           # gloo ranks and CPU tensors even where GPUs are visible
     notes: list[str] = field(default_factory=list)
 
     def resolved(self, cuda: bool) -> "Config":
@@ -259,14 +267,14 @@ def config_from_args(task: str, args: argparse.Namespace) -> Config:
                       cold_bytes=(args.cold_bytes or 0) if args.hot_bytes is not None else None,
                       hot_fraction=args.hot_fraction,
                       json_path=args.json_path, plot_path=args.plot_path, check=args.check, plain=args.plain,
-                      notes=notes)
+                      cpu=args.cpu, notes=notes)
     if task == "calibrate":
         ops = tuple(x.strip() for x in args.ops.split(",") if x.strip())
         bad = [x for x in ops if x not in OPS]
         if bad or not ops:
             raise SystemExit(f"braid calibrate: --ops {args.ops!r}: ops are a comma list of {list(OPS)}")
-        return Config(task, ops=ops, lanes=args.lanes)
-    return Config(task, lanes=getattr(args, "lanes", None))
+        return Config(task, ops=ops, lanes=args.lanes, cpu=args.cpu)
+    return Config(task, lanes=getattr(args, "lanes", None), cpu=getattr(args, "cpu", False))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,8 +299,13 @@ def launch(cfg: Config, nproc: int | None) -> int:
         local = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
         _worker(local, cfg, None, None)
         return 0
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() and not cfg.cpu
     ngpu = torch.cuda.device_count() if cuda else 0
+    line = NO_GPU_LINE if not torch.cuda.is_available() else CPU_LINE
+    if cuda and ngpu == 1 and nproc is None and cfg.task in ("bench", "calibrate"):
+        # one GPU: nothing for braid's GPU lanes to join; the CPU lanes still run for real
+        cfg = Config(**{**cfg.__dict__, "cpu": True})
+        cuda, ngpu, line = False, 0, ONE_GPU_LINE
     world = nproc or (ngpu if cuda else 2)
     if cuda and world > ngpu:
         print(f"braid {cfg.task}: --nproc {world} but only {ngpu} GPU(s) are visible (one rank per GPU)", file=sys.stderr)
@@ -300,8 +313,8 @@ def launch(cfg: Config, nproc: int | None) -> int:
     if cfg.task in ("bench", "calibrate") and world < 2:
         print(f"braid {cfg.task}: needs at least 2 ranks (got {world}); pass --nproc 2 or more", file=sys.stderr)
         return 2
-    if not cuda and cfg.task == "bench":
-        print(NO_GPU_LINE, flush=True)
+    if not cuda and (cfg.task == "bench" or line is ONE_GPU_LINE):
+        print(line, flush=True)
     port = _free_port()
     import torch.multiprocessing as mp
     try:
@@ -327,10 +340,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init_rank(local_rank: int, world: int | None, port: int | None) -> bool:
-    """torch.distributed for this rank: NCCL on its GPU, or gloo without GPUs. True on GPU."""
+def _init_rank(local_rank: int, world: int | None, port: int | None, cpu: bool = False) -> bool:
+    """torch.distributed for this rank: NCCL on its GPU, or gloo without GPUs (or with `cpu`).
+    True on GPU."""
     set_gpu_env()
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() and not cpu
     kwargs = {}
     if world is not None:      # spawned here
         kwargs = dict(init_method=f"tcp://127.0.0.1:{port}", rank=local_rank, world_size=world)
@@ -365,7 +379,7 @@ def _worker(local_rank: int, cfg: Config, world: int | None, port: int | None) -
     if cfg.lanes:
         os.environ["BRAID_LANES"] = ",".join(cfg.lanes)
     try:
-        cuda = _init_rank(local_rank, world, port)
+        cuda = _init_rank(local_rank, world, port, cfg.cpu)
         _setup_logging(dist.get_rank())
         # torch >= 2.13 flags dist.all_gather_into_tensor (the baseline's call) as deprecated on every call
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
