@@ -179,6 +179,8 @@ def check_plan(topo, matrix, plan):
     that is neither end; the reported loads and most loaded link are the flows' own."""
     n = len(matrix)
     load = {e: 0.0 for e in topo.capacity}
+    if plan.fractions is not None:                           # what a reuse rescales: never below zero
+        assert float(plan.fractions.min()) >= 0.0
     for s in range(n):
         for d in range(n):
             flows = plan.flows.get((s, d), [])
