@@ -1,5 +1,6 @@
-"""The small-message path's cached answers (CPU tier: the path itself needs CUDA tensors and NCCL,
-exercised by the GPU tier and the bench; here: what is cached, and when it is forgotten)."""
+"""The small-message path's cached answers: what is cached, and when it is forgotten. On GPUs the
+path calls NCCL's backend (GPU tier and bench); on a CPU communicator it calls gloo's own group
+when the calibration gives gloo the whole call."""
 from __future__ import annotations
 
 import torch
@@ -12,14 +13,15 @@ def _worker(rank, w):
     import braid
     comm = braid.init()
     x = torch.randn(1000)
-    # CPU tensors never take the fast path: nothing cached, the full path runs (and is right)
+    # the model gives this small call to the shm lane here: not gloo's own call, so not the fast
+    # path (the answer is cached False) and the full path runs (and is right)
     t = x.clone()
     comm.all_reduce(t)
     assert torch.equal(t, x), "world of one all_reduce must leave the tensor unchanged"
-    assert not any(comm._fast_ar.values()) and not comm._fast_ag
-    # an answer is stored with the call shape's facts and never True on a CPU communicator
+    assert comm._fast_ar[1000] == (torch.float32, dist.ReduceOp.SUM, False) and not comm._fast_ag
+    # an answer is stored with the call shape's facts (CPU communicators too: gloo's own call)
     ent = comm._fast_put(comm._fast_ar, 1000, (torch.float32, dist.ReduceOp.SUM), True)
-    assert ent == (torch.float32, dist.ReduceOp.SUM, False)
+    assert ent == (torch.float32, dist.ReduceOp.SUM, True)
     comm.cuda = True                      # pretend, to see what a GPU communicator would keep
     ent = comm._fast_put(comm._fast_ar, 1000, (torch.float32, dist.ReduceOp.SUM), True)
     assert ent[-1] is True and comm._fast_ar[1000] is ent
@@ -442,3 +444,58 @@ def test_options_for_direct_calls_are_built_once_per_shape():
     r = c._opts("reduce", True, op=dist.ReduceOp.SUM, root=1)
     assert (b.rootRank, b.rootTensor) == (2, 0) and (r.rootRank, r.reduceOp) == (1, dist.ReduceOp.SUM)
     assert type(c._opts("alltoall", False)).__name__ == "AllToAllOptions"
+
+
+def _cpu_fast_worker(rank, w):
+    """Small calls on a CPU communicator that gloo takes whole (here: BRAID_LANES=gloo) go to gloo's
+    own group through the fast path: each op's answer is cached True, its result equals a reference
+    built from every rank's data, and an average (gloo has none) stays on the full path."""
+    import braid
+    comm = braid.init()
+    n = 1001 * w                                   # odd per-rank pieces
+    data = [torch.randn(n, generator=torch.Generator().manual_seed(100 + r)) for r in range(w)]
+    x = data[rank]
+    t = x.clone()
+    comm.all_reduce(t)
+    ok = [torch.allclose(t, sum(data), atol=1e-5)]
+    t = x.clone()
+    comm.all_reduce(t, op=dist.ReduceOp.MAX)
+    ok.append(torch.equal(t, torch.stack(data).amax(0)))
+    t = x.clone()
+    comm.broadcast(t, src=w - 1)
+    ok.append(torch.equal(t, data[w - 1]))
+    out = torch.empty(n * w)
+    comm.all_gather_into_tensor(out, x)
+    ok.append(torch.equal(out, torch.cat(data)))
+    out = torch.empty(n)
+    comm.all_to_all_single(out, x)
+    piece = n // w
+    ok.append(torch.equal(out, torch.cat([d[rank * piece:(rank + 1) * piece] for d in data])))
+    out = torch.empty(piece)
+    comm.reduce_scatter_tensor(out, x)
+    ok.append(torch.allclose(out, sum(data)[rank * piece:(rank + 1) * piece], atol=1e-5))
+    t = x.clone()
+    comm.all_reduce(t, op=dist.ReduceOp.AVG)
+    ok.append(torch.allclose(t, sum(data) / w, atol=1e-5) and comm._fast_ar[n][-1] is False)
+    cached = [True, comm._fast_bc[n][-1], comm._fast_ag[n][-1], comm._fast_a2a[n][-1],
+              comm._fast_rs[n][-1]]
+    # a ring of large async sends and receives posted before a fast collective: neither stalls
+    # the other, and every byte arrives
+    m = 1 << 20
+    src = torch.full((m,), float(rank) + 0.25)
+    got = torch.empty(m)
+    hs = [comm.send(src, (rank + 1) % w, async_op=True), comm.recv(got, (rank - 1) % w, async_op=True)]
+    t = x.clone()
+    comm.all_reduce(t)
+    ok.append(torch.allclose(t, sum(data), atol=1e-5) and comm._fast_ar[n][-1] is True)
+    for h in hs:
+        if h is not None:
+            h.wait()
+    ok.append(torch.equal(got, torch.full((m,), float((rank - 1) % w) + 0.25)))
+    return ok, cached
+
+
+def test_small_cpu_calls_take_gloos_own_call():
+    for ok, cached in run_world(_cpu_fast_worker, 3, env={"BRAID_LANES": "gloo"}):
+        assert all(ok), ok
+        assert all(cached), cached

@@ -159,6 +159,9 @@ class Communicator:
         if self.cuda and "nccl" in str(dist.get_backend()).lower():
             self.native_group = dist.group.WORLD
         self._fast_be = _backend_of(self.native_group, self.device) if self.cuda else None
+        # the fast path's library call: NCCL's group on GPUs; on a CPU communicator, gloo's own
+        # (never the default group: under init_process_group("braid") that is braid itself)
+        self._fast_group = self.native_group if self.cuda else self.gloo_group
         self._fast_opts: dict = {}
         self._lanes = self._make_lanes()
         self.watchdog = _Watchdog(self.segment, self.rank, self.world_size) if self.segment is not None and self.cuda else None
@@ -430,7 +433,7 @@ class Communicator:
         calibration, close). NCCL checks device and layout itself, with its own errors."""
         if len(table) > 1024:
             table.clear()
-        ent = table[n] = sig + (bool(hit) and self.cuda and not self.closed,)
+        ent = table[n] = sig + (bool(hit) and not self.closed,)
         return ent
 
     def _fast_clear(self) -> None:
@@ -469,6 +472,8 @@ class Communicator:
         fast path made them once per call shape). Without that backend object: `fallback`."""
         be = self._fast_be
         if be is None:
+            if self._p2p_pending and not self.cuda:    # as _run does before a collective (CPU)
+                self._flush_p2p()
             work = fallback(async_op)
         else:
             work = getattr(be, method)(*args, self._opts(kind, async_op, op, root))
@@ -705,8 +710,8 @@ class Communicator:
     # ops ----------------------------------------------------------------------------------------
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         op = "all_gather"
-        if (type(input) is torch.Tensor and type(output) is torch.Tensor and input.is_cuda and output.is_cuda
-                and input.is_contiguous() and output.is_contiguous()):
+        if (type(input) is torch.Tensor and type(output) is torch.Tensor and input.is_cuda is self.cuda
+                and output.is_cuda is self.cuda and input.is_contiguous() and output.is_contiguous()):
             n, dt = input.numel(), input.dtype
             ent = self._fast_ag.get(n)
             if ent is None or ent[0] is not dt or ent[1] != output.numel():
@@ -715,7 +720,7 @@ class Communicator:
                                      and self._native_for(op, n * input.element_size()))
             if ent[-1]:
                 return self._native_fast("_allgather_base", (output, input), "allgather", async_op, fallback=lambda a:
-                                         dist.all_gather_into_tensor(output, input, group=self.native_group, async_op=a))
+                                         dist.all_gather_into_tensor(output, input, group=self._fast_group, async_op=a))
         dev = self._device_for(input)
         ib = input_bytes(input, "input", dev, op)
         ob = output_bytes(output, "output", dev, op)
@@ -749,7 +754,7 @@ class Communicator:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         op = "broadcast"
-        if type(tensor) is torch.Tensor and type(src) is int and tensor.is_cuda and tensor.is_contiguous():
+        if type(tensor) is torch.Tensor and type(src) is int and tensor.is_cuda is self.cuda and tensor.is_contiguous():
             n, dt = tensor.numel(), tensor.dtype
             ent = self._fast_bc.get(n)
             if ent is None or ent[0] is not dt or ent[1] != src:
@@ -757,7 +762,7 @@ class Communicator:
                                      and self._native_for(op, n * tensor.element_size()))
             if ent[-1]:
                 return self._native_fast("broadcast", ([tensor],), "broadcast", async_op, root=src, fallback=lambda a:
-                                         dist.broadcast(tensor, src=src, group=self.native_group, async_op=a))
+                                         dist.broadcast(tensor, src=src, group=self._fast_group, async_op=a))
         dev = self._device_for(tensor)
         check_rank(src, self.world_size, "src", op)
         tb = output_bytes(tensor, "tensor", dev, op)
@@ -772,8 +777,8 @@ class Communicator:
                           input_split_sizes=None, async_op: bool = False):
         op = "all_to_all_single"
         if (not input_split_sizes and not output_split_sizes and type(input) is torch.Tensor
-                and type(output) is torch.Tensor and input.is_cuda and output.is_cuda and input.dim() > 0
-                and input.is_contiguous() and output.is_contiguous()):
+                and type(output) is torch.Tensor and input.is_cuda is self.cuda and output.is_cuda is self.cuda
+                and input.dim() > 0 and input.is_contiguous() and output.is_contiguous()):
             n, dt, rows = input.numel(), input.dtype, input.size(0)
             ent = self._fast_a2a.get(n)
             if ent is None or ent[0] is not dt or ent[1] != rows or ent[2] != output.numel():
@@ -782,7 +787,7 @@ class Communicator:
                                      and self._native_for(op, n * input.element_size()))
             if ent[-1]:
                 return self._native_fast("alltoall_base", (output, input, [], []), "alltoall", async_op, fallback=lambda a:
-                                         dist.all_to_all_single(output, input, group=self.native_group, async_op=a))
+                                         dist.all_to_all_single(output, input, group=self._fast_group, async_op=a))
         agreed = False
         if input_split_sizes and output_split_sizes and type(input) is torch.Tensor \
                 and type(output) is torch.Tensor and input.is_cuda and output.is_cuda and input.dim() > 0 \
@@ -1102,11 +1107,11 @@ class Communicator:
             return False
         if op in _FAST_OPS:
             return True
-        return op == dist.ReduceOp.AVG and dtype.is_floating_point
+        return op == dist.ReduceOp.AVG and dtype.is_floating_point and self.cuda   # gloo has no AVG
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
         """In place, like torch.distributed.all_reduce."""
-        if type(op) is _RED_T and type(tensor) is torch.Tensor and tensor.is_cuda and tensor.is_contiguous():
+        if type(op) is _RED_T and type(tensor) is torch.Tensor and tensor.is_cuda is self.cuda and tensor.is_contiguous():
             n, dt = tensor.numel(), tensor.dtype
             ent = self._fast_ar.get(n)
             if ent is None or ent[0] is not dt or ent[1] is not op:
@@ -1114,14 +1119,14 @@ class Communicator:
                                      and self._native_for("all_reduce", n * tensor.element_size()))
             if ent[-1]:
                 return self._native_fast("allreduce", ([tensor],), "allreduce", async_op, op=op, fallback=lambda a:
-                                         dist.all_reduce(tensor, op=op, group=self.native_group, async_op=a))
+                                         dist.all_reduce(tensor, op=op, group=self._fast_group, async_op=a))
         return self._reduction("all_reduce", tensor, tensor, op, None, async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
                               async_op: bool = False):
         """output (numel m) = reduction over ranks of input[rank*m:(rank+1)*m]."""
-        if (type(op) is _RED_T and type(input) is torch.Tensor and type(output) is torch.Tensor and input.is_cuda
-                and output.is_cuda and input.is_contiguous() and output.is_contiguous()):
+        if (type(op) is _RED_T and type(input) is torch.Tensor and type(output) is torch.Tensor and input.is_cuda is self.cuda
+                and output.is_cuda is self.cuda and input.is_contiguous() and output.is_contiguous()):
             n, dt = input.numel(), input.dtype
             ent = self._fast_rs.get(n)
             if ent is None or ent[0] is not dt or ent[1] is not op or ent[2] != output.numel():
@@ -1131,7 +1136,7 @@ class Communicator:
             if ent[-1]:
                 return self._native_fast("_reduce_scatter_base", (output, input), "reducescatter", async_op, op=op,
                                          fallback=lambda a: dist.reduce_scatter_tensor(
-                                             output, input, op=op, group=self.native_group, async_op=a))
+                                             output, input, op=op, group=self._fast_group, async_op=a))
         return self._reduction("reduce_scatter", output, input, op, None, async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op=dist.ReduceOp.SUM,
