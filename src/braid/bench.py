@@ -12,6 +12,7 @@ lanes (shm, gloo) against gloo alone.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import inspect
 import json
@@ -301,11 +302,10 @@ def launch(cfg: Config, nproc: int | None) -> int:
         return 0
     cuda = torch.cuda.is_available() and not cfg.cpu
     ngpu = torch.cuda.device_count() if cuda else 0
-    line = NO_GPU_LINE if not torch.cuda.is_available() else CPU_LINE
-    if cuda and ngpu == 1 and nproc is None and cfg.task in ("bench", "calibrate"):
-        # one GPU: nothing for braid's GPU lanes to join; the CPU lanes still run for real
-        cfg = Config(**{**cfg.__dict__, "cpu": True})
-        cuda, ngpu, line = False, 0, ONE_GPU_LINE
+    one_gpu = cuda and ngpu == 1 and nproc is None and cfg.task in ("bench", "calibrate")
+    if one_gpu:     # nothing for braid's GPU lanes to join; the CPU lanes still run for real
+        cfg = dataclasses.replace(cfg, cpu=True)
+        cuda, ngpu = False, 0
     world = nproc or (ngpu if cuda else 2)
     if cuda and world > ngpu:
         print(f"braid {cfg.task}: --nproc {world} but only {ngpu} GPU(s) are visible (one rank per GPU)", file=sys.stderr)
@@ -313,8 +313,10 @@ def launch(cfg: Config, nproc: int | None) -> int:
     if cfg.task in ("bench", "calibrate") and world < 2:
         print(f"braid {cfg.task}: needs at least 2 ranks (got {world}); pass --nproc 2 or more", file=sys.stderr)
         return 2
-    if not cuda and (cfg.task == "bench" or line is ONE_GPU_LINE):
-        print(line, flush=True)
+    if one_gpu:
+        print(ONE_GPU_LINE, flush=True)
+    elif not cuda and cfg.task == "bench":
+        print(CPU_LINE if torch.cuda.is_available() else NO_GPU_LINE, flush=True)
     port = _free_port()
     import torch.multiprocessing as mp
     try:

@@ -370,7 +370,8 @@ class Communicator:
         return self.native_group if "nccl" in shares else self.gloo_group
 
     def _native_for(self, op: str, nbytes: int) -> bool:
-        """Cached: will this op at this size go to NCCL's own call? (the small-message fast path)"""
+        """Cached: will this op at this size go to the native library's own call (NCCL on GPUs,
+        gloo on CPU communicators)? (the small-message fast path)"""
         if self._fixed is not None or self.check:
             return False
         key = (op, nbytes, self.calib_digest)
@@ -426,11 +427,12 @@ class Communicator:
         rt.expect(self._routed_seq)
 
     def _fast_put(self, table: dict, n: int, sig: tuple, hit: bool) -> tuple:
-        """The fast path (whole calls of CUDA tensors that NCCL's own collective takes, e.g.
-        every small message) costs a few Python steps per call: the answer for a call shape
+        """The fast path (whole calls that the native library's own collective takes: NCCL for
+        CUDA tensors, gloo on a CPU communicator; e.g. every small message) costs a few Python
+        steps per call: the answer for a call shape
         (element count -> dtype and the other shape facts, then the answer) is computed once
         here, with the full checks, and kept until it may change (fixed shares, a new
-        calibration, close). NCCL checks device and layout itself, with its own errors."""
+        calibration, close). NCCL (gloo) checks device and layout itself, with its own errors."""
         if len(table) > 1024:
             table.clear()
         ent = table[n] = sig + (bool(hit) and not self.closed,)
@@ -1102,7 +1104,8 @@ class Communicator:
 
     # reductions -----------------------------------------------------------------------------------
     def _fast_reduce_ok(self, op, dtype) -> bool:
-        """NCCL's own reduction may take the call as is: a plain ReduceOp on a reducible dtype."""
+        """The native library's reduction may take the call as is: a plain ReduceOp on a
+        reducible dtype (avg: NCCL only)."""
         if dtype not in REDUCE_DTYPES or type(op) is not type(dist.ReduceOp.SUM):
             return False
         if op in _FAST_OPS:

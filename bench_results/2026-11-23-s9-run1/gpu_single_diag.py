@@ -1,4 +1,4 @@
-"""Time the single-GPU test's pieces one by one (diagnostic for a slow/hung run)."""
+"""Time the single-GPU test's pieces one by one (s9-run1: was the test slow or hung? It hung; see hang_before_fix_seg.log). Run from the repo root."""
 import sys, time
 sys.path.insert(0, "src"); sys.path.insert(0, "tests/gpu")
 import torch
