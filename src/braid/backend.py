@@ -21,6 +21,8 @@ import logging
 import torch
 import torch.distributed as dist
 
+from .collectives.reduce import REDUCE_DTYPES
+
 NAME = "braid"
 log = logging.getLogger("braid")
 
@@ -46,11 +48,25 @@ def _tensors_in(obj):
             yield from _tensors_in(x)
 
 
+_FUTURE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+
+
+def _future_stream(device: torch.device):
+    """One side stream per GPU on which futures of braid's GPU calls wait (see get_future)."""
+    s = _FUTURE_STREAMS.get(device.index)
+    if s is None:
+        s = _FUTURE_STREAMS[device.index] = torch.cuda.Stream(device)
+    return s
+
+
 class BraidWork(dist._Work):
     """torch's Work around a braid handle. wait(): on GPUs the current stream waits for the call
-    (no CPU block), on CPU it blocks until done, as Handle.wait does. get_future() waits the same
-    way and returns a completed future holding `result` (the tensors the call wrote): DDP's
-    communication hooks chain on it. handle None: the call has finished already."""
+    (no CPU block), on CPU it blocks until done, as Handle.wait does. get_future() returns a
+    future holding `result` (the tensors the call wrote), which DDP's communication hooks chain
+    on. On GPUs it is a CUDA future, as NCCL's: a side stream waits for the call and the future
+    completes there, so whoever uses its value waits for the call and nobody else does (the
+    caller's stream is not made to wait: in DDP the rest of the backward pass keeps running
+    beside the bucket's all_reduce). handle None: the call has finished already."""
 
     def __init__(self, handle, result):
         super().__init__()
@@ -59,6 +75,7 @@ class BraidWork(dist._Work):
         self._waited = handle is None
         self._error: BaseException | None = None
         self._future = None
+        self._side_done = None       # GPU: an event after the call, recorded by get_future
 
     def wait(self, timeout=None) -> bool:
         if self._error is not None:
@@ -73,11 +90,16 @@ class BraidWork(dist._Work):
         return True
 
     def _finish(self) -> None:
-        self._handle.wait()
+        if self._side_done is not None:       # the handle was waited on the future's stream
+            torch.cuda.current_stream().wait_event(self._side_done)
+        else:
+            self._handle.wait()
 
     def is_completed(self) -> bool:
         if self._waited:
             return True
+        if self._side_done is not None:
+            return bool(self._side_done.query())
         return bool(self._handle.is_completed())
 
     def is_success(self) -> bool:
@@ -94,15 +116,31 @@ class BraidWork(dist._Work):
 
     def get_future(self):
         if self._future is None:
-            devices = sorted({str(t.device) for t in self._result if isinstance(t, torch.Tensor) and t.is_cuda})
-            fut = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
-            self._future = fut
+            cuda = [t.device for t in self._result if isinstance(t, torch.Tensor) and t.is_cuda]
+            if not cuda:
+                fut = self._future = torch.futures.Future()
+                try:
+                    self.wait()
+                except BaseException as exc:
+                    fut.set_exception(exc)
+                else:
+                    fut.set_result(list(self._result))
+                return fut
+            fut = self._future = torch.futures.Future(devices=sorted({str(d) for d in cuda}))
             try:
-                self.wait()
+                if self._waited:                # finished, or the caller's stream waited already
+                    fut.set_result(list(self._result))
+                    return fut
+                side = _future_stream(cuda[0])
+                with torch.cuda.stream(side):
+                    self._handle.wait()         # the side stream waits for the call, no CPU block
+                    done = torch.cuda.Event()
+                    done.record(side)
+                    self._side_done = done
+                    fut.set_result(list(self._result))   # its events are recorded on the side stream
             except BaseException as exc:
+                self._error = exc
                 fut.set_exception(exc)
-            else:
-                fut.set_result(list(self._result))
         return self._future
 
 
@@ -139,6 +177,21 @@ def _coalescing(fn, dev):
         return fn()
     except TypeError:
         return fn(dev)
+
+
+# torch >= 2.13 calls a Python process group's single-tensor collectives by new names; the raw
+# gloo/NCCL backend objects may still carry only the old ones
+_OLD_NAMES = {"all_gather_single": "_allgather_base", "reduce_scatter_single": "_reduce_scatter_base",
+              "all_to_all_single": "alltoall_base"}
+
+
+def _method(inner, name: str):
+    fn = getattr(inner, name, None)
+    if fn is None and name in _OLD_NAMES:
+        fn = getattr(inner, _OLD_NAMES[name], None)
+    if fn is None:
+        raise AttributeError(f"the inner {type(inner).__name__} group has no {name!r}")
+    return fn
 
 
 def _done(result=()) -> BraidWork:
@@ -236,8 +289,18 @@ class BraidProcessGroup(dist.ProcessGroup):
     def _forward(self, name: str, *args, **kwargs):
         self.flush_p2p()
         inner = self._inner(list(_tensors_in((args, list(kwargs.values())))))
-        work = getattr(inner, name)(*args, **kwargs)
+        work = _method(inner, name)(*args, **kwargs)
         # a synchronous NCCL call may return no Work (it ran on the current stream)
+        return work if work is not None else _done()
+
+    def _whole(self, name: str, args: tuple, opts, comm):
+        """The inner group's own call (`name`, torch's options), returning its own Work: the
+        forwarding path for calls braid's Communicator gives the native library whole."""
+        if self._p2p_queue:
+            self.flush_p2p()
+        comm.before_whole()
+        inner = self.nccl if comm.cuda else self.gloo
+        work = _method(inner, name)(*args, opts)
         return work if work is not None else _done()
 
     def _run(self, call, opts, result):
@@ -251,12 +314,14 @@ class BraidProcessGroup(dist.ProcessGroup):
 
     @staticmethod
     def _reducible(t, op) -> bool:
-        from .collectives.reduce import REDUCE_DTYPES
         return op is not None and t.dtype in REDUCE_DTYPES
 
     # collectives ------------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceOptions()
+        comm = self._comm
+        if comm is not None and len(tensors) == 1 and comm.whole_all_reduce(tensors[0], opts.reduceOp.op):
+            return self._whole("allreduce", (tensors,), opts, comm)
         op = _plain_op(opts.reduceOp)
         if len(tensors) == 1 and self._reducible(tensors[0], op):
             comm = self._braid_for(tensors)
@@ -267,6 +332,10 @@ class BraidProcessGroup(dist.ProcessGroup):
 
     def broadcast(self, tensors, opts=None):
         opts = opts if opts is not None else dist.BroadcastOptions()
+        comm = self._comm
+        if (comm is not None and len(tensors) == 1 and opts.rootTensor == 0
+                and comm.whole_broadcast(tensors[0], opts.rootRank)):
+            return self._whole("broadcast", (tensors,), opts, comm)
         if len(tensors) == 1 and opts.rootTensor == 0:
             comm = self._braid_for(tensors)
             if comm is not None:
@@ -297,6 +366,9 @@ class BraidProcessGroup(dist.ProcessGroup):
 
     def _all_gather_single(self, name, output, input, opts):
         opts = opts if opts is not None else dist.AllgatherOptions()
+        comm = self._comm
+        if comm is not None and comm.whole_all_gather(output, input):
+            return self._whole(name, (output, input), opts, comm)
         comm = self._braid_for([output, input])
         if comm is not None:
             return self._run(lambda a: comm.all_gather_into_tensor(output, input, async_op=a), opts, [output])
@@ -322,6 +394,9 @@ class BraidProcessGroup(dist.ProcessGroup):
 
     def _reduce_scatter_single(self, name, output, input, opts):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
+        comm = self._comm
+        if comm is not None and comm.whole_reduce_scatter(output, input, opts.reduceOp.op):
+            return self._whole(name, (output, input), opts, comm)
         op = _plain_op(opts.reduceOp)
         comm = self._braid_for([output, input]) if self._reducible(output, op) else None
         if comm is not None:
@@ -336,6 +411,10 @@ class BraidProcessGroup(dist.ProcessGroup):
 
     def _all_to_all_single(self, name, output, input, output_split_sizes, input_split_sizes, opts):
         opts = opts if opts is not None else dist.AllToAllOptions()
+        comm = self._comm
+        if (comm is not None and not output_split_sizes and not input_split_sizes
+                and comm.whole_all_to_all(output, input)):
+            return self._whole(name, (output, input, output_split_sizes, input_split_sizes), opts, comm)
         comm = self._braid_for([output, input])
         if comm is not None:
             osz = list(output_split_sizes) or None

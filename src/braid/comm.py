@@ -48,18 +48,20 @@ DESC_MEMO = 16               # full descriptor exchanges remembered for repeated
 SMALL_RUN = 16               # agreed-small uneven calls in a row after which their agreement is read one call late
 _DECLINED = object()         # a skewed call's routing decision: the native collective, not a share split
 class _NativeDone(Handle):
-    """last_handle after a synchronous fast-path call: NCCL took the whole call, already waited."""
+    """last_handle after a synchronous fast-path call: the native library (NCCL on GPUs, gloo on a
+    CPU communicator) took the whole call, already waited."""
 
-    def __init__(self):
+    def __init__(self, lane: str):
         super().__init__(native=None)
+        self.native_lane = lane
         self._waited = True
 
     @property
     def shares(self) -> dict[str, float]:
-        return {"nccl": 1.0}
+        return {self.native_lane: 1.0}
 
 
-_NATIVE_DONE = _NativeDone()
+_NATIVE_DONE = {True: _NativeDone("nccl"), False: _NativeDone("gloo")}    # by communicator.cuda
 NATIVE_SHARE_REDS = ("sum", "avg", "min", "max", "product")   # NCCL's own all_reduce may take a share
 _RED_T = type(dist.ReduceOp.SUM)    # plain reduce ops (premul-sum comes as another type); singletons
 _FAST_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT)
@@ -378,7 +380,8 @@ class Communicator:
         hit = self._native_cache.get(key)
         if hit is None:
             lanes = self.lanes_for(self.device)
-            hit = bool(lanes) and self._native_ok(self.shares_for(op, nbytes, lanes))
+            # a world of one rank has nothing to split: the native library's call is a local copy
+            hit = bool(lanes) and (self.world_size == 1 or self._native_ok(self.shares_for(op, nbytes, lanes)))
             if len(self._native_cache) > 4096:
                 self._native_cache.clear()
             self._native_cache[key] = hit
@@ -394,6 +397,56 @@ class Communicator:
             if type(t) is not torch.Tensor or not t.is_cuda or t.get_device() != idx or not t.is_contiguous():
                 return False
         return True
+
+    # the braid backend's forwarding ------------------------------------------------------------
+    # Under init_process_group("braid"), a call that the native library takes whole goes from the
+    # backend straight to its inner NCCL (gloo) group, with torch's own options object, and the
+    # caller gets that library's Work: its future, its stream semantics, no braid object per call.
+    # These read the fast path's answer for the call shape; a shape not seen yet answers False, so
+    # its first call takes the full path, which fills the answer in (the same facts on every rank).
+    def _takes(self, t) -> bool:
+        return type(t) is torch.Tensor and t.is_cuda is self.cuda and t.is_contiguous() and not self.closed
+
+    def whole_all_reduce(self, t, op) -> bool:
+        """Will the native library take this all_reduce whole? (`op`: a plain RedOpType)"""
+        if not self._takes(t):
+            return False
+        ent = self._fast_ar.get(t.numel())
+        return ent is not None and ent[-1] and ent[0] is t.dtype and ent[1] == op
+
+    def whole_reduce_scatter(self, out, inp, op) -> bool:
+        if not (self._takes(inp) and self._takes(out)):
+            return False
+        ent = self._fast_rs.get(inp.numel())
+        return (ent is not None and ent[-1] and ent[0] is inp.dtype and ent[1] == op
+                and ent[2] == out.numel() and out.dtype is inp.dtype)
+
+    def whole_all_gather(self, out, inp) -> bool:
+        if not (self._takes(inp) and self._takes(out)):
+            return False
+        ent = self._fast_ag.get(inp.numel())
+        return ent is not None and ent[-1] and ent[0] is inp.dtype and ent[1] == out.numel() and out.dtype is inp.dtype
+
+    def whole_broadcast(self, t, root: int) -> bool:
+        if not self._takes(t):
+            return False
+        ent = self._fast_bc.get(t.numel())
+        return ent is not None and ent[-1] and ent[0] is t.dtype and ent[1] == root
+
+    def whole_all_to_all(self, out, inp) -> bool:
+        """Balanced all_to_all_single (no split sizes) only: uneven calls agree per call."""
+        if not (self._takes(inp) and self._takes(out)) or inp.dim() == 0:
+            return False
+        ent = self._fast_a2a.get(inp.numel())
+        return (ent is not None and ent[-1] and ent[0] is inp.dtype and ent[1] == inp.size(0)
+                and ent[2] == out.numel() and out.dtype is inp.dtype)
+
+    def before_whole(self) -> None:
+        """What a whole native call does first: braid's own pending send/recv on CPU go first
+        (as `_native_fast` does); the bench reads the call's shares from last_handle."""
+        if self._p2p_pending and not self.cuda:
+            self._flush_p2p()
+        self.last_handle = _NATIVE_DONE[self.cuda]
 
     def _ipc_maps(self) -> int:
         """Peer buffers the copy-engine lane has opened so far (a routed call that opened one
@@ -444,6 +497,7 @@ class Communicator:
 
     def _finish(self, work, async_op: bool):
         handle = Handle(native=work)
+        handle.native_lane = "nccl" if self.cuda else "gloo"
         self.last_handle = handle
         if async_op:
             return handle
@@ -483,7 +537,7 @@ class Communicator:
             return self._finish(work, True)
         if work is not None:
             work.wait()
-        self.last_handle = _NATIVE_DONE
+        self.last_handle = _NATIVE_DONE[self.cuda]
         return None
 
     # descriptor exchange --------------------------------------------------------------------------
@@ -1040,7 +1094,7 @@ class Communicator:
             if async_op:
                 return self._finish(work, True)
             work.wait()
-            self.last_handle = _NATIVE_DONE
+            self.last_handle = _NATIVE_DONE[self.cuda]
             return None
         dev = self._device_for(tensor)
         check_rank(peer, self.world_size, "dst" if sending else "src", "send" if sending else "recv", me=self.rank)
