@@ -165,6 +165,7 @@ class Communicator:
         # (never the default group: under init_process_group("braid") that is braid itself)
         self._fast_group = self.native_group if self.cuda else self.gloo_group
         self._fast_opts: dict = {}
+        self._native_done = _NATIVE_DONE[self.cuda]     # last_handle after a whole native call
         self._lanes = self._make_lanes()
         self.watchdog = _Watchdog(self.segment, self.rank, self.world_size) if self.segment is not None and self.cuda else None
         self._closer = weakref.finalize(self, _finalize, self.segment, self.seg_dev_ptr, self.watchdog)
@@ -405,14 +406,9 @@ class Communicator:
     # These read the fast path's answer for the call shape; a shape not seen yet answers False, so
     # its first call takes the full path, which fills the answer in (the same facts on every rank).
     def _takes(self, t) -> bool:
+        """A tensor the fast path's answers apply to (all_reduce's test is written out in the
+        backend: the same as whole_reduce_scatter's, for one tensor)."""
         return type(t) is torch.Tensor and t.is_cuda is self.cuda and t.is_contiguous() and not self.closed
-
-    def whole_all_reduce(self, t, op) -> bool:
-        """Will the native library take this all_reduce whole? (`op`: a plain RedOpType)"""
-        if not self._takes(t):
-            return False
-        ent = self._fast_ar.get(t.numel())
-        return ent is not None and ent[-1] and ent[0] is t.dtype and ent[1] == op
 
     def whole_reduce_scatter(self, out, inp, op) -> bool:
         if not (self._takes(inp) and self._takes(out)):
@@ -440,13 +436,6 @@ class Communicator:
         ent = self._fast_a2a.get(inp.numel())
         return (ent is not None and ent[-1] and ent[0] is inp.dtype and ent[1] == inp.size(0)
                 and ent[2] == out.numel() and out.dtype is inp.dtype)
-
-    def before_whole(self) -> None:
-        """What a whole native call does first: braid's own pending send/recv on CPU go first
-        (as `_native_fast` does); the bench reads the call's shares from last_handle."""
-        if self._p2p_pending and not self.cuda:
-            self._flush_p2p()
-        self.last_handle = _NATIVE_DONE[self.cuda]
 
     def _ipc_maps(self) -> int:
         """Peer buffers the copy-engine lane has opened so far (a routed call that opened one
@@ -537,7 +526,7 @@ class Communicator:
             return self._finish(work, True)
         if work is not None:
             work.wait()
-        self.last_handle = _NATIVE_DONE[self.cuda]
+        self.last_handle = self._native_done
         return None
 
     # descriptor exchange --------------------------------------------------------------------------
@@ -1094,7 +1083,7 @@ class Communicator:
             if async_op:
                 return self._finish(work, True)
             work.wait()
-            self.last_handle = _NATIVE_DONE[self.cuda]
+            self.last_handle = self._native_done
             return None
         dev = self._device_for(tensor)
         check_rank(peer, self.world_size, "dst" if sending else "src", "send" if sending else "recv", me=self.rank)
