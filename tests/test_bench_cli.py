@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 REQUIRED = {"op", "nbytes", "world_size", "dtype", "time_us", "algbw_gbps", "busbw_gbps", "wrong", "shares",
-            "baseline", "ratio"}
+            "baseline", "ratio", "host_us"}
 
 
 def test_bench_every_op_on_cpu_lanes(tmp_path):
@@ -28,7 +28,9 @@ def test_bench_every_op_on_cpu_lanes(tmp_path):
         assert REQUIRED <= set(p), f"{p['op']}: missing {REQUIRED - set(p)}"
         assert p["wrong"] == 0 and p["time_us"] > 0 and p["baseline"]["name"] == "gloo"
         assert abs(sum(p["shares"].values()) - 1.0) < 1e-6
-        assert {"name", "time_us", "busbw_gbps"} <= set(p["baseline"])
+        assert set(p["shares"]) <= {"gloo", "shm"}, f"{p['op']}: a CPU world has no NCCL: {p['shares']}"
+        assert {"name", "time_us", "busbw_gbps", "host_us"} <= set(p["baseline"])
+        assert p["host_us"] > 0 and p["baseline"]["host_us"] > 0
 
 
 def test_route_and_env_commands_run():
@@ -37,7 +39,7 @@ def test_route_and_env_commands_run():
 
 
 def test_bench_hot_fraction_and_moe_on_cpu_lanes(tmp_path):
-    """Issue 4's bench modes: skewed all_to_all by hot fraction (one sweep per value, routed) and one
+    """The skew bench modes: skewed all_to_all by hot fraction (one sweep per value, routed) and one
     MoE layer (dispatch + combine); outputs checked against gloo's."""
     env = dict(os.environ, BRAID_CACHE_DIR=str(tmp_path / "cache"), BRAID_HOST_BUFFER_MB="4",
                BRAID_TIMEOUT_S="60", BRAID_ROUTE="on")

@@ -150,9 +150,13 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--op", default="all_gather", choices=OPS + EXTRA_OPS + ("all",),
+    p.add_argument("--op", default=None, choices=OPS + EXTRA_OPS + ("all",),
                    help="op to run, or 'all' for each in turn (default: all_gather); moe = one MoE layer: "
                         "dispatch + combine with a Zipf-skewed expert load (time per layer)")
+    p.add_argument("--workload", default=None, metavar="NAME[,NAME...]",
+                   help="instead of an op sweep: time training steps under the braid backend against the same "
+                        "steps on the baseline (and a floor without communication): ddp, fsdp, moe_layer, "
+                        "a comma list, or 'all'")
     add_launch_arguments(p)
     p.add_argument("--sizes", type=parse_size_range, default=None, metavar="MIN:MAX",
                    help="size range, e.g. 1M:1G (default: 1M:1G on GPU, 256K:16M in x4 steps on CPU). The size is the "
@@ -164,8 +168,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "each measurement spans ~20 ms, unless --fixed-iters)")
     p.add_argument("--fixed-iters", action="store_true", help="time exactly --iters calls at every size")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls before each measurement (default: 5 GPU, 1 CPU)")
-    p.add_argument("--repeat", type=_positive_int, default=2,
-                   help="baseline/braid measurements alternate this many times; the min of each is kept (default 2)")
+    p.add_argument("--repeat", type=_positive_int, default=None,
+                   help="baseline/braid measurements alternate this many times; the min of each is kept (default 2; "
+                        "with --workload: timed windows per side, the median is kept, default 5)")
     p.add_argument("--shares", type=parse_shares, default=None, metavar="LANE=FRAC,...",
                    help="fixed shares, e.g. ce=0.9,host=0.1: bypass the model (and the calibration)")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
@@ -178,6 +183,19 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hot-fraction", type=_hot_fractions, default=None, metavar="H[,H...]",
                    help="all_to_all_single: every rank sends this fraction of its bytes to the last rank, "
                         "the rest evenly to the others (issue 4's skew); one sweep per value")
+    p.add_argument("--width", "--hidden", dest="width", type=_positive_int, default=None,
+                   help="--workload: layer width, the MoE layer's hidden size (default: 8192 GPU, 256 CPU)")
+    p.add_argument("--depth", type=_positive_int, default=None,
+                   help="--workload ddp/fsdp: Linear layers of the MLP (default: 8 GPU, 3 CPU)")
+    p.add_argument("--batch", type=_positive_int, default=None,
+                   help="--workload ddp/fsdp: input rows per rank and step (default: 16 GPU, 8 CPU)")
+    p.add_argument("--bucket-mb", dest="bucket_mb", type=_positive_int, default=None,
+                   help="--workload ddp: DDP's bucket_cap_mb (default 25)")
+    p.add_argument("--tokens", type=_positive_int, default=None,
+                   help="--workload moe_layer: tokens per rank (default: 8192 GPU, 64 CPU)")
+    p.add_argument("--steps", type=_positive_int, default=None,
+                   help="--workload: training steps per timed window (default: 20 GPU, 5 CPU; --warmup "
+                        "untimed steps first, default 3 GPU, 1 CPU)")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", dest="plot_path", default=None, metavar="PATH",
                    help="write a PNG of busbw vs size (needs matplotlib)")
@@ -227,6 +245,14 @@ class Config:
     plain: bool = False
     cpu: bool = False                           # gloo ranks and CPU tensors even where GPUs are visible
     notes: list[str] = field(default_factory=list)
+    # training-step workloads (braid.jobs) instead of the op sweep; None: machine-kind defaults
+    workloads: tuple[str, ...] = ()
+    width: int | None = None
+    depth: int | None = None
+    batch: int | None = None
+    bucket_mb: int | None = None
+    tokens: int | None = None
+    steps: int | None = None
 
     def resolved(self, cuda: bool) -> "Config":
         """Defaults that depend on GPU vs CPU."""
@@ -252,10 +278,16 @@ class Config:
 
 def config_from_args(task: str, args: argparse.Namespace) -> Config:
     if task == "bench":
-        ops = OPS if args.op == "all" else (args.op,)
+        if getattr(args, "workload", None) is not None:
+            return _workload_config(args)
+        ops = OPS if args.op == "all" else (args.op or "all_gather",)
         if args.cold_bytes is not None and args.hot_bytes is None:
             raise SystemExit("braid bench: --cold-bytes needs --hot-bytes")
         notes = []
+        shape = [f for f in ("width", "depth", "batch", "bucket_mb", "tokens", "steps")
+                 if getattr(args, f, None) is not None]
+        if shape:
+            notes.append(f"--{', --'.join(f.replace('_', '-') for f in shape)} only apply with --workload; ignored")
         if args.hot_bytes is not None and "all_to_all_single" not in ops:
             notes.append("--hot-bytes/--cold-bytes only apply to all_to_all_single; ignored")
         if args.hot_fraction is not None and args.hot_bytes is not None:
@@ -263,7 +295,8 @@ def config_from_args(task: str, args: argparse.Namespace) -> Config:
         if args.hot_fraction is not None and "all_to_all_single" not in ops:
             notes.append("--hot-fraction only applies to all_to_all_single; ignored")
         return Config(task, ops=ops, sizes=args.sizes, factor=args.factor, dtype=args.dtype, iters=args.iters,
-                      auto_iters=not args.fixed_iters, trace=args.trace, slow=args.slow, warmup=args.warmup, repeat=args.repeat, lanes=args.lanes, shares=args.shares,
+                      auto_iters=not args.fixed_iters, trace=args.trace, slow=args.slow, warmup=args.warmup,
+                      repeat=args.repeat if args.repeat is not None else 2, lanes=args.lanes, shares=args.shares,
                       calibrate=args.calibrate, hot_bytes=args.hot_bytes,
                       cold_bytes=(args.cold_bytes or 0) if args.hot_bytes is not None else None,
                       hot_fraction=args.hot_fraction,
@@ -276,6 +309,25 @@ def config_from_args(task: str, args: argparse.Namespace) -> Config:
             raise SystemExit(f"braid calibrate: --ops {args.ops!r}: ops are a comma list of {list(OPS)}")
         return Config(task, ops=ops, lanes=args.lanes, cpu=args.cpu)
     return Config(task, lanes=getattr(args, "lanes", None), cpu=getattr(args, "cpu", False))
+
+
+def _workload_config(args: argparse.Namespace) -> Config:
+    """`braid bench --workload ...`: training steps (braid.jobs) instead of the op sweep."""
+    from .jobs import parse_workloads
+    if args.op is not None:
+        raise SystemExit(f"braid bench: --op {args.op} and --workload {args.workload} both choose what to run; "
+                         f"give one of them")
+    workloads = parse_workloads(args.workload)
+    sweep = {"--sizes": args.sizes, "--iters": args.iters, "--hot-bytes": args.hot_bytes,
+             "--cold-bytes": args.cold_bytes, "--hot-fraction": args.hot_fraction, "--trace": args.trace,
+             "--slow": args.slow, "--plot": args.plot_path}
+    ignored = [flag for flag, value in sweep.items() if value is not None]
+    notes = [f"{', '.join(ignored)} only apply to the op sweep; ignored with --workload"] if ignored else []
+    return Config("bench", ops=(), dtype=args.dtype, warmup=args.warmup,
+                  repeat=args.repeat if args.repeat is not None else 5, lanes=args.lanes, shares=args.shares,
+                  calibrate=args.calibrate, json_path=args.json_path, plain=args.plain, cpu=args.cpu, notes=notes,
+                  workloads=workloads, width=args.width, depth=args.depth, batch=args.batch,
+                  bucket_mb=args.bucket_mb, tokens=args.tokens, steps=args.steps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,7 +362,8 @@ def launch(cfg: Config, nproc: int | None) -> int:
     if cuda and world > ngpu:
         print(f"braid {cfg.task}: --nproc {world} but only {ngpu} GPU(s) are visible (one rank per GPU)", file=sys.stderr)
         return 2
-    if cfg.task in ("bench", "calibrate") and world < 2:
+    # training-step workloads also run on one rank (an explicit --nproc 1: the step code on one GPU)
+    if cfg.task in ("bench", "calibrate") and world < 2 and not cfg.workloads:
         print(f"braid {cfg.task}: needs at least 2 ranks (got {world}); pass --nproc 2 or more", file=sys.stderr)
         return 2
     if one_gpu:
@@ -326,7 +379,9 @@ def launch(cfg: Config, nproc: int | None) -> int:
         return 1
     except mp.ProcessExitedException as exc:
         if exc.exit_code == WRONG_EXIT:
-            print(f"braid {cfg.task}: braid's output differed from the baseline's (#wrong above)", file=sys.stderr)
+            what = "losses" if cfg.workloads else "output"
+            where = "the losses column" if cfg.workloads else "#wrong"
+            print(f"braid {cfg.task}: braid's {what} differed from the baseline's ({where} above)", file=sys.stderr)
             return WRONG_EXIT
         print(f"braid {cfg.task}: a rank died: {exc}", file=sys.stderr)
         return 1
@@ -342,10 +397,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init_rank(local_rank: int, world: int | None, port: int | None, cpu: bool = False) -> bool:
-    """torch.distributed for this rank: NCCL on its GPU, or gloo without GPUs (or with `cpu`).
-    True on GPU."""
+def _init_rank(local_rank: int, world: int | None, port: int | None, cpu: bool = False,
+               braid_backend: bool = False) -> bool:
+    """torch.distributed for this rank: NCCL on its GPU, or gloo without GPUs (or with `cpu`);
+    with `braid_backend` the default group is braid's own backend instead. True on GPU."""
     set_gpu_env()
+    if braid_backend:
+        import braid  # noqa: F401  registers the "braid" backend
     cuda = torch.cuda.is_available() and not cpu
     kwargs = {}
     if world is not None:      # spawned here
@@ -354,9 +412,9 @@ def _init_rank(local_rank: int, world: int | None, port: int | None, cpu: bool =
         torch.cuda.set_device(local_rank)
         if "device_id" in inspect.signature(dist.init_process_group).parameters:
             kwargs["device_id"] = torch.device("cuda", local_rank)   # eager NCCL init, bound to this GPU
-        dist.init_process_group("nccl", **kwargs)
+        dist.init_process_group("braid" if braid_backend else "nccl", **kwargs)
     else:
-        dist.init_process_group("gloo", **kwargs)
+        dist.init_process_group("braid" if braid_backend else "gloo", **kwargs)
         size = world or int(os.environ["WORLD_SIZE"])
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))   # ranks share the cores
     return cuda
@@ -380,15 +438,22 @@ def _worker(local_rank: int, cfg: Config, world: int | None, port: int | None) -
     the launcher or torchrun ends them); the process exit releases the memory."""
     if cfg.lanes:
         os.environ["BRAID_LANES"] = ",".join(cfg.lanes)
+    if cfg.workloads and cfg.cpu:
+        # the braid backend takes CUDA whenever torch sees a GPU; CPU-lane ranks (--cpu, or one
+        # GPU for two ranks) must not: hide the GPUs before anything in this process asks
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     try:
-        cuda = _init_rank(local_rank, world, port, cfg.cpu)
+        cuda = _init_rank(local_rank, world, port, cfg.cpu, braid_backend=bool(cfg.workloads))
         _setup_logging(dist.get_rank())
         # torch >= 2.13 flags dist.all_gather_into_tensor (the baseline's call) as deprecated on every call
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
         import braid
         comm = braid.init()
         after = None
-        if cfg.task == "bench":
+        if cfg.task == "bench" and cfg.workloads:
+            from . import jobs
+            after = jobs.run(comm, cfg, cuda)
+        elif cfg.task == "bench":
             after = _bench(comm, cfg.resolved(cuda))
         elif cfg.task == "calibrate":
             _calibrate(comm, cfg)
@@ -471,18 +536,25 @@ def format_shares(shares: dict[str, float] | None) -> str:
 # output on rank 0: rich when importable, plain text otherwise
 # ---------------------------------------------------------------------------------------------
 
-COLUMNS = ("size", "count", "type", "time_us", "algbw", "busbw", "#wrong", "base_us", "base_busbw", "ratio", "shares")
+COLUMNS = ("size", "count", "type", "time_us", "algbw", "busbw", "#wrong", "base_us", "base_busbw", "ratio",
+           "host_us", "shares")
 
 
 def _row_cells(p: dict) -> list[str]:
     wrong = "N/A" if p["wrong"] is None else str(p["wrong"])
     return [str(p["nbytes"]), str(p["count"]), p["dtype"], f"{p['time_us']:.1f}", f"{p['algbw_gbps']:.2f}",
             f"{p['busbw_gbps']:.2f}", wrong, f"{p['baseline']['time_us']:.1f}",
-            f"{p['baseline']['busbw_gbps']:.2f}", f"{p['ratio']:.2f}", format_shares(p["shares"])]
+            f"{p['baseline']['busbw_gbps']:.2f}", f"{p['ratio']:.2f}", _host_cell(p), format_shares(p["shares"])]
+
+
+def _host_cell(p: dict) -> str:
+    """Host time per call, braid's / the baseline's (us)."""
+    mine, base = p.get("host_us"), p["baseline"].get("host_us")
+    return "-" if mine is None or base is None else f"{mine:.0f}/{base:.0f}"
 
 
 class PlainUi:
-    WIDTHS = (12, 11, 10, 11, 8, 8, 7, 12, 12, 7)
+    WIDTHS = (12, 11, 10, 11, 8, 8, 7, 12, 12, 7, 12)
 
     def __init__(self, total: int):
         self.total, self.done = total, 0
@@ -499,7 +571,7 @@ class PlainUi:
         heads[7], heads[8] = f"{baseline}_us", f"{baseline}_busbw"
         self.line("# " + "".join(h.rjust(w) for h, w in zip(heads, self.WIDTHS))[2:] + "  shares")
         self.line("# " + "".join(u.rjust(w) for u, w in zip(
-            ("(B)", "(elements)", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", ""), self.WIDTHS))[2:])
+            ("(B)", "(elements)", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "", "(us)"), self.WIDTHS))[2:])
 
     def row(self, p: dict) -> None:
         cells = _row_cells(p)
@@ -548,11 +620,13 @@ class RichUi:
         from rich import box
         from rich.table import Table
         self.table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
-                           caption=f"size in bytes, time in us, bandwidth in GB/s; ratio = {baseline} time / braid time",
+                           caption=f"size in bytes, time in us, bandwidth in GB/s; ratio = {baseline} time / braid time; "
+                                   f"host_us = host time per call, braid/{baseline}",
                            caption_justify="left")
         heads = [("size", "right"), ("count", "right"), ("type", "left"), ("time_us", "right"),
                  ("algbw", "right"), ("busbw", "right"), ("#wrong", "right"),
-                 (f"{baseline}_us", "right"), (f"{baseline}_busbw", "right"), ("ratio", "right"), ("shares", "left")]
+                 (f"{baseline}_us", "right"), (f"{baseline}_busbw", "right"), ("ratio", "right"), ("host_us", "right"),
+                 ("shares", "left")]
         for name, justify in heads:
             self.table.add_column(name, justify=justify, no_wrap=True)
         self.live.update(self.Group(self.table, self.progress))
@@ -724,18 +798,20 @@ def _bench(comm, cfg: Config):
                     if iters > cfg.iters:
                         rounds = max(cfg.repeat, SMALL_ROUNDS)
                         iters = max(cfg.iters, iters * cfg.repeat // rounds)
-                bases, braids = [], []
+                bases, braids, hosts = [], [], {"braid": [], "baseline": []}
                 for k in range(rounds):
                     first_base = k % 2 == 0
                     for is_base in ((True, False) if first_base else (False, True)):
-                        if is_base:
-                            bases.append(cal.time_call(comm, load.baseline, iters, cfg.warmup))
-                        else:
-                            braids.append(cal.time_call(comm, load.braid, iters, cfg.warmup))
+                        side = "baseline" if is_base else "braid"
+                        t, host = cal.time_call_host(comm, load.baseline if is_base else load.braid,
+                                                     iters, cfg.warmup)
+                        (bases if is_base else braids).append(t)
+                        hosts[side].append(host)
                 # large calls: the best of the repeats; small ones (many alternating windows):
                 # each side's median window, so one lucky quiet window does not decide the ratio
                 pick = statistics.median if rounds >= SMALL_ROUNDS else min
                 t_base, t_braid = pick(bases), pick(braids)
+                common["host_us"] = {k: statistics.median(v) for k, v in hosts.items()}
                 handle = comm.last_handle if load.participates else None
                 mine = (handle.shares, handle.lane_times_us()) if handle is not None else None
                 got = [None] * world
@@ -904,9 +980,13 @@ def _point(op, load, esz, dtype, world, t_braid, t_base, wrong, got, baseline, f
              "lane_time_us": lane_us,
              "baseline": {"name": baseline, "time_us": t_base, "algbw_gbps": base_alg, "busbw_gbps": base_alg * factor},
              "ratio": t_base / t_braid}
+    host = common.get("host_us")
+    if host:      # per call, the median window's, slowest rank: braid's and the baseline's own
+        point["host_us"] = host["braid"]
+        point["baseline"]["host_us"] = host["baseline"]
     if any(v[0] != shares for v in views):
         point["shares_by_rank"] = [g[0] if g is not None else None for g in got]
-    point.update({k: v for k, v in common.items() if k not in point})
+    point.update({k: v for k, v in common.items() if k not in point and k != "host_us"})
     return point
 
 

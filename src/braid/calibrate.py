@@ -99,6 +99,14 @@ def save(comm, table: dict) -> str:
 
 def time_call(comm, fn, iters: int, warmup: int = 1) -> float:
     """Microseconds per call, the slowest rank's (every rank calls this together)."""
+    return time_call_host(comm, fn, iters, warmup)[0]
+
+
+def time_call_host(comm, fn, iters: int, warmup: int = 1) -> tuple[float, float]:
+    """(microseconds per call, host microseconds per call), each the slowest rank's. Host time is
+    the caller's clock from entering the first call to returning from the last, per call: what
+    issuing the calls costs the CPU (on GPUs the calls return before the GPU work ends; on CPU
+    lanes it is the whole call)."""
     for _ in range(warmup):
         fn()
     _sync(comm)
@@ -106,8 +114,10 @@ def time_call(comm, fn, iters: int, warmup: int = 1) -> float:
     if comm.cuda:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        t0 = time.perf_counter()
         for _ in range(iters):
             fn()
+        host = (time.perf_counter() - t0) * 1e6 / iters
         end.record()
         end.synchronize()
         mine = start.elapsed_time(end) * 1e3 / iters
@@ -115,8 +125,8 @@ def time_call(comm, fn, iters: int, warmup: int = 1) -> float:
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
-        mine = (time.perf_counter() - t0) * 1e6 / iters
-    return _max_over_ranks(comm, [mine])[0]
+        mine = host = (time.perf_counter() - t0) * 1e6 / iters
+    return tuple(_max_over_ranks(comm, [mine, host]))
 
 
 def _sync(comm) -> None:
