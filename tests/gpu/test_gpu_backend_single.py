@@ -1,0 +1,136 @@
+"""GPU tier on ONE GPU: the braid backend's Work and forwarding path on CUDA.
+
+- `BraidWork.get_future()` of a GPU call is a CUDA future, as NCCL's: the caller's stream is not
+  made to wait (DDP keeps computing the backward pass beside a bucket's all_reduce), whoever uses
+  the value waits for the call, and a later `wait()` still orders the caller's stream after it.
+- Under `init_process_group("braid")` on a world of one GPU, every call is NCCL's whole: the first
+  call of a shape takes braid's full path, its repeats return NCCL's own Work, and every result is
+  right across dtypes, sizes and buffer changes.
+Skips without a GPU.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+class _EventHandle:
+    """A braid handle whose call ends with `event` (recorded on another stream)."""
+
+    def __init__(self, event):
+        self.event = event
+        self.waits = 0
+
+    def wait(self, timeout=None):
+        self.waits += 1
+        torch.cuda.current_stream().wait_event(self.event)
+        return True
+
+    def is_completed(self):
+        return self.event.query()
+
+
+def _slow_call(value: float, n: int = 1 << 20):
+    """A 'call' on a side stream that takes ~0.2 s of GPU time, then writes `value` into out."""
+    prod = torch.cuda.Stream()
+    out = torch.zeros(n, device="cuda")
+    prod.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(prod):
+        torch.cuda._sleep(int(3e8))
+        out.fill_(value)
+        ev = torch.cuda.Event()
+        ev.record(prod)
+    return out, ev
+
+
+def test_future_of_a_gpu_call_does_not_block_the_callers_stream():
+    from braid.backend import BraidWork
+    torch.cuda._sleep(10)                          # load the kernel before any stream waits
+    torch.cuda.synchronize()
+    out, ev = _slow_call(3.0)
+    handle = _EventHandle(ev)
+    work = BraidWork(handle, [out])
+    fut = work.get_future()
+    mark = torch.cuda.Event()
+    mark.record(torch.cuda.current_stream())        # the caller's stream, right after get_future
+    deadline = time.monotonic() + 5.0
+    while not mark.query() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert mark.query(), "the caller's stream waits for the call after get_future()"
+    assert not ev.query(), "the slow call ended before the check: the test proves nothing"
+    assert not work.is_completed()
+    # whoever uses the value waits for the call
+    got = fut.wait()[0]
+    total = got.sum()
+    assert total.item() == 3.0 * out.numel()
+    # a later wait() orders the caller's stream after the call (through the future's stream)
+    out2, ev2 = _slow_call(5.0)
+    work2 = BraidWork(_EventHandle(ev2), [out2])
+    work2.get_future()
+    work2.wait()
+    after = out2.sum()                               # runs on the caller's stream
+    assert after.item() == 5.0 * out2.numel()
+    assert work2.is_completed() and handle.waits == 1
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _world_of_one(port: int, q) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **GPU_ENV)
+    import torch.distributed as dist
+    import braid  # noqa: F401  registers the backend
+    from braid.backend import BraidWork
+    try:
+        torch.cuda.set_device(0)
+        dist.init_process_group("braid", rank=0, world_size=1)
+        kinds, bad = [], []
+        for k in range(40):
+            n, dt = ((1001, torch.bfloat16), (65537, torch.float32), (1 << 20, torch.float16),
+                     (4099, torch.int32))[k % 4]
+            x = (torch.arange(n, device="cuda") % 97 + 1).to(dt)
+            t = x.clone()                            # a fresh buffer every call
+            w = dist.all_reduce(t, async_op=True)
+            kinds.append(isinstance(w, BraidWork))
+            w.get_future().wait()
+            out = torch.empty(n, device="cuda", dtype=dt)
+            dist.all_gather_into_tensor(out, x)
+            rs = torch.empty(n, device="cuda", dtype=dt)
+            dist.reduce_scatter_tensor(rs, x)
+            torch.cuda.synchronize()
+            for name, got in (("all_reduce", t), ("all_gather", out), ("reduce_scatter", rs)):
+                if not torch.equal(got, x):
+                    bad.append(f"call {k} {name} {dt} n={n}")
+        dist.destroy_process_group()
+        q.put({"kinds": kinds, "bad": bad})
+    except BaseException as exc:       # noqa: BLE001  reported to the parent
+        import traceback
+        q.put({"error": f"{exc!r}\n{traceback.format_exc()}"})
+
+
+def test_world_of_one_forwards_repeats_to_nccls_own_work():
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_world_of_one, args=(_port(), q))
+    p.start()
+    try:
+        res = q.get(timeout=180)
+    finally:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    assert "error" not in res, res.get("error")
+    assert res["bad"] == [], res["bad"]
+    # 4 call shapes: each first call takes the full path, every repeat forwards
+    assert res["kinds"][:4] == [True] * 4 and not any(res["kinds"][4:]), res["kinds"]
