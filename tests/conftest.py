@@ -102,12 +102,13 @@ def run_world(fn, world_size: int, *args, env: dict | None = None, timeout: floa
     process ids under "pids" (rank order).
     """
     allowed_exit = dict(allowed_exit or {})
-    full_env = dict(DEFAULT_WORKER_ENV)
-    full_env["BRAID_CACHE_DIR"] = tempfile.mkdtemp(prefix="braid-test-cache-")
-    full_env.update(env or {})
     ctx = mp.get_context("spawn")
     port = free_port()
-    with tempfile.TemporaryDirectory(prefix="braid-test-world-") as outdir:
+    # the workers' calibration cache and their results live in folders removed afterwards
+    with tempfile.TemporaryDirectory(prefix="braid-test-cache-", ignore_cleanup_errors=True) as cache_dir, \
+            tempfile.TemporaryDirectory(prefix="braid-test-world-", ignore_cleanup_errors=True) as outdir:
+        full_env = dict(DEFAULT_WORKER_ENV, BRAID_CACHE_DIR=cache_dir)
+        full_env.update(env or {})
         procs = [ctx.Process(target=_entry, args=(r, fn, world_size, port, args, full_env, outdir, init_pg),
                              daemon=True, name=f"braid-test-rank{r}")
                  for r in range(world_size)]

@@ -182,7 +182,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="bytes of every other pair with --hot-bytes (default 0)")
     p.add_argument("--hot-fraction", type=_hot_fractions, default=None, metavar="H[,H...]",
                    help="all_to_all_single: every rank sends this fraction of its bytes to the last rank, "
-                        "the rest evenly to the others (issue 4's skew); one sweep per value")
+                        "the rest evenly to the others (one hot destination); one sweep per value")
     p.add_argument("--width", "--hidden", dest="width", type=_positive_int, default=None,
                    help="--workload: layer width, the MoE layer's hidden size (default: 8192 GPU, 256 CPU)")
     p.add_argument("--depth", type=_positive_int, default=None,
