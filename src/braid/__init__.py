@@ -46,6 +46,14 @@ def default() -> Communicator:
     return _default
 
 
+def abort(reason: str = "abort() was called") -> None:
+    """Abort the default communicator on this rank and tell its peers (Communicator.abort): ranks
+    waiting for this one raise at once, no rank stays blocked in NCCL because of braid. The
+    communicator is unusable afterwards; close() still releases its memory. Not collective."""
+    if _default is not None:
+        _default.abort(reason)
+
+
 def close() -> None:
     global _default
     if _default is not None:
@@ -99,7 +107,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
 
 
 __all__ = [
-    "Communicator", "Handle", "init", "default", "close",
+    "Communicator", "Handle", "init", "default", "close", "abort",
     "send", "recv", "batch_isend_irecv", "broadcast", "all_gather_into_tensor", "all_gather", "all_to_all_single",
     "all_reduce", "reduce_scatter_tensor", "reduce_scatter", "reduce", "PremulSum",
     "BraidError", "BraidTimeoutError", "LaneFailureError", "LaneUnavailableError", "MisuseError",

@@ -185,6 +185,13 @@ _OLD_NAMES = {"all_gather_single": "_allgather_base", "reduce_scatter_single": "
               "all_to_all_single": "alltoall_base"}
 
 
+# torch's method names as braid's op names (the call ledger, see Communicator._enter)
+_OP_OF = {"allreduce": "all_reduce", "broadcast": "broadcast", "_allgather_base": "all_gather",
+          "all_gather_single": "all_gather", "_reduce_scatter_base": "reduce_scatter",
+          "reduce_scatter_single": "reduce_scatter", "alltoall_base": "all_to_all_single",
+          "all_to_all_single": "all_to_all_single"}
+
+
 def _method(inner, name: str):
     fn = getattr(inner, name, None)
     if fn is None and name in _OLD_NAMES:
@@ -315,6 +322,9 @@ class BraidProcessGroup(dist.ProcessGroup):
         if comm._p2p_pending and not comm.cuda:
             comm._flush_p2p()
         comm.last_handle = comm._native_done
+        t = args[1] if len(args) > 1 else args[0][0]      # the input (list forms: the tensor)
+        comm.ncalls += 1
+        comm.last_call = (_OP_OF.get(name, name), t.numel() * t.element_size(), t.dtype, "whole")
         inner = self.nccl if comm.cuda else self.gloo
         work = _method(inner, name)(*args, opts)
         return work if work is not None else _finished()
@@ -345,6 +355,8 @@ class BraidProcessGroup(dist.ProcessGroup):
                 if self._p2p_queue or comm._p2p_pending:
                     return self._whole("allreduce", (tensors,), opts, comm)
                 comm.last_handle = comm._native_done
+                comm.ncalls += 1
+                comm.last_call = ("all_reduce", t.numel() * t.element_size(), t.dtype, "whole")
                 work = self._inner_allreduce(tensors, opts)
                 return work if work is not None else _finished()
         op = _plain_op(opts.reduceOp)
@@ -530,6 +542,8 @@ class BraidProcessGroup(dist.ProcessGroup):
         self._closed = True
         self._p2p_queue = []                 # never posted: nothing of theirs is in flight
         comm, self._comm = self._comm, None
+        if comm is not None and how == "abort":
+            comm.abort("its process group was aborted")     # the peers learn it, waits are released
         if comm is not None:
             try:
                 comm.close()

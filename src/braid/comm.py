@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from . import envs
 from .collectives import check_rank, flat_bytes, input_bytes, output_bytes, same_dtype, split_bytes
-from .errors import LaneFailureError, LaneUnavailableError, MisuseError, PeerMismatchError
+from .errors import BraidTimeoutError, LaneFailureError, LaneUnavailableError, MisuseError, PeerMismatchError
 from .collectives.reduce import REDUCE_DTYPES
 from .executor import Handle, execute
 from .lanes.base import LaneRun
@@ -63,6 +63,9 @@ class _NativeDone(Handle):
 
 _NATIVE_DONE = {True: _NativeDone("nccl"), False: _NativeDone("gloo")}    # by communicator.cuda
 NATIVE_SHARE_REDS = ("sum", "avg", "min", "max", "product")   # NCCL's own all_reduce may take a share
+# the fast path's kinds as braid's op names (the call ledger speaks braid's names)
+_OP_OF = {"allreduce": "all_reduce", "allgather": "all_gather", "reducescatter": "reduce_scatter",
+          "alltoall": "all_to_all_single", "broadcast": "broadcast", "reduce": "reduce"}
 _RED_T = type(dist.ReduceOp.SUM)    # plain reduce ops (premul-sum comes as another type); singletons
 _FAST_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT)
 OPS = ("send_recv", "broadcast", "all_gather", "all_to_all_single", "all_reduce", "reduce_scatter", "reduce")
@@ -121,6 +124,12 @@ class Communicator:
         self._nccl_stream = None                # NCCL's share of split all_reduces
         self.slowdown: dict[str, float] = {}   # test/bench hook: CPU lane -> time multiplier
         self.check = envs.get("BRAID_CHECK")   # read once, when the communicator is created
+        # the call ledger: collective calls made so far (every path), and the last one as
+        # (op, bytes, dtype, path); published to the node segment so that peers can tell a
+        # mismatch from a slow rank and name both calls (see _on_wait)
+        self.ncalls = 0
+        self.last_call: tuple = ("", 0, None, "")
+        self.aborted = ""                   # why abort() was called (the communicator is unusable)
         self._plan_cache: dict = {}
         wanted = lanes if lanes is not None else envs.get("BRAID_LANES")
         known = [k.value for k in LaneKind]
@@ -167,7 +176,14 @@ class Communicator:
         self._fast_opts: dict = {}
         self._native_done = _NATIVE_DONE[self.cuda]     # last_handle after a whole native call
         self._lanes = self._make_lanes()
-        self.watchdog = _Watchdog(self.segment, self.rank, self.world_size) if self.segment is not None and self.cuda else None
+        self.watchdog = None
+        if self.segment is not None:
+            me = weakref.ref(self)        # the segment and the watchdog must not keep self alive
+            self.segment.on_wait = lambda *a: _call(me, "_on_wait", *a)
+            self.segment.on_timeout = lambda *a: _call(me, "_on_timeout", *a)
+            self.watchdog = _Watchdog(self.segment, self.rank, self.world_size, self.cuda,
+                                      status=lambda: _call(me, "_status"),
+                                      on_peer_abort=lambda why: _call(me, "_abort_native", why))
         self._closer = weakref.finalize(self, _finalize, self.segment, self.seg_dev_ptr, self.watchdog)
         self.load_calibration()
 
@@ -408,7 +424,8 @@ class Communicator:
     def _takes(self, t) -> bool:
         """A tensor the fast path's answers apply to (all_reduce's test is written out in the
         backend: the same as whole_reduce_scatter's, for one tensor)."""
-        return type(t) is torch.Tensor and t.is_cuda is self.cuda and t.is_contiguous() and not self.closed
+        return (type(t) is torch.Tensor and t.is_cuda is self.cuda and t.is_contiguous() and not self.closed
+                and not self.aborted)
 
     def whole_reduce_scatter(self, out, inp, op) -> bool:
         if not (self._takes(inp) and self._takes(out)):
@@ -477,7 +494,7 @@ class Communicator:
         calibration, close). NCCL (gloo) checks device and layout itself, with its own errors."""
         if len(table) > 1024:
             table.clear()
-        ent = table[n] = sig + (bool(hit) and not self.closed,)
+        ent = table[n] = sig + (bool(hit) and not self.closed and not self.aborted,)
         return ent
 
     def _fast_clear(self) -> None:
@@ -511,10 +528,14 @@ class Communicator:
         return o
 
     def _native_fast(self, method: str, args: tuple, kind: str, async_op: bool, op=None, root: int = 0,
-                     fallback=None):
+                     fallback=None, counted: bool = False):
         """The fast path's call: the NCCL backend's own method with cached options, as
         torch.distributed's wrapper would make it, without the wrapper's per-call checks (the
         fast path made them once per call shape). Without that backend object: `fallback`."""
+        x = args[1] if len(args) > 1 else (args[0][0] if type(args[0]) is list else args[0])
+        if not counted:
+            self.ncalls += 1
+        self.last_call = (_OP_OF[kind], x.numel() * x.element_size(), x.dtype, "whole")
         be = self._fast_be
         if be is None:
             if self._p2p_pending and not self.cuda:    # as _run does before a collective (CPU)
@@ -605,14 +626,35 @@ class Communicator:
     # the common path of every op ---------------------------------------------------------------------
     def _run(self, op: str, desc: dict, size: int, inp, outs, movement_of, native, agree_keys,
              async_op: bool, peer: int | None = None, always_exchange: bool = False,
-             multi=None, route=None) -> Handle | None:
+             multi=None, route=None, counted: bool = False) -> Handle | None:
+        """The full path of every op (see _run_call); a fault it raises is also marked in the
+        node segment, so peers waiting for this rank raise at once with its cause. `counted`:
+        the call is in the ledger already (it agreed on something before coming here)."""
+        try:
+            return self._run_call(op, desc, size, inp, outs, movement_of, native, agree_keys, async_op,
+                                  peer, always_exchange, multi, route, counted)
+        except (PeerMismatchError, BraidTimeoutError, LaneFailureError) as exc:
+            self._give_up(exc)
+            raise
+
+    def _run_call(self, op: str, desc: dict, size: int, inp, outs, movement_of, native, agree_keys,
+                  async_op: bool, peer: int | None, always_exchange: bool, multi, route,
+                  counted: bool) -> Handle | None:
         self._check_open()
         if peer is None and self._p2p_pending:
             self._flush_p2p()
         device = (inp if inp is not None else outs[0]).device
         lanes = self.lanes_for(device)
         shares = self.shares_for(op, size, lanes) if not always_exchange else None
-        if shares is not None and self._native_ok(shares) and native is not None:
+        whole = shares is not None and self._native_ok(shares) and native is not None
+        if peer is None:
+            t = inp if inp is not None else outs[0]
+            if not counted:
+                self.ncalls += 1
+            self.last_call = (op, t.numel() * t.element_size(), desc.get("dtype"), "whole" if whole else "split")
+            if not whole and self.segment is not None:
+                self._publish()             # peers that wait in the exchange below can read it
+        if whole:
             handle = _as_handle(native(self._native_group(shares)), next(iter(shares)))
         else:
             if self.adapt and peer is None:
@@ -742,8 +784,13 @@ class Communicator:
         desc = {"op": op, "plan": digest, "dev": dev.type, "in": ib.numel(), "outs": [o.numel() for o in obs]}
         if "relay" in used:
             desc.update(self._lanes["relay"].descriptor(ib, dev.type))
-        descs = self._exchange(desc, ib, used)
-        self._agree(op, descs, ("op", "plan", "dev") + (("relay_geom",) if "relay" in used else ()))
+        self._enter(op, ib, "split")
+        try:
+            descs = self._exchange(desc, ib, used)
+            self._agree(op, descs, ("op", "plan", "dev") + (("relay_geom",) if "relay" in used else ()))
+        except (PeerMismatchError, BraidTimeoutError, LaneFailureError) as exc:
+            self._give_up(exc)
+            raise
         _check_plan_bounds(plan, descs)
         handle = execute(self, plan, ib, obs, descs)
         self.last_handle = handle
@@ -833,7 +880,7 @@ class Communicator:
             if ent[-1]:
                 return self._native_fast("alltoall_base", (output, input, [], []), "alltoall", async_op, fallback=lambda a:
                                          dist.all_to_all_single(output, input, group=self._fast_group, async_op=a))
-        agreed = False
+        agreed = counted = False           # counted: in the ledger already (see _enter)
         if input_split_sizes and output_split_sizes and type(input) is torch.Tensor \
                 and type(output) is torch.Tensor and input.is_cuda and output.is_cuda and input.dim() > 0 \
                 and output.dim() > 0 and input.is_contiguous() and output.is_contiguous():
@@ -864,12 +911,15 @@ class Communicator:
                 a, b = list(input_split_sizes), list(output_split_sizes)
                 a[me] = b[me] = 0
                 big = max(max(a) * ent[3], max(b) * ent[4])
-                agreed = True
+                agreed = counted = True
+                self._check_open()
+                self._enter(op, input, "agreeing")
                 if self._uneven_small(big, op):
                     args = (output, input, list(output_split_sizes), list(input_split_sizes))
-                    return self._native_fast("alltoall_base", args, "alltoall", async_op, fallback=lambda x:
-                                             dist.all_to_all_single(output, input, args[2], args[3],
-                                                                    group=self.native_group, async_op=x))
+                    return self._native_fast("alltoall_base", args, "alltoall", async_op, counted=True,
+                                             fallback=lambda x: dist.all_to_all_single(
+                                                 output, input, args[2], args[3], group=self.native_group,
+                                                 async_op=x))
         dev = self._device_for(input)
         ib = input_bytes(input, "input", dev, op)
         ob = output_bytes(output, "output", dev, op)
@@ -882,10 +932,14 @@ class Communicator:
             # the same agreement for the uneven calls the block above leaves (one split list given)
             me = self.rank
             big = max([v for d, v in enumerate(ins) if d != me] + [v for s, v in enumerate(outs) if s != me] + [0])
-            if "nccl" in self.lanes_for(dev) and self._uneven_small(big, op):
-                return self._native_fast("alltoall_base", (ob, ib, list(outs), list(ins)), "alltoall", async_op,
-                                         fallback=lambda a: dist.all_to_all_single(
-                                             ob, ib, list(outs), list(ins), group=self.native_group, async_op=a))
+            if "nccl" in self.lanes_for(dev):
+                self._check_open()
+                self._enter(op, ib, "agreeing")
+                counted = True
+                if self._uneven_small(big, op):
+                    return self._native_fast("alltoall_base", (ob, ib, list(outs), list(ins)), "alltoall",
+                                             async_op, counted=True, fallback=lambda a: dist.all_to_all_single(
+                                                 ob, ib, list(outs), list(ins), group=self.native_group, async_op=a))
         desc = {"op": op, "dtype": str(input.dtype), "in": ins, "out": outs,
                 **self._routed.report(self._routed_observation())}
 
@@ -898,7 +952,7 @@ class Communicator:
         # knows the whole matrix and can pick the path alone; uneven splits must be exchanged first.
         return self._run(op, desc, sum(ins), ib, [ob], movement_of, native, ("op", "dtype"), async_op,
                          always_exchange=not balanced and (len(self.lanes_for(dev)) > 1 or self.check),
-                         route=route)
+                         route=route, counted=counted)
 
     def _uneven_small(self, big: int, op: str) -> bool:
         """The agreement before an uneven all_to_all on GPUs: does no rank have a demand (to or
@@ -1438,9 +1492,132 @@ class Communicator:
     def _check_open(self) -> None:
         if self.closed:
             raise MisuseError("this braid communicator was closed")
+        if self.aborted:
+            raise LaneFailureError(f"this braid communicator was aborted ({self.aborted}); it cannot run "
+                                   f"calls any more: create a new process group and communicator")
         if self.watchdog is not None and self.watchdog.failed:
             raise LaneFailureError(f"braid communicator is broken: {self.watchdog.failed}; "
                                    f"create a new process group and communicator")
+
+    # faults: mismatches, timeouts and aborts that reach every rank -------------------------------
+    def _enter(self, op: str, t: torch.Tensor, path: str) -> None:
+        """Put a call in the ledger before it exchanges anything (then pass counted=True on)."""
+        self.ncalls += 1
+        self.last_call = (op, t.numel() * t.element_size(), t.dtype, path)
+        if self.segment is not None:
+            self._publish()
+
+    def _status(self) -> tuple:
+        """(calls, op, bytes, dtype, path) of the ledger, for the watchdog to publish."""
+        op, nbytes, dtype, path = self.last_call
+        return self.ncalls, op, nbytes, str(dtype).replace("torch.", ""), path
+
+    def _publish(self) -> None:
+        seg = self.segment
+        if seg is not None and not seg.closed:
+            calls, op, nbytes, dtype, path = self._status()
+            seg.publish(calls, op, nbytes, dtype, path)
+
+    def _describe(self, who: str, calls: int, op: str, nbytes: int, dtype: str, path: str) -> str:
+        how = {"whole": f"taken whole by {'NCCL' if self.cuda else 'gloo'}",
+               "split": "on braid's lanes (it starts by exchanging descriptors)"}.get(path, path)
+        return f"{who} call #{calls} is {op} of {nbytes} bytes of {dtype}, {how}"
+
+    def _peer_said(self, peer: int) -> str:
+        st = self.segment.status(peer) if self.segment is not None else None
+        if st is None:
+            return f"rank {peer} has published no call yet"
+        ago = max(time.time() - st["time"], 0.0)
+        return (self._describe(f"rank {peer}'s latest", st["calls"], st["op"], st["nbytes"], st["dtype"],
+                               st["path"]) + f" (reported {ago:.1f} s ago)")
+
+    def _on_wait(self, peer: int, what: str, posted) -> None:
+        """Called while this rank waits for `peer` in a collective exchange: raise
+        PeerMismatchError, naming both calls, once the peer has shown that it made a different
+        call at this point: it reported a later call, or this very call taken whole by the native
+        library (which posts nothing here: the peer may then sit inside NCCL or gloo)."""
+        if not what.startswith("collective #") or self.segment is None:
+            return
+        st = self.segment.status(peer)
+        if st is None or not (st["calls"] > self.ncalls or (st["calls"] == self.ncalls and st["path"] == "whole")):
+            return
+        if posted():            # the peer posted after all (its report raced the post): no mismatch
+            return
+        msg = (f"ranks {self.rank} and {peer} made different calls: "
+               f"{self._describe(f'rank {self.rank}', *self._status())}; {self._peer_said(peer)}. "
+               f"Every rank must make the same collective calls in the same order with matching "
+               f"sizes and dtypes.")
+        exc = PeerMismatchError(msg)
+        exc.peers_left_waiting = True       # see _give_up
+        raise exc
+
+    def _on_timeout(self, peer: int, what: str) -> None:
+        raise BraidTimeoutError(
+            f"rank {self.rank} waited {envs.get('BRAID_TIMEOUT_S'):.0f} s for rank {peer} ({what}): "
+            f"{self._describe(f'rank {self.rank}', *self._status())}; {self._peer_said(peer)}. Check that "
+            f"every rank makes the same calls in the same order (BRAID_TIMEOUT_S to change the limit).")
+
+    def _give_up(self, exc: BaseException) -> None:
+        """Mark this rank aborted in the node segment with `exc` as the cause (peers waiting on it
+        raise at once; their watchdogs abort the NCCL communicators they could sit in), where a
+        peer may be left waiting: a timeout, a lane failure, a mismatch seen in the call ledger.
+        Not for a disagreement every rank found in the same exchange (each raised it and all
+        stay in step: the communicator goes on working), nor for an error that repeats a peer's
+        abort or this communicator's broken state."""
+        seg = self.segment
+        text = str(exc)
+        if seg is None or seg.closed or " aborted: " in text or "communicator is broken" in text:
+            return
+        if isinstance(exc, PeerMismatchError) and not getattr(exc, "peers_left_waiting", False):
+            return
+        kind = 1 if isinstance(exc, PeerMismatchError) else 2 if isinstance(exc, BraidTimeoutError) else 3
+        try:
+            seg.mark_aborted(kind, f"{type(exc).__name__}: {text}")
+        except Exception as err:       # noqa: BLE001  reporting must not hide the first error
+            log.debug("braid: marking the abort failed: %s", err)
+
+    def _native_groups(self) -> list:
+        """The NCCL process groups a peer of this rank may be blocked in because of braid: braid's
+        own, the fast path's (the default group when it is NCCL's), and under the braid backend
+        its inner NCCL group."""
+        groups = [g for g in (self.nccl_group, self.native_group) if g is not None]
+        if getattr(self, "_braid_backend_owned", False):
+            from .backend import world_group
+            pg = world_group()
+            if pg is not None and pg.nccl is not None:
+                groups.append(pg.nccl)
+        return list({id(g): g for g in groups}.values())
+
+    def _abort_native(self, why: str) -> None:
+        """Abort the NCCL communicators of _native_groups (a call blocked in one of them then
+        fails instead of waiting forever). From the watchdog thread or abort()."""
+        self.aborted = self.aborted or why
+        self._fast_clear()  # the next call takes the full path, which refuses it
+        if not self.cuda:
+            return          # gloo has no abort that releases a blocked call; its timeout does
+        for g in self._native_groups():
+            try:
+                be = g._get_backend(self.device) if hasattr(g, "_get_backend") else g
+                fn = getattr(be, "abort", None) or getattr(be, "_abort", None)
+                if fn is not None:
+                    fn()
+            except Exception as exc:     # noqa: BLE001  aborting is best effort, one group at a time
+                log.debug("braid: aborting an NCCL group failed: %s", exc)
+
+    def abort(self, reason: str = "abort() was called") -> None:
+        """Give up on this communicator on this rank, and tell the peers: they raise at once
+        where they wait for this rank (LaneFailureError "rank r aborted: ..."), and their
+        watchdogs abort the NCCL communicators braid uses, so no rank stays blocked in NCCL. GPU
+        stream waits on braid's counters are released. Afterwards every call raises: make a new
+        process group and communicator (close() still releases memory). Not collective."""
+        if self.closed or self.aborted:
+            return
+        seg = self.segment
+        if seg is not None and not seg.closed:
+            seg.mark_aborted(4, f"rank {self.rank}: {reason}")
+            if self.cuda:
+                seg.abort()
+        self._abort_native(reason)
 
     # calibration -------------------------------------------------------------------------------------
     def calibration_key(self) -> dict:
@@ -1742,38 +1919,69 @@ def _as_handle(work, lane: str) -> Handle:
 
 
 class _Watchdog:
-    """Watches the peers' processes while GPU work may wait on them. If one exits, it releases
-    every stream wait on the node's counters (so no GPU stream waits forever for a dead peer) and
-    marks the communicator broken: the next call raises LaneFailureError. Checks once a second."""
+    """A thread per communicator with a node segment. A few times a second it publishes this
+    rank's call ledger (peers read it to tell a mismatch from a slow rank, see Communicator._on_wait)
+    and looks for peers that marked themselves aborted; once a second it checks that every peer's
+    process is alive. A peer that exited or aborted marks this communicator broken (the next call
+    raises), and on GPUs releases every stream wait on the node's counters and aborts the NCCL
+    communicators a call of this rank could be blocked in (so no GPU stream, and no rank inside
+    NCCL, waits forever for a dead or failed peer)."""
 
-    def __init__(self, segment: NodeSegment, rank: int, world_size: int):
+    PERIOD_S = 0.2
+
+    def __init__(self, segment: NodeSegment, rank: int, world_size: int, cuda: bool, status, on_peer_abort):
         import threading
         self.failed = ""
         self._stop = threading.Event()
-        self._segment, self._rank, self._world = segment, rank, world_size
+        self._segment, self._rank, self._world, self._cuda = segment, rank, world_size, cuda
+        self._status, self._on_peer_abort = status, on_peer_abort
         self._thread = threading.Thread(target=self._run, name="braid-watchdog", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        from .errors import LaneFailureError as _Dead
-        while not self._stop.wait(1.0):
-            for peer in range(self._world):
-                if peer == self._rank:
-                    continue
-                try:
-                    self._segment.check_alive(peer)
-                except _Dead as exc:
-                    self.failed = str(exc)
-                    log.warning("braid: %s; releasing this rank's pending waits", exc)
+        ticks = 0
+        while not self._stop.wait(self.PERIOD_S):
+            ticks += 1
+            try:
+                why = self._tick(ticks)
+            except Exception:   # segment closed under us
+                return
+            if why:
+                self.failed = why
+                log.warning("braid: %s; releasing this rank's pending waits", why)
+                if self._cuda:
                     self._segment.abort()
-                    return
-                except Exception:   # segment closed under us
-                    return
+                self._on_peer_abort(why)
+                return
+
+    def _tick(self, ticks: int) -> str:
+        """One look: publish the ledger; the cause when a peer aborted or died, else ""."""
+        st = self._status()
+        if st is None:          # the communicator is gone
+            return ""
+        self._segment.publish(*st)
+        hit = self._segment.aborted()
+        if hit is not None:
+            return f"rank {hit[0]} aborted: {hit[2]}"
+        if ticks % 5 == 0:
+            for peer in range(self._world):
+                if peer != self._rank:
+                    try:
+                        self._segment.check_alive(peer)
+                    except LaneFailureError as exc:
+                        return str(exc)
+        return ""
 
     def stop(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2.0)
+
+
+def _call(ref, name: str, *args):
+    """`ref()`'s method `name`, or None once the communicator is gone (weak callbacks)."""
+    obj = ref()
+    return getattr(obj, name)(*args) if obj is not None else None
 
 
 def _finalize(segment, seg_dev_ptr, watchdog=None) -> None:

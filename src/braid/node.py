@@ -49,6 +49,13 @@ P2P_MBOX_BYTES = 2048
 P2P_DEPTH = 4               # send/recv descriptors a direction may have posted and not yet read
 PAGE = 4096
 MAGIC = 0x42524149         # "BRAI"
+# A rank's status record: its collective calls so far and the last one (published by the
+# communicator's watchdog a few times a second, and before each descriptor exchange), then, once
+# it aborts, why. Peers read it to tell a mismatch from a slow rank and to name both calls.
+STATUS_BYTES = 1024
+_STATUS_FMT = "<IId48s16s16s"      # calls, sequence of the record, time, op, dtype, path
+_STATUS_HEAD = struct.calcsize(_STATUS_FMT) + 8     # + the element count (u64)
+ABORT_KINDS = {1: PeerMismatchError, 2: BraidTimeoutError, 3: LaneFailureError, 4: LaneFailureError}
 
 
 def geq(a: int, b: int) -> bool:
@@ -75,12 +82,12 @@ class Layout:
     def __init__(self, world_size: int, host_buffer_bytes: int, chunk_bytes: int, relay_buffer_bytes: int = 0):
         n = world_size
         self.world_size = n
-        # `pid` stays last: abort() pushes every counter before it
+        # abort() pushes every counter before `pid`; `pid` and the abort flags after it stay
         names = [("mbox_coll", n), ("mbox_p2p", n * n * 2), ("mbox_p2p_ack", n * n * 2),
                  ("ce_arrive", n), ("ce_finish", n), ("ce_red", n), ("ce_p2p_arrive", n * n), ("ce_p2p_finish", n * n),
                  ("coll_full", n), ("coll_done", n * n), ("pair_full", n * n), ("pair_done", n * n),
                  ("relay_arrive", n), ("relay_finish", n), ("relay_full", n), ("relay_done", n * n),
-                 ("pid", n)]
+                 ("pid", n), ("abort", n)]
         self.counter_base: dict[str, int] = {}
         idx = 0
         for name, count in names:
@@ -88,6 +95,8 @@ class Layout:
             idx += count
         self.num_counters = idx
         off = _align(PAGE + idx * LINE)
+        self.status_off = off            # each rank's status record (see NodeSegment.publish)
+        off = _align(off + n * STATUS_BYTES)
         self.mbox_coll_off = off
         off = _align(off + n * COLL_SLOTS * COLL_MBOX_BYTES)
         self.mbox_p2p_off = off
@@ -161,6 +170,13 @@ class NodeSegment:
         self.coll_seq = 0
         self.p2p_seq: dict[tuple[int, int], int] = {}
         self.closed = False
+        # hooks of the communicator that owns this segment: called while a wait lasts (every
+        # ~35 ms) and when it times out, with (peer, what); each may raise a better error
+        self.on_wait = None
+        self.on_timeout = None
+        import threading
+        self._publish_lock = threading.Lock()
+        self._status_seq = 0
         # offsets the small-call exchange (post_values / read_values) needs on every call
         self._coll_ctr = [layout.counter("mbox_coll", r) for r in range(layout.world_size)]
         self._deferred: tuple | None = None          # a post whose read is put off (see defer)
@@ -211,9 +227,14 @@ class NodeSegment:
         while not geq(self.get(off), value):
             time.sleep(0.0005)
             checks += 1
-            if checks % 64 == 0:
+            if checks % 64 == 0 and not geq(self.get(off), value):
                 self.check_alive(peer)
+                self.raise_if_peer_aborted()
+                if self.on_wait is not None:       # the communicator's mismatch check
+                    self.on_wait(peer, what, lambda: geq(self.get(off), value))
                 if time.monotonic() > deadline:
+                    if self.on_timeout is not None:
+                        self.on_timeout(peer, what)
                     raise BraidTimeoutError(
                         f"rank {self.rank} waited {envs.get('BRAID_TIMEOUT_S'):.0f} s for rank {peer} "
                         f"({what}); the peer did not make the matching call. Check that every rank "
@@ -237,9 +258,70 @@ class NodeSegment:
 
     def abort(self) -> None:
         """Release every waiter (GPU stream waits included): push every counter far ahead."""
-        for i in range(self.layout.num_counters - self.layout.world_size):
+        for i in range(self.layout.counter_base["pid"]):
             idx = (PAGE + i * LINE) // 4
             self.u32[idx] = (int(self.u32[idx]) + 0x40000000) & 0xFFFFFFFF
+
+    # status and abort flags -------------------------------------------------------------------
+    def publish(self, calls: int, op: str, nbytes: int, dtype: str, path: str) -> None:
+        """This rank's status record: `calls` collective calls so far, the last one `op` of
+        `nbytes` bytes of `dtype`, taken by `path` ("whole": the native library's own call;
+        "split": braid's lanes, which start with a descriptor exchange). Two threads publish (the
+        caller before an exchange, the watchdog now and then): a lock keeps their records whole,
+        and a sequence number (odd while writing) lets readers in other processes skip a record
+        caught half written."""
+        off = self.layout.status_off + self.rank * STATUS_BYTES
+        with self._publish_lock:
+            self._status_seq += 2
+            seq = self._status_seq
+            struct.pack_into("<I", self.mm, off + 4, seq - 1)
+            struct.pack_into(_STATUS_FMT + "Q", self.mm, off, calls & 0xFFFFFFFF, seq - 1, time.time(),
+                             op.encode()[:48], dtype.encode()[:16], path.encode()[:16], max(int(nbytes), 0))
+            struct.pack_into("<I", self.mm, off + 4, seq)
+
+    def status(self, rank: int) -> dict | None:
+        """What `rank` last published (None: nothing yet, or no whole record after a few tries)."""
+        off = self.layout.status_off + rank * STATUS_BYTES
+        for _ in range(8):
+            calls, seq, when, op, dtype, path, nbytes = struct.unpack_from(_STATUS_FMT + "Q", self.mm, off)
+            if seq % 2 == 0 and struct.unpack_from("<I", self.mm, off + 4)[0] == seq:
+                break
+        else:
+            return None
+        if when == 0.0:
+            return None
+        text = lambda b: b.rstrip(b"\0").decode(errors="replace")
+        return {"calls": calls, "time": when, "op": text(op), "dtype": text(dtype), "path": text(path),
+                "nbytes": nbytes}
+
+    def mark_aborted(self, kind: int, cause: str) -> None:
+        """This rank gave up (kind: 1 mismatch, 2 timeout, 3 lane failure, 4 abort() called):
+        peers waiting on it raise at once, with `cause`."""
+        off = self.layout.status_off + self.rank * STATUS_BYTES + _STATUS_HEAD
+        data = cause.encode()[:STATUS_BYTES - _STATUS_HEAD - 4]
+        struct.pack_into("<I", self.mm, off, len(data))
+        self.mm[off + 4: off + 4 + len(data)] = data
+        self.set(self.layout.counter("abort", self.rank), kind)
+
+    def aborted(self) -> tuple[int, int, str] | None:
+        """(rank, kind, cause) of the first peer that marked itself aborted, else None."""
+        lay = self.layout
+        for r in range(lay.world_size):
+            if r == self.rank:
+                continue
+            kind = self.get(lay.counter("abort", r))
+            if kind:
+                off = lay.status_off + r * STATUS_BYTES + _STATUS_HEAD
+                (n,) = struct.unpack_from("<I", self.mm, off)
+                cause = bytes(self.mm[off + 4: off + 4 + min(n, STATUS_BYTES)]).decode(errors="replace")
+                return r, kind, cause
+        return None
+
+    def raise_if_peer_aborted(self) -> None:
+        hit = self.aborted()
+        if hit is not None:
+            r, kind, cause = hit
+            raise ABORT_KINDS.get(kind, LaneFailureError)(f"rank {r} aborted: {cause}")
 
     # mailboxes ----------------------------------------------------------------------------------
     def _coll_round(self, post, read, participants, what: str, wait: bool = True) -> list | None:
