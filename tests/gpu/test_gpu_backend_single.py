@@ -134,3 +134,45 @@ def test_world_of_one_forwards_repeats_to_nccls_own_work():
     assert res["bad"] == [], res["bad"]
     # 4 call shapes: each first call takes the full path, every repeat forwards
     assert res["kinds"][:4] == [True] * 4 and not any(res["kinds"][4:]), res["kinds"]
+
+
+def _abort_world_of_one(port: int, q) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **GPU_ENV)
+    import torch.distributed as dist
+    import braid
+    from braid.errors import LaneFailureError
+    try:
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", rank=0, world_size=1)
+        comm = braid.init()
+        x = torch.ones(1 << 20, device="cuda")
+        comm.all_reduce(x)
+        groups = len(comm._native_groups())
+        braid.abort("stopping on purpose")          # aborts braid's NCCL groups for real
+        try:
+            comm.all_reduce(x)
+            after = None
+        except LaneFailureError as exc:
+            after = str(exc)
+        braid.close()
+        q.put({"after": after, "groups": groups})
+    except BaseException as exc:       # noqa: BLE001  reported to the parent
+        import traceback
+        q.put({"error": f"{exc!r}\n{traceback.format_exc()}"})
+
+
+def test_abort_aborts_nccl_and_refuses_later_calls():
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_abort_world_of_one, args=(_port(), q))
+    p.start()
+    try:
+        res = q.get(timeout=180)
+    finally:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    assert "error" not in res, res.get("error")
+    assert res["groups"] >= 1
+    assert res["after"] is not None and "aborted (stopping on purpose)" in res["after"], res
