@@ -826,3 +826,18 @@ def test_fit_points_every_smaller_size_host_bound():
         fit_points(1.0, [(M, 2.0)])
     with _pytest.raises(ValueError):
         fit_points(1.0, [(M, 2.0), (M, 3.0)])
+
+
+def test_gpu_check_is_per_host():
+    """Two nodes of ranks on cuda:LOCAL_RANK share GPU indices across hosts, never within one."""
+    import pytest
+    from braid.comm import _check_gpus_per_host
+    from braid.errors import MisuseError
+    two_nodes = [("a", "b1", 10, 0), ("a", "b1", 11, 1), ("b", "b2", 20, 0), ("b", "b2", 21, 1)]
+    _check_gpus_per_host(two_nodes)                       # no error: 0 and 1 on each host
+    rebooted = [("a", "b1", 10, 0), ("a", "b9", 11, 0)]   # same name, another boot: another host
+    _check_gpus_per_host(rebooted)
+    with pytest.raises(MisuseError, match=r"ranks 0 and 1 both use GPU 0 of host a"):
+        _check_gpus_per_host([("a", "b1", 10, 0), ("a", "b1", 11, 0), ("b", "b2", 20, 0)])
+    with pytest.raises(MisuseError, match=r"ranks 1 and 3 both use GPU 1 of host b"):
+        _check_gpus_per_host([("a", "b1", 1, 0), ("b", "b2", 2, 1), ("b", "b2", 3, 0), ("b", "b2", 4, 1)])

@@ -149,9 +149,8 @@ class Communicator:
         dist.all_gather_object(ids, (socket.gethostname(), _boot_id(), os.getpid(),
                                      self.device.index if self.cuda else -1), group=self.gloo_group)
         self.single_node = len({(h, b) for h, b, _, _ in ids}) == 1
-        if self.cuda and len({d for *_, d in ids}) != self.world_size:
-            raise MisuseError(f"two ranks use the same GPU ({[d for *_, d in ids]}); call "
-                              f"torch.cuda.set_device(local_rank) before creating the communicator")
+        if self.cuda:
+            _check_gpus_per_host(ids)
 
         self.layout = self.segment = self.segment_tensor = self.seg_dev_ptr = None
         self.ring_cursors: dict[tuple, RingCursor] = {}
@@ -246,7 +245,9 @@ class Communicator:
             ok, why = lane.available()
             if not ok:
                 self.unavailable[name] = why
-                if self.wanted is None or name in self.wanted:
+                if self.wanted is not None and name in self.wanted:    # asked for by name: say so
+                    log.warning("braid: lane %s was asked for but is not available: %s", name, why)
+                elif self.wanted is None:
                     log.info("braid: lane %s is not available: %s", name, why)
         if self.wanted is not None:
             for name in self.wanted:
@@ -1995,6 +1996,17 @@ def _finalize(segment, seg_dev_ptr, watchdog=None) -> None:
             log.debug("braid: unregister at close failed: %s", exc)
     if segment is not None:
         segment.close()
+
+
+def _check_gpus_per_host(ids: list) -> None:
+    """Every rank of a host on its own GPU. `ids`: (hostname, boot id, pid, GPU index) per rank.
+    The same index on two hosts is normal (each rank on cuda:LOCAL_RANK)."""
+    seen: dict[tuple, int] = {}
+    for rank, (host, boot, _, dev) in enumerate(ids):
+        other = seen.setdefault((host, boot, dev), rank)
+        if other != rank:
+            raise MisuseError(f"ranks {other} and {rank} both use GPU {dev} of host {host}; call "
+                              f"torch.cuda.set_device(local_rank) before creating the communicator")
 
 
 def _boot_id() -> str:
