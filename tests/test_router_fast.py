@@ -202,7 +202,8 @@ def test_rowmin(width):
 
 
 def test_matrix_reader_paths_agree():
-    """Lists of rows take a fast path; arrays, floats, negatives and bad shapes behave as before."""
+    """Lists of rows take a fast path; arrays, floats and tuples plan the same; negatives and bad
+    shapes are errors (tests/test_input_validation.py has the rest)."""
     topo = nvswitch(4)
     m = [[0, 5 * MIB, 7, 0], [1, 0, 3 * MIB, 2], [0, 0, 0, 9 * MIB], [4 * MIB, 0, 1, 0]]
     ref = route(topo, np.array(m))
@@ -211,7 +212,8 @@ def test_matrix_reader_paths_agree():
         assert (plan.split[2] == ref.split[2]).all() and plan.max_load_us == ref.max_load_us
     neg = [row[:] for row in m]
     neg[0][3] = -5
-    assert (route(topo, neg).split[2] == ref.split[2]).all()        # negative: no demand
+    with pytest.raises(ValueError, match=r"matrix\[0\]\[3\] = -5"):     # negative: an error, not "no demand"
+        route(topo, neg)
     with pytest.raises(ValueError, match="needs 4 x 4"):
         route(topo, [[0, 1, 2, 3]] * 3)
     with pytest.raises(ValueError, match="byte counts"):

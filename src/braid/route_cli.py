@@ -20,34 +20,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", dest="json_path", default=None, metavar="OUT", help="write the plan as JSON")
 
 
+def _fail(message: str) -> int:
+    print(f"braid route: {message}", file=sys.stderr)
+    return 2
+
+
 def run(args: argparse.Namespace) -> int:
+    for flag, value, what in (("--nodes", args.nodes, "8-GPU nodes"), ("--nics", args.nics, "NICs (rails) per node")):
+        if value < 1:
+            return _fail(f"{flag} {value}: the number of {what} must be >= 1")
     try:
-        with open(args.matrix) as f:
-            matrix = json.load(f)
+        with open(args.matrix, "rb") as f:
+            text = f.read()
+    except OSError as exc:
+        return _fail(f"cannot read --matrix {args.matrix}: {exc.strerror or exc}")
+    try:
+        matrix = json.loads(text)
+    except ValueError as exc:                  # JSONDecodeError, or bytes that are not text
+        return _fail(f"--matrix {args.matrix} is not JSON ({exc}); it must hold a list of rows of byte counts, "
+                     f"e.g. [[0, 1048576], [4096, 0]]")
+    try:
         topo = preset(args.topology, nodes=args.nodes, nics=args.nics)
-    except (OSError, ValueError) as exc:
-        print(f"braid route: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:
+        return _fail(str(exc))
     n = topo.num_gpus
-    if (not isinstance(matrix, list) or len(matrix) != n
-            or any(not isinstance(row, list) or len(row) != n for row in matrix)):
-        print(f"braid route: the matrix must be {n} rows of {n} byte counts for {topo.name}", file=sys.stderr)
-        return 2
     try:
         router = Router(topo)
         router.plan(matrix)                       # compiles the topology's arrays (once per topology)
         router = Router(topo)
         plan, _ = router.plan(matrix)             # cold: a full solve
         again, hit = router.plan(matrix)          # a cache hit: the cached fractions, rescaled
-    except ValueError as exc:
-        print(f"braid route: {exc}", file=sys.stderr)
-        return 2
-    direct = direct_only(topo, matrix)
-    try:
-        from .planner.lp import lp_optimum
-        opt = lp_optimum(topo, matrix)
-    except ImportError:
-        opt = None
+        direct = direct_only(topo, matrix)
+        try:
+            from .planner.lp import lp_optimum
+            opt = lp_optimum(topo, matrix)
+        except ImportError:
+            opt = None
+    except ValueError as exc:                     # MisuseError: the message names the bad cell
+        return _fail(f"--matrix {args.matrix}: {exc}")
     print(f"# braid route: {topo.name} ({n} GPUs)  {topo.source}")
     print("#  src  dst        bytes  paths")
     for (s, d), flows in sorted(plan.flows.items()):
@@ -68,6 +78,9 @@ def run(args: argparse.Namespace) -> int:
         obj.update(max_load=plan.max_load_us, lp_optimum=opt, direct_only=direct,
                    ratio=(plan.max_load_us / opt) if opt else None, plan_time_us=plan.plan_time_us,
                    plan_time_hit_us=again.plan_time_us)
-        with open(args.json_path, "w") as f:
-            json.dump(obj, f, indent=1)
+        try:
+            with open(args.json_path, "w") as f:
+                json.dump(obj, f, indent=1)
+        except OSError as exc:
+            return _fail(f"cannot write --json {args.json_path}: {exc.strerror or exc}")
     return 0

@@ -6,11 +6,15 @@ router / LP measures the solver alone.
 """
 from __future__ import annotations
 
+from . import checks
 from .router import Topology
 
 
 def lp_optimum(topo: Topology, matrix: list[list[int]]) -> float:
-    """The smallest possible most-loaded-link time in microseconds (raises ImportError without scipy)."""
+    """The smallest possible most-loaded-link time in microseconds (raises ImportError without scipy).
+    The matrix is checked as route()'s is (MisuseError on bad input)."""
+    checks.topology(topo)
+    checks.demands(matrix, topo.num_gpus, topo.name)
     import numpy as np
     from scipy.optimize import linprog
     demands = [(s, d, matrix[s][d]) for s in range(len(matrix)) for d in range(len(matrix))

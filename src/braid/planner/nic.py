@@ -23,6 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import checks
+from .checks import MisuseError
+
 
 @dataclass(frozen=True)
 class NicState:
@@ -54,7 +57,7 @@ def home_nic(gpu: int, nics: list[NicState]) -> NicState:
     if own:
         return own[0]
     if not nics:
-        raise ValueError("choose_nic needs at least one NIC")
+        raise MisuseError("choose_nic needs at least one NIC; pass one NicState per NIC of the node")
     below = [n for n in nics if n.owner <= gpu]
     return max(below, key=lambda n: n.owner) if below else min(nics, key=lambda n: n.owner)
 
@@ -65,10 +68,39 @@ def can_borrow(gpu: int, state: NicState, nbytes: int, policy: NicPolicy) -> boo
             and state.relay_bytes + nbytes <= policy.relay_mem_bytes)
 
 
-def choose_nic(gpu: int, nbytes: int, nics: list[NicState], policy: NicPolicy = NicPolicy()) -> NicChoice:
-    """The NIC for `gpu`'s next operation of `nbytes` (see the module docstring)."""
-    if nbytes < 0:
-        raise ValueError(f"choose_nic: nbytes must be >= 0, got {nbytes}")
+def served_gpus(nics: list[NicState]) -> int | None:
+    """How many GPUs (0..N-1) a NIC list serves, read from its owners: NICs spread evenly over the
+    GPUs (NIC k on GPU k * gpus // nics), so the last owner serves up to the owners' spacing past
+    itself. None for a single owner, whose spacing the list does not tell."""
+    owners = sorted({n.owner for n in nics})
+    if len(owners) < 2:
+        return None
+    return owners[-1] + min(b - a for a, b in zip(owners, owners[1:]))
+
+
+def _check(gpu, nbytes, nics, num_gpus) -> None:
+    if not isinstance(nics, (list, tuple)) or not nics:
+        raise MisuseError(f"choose_nic: nics = {nics!r:.60} must be a non-empty list of NicState, one per NIC "
+                          f"of the node")
+    for i, n in enumerate(nics):
+        if not isinstance(n, NicState):
+            raise MisuseError(f"choose_nic: nics[{i}] = {n!r:.60} is not a NicState")
+    checks.whole(gpu, "choose_nic: gpu", 0, "a GPU index of the node")
+    top = served_gpus(nics) if num_gpus is None else checks.whole(num_gpus, "choose_nic: num_gpus", 1)
+    if top is not None and gpu >= top:
+        owners = sorted({n.owner for n in nics})
+        raise MisuseError(f"choose_nic: gpu = {gpu}, but these NICs (on GPUs {owners}) serve GPUs 0..{top - 1}; "
+                          f"pass a GPU of the node" + ("" if num_gpus is not None else
+                                                       ", or num_gpus= if the node has more GPUs"))
+    checks.real(nbytes, "choose_nic: nbytes", strict=False, hint="the operation's size in bytes")
+
+
+def choose_nic(gpu: int, nbytes: int, nics: list[NicState], policy: NicPolicy = NicPolicy(),
+               num_gpus: int | None = None) -> NicChoice:
+    """The NIC for `gpu`'s next operation of `nbytes` (see the module docstring). gpu must be one
+    of the GPUs the NICs serve: 0..num_gpus-1, or without num_gpus as far as the owners tell
+    (`served_gpus`); nbytes >= 0; at least one NIC. Bad input raises MisuseError."""
+    _check(gpu, nbytes, nics, num_gpus)
     home = home_nic(gpu, nics)
     relay_home = None if home.owner == gpu else home.owner
     mine = home.owner_inflight if home.owner == gpu else home.borrowed_inflight

@@ -34,10 +34,12 @@ the measurements.
 from __future__ import annotations
 
 import copy
-import itertools
 import math
 import time
 from dataclasses import dataclass, field
+
+from . import checks
+from .checks import MisuseError
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,14 @@ class Topology:
 
 def nvswitch(n: int, nvlink_gbps: float = 390.0, pcie_gbps: float = 53.0, host_gbps: float | None = None,
              relays: bool = True, name: str | None = None, source: str = "") -> Topology:
-    """n GPUs on an NVSwitch: every GPU has one NVLink port out and one in; PCIe to host memory."""
+    """n GPUs on an NVSwitch: every GPU has one NVLink port out and one in; PCIe to host memory.
+    n >= 1 (one GPU: a topology with no pairs); rates in GB/s, finite and > 0; host_gbps None means
+    pcie_gbps * n."""
+    n = checks.whole(n, "nvswitch: n (GPUs on the switch)", 1)
+    checks.rate(nvlink_gbps, "nvswitch: nvlink_gbps")
+    checks.rate(pcie_gbps, "nvswitch: pcie_gbps")
+    if host_gbps is not None:
+        checks.rate(host_gbps, "nvswitch: host_gbps", "GB/s through host memory, or None for pcie_gbps * n")
     cap: dict[str, float] = {}
     for g in range(n):
         cap[f"nv_out{g}"] = nvlink_gbps
@@ -93,7 +102,13 @@ def nvswitch(n: int, nvlink_gbps: float = 390.0, pcie_gbps: float = 53.0, host_g
 
 def mesh(n: int, pair_gbps: float = 120.0, pcie_gbps: float = 50.0, host_gbps: float | None = None,
          name: str | None = None, source: str = "") -> Topology:
-    """n GPUs wired directly to each other (a link per ordered pair), plus PCIe to host memory."""
+    """n GPUs wired directly to each other (a link per ordered pair), plus PCIe to host memory.
+    n >= 1; rates in GB/s, finite and > 0; host_gbps None means pcie_gbps * n."""
+    n = checks.whole(n, "mesh: n (GPUs)", 1)
+    checks.rate(pair_gbps, "mesh: pair_gbps")
+    checks.rate(pcie_gbps, "mesh: pcie_gbps")
+    if host_gbps is not None:
+        checks.rate(host_gbps, "mesh: host_gbps", "GB/s through host memory, or None for pcie_gbps * n")
     cap: dict[str, float] = {}
     for a in range(n):
         cap[f"d2h{a}"] = pcie_gbps
@@ -118,7 +133,14 @@ def multi_node(nodes: int, gpus_per_node: int = 8, nics: int = 8, nic_gbps: floa
                nvlink_gbps: float = 390.0, name: str | None = None, source: str = "") -> Topology:
     """`nodes` NVSwitch nodes; NIC k of a node belongs to GPU k * gpus_per_node // nics. Inside a
     node: direct and one-relay NVLink paths. Across nodes: one path per rail k (rail-matched: NIC k
-    to NIC k), reaching the rail's owner GPU over NVLink when the endpoint is another GPU."""
+    to NIC k), reaching the rail's owner GPU over NVLink when the endpoint is another GPU.
+    nodes, gpus_per_node and nics >= 1 (the NICs are the only way between nodes, and every NIC
+    needs an owner GPU); rates in GB/s, finite and > 0."""
+    nodes = checks.whole(nodes, "multi_node: nodes", 1)
+    gpus_per_node = checks.whole(gpus_per_node, "multi_node: gpus_per_node", 1)
+    nics = checks.whole(nics, "multi_node: nics (NICs per node)", 1, "the NICs are the only links between nodes")
+    checks.rate(nic_gbps, "multi_node: nic_gbps")
+    checks.rate(nvlink_gbps, "multi_node: nvlink_gbps")
     n = nodes * gpus_per_node
     cap: dict[str, float] = {}
     for g in range(n):
@@ -158,7 +180,13 @@ def multi_node(nodes: int, gpus_per_node: int = 8, nics: int = 8, nic_gbps: floa
 
 
 def preset(name: str, nodes: int = 1, nics: int = 8) -> Topology:
-    """Topologies by name: the machines measured here and synthetic ones."""
+    """Topologies by name: the machines measured here and synthetic ones. `nodes` and `nics` (per
+    node) are used by "multinode" only, but must be >= 1 whatever the name."""
+    if not isinstance(name, str):
+        raise MisuseError(f"preset: name = {name!r} is not a topology name; pass one of h200x2, h200x4, "
+                          f"mesh4, nvswitchN (N GPUs, e.g. nvswitch8), multinode")
+    nodes = checks.whole(nodes, "preset: nodes", 1, "the number of 8-GPU nodes")
+    nics = checks.whole(nics, "preset: nics", 1, "NICs (rails) per node")
     if name == "h200x2":
         return nvswitch(2, 390.0, 53.0, 136.0, name=name,
                         source="HARDWARE.md 2026-11-22: copy engine 387-396 GB/s, PCIe pair 53, host total 136 (2 GPUs)")
@@ -171,7 +199,8 @@ def preset(name: str, nodes: int = 1, nics: int = 8) -> Topology:
         return nvswitch(int(name[8:]), name=name, source="H200-class NVLink 390 GB/s, PCIe 53 GB/s")
     if name == "multinode":
         return multi_node(nodes, 8, nics, source="8 GPUs per node, 400 Gb/s (50 GB/s) NICs")
-    raise ValueError(f"unknown topology {name!r}: h200x2, h200x4, mesh4, nvswitch8, nvswitch16, multinode")
+    raise MisuseError(f"unknown topology {name!r}: h200x2, h200x4, mesh4, nvswitchN (N GPUs, e.g. nvswitch8), "
+                      f"multinode")
 
 
 # -------------------------------------------------------------------------------------------------
@@ -193,6 +222,7 @@ class _Compiled:
 
     def __init__(self, topo: Topology):
         import numpy as np
+        checks.topology(topo)                  # once per compile: capacities divide below
         self.npaths, self.capacity = len(topo.paths), dict(topo.capacity)
         names = list(topo.capacity)
         index = {e: i for i, e in enumerate(names)}
@@ -582,31 +612,15 @@ class RoutePlan:
 
 
 def _matrix(topo: Topology, c: _Compiled, matrix):
-    """The matrix as whole bytes, flat (n*n), diagonal and negative entries zero."""
+    """The matrix as whole bytes, flat (n*n), diagonal zero; bad input raises (checks.demands)."""
     import numpy as np
     n = topo.num_gpus
-    m = None
-    if type(matrix) is list and len(matrix) == n and all(type(r) is list and len(r) == n for r in matrix):
-        try:                                       # rows of numbers: no nested conversion
-            m = np.fromiter(itertools.chain.from_iterable(matrix), np.float64, n * n)
-        except (TypeError, ValueError):
-            m = None
-    if m is None:
-        try:
-            m = np.array(matrix, dtype=np.float64)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"the traffic matrix must be {n} rows of {n} byte counts: {exc}")
-        if m.shape != (n, n):
-            raise ValueError(f"the traffic matrix is {m.shape}, {topo.name} needs {n} x {n}")
-        m = m.ravel()
+    m = checks.demands(matrix, n, topo.name)
     m[::n + 1] = 0.0
-    if m.max() > 2.0 ** 52:
-        raise ValueError("a demand above 2**52 bytes: split it before routing")
     np.floor(m, out=m)
-    np.fmax(m, 0.0, out=m)                         # negative (and NaN) entries carry nothing
     if c.has_missing and (c.missing & (m > 0)).any():
         p = int(np.argmax(c.missing & (m > 0)))
-        raise ValueError(f"no candidate path from GPU {p // n} to GPU {p % n}: add one to the topology")
+        raise MisuseError(f"no candidate path from GPU {p // n} to GPU {p % n}: add one to the topology")
     return m
 
 
@@ -630,9 +644,16 @@ def route(topo: Topology, matrix: list[list[int]], iters: int = 30, min_split_by
     `min_split_bytes`, and pairs with one useful candidate, take their fastest path and are fixed
     load for the rest. Then the plan is made short where the bound allows (`_shorten`).
     Rejected: Frank-Wolfe on a soft maximum (first-order: 30-120 rounds and 9-100 ms here, still
-    1.05x on some matrices, stalls where links tie) and slice-by-slice greedy (1.17x)."""
+    1.05x on some matrices, stalls where links tie) and slice-by-slice greedy (1.17x).
+
+    The matrix: n rows of n byte counts, each an int or float, finite and >= 0 (floats are floored
+    to whole bytes; the diagonal is ignored); anything else raises MisuseError (braid.planner.checks)."""
     import numpy as np
     t0 = time.perf_counter()
+    checks.whole(iters, "route: iters", 1)
+    checks.real(min_split_bytes, "route: min_split_bytes", strict=False)
+    checks.real(gap, "route: gap", strict=False, hint="the relative gap to the optimum at which to stop")
+    checks.real(min_share, "route: min_share", high=1.0, hint="the smallest share of a demand a path keeps")
     c = _compiled(topo)
     b = _matrix(topo, c, matrix)
     frac = c.home * (b > 0)[:, None]
@@ -710,7 +731,10 @@ def _shorten(fm, G, fixed, t, rows: _Rows, limit: float, min_share: float):
 
 
 def direct_only(topo: Topology, matrix: list[list[int]]) -> float:
-    """The most loaded link's time (us) when every demand takes its first (direct) path."""
+    """The most loaded link's time (us) when every demand takes its first (direct) path. The
+    matrix is checked as route()'s is."""
+    checks.topology(topo, paths=False)
+    checks.demands(matrix, topo.num_gpus, topo.name)
     load = {e: 0.0 for e in topo.capacity}
     for s in range(len(matrix)):
         for d in range(len(matrix)):
@@ -797,15 +821,22 @@ class Router:
     matrix keeps its plan until a new one would be more than `tolerance` better).
     miss: a fresh route(), cached under the signature.
     A matrix equal to the last one returns the last plan again (a copy marked reused): ~5 us.
+    Every matrix is checked as route()'s is (MisuseError), on hits too: one equal to the last
+    checked matrix holds the same numbers, and its cells that held 0 or 1 are looked at again for
+    bools (True == 1).
 
     Demands at or below the learned threshold (`self.threshold`, a SplitThreshold) take one path;
     `observe()` feeds it and a threshold move empties the cache."""
 
     def __init__(self, topo: Topology, tolerance: float = 0.05, max_cached: int = 256,
                  threshold: SplitThreshold | None = None, **kwargs):
+        if not isinstance(topo, Topology):
+            raise MisuseError(f"Router: topo = {topo!r:.60} is not a Topology; build one with nvswitch(), "
+                              f"mesh(), multi_node() or preset()")
         self.topo = topo
-        self.tolerance = tolerance
-        self.max_cached = max_cached
+        self.tolerance = checks.real(tolerance, "Router: tolerance", strict=False,
+                                     hint="how far above the optimum a reused plan may be, e.g. 0.05")
+        self.max_cached = checks.whole(max_cached, "Router: max_cached", 1)
         if "min_split_bytes" in kwargs and threshold is None:
             threshold = SplitThreshold(kwargs.pop("min_split_bytes"), lowest_bytes=0)
         kwargs.pop("min_split_bytes", None)
@@ -813,7 +844,8 @@ class Router:
         self.kwargs = kwargs
         self.cache: dict[bytes, RoutePlan] = {}
         self.last: RoutePlan | None = None
-        self._exact: tuple | None = None       # (matrix as tuples, threshold, the plan returned for it)
+        # (matrix as tuples, threshold, the plan returned for it, its checked bytes, its 0/1 cells)
+        self._exact: tuple | None = None
         self.hits = self.misses = 0
 
     def observe(self, nbytes: int, single_us: float, multipath_us: float) -> None:
@@ -825,21 +857,30 @@ class Router:
     def plan(self, matrix: list[list[int]]) -> tuple[RoutePlan, bool]:
         t0 = time.perf_counter()
         # the very matrix of the last plan (fixed shapes): that plan again, a hit in microseconds
-        mt = tuple(map(tuple, matrix))
+        try:
+            mt = tuple(map(tuple, matrix))
+        except TypeError:                          # not rows at all: the check below says so
+            mt = None
         ex = self._exact
         if ex is not None and ex[2] is self.last and ex[0] == mt and ex[1] == self.threshold.threshold_bytes:
-            again = copy.copy(ex[2])
-            again.reused = True
-            again.plan_time_us = (time.perf_counter() - t0) * 1e6
-            self.last = again
-            self._exact = (mt, ex[1], again)
-            self.hits += 1
-            return again, True
-        plan, hit = self._plan(matrix, t0)
-        self._exact = (mt, self.threshold.threshold_bytes, plan)
+            # equal to the last checked matrix, so the same numbers, but a bool compares equal to 1 or
+            # 0: its cells that hold 0 or 1 (found on the first repeat, then kept) are looked at again
+            cells = ex[4]
+            if cells is None:
+                cells = checks.bool_cells(ex[3], self.topo.num_gpus)
+            if not (cells and checks.has_bool(mt, cells)):
+                again = copy.copy(ex[2])
+                again.reused = True
+                again.plan_time_us = (time.perf_counter() - t0) * 1e6
+                self.last = again
+                self._exact = (mt, ex[1], again, ex[3], cells)
+                self.hits += 1
+                return again, True
+        plan, hit, m = self._plan(matrix, t0)
+        self._exact = (mt, self.threshold.threshold_bytes, plan, m, None)
         return plan, hit
 
-    def _plan(self, matrix, t0: float) -> tuple[RoutePlan, bool]:
+    def _plan(self, matrix, t0: float):
         c = _compiled(self.topo)
         m = _matrix(self.topo, c, matrix)
         key = _signature_key(m)
@@ -852,7 +893,7 @@ class Router:
             if plan is not None:
                 self.last = plan
                 self.hits += 1
-                return plan, True
+                return plan, True, m
             if old is self.last:
                 break
         made = route(self.topo, m.reshape(c.n, c.n), min_split_bytes=split, **self.kwargs)
@@ -864,7 +905,7 @@ class Router:
         self.cache[key] = made
         self.last = made
         self.misses += 1
-        return made, False
+        return made, False, m
 
     @staticmethod
     def _reuse_table(c: _Compiled, plan: RoutePlan):

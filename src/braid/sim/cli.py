@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+
+from ..planner import checks
+from ..planner.checks import MisuseError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,12 +40,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _size(text: str) -> int:
+    """A whole byte count >= 1 from text like 4096, 256M or 1.5G."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     t = text.strip().upper().rstrip("B")
     try:
-        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
-    except ValueError:
-        raise ValueError(f"size {text!r}: expected a byte count like 256M or 1G") from None
+        v = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else int(t)
+        ok = math.isfinite(v) and v >= 1
+    except (ValueError, OverflowError):
+        ok = False
+    if not ok:
+        raise MisuseError(f"--size {text!r}: expected a whole byte count >= 1 like 4096, 256M or 1G")
+    return int(v)
+
+
+def _nodes(text: str) -> list[int]:
+    """--nodes: a comma list of node counts, each >= 1."""
+    out = []
+    for x in text.split(","):
+        if not x.strip():
+            continue
+        try:
+            out.append(int(x))
+        except ValueError:
+            raise MisuseError(f"--nodes {text!r}: {x.strip()!r} is not a whole number; give node counts "
+                              f"like 2,8,32") from None
+    if not out:
+        raise MisuseError(f"--nodes {text!r}: no node counts; give some like 2,8,32")
+    if min(out) < 1:
+        raise MisuseError(f"--nodes {text!r}: {min(out)} nodes; node counts must be whole numbers >= 1, "
+                          f"like 2,8,32")
+    return out
 
 
 def _fmt(v) -> str:
@@ -90,13 +118,11 @@ def reproduce(args: argparse.Namespace) -> int:
 
 def scale(args: argparse.Namespace) -> int:
     from .scale import sweep
-    nodes = [int(x) for x in args.nodes.split(",") if x.strip()]
-    if not nodes or min(nodes) < 1:
-        print(f"braid sim scale: --nodes needs positive counts, got {args.nodes!r}", file=sys.stderr)
-        return 2
+    nodes = _nodes(args.nodes)
     if args.op == "alltoallv" and min(nodes) < 2:
-        print("braid sim scale: alltoallv needs >= 2 nodes", file=sys.stderr)
-        return 2
+        raise MisuseError(f"--nodes {args.nodes!r}: alltoallv needs >= 2 nodes (the hot expert is on the "
+                          f"next node)")
+    checks.real(args.hot, "--hot", strict=False, high=1.0, hint="the share of each rank's bytes to the hot GPU")
     rows = sweep(args.op, nodes, args.nics, args.hot, per_gpu_bytes=_size(args.size))
     print(f"# braid sim scale --op {args.op} --nics {args.nics}" + (f" --hot {args.hot}" if args.op == "alltoallv" else "")
           + f" --size {args.size}  (8 Hopper GPUs per node; preset hopper8-8nic-fuselink)")

@@ -40,6 +40,7 @@ import json
 from dataclasses import asdict, dataclass
 
 from .. import envs
+from ..planner.checks import MisuseError
 from ..planner.plan import Plan, all_to_all_movement
 from ..planner.traffic import hot_matrix as traffic_hot_matrix
 from .collectives import PAGE, choose, simulate_op, simulate_plan
@@ -156,5 +157,15 @@ def compare(points: list[dict], with_planner: bool = True) -> list[Comparison]:
 
 
 def load_points(path: str) -> list[dict]:
+    """The recorded points of a bench file: JSON {"points": [{...}, ...]}."""
     with open(path) as f:
-        return json.load(f)["points"]
+        try:
+            obj = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise MisuseError(f"{path} is not JSON ({exc}); pass a recorded bench file like "
+                              f"tests/data/sim_bench_h200.json") from None
+    points = obj.get("points") if isinstance(obj, dict) else None
+    if not isinstance(points, list) or not all(isinstance(p, dict) for p in points):
+        raise MisuseError(f"{path}: expected an object whose \"points\" is a list of recorded points "
+                          f"(like tests/data/sim_bench_h200.json)")
+    return points

@@ -27,6 +27,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from ..planner import checks
+from ..planner.checks import MisuseError
 from ..planner.router import route
 from .flow import BYTES_PER_US, Flow, simulate
 from .topology import SimTopology, cluster, to_router
@@ -37,7 +39,11 @@ GPUS = 8
 
 
 def proxy_matrix(op: str, nodes: int, per_gpu_bytes: int, hot: float = 0.7) -> list[list[int]]:
-    """The two-node proxy's traffic matrix (16 x 16) for `op` on `nodes` nodes."""
+    """The two-node proxy's traffic matrix (16 x 16) for `op` on `nodes` nodes: nodes >= 1,
+    per_gpu_bytes >= 1, hot (alltoallv's share to the hot GPU) in [0, 1]."""
+    checks.whole(nodes, "scale: nodes", 1)
+    checks.whole(per_gpu_bytes, "scale: per_gpu_bytes", 1)
+    checks.real(hot, "scale: hot", strict=False, high=1.0, hint="the share of each rank's bytes to the hot GPU")
     n2 = 2 * GPUS
     m = [[0] * n2 for _ in range(n2)]
     M = per_gpu_bytes
@@ -107,6 +113,9 @@ def run(op: str, nodes: int, nics: int = 8, variant: str = "borrow", hot: float 
         raise ValueError(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
     topo: SimTopology = cluster(2, nics)
     m = proxy_matrix(op, nodes, per_gpu_bytes, hot)
+    if not any(map(any, m)):                       # the bandwidths below divide by the time
+        raise MisuseError(f"scale: {per_gpu_bytes} bytes per GPU is too small for {op} on {nodes} nodes: every "
+                          f"demand rounds down to 0 bytes; use a larger size")
     rt = to_router(topo, relays=variant != "single", host=variant != "single",
                    max_rails=None if variant == "borrow" else 1)
     n = len(m)

@@ -28,6 +28,8 @@ import json
 from dataclasses import dataclass, field
 from importlib import resources
 
+from ..planner import checks
+from ..planner.checks import MisuseError
 from ..planner.router import Path, Topology
 from .flow import pipeline_rate_gbps
 
@@ -103,6 +105,7 @@ class SimTopology:
         out.nodes = nodes if nodes is not None else self.nodes
         out.nics_per_node = nics_per_node if nics_per_node is not None else self.nics_per_node
         out.name = name or out.name
+        _check_shape(out)
         return out
 
     # ---- links -----------------------------------------------------------------------------
@@ -161,13 +164,28 @@ class SimTopology:
         return None
 
 
+def _check_shape(t: SimTopology) -> None:
+    """nodes and GPUs per node >= 1, NICs per node >= 0 (a single node needs none; more nodes
+    talk only through NICs), a known fabric."""
+    checks.whole(t.nodes, f"preset {t.name!r}: nodes", 1)
+    checks.whole(t.gpus_per_node, f"preset {t.name!r}: gpus_per_node", 1)
+    checks.whole(t.nics_per_node, f"preset {t.name!r}: nics_per_node", 0)
+    if t.nodes > 1 and t.nics_per_node == 0:
+        raise MisuseError(f"preset {t.name!r}: {t.nodes} nodes with nics_per_node = 0; nodes reach each other "
+                          f"only through NICs, so give at least 1 NIC per node (or use 1 node)")
+    if t.fabric not in ("nvswitch", "mesh"):
+        raise MisuseError(f"preset {t.name!r}: fabric = {t.fabric!r}; must be 'nvswitch' or 'mesh'")
+
+
 def _from_dict(obj: dict) -> SimTopology:
     for k, v in obj["constants"].items():
         if not isinstance(v, dict) or not str(v.get("source", "")).strip() or "value" not in v:
             raise ValueError(f"preset {obj.get('name')!r}: constant {k!r} needs a value and a source")
-    return SimTopology(obj["name"], int(obj["nodes"]), int(obj["gpus_per_node"]), obj["fabric"],
-                       int(obj["nics_per_node"]), obj["constants"], obj.get("summary", ""),
-                       obj.get("nccl_busbw", {}))
+    t = SimTopology(obj["name"], obj["nodes"], obj["gpus_per_node"], obj["fabric"],
+                    obj["nics_per_node"], obj["constants"], obj.get("summary", ""),
+                    obj.get("nccl_busbw", {}))
+    _check_shape(t)
+    return t
 
 
 def preset_text(name: str) -> str:
@@ -185,10 +203,10 @@ def load(name: str) -> SimTopology:
 def cluster(nodes: int, nics: int = 8) -> SimTopology:
     """N nodes x 8 Hopper GPUs on NVSwitch with 1, 4 or 8 NICs per node: FuseLink's testbed
     constants (NVLink, 400 Gb/s NICs, relay pipeline), repeated."""
+    nics = checks.whole(nics, "cluster: nics (NICs per node)", 1, "1, 2, 4 or 8")
     if nics not in (1, 2, 4, 8):
-        raise ValueError(f"cluster: NICs per node must divide 8 (1, 2, 4 or 8), got {nics}")
-    if nodes < 1:
-        raise ValueError(f"cluster: nodes must be >= 1, got {nodes}")
+        raise MisuseError(f"cluster: nics = {nics}: NICs per node must divide 8 (1, 2, 4 or 8)")
+    nodes = checks.whole(nodes, "cluster: nodes", 1)
     return load("hopper8-8nic-fuselink").with_shape(nodes, nics, f"{nodes}x8-hopper-{nics}nic")
 
 
@@ -208,6 +226,10 @@ def to_router(topo: SimTopology, relays: bool = True, host: bool = False, max_ra
     Relay paths cross the virtual link relay{g} / nicrelay{g} of every GPU they pass through (the
     bounded store-and-forward pipeline), so the router balances over effective, not raw, path
     rates. `max_relays` limits the intra-node relays offered (NIMBLE's 0/1/2-relay experiment)."""
+    if max_rails is not None:
+        checks.whole(max_rails, "to_router: max_rails", 1, "None offers every rail")
+    if max_relays is not None:
+        checks.whole(max_relays, "to_router: max_relays", 0, "None offers every relay")
     cap = topo.capacity()
     n = topo.num_gpus
     out = Topology(topo.name, n, cap, source="braid.sim preset " + topo.name)
