@@ -195,8 +195,8 @@ PROBE_SIZES_CPU = (1 << 20, 4 << 20, 16 << 20)
 ALONE_OPS = ("all_reduce", "reduce_scatter")    # ops where the copy engines alone may replace NCCL
 # Where the model keeps NCCL alone for one of those ops but puts the copy engines alone within this
 # factor of it, they are timed too: their line is fitted worst near their fixed cost (4 x H200,
-# session 7: 2-GPU reduce_scatter at 256 MiB modelled 703 us on the copy engines against NCCL's
-# 577, kept on NCCL (1.00), where the copy engines alone had run 1.28-1.29x NCCL in session 4).
+# 2026-11-22: 2-GPU reduce_scatter at 256 MiB modelled 703 us on the copy engines against NCCL's
+# 577, kept on NCCL (1.00), where the copy engines alone had run 1.28-1.29x NCCL in an earlier bench).
 ALONE_CHECK = 1.5
 
 
@@ -214,8 +214,8 @@ def split_pays(comm, op: str, costs: dict[str, LaneCost], iters: int | None = No
     The split is timed with its shares balanced at that size first (`balance_at`, FlexLink's
     stage 1): when it wins, the verdict is those shares (a dict), which the ops then start from.
     The model's split alone lost to the copy engines alone at 1 GiB reduce_scatter on 2 x H200
-    (s8-run4: its host share 0.095 made the host lane the slowest), where ce 0.92 + host 0.08 ran
-    3.6% faster than the copy engines alone (s8-run3)."""
+    (2026-11-22: its host share 0.095 made the host lane the slowest), where ce 0.92 + host 0.08 ran
+    3.6% faster than the copy engines alone in alternating windows."""
     from .planner.balancer import OnlineBalancer
     from .workloads import make
     single = "nccl" if "nccl" in costs else "gloo" if "gloo" in costs else None

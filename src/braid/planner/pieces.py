@@ -41,7 +41,7 @@ def tail_elems(per: int, esz: int, from_bytes: int = TAPER_FROM_BYTES) -> int:
     worth 3 more pieces of host-side posting (~30 us each on the VM here, 2026-11-22); 0: none.
 
     Measured (GPUs 0-1 of the 4 x H200 machine, reduce_scatter 1 GiB, alternating windows in one
-    process, s8-run3): copy engines alone 1669 us even, 1616 tapered; ce 0.92 + host 0.08 1589 and
+    process, 2026-11-22): copy engines alone 1669 us even, 1616 tapered; ce 0.92 + host 0.08 1589 and
     1558; NCCL 2026-2034. `from_bytes`: the smallest piece that gets a taper (tests lower it to
     reach the taper at small sizes)."""
     if per * esz < from_bytes:

@@ -141,7 +141,7 @@ def scale(args: argparse.Namespace) -> int:
 def own(args: argparse.Namespace) -> int:
     from .own import compare, load_points
     rows = compare(load_points(args.data))
-    print("# braid sim own: recorded braid bench (run 3, session 3) vs the simulator on h200x2 / h200x4")
+    print("# braid sim own: recorded braid benches (2026-11-22) vs the simulator on h200x2 / h200x4")
     print(f"{'point':46s} {'kind':10s} {'measured':>9s} {'simulated':>9s} {'error':>7s}  shares")
     for c in rows:
         sh = " ".join(f"{k}={v:.2f}" for k, v in c.shares.items())

@@ -23,7 +23,7 @@ of the resulting Plan becomes flows:
 Reductions run as braid runs them (`Communicator._reduction` -> `multi`), in one of two versions:
     staged      (braid before the pipelined copy-engine reduction, bench run 3): every lane's part
                 reduce-scatters into slots, a reduction kernel runs, the reduced chunks gather back
-    pipelined   (braid since, session 3's bench): all_reduce hands NCCL's share to NCCL's own
+    pipelined   (braid since the pipelined copy-engine reduction): all_reduce hands NCCL's share to NCCL's own
                 all_reduce of a prefix of the tensor, on its own stream beside the others; the
                 copy engines' part of every chunk runs `collectives/ce_reduce.py`'s pipeline (pull
                 piece k from every peer on one stream, reduce it on another, gather the peers'
@@ -51,7 +51,7 @@ from .topology import SimTopology
 RING_LANES = ("nccl", "host_ring", "nic_ring")
 REDUCTIONS = ("all_reduce", "reduce_scatter", "reduce")
 OPS = ("all_gather", "all_reduce", "reduce_scatter", "broadcast", "send_recv", "all_to_all_single", "reduce")
-CE_REDUCE = ("pipelined", "staged")      # braid's copy-engine reduction: since session 3 / before (run 3)
+CE_REDUCE = ("pipelined", "staged")      # braid's copy-engine reduction: now / the earlier staged one
 
 PAGE = 4096                              # braid's cut points on GPUs (Communicator._plan, _reduction)
 

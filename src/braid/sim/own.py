@@ -13,8 +13,8 @@ braid's lanes run gets `bench_prelude_us` (nbytes at the preset's device_copy_gb
 NCCL broadcast baselines in the presets were timed with the same copy, so NCCL-alone points get
 nothing added.
 
-Which braid ran: run 3's reductions are the staged version, session 3's (s3-run*) the pipelined
-one with NCCL's own share (`collectives.simulate_op`'s `ce_reduce`; a point's `ce_reduce` field,
+Which braid ran: the first recorded bench's reductions are the staged version, the later ones the
+pipelined one with NCCL's own share (`collectives.simulate_op`'s `ce_reduce`; a point's `ce_reduce` field,
 default "pipelined"). A skewed all_to_all_single (`hot_fraction` h: every rank sends h of its bytes
 to the last rank, the rest evenly, `workloads.hot_matrix`) ran as the router's plan
 (`collectives/routed.py`): on that matrix braid's router sends host bytes only on the demands into
@@ -22,16 +22,16 @@ the hot rank, the same on each (whatever the lane costs; tests/test_sim_repro.py
 braid's Router), so the plan is rebuilt from the recorded host share by that rule and simulated
 transfer by transfer. 2-GPU points recorded on GPUs 0-1 of the 4-GPU machine use the h200x4
 constants (that machine's links and calibration) with world 2, except where NCCL took a share of a
-2-GPU split (session 8): h200x4 has NCCL measured on 4 GPUs only, so those take h200x2's.
+2-GPU split (the tapered-cut benches): h200x4 has NCCL measured on 4 GPUs only, so those take h200x2's.
 
-Session 8's points (`ce_taper`) ran the copy engines' tapered cut (planner/pieces.py); earlier
+The tapered-cut benches' points (`ce_taper`) ran the copy engines' tapered cut (planner/pieces.py); earlier
 points ran even pieces, and each is simulated with the cut it ran.
 
 What is a prediction and what is an input: NCCL's own kernels are not modelled on our machines; the
 preset carries NCCL's measured bus bandwidths (HARDWARE.md, or an earlier bench run), so a point
 where braid chose NCCL alone only checks that braid adds little on top of NCCL. The points split over
 the copy engines and the host lane are the predictions: nothing of them was fitted to the bench. A
-split that gives NCCL a share (session 3's all_reduce) takes NCCL's cost of its bytes from that
+split that gives NCCL a share (the pipelined all_reduce) takes NCCL's cost of its bytes from that
 table; how it runs beside the other lanes (NVLink shared with the copy engines) is predicted.
 """
 from __future__ import annotations
@@ -125,7 +125,7 @@ def routed_hot_plan(matrix: list[list[int]], host_share: float) -> Plan:
 
 def simulate_point(topo, p: dict):
     """The simulator's result for one recorded point, as braid ran it (points recorded before
-    the copy engines' tapered tail, session 8, carry no "ce_taper": their pieces were even)."""
+    the copy engines' tapered tail carry no "ce_taper": their pieces were even)."""
     with envs.override(BRAID_CE_TAPER=int(bool(p.get("ce_taper", False)))):
         return _simulate_point(topo, p)
 
