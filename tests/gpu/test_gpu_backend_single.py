@@ -118,18 +118,24 @@ def _world_of_one(port: int, q) -> None:
         q.put({"error": f"{exc!r}\n{traceback.format_exc()}"})
 
 
-def test_world_of_one_forwards_repeats_to_nccls_own_work():
+def _in_fresh_process(target) -> dict:
+    """Run target(port, queue) in a spawned process (its own default group) and return what it
+    put on the queue; a process that hangs is killed."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_world_of_one, args=(_port(), q))
+    p = ctx.Process(target=target, args=(_port(), q))
     p.start()
     try:
-        res = q.get(timeout=180)
+        return q.get(timeout=180)
     finally:
         p.join(timeout=30)
         if p.is_alive():
             p.kill()
+
+
+def test_world_of_one_forwards_repeats_to_nccls_own_work():
+    res = _in_fresh_process(_world_of_one)
     assert "error" not in res, res.get("error")
     assert res["bad"] == [], res["bad"]
     # 4 call shapes: each first call takes the full path, every repeat forwards
@@ -162,17 +168,7 @@ def _abort_world_of_one(port: int, q) -> None:
 
 
 def test_abort_aborts_nccl_and_refuses_later_calls():
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_abort_world_of_one, args=(_port(), q))
-    p.start()
-    try:
-        res = q.get(timeout=180)
-    finally:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
+    res = _in_fresh_process(_abort_world_of_one)
     assert "error" not in res, res.get("error")
     assert res["groups"] >= 1
     assert res["after"] is not None and "aborted (stopping on purpose)" in res["after"], res
