@@ -1303,8 +1303,10 @@ class Communicator:
             return dist.reduce_scatter_tensor(output, ib.view(output.dtype), op=top, group=g, async_op=True)
 
         def gloo_native(g):
-            scale = factor if name == "premul_sum" else 1.0
-            src = input.reshape(-1) * scale if opname == "reduce_scatter" else output.reshape(-1) * scale
+            base = input.reshape(-1) if opname == "reduce_scatter" else output.reshape(-1)
+            # a copy in the tensor's own dtype (x * 1.0 would make an integer tensor float32: int64
+            # sums above 2**24 then lost their low bits)
+            src = base * factor if name == "premul_sum" else base.clone()
             top = dist.ReduceOp.SUM if name in ("avg", "premul_sum") else torch_op(op, name)
             if opname == "all_reduce":
                 work = dist.all_reduce(src, op=top, group=g, async_op=True)

@@ -11,8 +11,13 @@ from ..errors import MisuseError
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor as a flat uint8 view of the same memory."""
-    return t.reshape(-1).view(torch.uint8)
+    """A contiguous tensor as a flat uint8 view of the same memory. torch calls a tensor of 0 or 1
+    element contiguous whatever its stride, and a uint8 view needs stride 1: such a tensor is
+    viewed with stride 1 at the same offset (the same bytes)."""
+    flat = t.reshape(-1)
+    if flat.numel() <= 1 and flat.stride(0) != 1:
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8)
 
 
 def check_tensor(t, what: str, device: torch.device, op: str) -> None:
