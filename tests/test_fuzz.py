@@ -26,11 +26,11 @@ world, seed and call index: the sequence is a pure function of (seed, world size
 BRAID_FUZZ_TRACE=<folder> makes every rank write each call it posted (and, if the world hangs,
 every thread's stack) there: a world that gloo aborts leaves no Python traceback.
 
-Bugs the fuzz found are reproduced small at the end of this file (xfail, strict); until they are
-fixed the sequence steers around them (comments "KNOWN BUG"): worlds of 3 send powers of two
-above 128 KiB, calibration changes and new send/recvs wait for send/recvs in flight. Two found
-earlier are fixed and their tests below now pass: `reduce` of int32/int64 taken whole by gloo was
-computed in float32, and a 0- or 1-element input with a stride other than 1 raised.
+Bugs the fuzz found are reproduced small at the end of this file, each with a test that failed
+before its fix: `reduce` of int32/int64 taken whole by gloo was computed in float32; a 0- or
+1-element input with a stride other than 1 raised; the two ranks of a split send/recv could cut
+it into different shares (each side asked its own balancer); a send/recv that the native library
+takes whole could overtake an earlier split one of the same direction still waiting for its peer.
 """
 from __future__ import annotations
 
@@ -277,24 +277,11 @@ def _count(rng: random.Random, esz: int) -> int:
     return n
 
 
-def _p2p_count(n: int, esz: int, w: int) -> int:
-    """KNOWN BUG (test_split_send_recv_shares_agree_across_pairs): a split send/recv takes its
-    lane shares from a balancer bucket (per log2 of the size) that each rank seeds with the first
-    size it sent or received in that bucket, so in a world of 3+ two ranks with different send/recv
-    histories cut the same message differently and gloo aborts the process. Until that is fixed,
-    worlds of 3+ send whole powers of two above 128 KiB (every size of a bucket then has the same
-    shares); worlds of 2 keep odd sizes everywhere."""
-    if w < 3 or n * esz <= (128 << 10):
-        return n
-    return (1 << ((n * esz).bit_length() - 1)) // esz
-
-
 class _Call:
     """One drawn call: its description, a Work/handle list to wait on, and a check."""
 
     def __init__(self, what: str, works, check):
         self.what, self.works, self.check = what, [w for w in works if w is not None], check
-        self.p2p = False
 
 
 def _draw_red(rng, dtype) -> str:
@@ -313,8 +300,6 @@ def _post(api, rank: int, w: int, seed: int, k: int, rng: random.Random, async_o
     dtype = getattr(torch, rng.choice(DTYPES))
     esz = torch.empty((), dtype=dtype).element_size()
     n = _count(rng, esz)
-    if op in ("send_recv", "ring"):
-        n = _p2p_count(n, esz, w)
     head = f"call {k} {op} {str(dtype)[6:]} n={n}" + (" async" if async_op else "")
 
     if op in ("all_reduce", "reduce"):
@@ -483,12 +468,8 @@ def _fuzz_worker(rank: int, w: int, mode: str, seed: int, n_ops: int) -> dict:
     try:
         for k in range(n_ops):
             if k % BLOCK == 0:
-                # calls in flight finish under the calibration they were posted with: a deferred
-                # send/recv picks its shares when it starts, on each side separately (the KNOWN
-                # BUG of test_split_send_recv_shares_agree_across_pairs, case "calibration")
-                for _, c in pending:
-                    settle(c)
-                pending = []
+                # calls in flight (async, a send/recv whose peer has not posted yet) keep what
+                # they were posted with across the calibration switch
                 calibrated = (k // BLOCK) % 2 == 1
                 # under the backend the communicator is made at the first calibration switch
                 # (every rank calls this at the same call), so block 0 runs the lazy path
@@ -498,16 +479,7 @@ def _fuzz_worker(rank: int, w: int, mode: str, seed: int, n_ops: int) -> dict:
                     comm.set_calibration({f"{op}/{w}": dict(FAST_LANES) for op in CAL_OPS} if calibrated else {})
             async_op = rng.random() < 0.15
             op = _draw_op(rng)
-            if op in P2P_OPS and any(c.p2p for _, c in pending):
-                # KNOWN BUG (test_send_recv_keeps_order_between_split_and_whole): a whole
-                # send/recv is posted to gloo ahead of an earlier split one still deferred
-                # (its peer had not posted); finish earlier send/recvs before posting more
-                for _, c in pending:
-                    if c.p2p:
-                        settle(c)
-                pending = [(left, c) for left, c in pending if not c.p2p]
             call = _post(api, rank, w, seed, k, rng, async_op, op)
-            call.p2p = op in P2P_OPS and not (op == "ring" and mode == "direct")
             if trace is not None:
                 trace.write(f"{call.what}\n")
                 trace.flush()
@@ -588,7 +560,7 @@ def test_fuzz(mode, w, capsys):
 
 
 # ---------------------------------------------------------------------------------------------
-# bugs the fuzz found (reproduced small; the fuzz above steers around them, see KNOWN BUG)
+# bugs the fuzz found, reproduced small
 # ---------------------------------------------------------------------------------------------
 
 def _bugs_worker(rank: int, w: int) -> dict:
@@ -672,17 +644,6 @@ def _p2p_calibration_worker(rank: int, w: int) -> dict:
     return {"ok": rank == 0 or bool((got == 3).all())}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: the lane shares of a split send/recv are not agreed by the pair: each side computes "
-    "them alone when its side starts (PendingP2P._start -> shares_for), and shares_for returns "
-    "the OnlineBalancer bucket's shares (per op and log2 size), which each rank seeds with the "
-    "FIRST size it moved in that bucket. Case 'histories' (3 ranks, default settings): rank 2 "
-    "sends 622,894 B to rank 1, then rank 0 sends 920,644 B to rank 2: rank 0 cuts 246,852 B for "
-    "gloo, rank 2 expects 218,180 B, and gloo aborts rank 2's process (SIGABRT, 'terminate called "
-    "... op.preamble.length <= op.nbytes. 246852 vs 218180'). Case 'calibration' (2 ranks): a send "
-    "deferred on rank 0 starts after set_calibration, rank 1's recv started before it: gloo whole "
-    "on one side, shm on the other -> BraidTimeoutError 'shm lane on rank 1 made no progress' (in "
-    "the fuzz: a hang inside gloo). Found by test_fuzz (direct w=3, call 221; backend w=2, call 899)."))
 @pytest.mark.parametrize("case", ["histories", "calibration"])
 def test_split_send_recv_shares_agree_across_pairs(case):
     if case == "histories":
@@ -714,16 +675,6 @@ def _p2p_order_worker(rank: int, w: int) -> dict:
     return {"ok": bool((a == 1).all()) and bool((b == 2).all())}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: send/recv are not kept in order per direction when a whole call follows a split one "
-    "that is still deferred: Communicator._p2p posts a call that gloo's own send takes whole at "
-    "once, on the same gloo group (tag 0) that the split call's gloo lane uses when it starts "
-    "later, so gloo pairs the messages out of order. Repro (2 ranks, calibration {'send_recv/2': "
-    "gloo 10 us + 1 GB/s, shm 100 us + 10 GB/s}): rank 0 send(2,000,000 B, async) [deferred], "
-    "send(280 B, async) [gloo whole]; rank 1, 1 s later, recv(2,000,000 B, async), recv(280 B, "
-    "async): gloo aborts rank 1's process (SIGABRT, 'op.preamble.length <= op.nbytes. 263616 vs "
-    "280'). README: 'matched per direction (a's k-th send to b with b's k-th recv from a)'. Found "
-    "by test_fuzz (backend w=3, seed 7: a ring shift then an exchange of 35 float64)."))
 def test_send_recv_keeps_order_between_split_and_whole():
     res = run_world(_p2p_order_worker, 2, env=dict(ENV, BRAID_TIMEOUT_S="5"), timeout=40)
     assert all(r["ok"] for r in res), res

@@ -625,12 +625,15 @@ class Communicator:
         return [k for k in first if all(k in s for s in sets)]
 
     # the common path of every op ---------------------------------------------------------------------
+    @torch.no_grad()
     def _run(self, op: str, desc: dict, size: int, inp, outs, movement_of, native, agree_keys,
              async_op: bool, peer: int | None = None, always_exchange: bool = False,
              multi=None, route=None, counted: bool = False) -> Handle | None:
         """The full path of every op (see _run_call); a fault it raises is also marked in the
         node segment, so peers waiting for this rank raise at once with its cause. `counted`:
-        the call is in the ledger already (it agreed on something before coming here)."""
+        the call is in the ledger already (it agreed on something before coming here). Nothing
+        here is recorded by autograd: a collective writes into its tensors as NCCL does, also
+        into tensors that require grad (double backward through DDP reduces such gradients)."""
         try:
             return self._run_call(op, desc, size, inp, outs, movement_of, native, agree_keys, async_op,
                                   peer, always_exchange, multi, route, counted)
@@ -1127,8 +1130,8 @@ class Communicator:
 
     def _p2p(self, tensor, peer, sending: bool, async_op: bool):
         op = "send_recv"
-        if (self._fast_ok(tensor) and type(peer) is int and 0 <= peer < self.world_size and peer != self.rank
-                and self._native_for(op, tensor.numel() * tensor.element_size())):
+        if (not self._p2p_pending and self._fast_ok(tensor) and type(peer) is int and 0 <= peer < self.world_size
+                and peer != self.rank and self._native_for(op, tensor.numel() * tensor.element_size())):
             be = self._fast_be
             if be is not None:           # the backend's own send/recv (tag 0, as torch's isend/irecv)
                 work = be.send([tensor], peer, 0) if sending else be.recv([tensor], peer, 0)
@@ -1162,7 +1165,15 @@ class Communicator:
         lanes = self.lanes_for(dev)
         shares = self.shares_for(op, n, lanes)
         if self._native_ok(shares):
-            handle = _as_handle(native(self._native_group(shares)), next(iter(shares)))
+            if any((h.src, h.dst) == (src, dst) for h in self._p2p_pending):
+                # an earlier split call of this direction has not started: the library's own
+                # call waits behind it, else the peer would pair the messages out of order
+                handle = PendingP2P(self, None, desc, inp, outs, peer, n, src, dst, dev, None,
+                                    native=lambda: native(self._native_group(shares)), lane=next(iter(shares)))
+                self._p2p_pending.append(handle)
+                self._progress_p2p()
+            else:
+                handle = _as_handle(native(self._native_group(shares)), next(iter(shares)))
             self.last_handle = handle
             if async_op:
                 return handle
@@ -1170,8 +1181,10 @@ class Communicator:
             return None
         # Split: matched per direction, posted now, run once the peer's matching call is posted
         # (at the latest in wait()). So isend + irecv on both ranks of a pair works, as in
-        # torch.distributed: neither call blocks on the other rank.
-        full = dict(desc, lanes=lanes, calib=self.calib_digest, rank=self.rank)
+        # torch.distributed: neither call blocks on the other rank. The sender's shares, chosen
+        # now, are the pair's: the receiver's balancer and calibration may see it otherwise.
+        full = dict(desc, lanes=lanes, calib=self.calib_digest, rank=self.rank,
+                    shares=shares if sending else None)
         if "ce" in lanes:
             full.update(self._lanes["ce"].descriptor(inp))
         start_event = None
@@ -1203,12 +1216,12 @@ class Communicator:
     # reductions -----------------------------------------------------------------------------------
     def _fast_reduce_ok(self, op, dtype) -> bool:
         """The native library's reduction may take the call as is: a plain ReduceOp on a
-        reducible dtype (avg: NCCL only)."""
+        reducible dtype (avg: NCCL only, which averages integers as braid does)."""
         if dtype not in REDUCE_DTYPES or type(op) is not type(dist.ReduceOp.SUM):
             return False
         if op in _FAST_OPS:
             return True
-        return op == dist.ReduceOp.AVG and dtype.is_floating_point and self.cuda   # gloo has no AVG
+        return op == dist.ReduceOp.AVG and self.cuda   # gloo has no AVG
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
         """In place, like torch.distributed.all_reduce."""
@@ -1262,8 +1275,9 @@ class Communicator:
         check_rank(dst, self.world_size, "dst", "reduce")
         return self._reduction("reduce", tensor, tensor, op, dst, async_op)
 
+    @torch.no_grad()
     def _reduction(self, opname: str, output, input, op, root, async_op):
-        from .collectives.reduce import check_reduce_dtype, op_name, reduce_slots, torch_op
+        from .collectives.reduce import check_reduce_dtype, divide, op_name, reduce_factor, reduce_slots, torch_op
         from .planner.plan import (chunk_bounds, cut_points, gather_chunks, reduce_scatter_chunks,
                                    reduce_scatter_movement)
         name = op_name(op)
@@ -1280,11 +1294,11 @@ class Communicator:
                 raise MisuseError(f"{opname}: input has {input.numel()} elements, need output.numel() * "
                                   f"world_size = {output.numel()} * {self.world_size}")
             numel = input.numel()
-        check_reduce_dtype(output.dtype, name, opname)
+        name = check_reduce_dtype(output.dtype, name, opname, dev.type == "cuda")
         esz = output.element_size()
         w = self.world_size
         bounds = chunk_bounds(numel, w, esz)
-        factor = getattr(op, "factor", 1.0)
+        factor = reduce_factor(op)
         desc = {"op": opname, "dtype": str(output.dtype), "nbytes": numel * esz, "red": name,
                 "factor": factor, "root": root}
         size = numel * esz
@@ -1319,7 +1333,7 @@ class Communicator:
             def after():
                 out = res if opname == "reduce_scatter" else src
                 if name == "avg":
-                    out.div_(w)
+                    divide(out, w)
                 if opname != "reduce" or self.rank == root:
                     output.reshape(-1).copy_(out)
             return Handle(native=work, after=after)
@@ -1676,12 +1690,15 @@ class PendingP2P:
     """A send or recv whose descriptor is posted and whose lanes start once the peer's matching
     call (same direction, same position in that direction's order) is posted. Quacks like Handle."""
 
-    def __init__(self, comm, token, desc, inp, outs, peer, n, src, dst, dev, start_event):
+    def __init__(self, comm, token, desc, inp, outs, peer, n, src, dst, dev, start_event, native=None, lane=None):
         self.comm, self.token, self.desc = comm, token, desc
         self.inp, self.outs, self.peer, self.n = inp, outs, peer, n
         self.src, self.dst, self.dev, self.start_event = src, dst, dev, start_event
         self.inner: Handle | None = None
         self.error: BaseException | None = None
+        # a call the native library takes whole, queued behind an earlier split call of its
+        # direction: it posts no descriptor and starts once the calls before it have
+        self._whole, self._lane = native, lane
 
     def try_complete(self) -> bool:
         if self.inner is not None:
@@ -1693,6 +1710,10 @@ class PendingP2P:
                 break
             if (h.src, h.dst) == (self.src, self.dst) and not h.try_complete():
                 return False
+        if self._whole is not None:
+            self._drop()
+            self.inner = _as_handle(self._whole(), self._lane)
+            return True
         theirs = self.comm.segment.poll_pair(self.token)
         if theirs is None:
             return False
@@ -1736,8 +1757,7 @@ class PendingP2P:
         except PeerMismatchError as exc:
             self.error = exc
             raise
-        agreed = comm._agreed_lanes(descs)
-        shares = comm.shares_for("send_recv", self.n, agreed)
+        shares = _pair_shares(descs[self.src], comm._agreed_lanes(descs))
         if comm._native_ok(shares):
             g = comm._native_group(shares)
             tb = self.inp if self.src == me else self.outs[0]
@@ -1776,6 +1796,20 @@ class PendingP2P:
     @property
     def runs(self):
         return self.inner.runs if self.inner is not None else []
+
+
+def _pair_shares(sender: dict, agreed: list[str]) -> dict[str, float]:
+    """A split send/recv's shares, the same on both ranks: the sender's, as it chose them when it
+    posted the call, over the lanes both sides have (renormalised); with none of those left, the
+    native library's lane alone where both have it, else the first lane both have."""
+    proposed = {k: v for k, v in (sender.get("shares") or {}).items() if k in agreed and v > 0}
+    total = sum(proposed.values())
+    if total > 0:
+        return {k: v / total for k, v in proposed.items()}
+    if not agreed:
+        raise LaneUnavailableError("send/recv: the pair has no lane in common")
+    native = [k for k in ("nccl", "gloo") if k in agreed]
+    return {(native or agreed)[0]: 1.0}
 
 
 def _fit_shm(world_size: int, budget: int, chunk: int, relay: int = 0) -> tuple[int, int]:

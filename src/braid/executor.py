@@ -46,7 +46,8 @@ class Handle:
         if self.native is not None:
             self.native.wait()
         if self.after is not None:
-            self.after()
+            with torch.no_grad():        # the call's last step (a division, a copy out) is not autograd's
+                self.after()
         return True
 
     def is_completed(self) -> bool:

@@ -18,7 +18,10 @@ from ..errors import MisuseError
 
 REDUCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64,
                  torch.int8, torch.int32, torch.int64, torch.uint8)
-_NAMES = {"sum": "sum", "avg": "avg", "product": "product", "prod": "product", "min": "min", "max": "max"}
+_NAMES = {"sum": "sum", "avg": "avg", "product": "product", "prod": "product", "min": "min", "max": "max",
+          "band": "band", "bor": "bor", "bxor": "bxor"}
+BITWISE = ("band", "bor", "bxor")
+_BITWISE_FN = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
 
 
 @dataclass(frozen=True)
@@ -27,43 +30,97 @@ class PremulSum:
     factor: float
 
 
+_TORCH_OPS = (("sum", "SUM"), ("avg", "AVG"), ("product", "PRODUCT"), ("min", "MIN"), ("max", "MAX"),
+              ("band", "BAND"), ("bor", "BOR"), ("bxor", "BXOR"))
+
+
+def _torch_premul_factor(op):
+    """The factor of torch's premul-sum op (dist._make_nccl_premul_sum), or None for other ops."""
+    try:
+        kind = op.op
+    except AttributeError:
+        return None
+    if str(kind).rsplit(".", 1)[-1] != "PREMUL_SUM":
+        return None
+    factor = getattr(op, "factor", None)
+    if factor is None:
+        factor = op.__getstate__()[1]
+    return factor
+
+
 def op_name(op) -> str:
-    """braid's name for a reduction: torch.distributed.ReduceOp, a string, or PremulSum."""
+    """braid's name for a reduction: torch.distributed.ReduceOp (torch's premul-sum included), a
+    string, or PremulSum."""
     if isinstance(op, PremulSum):
         return "premul_sum"
     if isinstance(op, str):
         name = _NAMES.get(op.lower())
+    elif _torch_premul_factor(op) is not None:
+        name = "premul_sum"
     else:
         name = None
-        for key, torch_op in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG),
-                              ("product", dist.ReduceOp.PRODUCT), ("min", dist.ReduceOp.MIN),
-                              ("max", dist.ReduceOp.MAX)):
+        for key, attr in _TORCH_OPS:
             try:
-                if op == torch_op:
+                if op == getattr(dist.ReduceOp, attr):
                     name = key
                     break
             except TypeError:
                 continue
     if name is None:
-        raise MisuseError(f"unsupported reduction {op!r}: use dist.ReduceOp.SUM/AVG/PRODUCT/MIN/MAX, "
-                          f"'sum'/'avg'/'product'/'min'/'max', or braid.PremulSum(factor)")
+        raise MisuseError(f"unsupported reduction {op!r}: use dist.ReduceOp.SUM/AVG/PRODUCT/MIN/MAX/BAND/BOR/BXOR, "
+                          f"'sum'/'avg'/'product'/'min'/'max'/'band'/'bor'/'bxor', or braid.PremulSum(factor)")
     return name
 
 
-def check_reduce_dtype(dtype: torch.dtype, name: str, opname: str) -> None:
+def reduce_factor(op) -> float:
+    """premul-sum's factor (braid.PremulSum or torch's op; a one-element tensor is read), else 1."""
+    factor = op.factor if isinstance(op, PremulSum) else _torch_premul_factor(op)
+    if factor is None:
+        return 1.0
+    return float(factor.item() if isinstance(factor, torch.Tensor) else factor)
+
+
+def check_reduce_dtype(dtype: torch.dtype, name: str, opname: str, cuda: bool = False) -> str:
+    """Refuse what NCCL refuses (and on CPU tensors what gloo does), naming the op, the dtype and
+    what to use instead; return the reduction braid runs (on bool tensors sum is a logical or and
+    product a logical and, as NCCL does them through torch)."""
+    if dtype is torch.bool:
+        if name in ("avg", "premul_sum"):
+            raise MisuseError(f"{opname}: {name} of a {dtype} tensor is not defined; reduce a float or "
+                              f"integer copy (t.to(torch.float32)) instead")
+        if cuda and name in BITWISE:
+            raise MisuseError(f"{opname}: {name} is not offered for CUDA tensors (NCCL has no bitwise "
+                              f"reductions); on bool tensors use ReduceOp.MAX for or, ReduceOp.MIN for and")
+        return {"sum": "max", "product": "min"}.get(name, name)
     if dtype not in REDUCE_DTYPES:
-        raise MisuseError(f"{opname}: dtype {dtype} cannot be reduced by braid; supported: "
+        raise MisuseError(f"{opname}: dtype {dtype} cannot be reduced by braid; supported: bool, "
                           f"{', '.join(str(d).replace('torch.', '') for d in REDUCE_DTYPES)}")
-    if name in ("avg", "premul_sum") and not dtype.is_floating_point:
-        raise MisuseError(f"{opname}: {name} needs a floating-point tensor (got {dtype}), as in NCCL")
+    if name == "premul_sum" and not dtype.is_floating_point:
+        raise MisuseError(f"{opname}: premul_sum needs a floating-point tensor (got {dtype}); for "
+                          f"integers multiply by the factor first and reduce with ReduceOp.SUM")
+    if name in BITWISE:
+        if dtype.is_floating_point:
+            raise MisuseError(f"{opname}: {name} needs an integer or bool tensor (got {dtype})")
+        if cuda:
+            raise MisuseError(f"{opname}: {name} is not offered for CUDA tensors (NCCL has no bitwise "
+                              f"reductions); reduce a CPU copy, or use MAX/MIN on 0/1 flags")
+    return name
 
 
 def torch_op(op, name: str):
     """The torch.distributed op for NCCL's/gloo's own call."""
     if name == "premul_sum":
-        return dist._make_nccl_premul_sum(op.factor)
-    return {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "product": dist.ReduceOp.PRODUCT,
-            "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[name]
+        return dist._make_nccl_premul_sum(reduce_factor(op))
+    return getattr(dist.ReduceOp, dict(_TORCH_OPS)[name])
+
+
+def divide(out: torch.Tensor, n: int) -> None:
+    """avg's last step, in place: floats divide; integers divide truncating toward zero, as NCCL's
+    integer average does (the sum wraps around in the tensor's own type first)."""
+    if out.dtype.is_floating_point:
+        out.div_(n)
+    else:
+        out.div_(n, rounding_mode="trunc")
 
 
 def reduce_slots(slots: torch.Tensor, world_size: int, name: str, out: torch.Tensor, factor: float = 1.0) -> None:
@@ -79,7 +136,7 @@ def reduce_slots(slots: torch.Tensor, world_size: int, name: str, out: torch.Ten
     if name in ("sum", "avg"):
         torch.sum(x, 0, out=out)
         if name == "avg":
-            out.div_(world_size)
+            divide(out, world_size)
     elif name == "premul_sum":
         out.copy_((x.to(acc) * factor if half else x * factor).sum(0, dtype=acc))
     elif name == "product":
@@ -88,6 +145,11 @@ def reduce_slots(slots: torch.Tensor, world_size: int, name: str, out: torch.Ten
         torch.amin(x, 0, out=out)
     elif name == "max":
         torch.amax(x, 0, out=out)
+    elif name in BITWISE:
+        fn = _BITWISE_FN[name]
+        out.copy_(x[0])
+        for row in range(1, world_size):
+            fn(out, x[row], out=out)
     else:  # pragma: no cover - op_name() guards this
         raise MisuseError(f"unknown reduction {name}")
 
@@ -101,13 +163,15 @@ def reduce_pair(x0: torch.Tensor, x1: torch.Tensor, name: str, out: torch.Tensor
     if name in ("sum", "avg"):
         torch.add(x0, x1, out=out)
         if name == "avg":
-            out.div_(2)
+            divide(out, 2)
     elif name == "product":
         torch.mul(x0, x1, out=out)
     elif name == "min":
         torch.minimum(x0, x1, out=out)
     elif name == "max":
         torch.maximum(x0, x1, out=out)
+    elif name in BITWISE:
+        _BITWISE_FN[name](x0, x1, out=out)
     elif name == "premul_sum":
         half = out.dtype in (torch.float16, torch.bfloat16)
         if half:
