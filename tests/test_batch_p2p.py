@@ -153,7 +153,7 @@ def test_bad_batches_raise_on_every_rank(case, kind, words):
 
 
 def test_adjacent_views_make_one_buffer_only_when_back_to_back():
-    from braid.comm import _adjacent
+    from braid.comm.p2p import _adjacent
     buf = torch.arange(100, dtype=torch.uint8)
     cpu = torch.device("cpu")
     one = _adjacent([buf[0:10], buf[10:10], buf[10:40], buf[40:41]], cpu)

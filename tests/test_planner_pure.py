@@ -831,7 +831,7 @@ def test_fit_points_every_smaller_size_host_bound():
 def test_gpu_check_is_per_host():
     """Two nodes of ranks on cuda:LOCAL_RANK share GPU indices across hosts, never within one."""
     import pytest
-    from braid.comm import _check_gpus_per_host
+    from braid.comm.communicator import _check_gpus_per_host
     from braid.errors import MisuseError
     two_nodes = [("a", "b1", 10, 0), ("a", "b1", 11, 1), ("b", "b2", 20, 0), ("b", "b2", 21, 1)]
     _check_gpus_per_host(two_nodes)                       # no error: 0 and 1 on each host

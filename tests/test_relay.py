@@ -344,7 +344,7 @@ def test_gpu_engine_programs_on_a_simulated_device(seed, monkeypatch):
             exp = a2a_expected(srcs, matrix, r)
             out = poison(torch.empty(exp.numel(), dtype=torch.uint8), exp)
             checks.append((out, exp, f"call {k} rank {r}"))
-            ctx = OpContext(comm=lanes[r].comm, plan=plan, inp=inputs[r], outs=[out], descs=descs)
+            ctx = OpContext(lc=lanes[r].lc, plan=plan, inp=inputs[r], outs=[out], descs=descs)
             lanes[r].produce_stream.ops.append(("call", lambda t=inputs[r], x=srcs[r]: t.copy_(x)))
             run = lanes[r]._post_gpu(ctx, plan.lanes.get("relay", []))
             assert run.kind is LaneKind.RELAY

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from .lanes.base import LaneRun, OpContext
+from .lanes.base import LaneContext, LaneRun, OpContext
 from .planner.plan import Plan
 
 
@@ -67,12 +67,12 @@ class Handle:
         return dict(self.plan.shares)
 
 
-def execute(comm, plan: Plan, inp: torch.Tensor | None, outs: list[torch.Tensor],
+def execute(lc: LaneContext, plan: Plan, inp: torch.Tensor | None, outs: list[torch.Tensor],
             descs: list[dict | None], peer: int | None = None, start_event=None) -> Handle:
     """Post every lane's part of `plan`. `start_event`: where on the caller's stream the call was
     made (a deferred send/recv posts its lanes later, from the position of its call)."""
     cuda = comm_device_is_cuda(inp, outs)
-    ctx = OpContext(comm=comm, plan=plan, inp=inp, outs=outs, descs=descs, peer=peer)
+    ctx = OpContext(lc=lc, plan=plan, inp=inp, outs=outs, descs=descs, peer=peer)
     if cuda:
         ctx.start_event = start_event
         if ctx.start_event is None:
@@ -81,9 +81,9 @@ def execute(comm, plan: Plan, inp: torch.Tensor | None, outs: list[torch.Tensor]
     runs = []
     for name, transfers in plan.lanes.items():
         if transfers:
-            runs.append(comm.lane(name).post(ctx, transfers))
+            runs.append(lc.lane(name).post(ctx, transfers))
     for c in plan.local:
-        if c.rank == comm.rank and c.nbytes:
+        if c.rank == lc.rank and c.nbytes:
             outs[c.buf][c.dst_off: c.dst_off + c.nbytes].copy_(inp[c.src_off: c.src_off + c.nbytes],
                                                                non_blocking=True)
     return Handle(runs, plan=plan)
@@ -93,3 +93,9 @@ def comm_device_is_cuda(inp, outs) -> bool:
     for t in ([inp] if inp is not None else []) + list(outs):
         return t.is_cuda
     return False
+
+
+def as_handle(work, lane: str) -> Handle:
+    handle = work if isinstance(work, Handle) else Handle(native=work)
+    handle.native_lane = lane
+    return handle

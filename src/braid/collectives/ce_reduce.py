@@ -70,11 +70,11 @@ def tail_elems(per: int, esz: int) -> int:
 
 
 class CeReduction:
-    """Posts one pipelined reduction on rank `comm.rank` (see the module docstring)."""
+    """Posts one pipelined reduction on rank `lc.rank` (see the module docstring)."""
 
-    def __init__(self, lane, comm):
+    def __init__(self, lane, lc):
         self.lane = lane
-        self.comm = comm
+        self.lc = lc
         dev = lane.device
         self.gather_stream = torch.cuda.Stream(device=dev)
         self.reduce_stream = torch.cuda.Stream(device=dev)
@@ -86,10 +86,10 @@ class CeReduction:
         """inp/out: this rank's flat tensors (out may be inp: in place). chunks[d] = (element offset
         into every rank's input, length) of chunk d; out_offsets[d]: where chunk d's result goes in
         the output of the rank that reduces it (and, with `gather`, in every rank's output)."""
-        comm, lane = self.comm, self.lane
-        me, w = comm.rank, comm.world_size
+        lc, lane = self.lc, self.lane
+        me, w = lc.rank, lc.world_size
         esz = inp.element_size()
-        lay, seg = comm.layout, comm.seg_dev_ptr
+        lay, seg = lc.layout, lc.seg_dev_ptr
         lane.coll_seq += 1
         seq = lane.coll_seq
         base = (seq * MAX_PIECES) & 0xFFFFFFFF

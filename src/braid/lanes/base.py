@@ -19,13 +19,40 @@ from ..errors import BraidError, LaneFailureError
 from ..planner.plan import LaneKind, Plan, Transfer
 
 if TYPE_CHECKING:
-    from ..comm import Communicator
+    from ..node import Layout, NodeSegment
+
+
+@dataclass
+class LaneContext:
+    """What the lanes of one communicator share: who this rank is, its device, the node segment
+    (its layout, its bytes as a tensor, their device address where pinned), the ring cursors, the
+    other lanes. The communicator makes one and hands it to every lane it makes; a lane needs
+    nothing else of it."""
+    rank: int
+    world_size: int
+    device: torch.device
+    segment: "NodeSegment | None" = None
+    layout: "Layout | None" = None
+    segment_tensor: torch.Tensor | None = None
+    seg_dev_ptr: int | None = None
+    ring_cursors: dict = field(default_factory=dict)
+    slowdown: dict = field(default_factory=dict)        # test/bench hook: CPU lane -> time multiplier
+    lanes: dict = field(default_factory=dict)           # name -> lane (filled in by the communicator)
+
+    def lane(self, name: str):
+        return self.lanes[name]
+
+    def ring_chunk(self, p2p: bool) -> int:
+        """Bytes per ring slot: the pair rings' for send/recv, the collective rings' otherwise."""
+        if p2p:
+            return next(iter(self.layout.pair_rings.values())).slot_bytes
+        return self.layout.coll_rings[0].slot_bytes
 
 
 @dataclass
 class OpContext:
     """What a lane needs to run its part of one call on this rank."""
-    comm: "Communicator"
+    lc: LaneContext
     plan: Plan
     inp: torch.Tensor | None            # this rank's input, flat uint8
     outs: list[torch.Tensor]            # this rank's outputs, flat uint8 each
@@ -36,7 +63,7 @@ class OpContext:
 
     @property
     def rank(self) -> int:
-        return self.comm.rank
+        return self.lc.rank
 
 
 class LaneRun:

@@ -34,8 +34,8 @@ class CeLane(GpuLaneMixin, Lane):
     kind = LaneKind.CE
     device_type = "cuda"
 
-    def __init__(self, comm, device: torch.device):
-        self.comm = comm
+    def __init__(self, lc, device: torch.device):
+        self.lc = lc
         self.device = device
         self.stream = None
         self.send_stream = None
@@ -46,7 +46,7 @@ class CeLane(GpuLaneMixin, Lane):
         self.pair_seq: dict[tuple[int, int], int] = {}
         try:
             _cuda.lib()
-            if comm.segment is None or comm.seg_dev_ptr is None:
+            if lc.segment is None or lc.seg_dev_ptr is None:
                 raise RuntimeError("ranks are not on one node or the node segment is not pinned")
             for p in range(torch.cuda.device_count()):
                 if p != device.index and not torch.cuda.can_device_access_peer(device.index, p):
@@ -78,8 +78,8 @@ class CeLane(GpuLaneMixin, Lane):
         return self.maps[key] + desc["ce_off"]
 
     def post(self, ctx: OpContext, transfers: list[Transfer]) -> LaneRun:
-        comm, me, s = self.comm, ctx.rank, self.stream
-        lay, base = comm.layout, comm.seg_dev_ptr
+        lc, me, s = self.lc, ctx.rank, self.stream
+        lay, base = lc.layout, lc.seg_dev_ptr
         if ctx.plan.p2p:
             # counted per direction, and the sender's side (publish, then wait for the reader) on
             # a stream of its own: a rank's send and recv with the same peer may be in flight
@@ -113,7 +113,7 @@ class CeLane(GpuLaneMixin, Lane):
         waited = set()
         # pull from peers in rotated order (rank r starts at r+1): at any moment each source is
         # read by one puller instead of all pulling from rank 0 first (a 2x egress hot spot)
-        world = comm.world_size
+        world = lc.world_size
         for t in sorted(transfers, key=lambda t: ((t.src - me) % world, t.src_off)):
             mine = [(b, off) for d, b, off in t.dsts if d == me]
             if not mine:

@@ -40,4 +40,4 @@ class GlooLane(Lane):
             for w in works:
                 w.wait()
 
-        return LaneRun(self.kind, thread_fn=finish, slowdown=ctx.comm.slowdown.get("gloo", 1.0))
+        return LaneRun(self.kind, thread_fn=finish, slowdown=ctx.lc.slowdown.get("gloo", 1.0))

@@ -30,12 +30,12 @@ class HostLane(GpuLaneMixin, Lane):
     kind = LaneKind.HOST
     device_type = "cuda"
 
-    def __init__(self, comm, device: torch.device):
-        self.comm = comm
+    def __init__(self, lc, device: torch.device):
+        self.lc = lc
         self.device = device
         self._why = ""
         self.produce_stream = self.consume_stream = None
-        if comm.segment is None or comm.seg_dev_ptr is None:
+        if lc.segment is None or lc.seg_dev_ptr is None:
             self._why = "ranks are not on one node or the node segment is not pinned"
         else:
             self.produce_stream = torch.cuda.Stream(device=device)
@@ -45,10 +45,10 @@ class HostLane(GpuLaneMixin, Lane):
         return (self.produce_stream is not None, self._why)
 
     def post(self, ctx: OpContext, transfers: list[Transfer]) -> LaneRun:
-        comm, me = self.comm, ctx.rank
-        lay, dev_base, host_base = comm.layout, comm.seg_dev_ptr, comm.segment.address
-        produce, consume = schedule(transfers, me, comm.world_size, comm.ring_chunk(ctx.plan.p2p),
-                                    comm.ring_cursors, ctx.plan.p2p)
+        lc, me = self.lc, ctx.rank
+        lay, dev_base, host_base = lc.layout, lc.seg_dev_ptr, lc.segment.address
+        produce, consume = schedule(transfers, me, lc.world_size, lc.ring_chunk(ctx.plan.p2p),
+                                    lc.ring_cursors, ctx.plan.p2p)
         ps, cs = self.produce_stream, self.consume_stream
         start = self._begin(ctx, cs)
         ps.wait_event(ctx.start_event)

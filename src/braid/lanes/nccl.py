@@ -2,7 +2,7 @@
 
 Its share of a plan is posted as one batch of NCCL sends and receives (ncclGroupStart/End inside
 torch's batch_isend_irecv), which places any byte range anywhere (no staging copy). When the plan
-is NCCL alone, the communicator calls NCCL's own collective instead (see comm.py): that is the
+is NCCL alone, the communicator calls NCCL's own collective instead (see comm/callpath.py): that is the
 small-message path and must cost no more than NCCL itself.
 """
 from __future__ import annotations

@@ -64,13 +64,13 @@ class RelayLane(GpuLaneMixin, Lane):
     CPU engine for CPU tensors (the call's tensors decide, as they decide `lanes_for`)."""
     kind = LaneKind.RELAY
 
-    def __init__(self, comm, ce=None, device: torch.device | None = None):
-        self.comm = comm
+    def __init__(self, lc, ce=None, device: torch.device | None = None):
+        self.lc = lc
         self.ce = ce
         self.device = device
         self.device_type = "cuda" if device is not None else "cpu"
         self.seq = 0
-        self.cursors = {v: RelayCursor(NUM_SLOTS) for v in range(comm.world_size)}
+        self.cursors = {v: RelayCursor(NUM_SLOTS) for v in range(lc.world_size)}
         self._last_cpu: LaneRun | None = None
         self.produce_stream = self.consume_stream = None
         self.buf: torch.Tensor | None = None
@@ -90,8 +90,8 @@ class RelayLane(GpuLaneMixin, Lane):
     def available_for(self, device_type: str) -> tuple[bool, str]:
         if device_type == "cuda":
             return (self.produce_stream is not None, self._gpu_why)
-        lay = self.comm.layout
-        if self.comm.segment is None or lay is None:
+        lay = self.lc.layout
+        if self.lc.segment is None or lay is None:
             return False, "ranks are not all on one node (no shared segment)"
         if not lay.relay_rings:
             return False, "the node segment has no relay staging area"
@@ -104,7 +104,7 @@ class RelayLane(GpuLaneMixin, Lane):
         """Geometry (every rank must cut chunks alike) and, on GPUs, the IPC handles of this
         rank's staging buffer and of its input (relays pull from it)."""
         if (device_type or self.device_type) != "cuda":
-            ring = self.comm.layout.relay_rings[0]
+            ring = self.lc.layout.relay_rings[0]
             return {"relay_geom": [ring.num_slots, ring.slot_bytes]}
         desc = dict(self._staging_desc())
         desc.update(self.ce.descriptor(inp))
@@ -129,8 +129,8 @@ class RelayLane(GpuLaneMixin, Lane):
         ok, why = self.available_for("cuda" if cuda else "cpu")
         if not ok:
             raise LaneUnavailableError(f"relay lane is not available for {'CUDA' if cuda else 'CPU'} tensors: {why}")
-        want = list(self.gpu_geom) if cuda else [self.comm.layout.relay_rings[0].num_slots,
-                                                 self.comm.layout.relay_rings[0].slot_bytes]
+        want = list(self.gpu_geom) if cuda else [self.lc.layout.relay_rings[0].num_slots,
+                                                 self.lc.layout.relay_rings[0].slot_bytes]
         for r, d in enumerate(ctx.descs):
             if d is not None and d.get("relay_geom", want) != want:
                 raise PeerMismatchError(f"relay lane: rank {r} cuts its relay buffer into {d['relay_geom']} "
@@ -139,19 +139,19 @@ class RelayLane(GpuLaneMixin, Lane):
         return self._post_gpu(ctx, transfers) if cuda else self._post_cpu(ctx, transfers)
 
     def _counters(self):
-        lay = self.comm.layout
+        lay = self.lc.layout
         return (lambda r: lay.counter("relay_arrive", r), lambda r: lay.counter("relay_finish", r),
                 lambda v: lay.counter("relay_full", v), lambda v, c: lay.counter("relay_done", v, c))
 
     def _post_gpu(self, ctx: OpContext, transfers: list[Transfer]) -> LaneRun:
         if self._last_cpu is not None and self._last_cpu.thread is not None:
             self._last_cpu.thread.join()     # a CPU-tensor relay call still writes our counters
-        comm, me = self.comm, ctx.rank
+        lc, me = self.lc, ctx.rank
         slots, slot_bytes = self.gpu_geom
-        sched = schedule(transfers, comm.world_size, slot_bytes, self.cursors)
+        sched = schedule(transfers, lc.world_size, slot_bytes, self.cursors)
         self.seq += 1
         seq = self.seq
-        base = comm.seg_dev_ptr
+        base = lc.seg_dev_ptr
         arrive, finish, full, done = self._counters()
         ps, cs = self.produce_stream, self.consume_stream
         start = self._begin(ctx, cs)
@@ -195,16 +195,16 @@ class RelayLane(GpuLaneMixin, Lane):
         return self.ce._peer_ptr(peer, {"ce_h": desc[h], "ce_base": desc[b], "ce_off": desc[o]})
 
     def _post_cpu(self, ctx: OpContext, transfers: list[Transfer]) -> LaneRun:
-        comm, me = self.comm, ctx.rank
-        seg, lay = comm.segment, comm.layout
+        lc, me = self.lc, ctx.rank
+        seg, lay = lc.segment, lc.layout
         rings = lay.relay_rings
-        sched = schedule(transfers, comm.world_size, rings[0].slot_bytes, self.cursors)
+        sched = schedule(transfers, lc.world_size, rings[0].slot_bytes, self.cursors)
         self.seq += 1
         stage = sched.staged_by(me, "source")
         consume = sched.consumed_by(me)
         drain = list(sched.drain.get(me, ()))
         _, _, full, done = self._counters()
-        mem = comm.segment_tensor
+        mem = lc.segment_tensor
         inp, outs = ctx.inp, ctx.outs
         timeout = envs.get("BRAID_TIMEOUT_S")
         previous = self._last_cpu
@@ -272,7 +272,7 @@ class RelayLane(GpuLaneMixin, Lane):
                             f"{waiting_on}); a peer stopped or called another op (BRAID_TIMEOUT_S to change "
                             f"the limit)")
 
-        self._last_cpu = LaneRun(self.kind, thread_fn=run, slowdown=comm.slowdown.get("relay", 1.0))
+        self._last_cpu = LaneRun(self.kind, thread_fn=run, slowdown=lc.slowdown.get("relay", 1.0))
         return self._last_cpu
 
     def close(self) -> None:

@@ -22,24 +22,24 @@ class ShmLane(Lane):
     kind = LaneKind.SHM
     device_type = "cpu"
 
-    def __init__(self, comm):
-        self.comm = comm
+    def __init__(self, lc):
+        self.lc = lc
         # calls on the same rings run in call order (their chunks share the rings): the collective
         # ring, and each direction's pair ring; different rings run side by side (a pair's send
         # and recv in flight together must not wait for each other)
         self._last: dict[tuple, LaneRun] = {}
 
     def available(self) -> tuple[bool, str]:
-        if self.comm.segment is None:
+        if self.lc.segment is None:
             return False, "ranks are not all on one node (no shared segment)"
         return True, ""
 
     def post(self, ctx: OpContext, transfers: list[Transfer]) -> LaneRun:
-        comm = self.comm
-        produce, consume = schedule(transfers, comm.rank, comm.world_size, comm.ring_chunk(ctx.plan.p2p),
-                                    comm.ring_cursors, ctx.plan.p2p)
-        seg, lay, me = comm.segment, comm.layout, comm.rank
-        ring_mem = comm.segment_tensor
+        lc = self.lc
+        produce, consume = schedule(transfers, lc.rank, lc.world_size, lc.ring_chunk(ctx.plan.p2p),
+                                    lc.ring_cursors, ctx.plan.p2p)
+        seg, lay, me = lc.segment, lc.layout, lc.rank
+        ring_mem = lc.segment_tensor
         inp, outs = ctx.inp, ctx.outs
         timeout = envs.get("BRAID_TIMEOUT_S")
 
@@ -89,6 +89,6 @@ class ShmLane(Lane):
                         raise BraidTimeoutError(f"shm lane on rank {me} made no progress for {timeout:.0f} s "
                                                 f"(waiting on rank {peer}); a peer stopped or called another op")
 
-        run_ = LaneRun(self.kind, thread_fn=run, slowdown=comm.slowdown.get("shm", 1.0))
+        run_ = LaneRun(self.kind, thread_fn=run, slowdown=lc.slowdown.get("shm", 1.0))
         self._last[key] = run_
         return run_

@@ -1,0 +1,327 @@
+"""How a call is taken: by the native library whole (NCCL on GPUs, gloo on a CPU communicator) or
+split over braid's lanes, and with which shares. The shares come from the calibration's lane
+costs and the online balancer; the fast path keeps, per call shape, whether the native library
+takes it, so a repeated small call costs a few Python steps besides the library's own. The
+braid backend's forwarding reads the same answers (`whole_*`).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as _c10d   # the options classes
+
+from ..errors import LaneUnavailableError
+from ..executor import Handle
+from ..planner.model import LaneCost, choose_with_native
+
+log = logging.getLogger("braid")
+
+
+# Lane costs before any calibration (HARDWARE.md orders of magnitude; CPU: a guess the
+# calibration replaces). Bandwidth is the op's algorithm bandwidth on that lane alone.
+DEFAULT_COSTS = {
+    "ce": LaneCost(12.0, 360.0), "nccl": LaneCost(10.0, 320.0), "host": LaneCost(30.0, 30.0),
+    "gloo": LaneCost(150.0, 1.0), "shm": LaneCost(60.0, 2.0),
+}
+
+
+class _NativeDone(Handle):
+    """last_handle after a synchronous fast-path call: the native library (NCCL on GPUs, gloo on a
+    CPU communicator) took the whole call, already waited."""
+
+    def __init__(self, lane: str):
+        super().__init__(native=None)
+        self.native_lane = lane
+        self._waited = True
+
+    @property
+    def shares(self) -> dict[str, float]:
+        return {self.native_lane: 1.0}
+
+_NATIVE_DONE = {True: _NativeDone("nccl"), False: _NativeDone("gloo")}    # by communicator.cuda
+
+NATIVE_SHARE_REDS = ("sum", "avg", "min", "max", "product")   # NCCL's own all_reduce may take a share
+
+# the fast path's kinds as braid's op names (the call ledger speaks braid's names)
+_OP_OF = {"allreduce": "all_reduce", "allgather": "all_gather", "reducescatter": "reduce_scatter",
+          "alltoall": "all_to_all_single", "broadcast": "broadcast", "reduce": "reduce"}
+
+_RED_T = type(dist.ReduceOp.SUM)    # plain reduce ops (premul-sum comes as another type); singletons
+
+_FAST_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT)
+
+_OPTS = {"allreduce": _c10d.AllreduceOptions, "reducescatter": _c10d.ReduceScatterOptions,
+         "allgather": _c10d.AllgatherOptions, "alltoall": _c10d.AllToAllOptions,
+         "broadcast": _c10d.BroadcastOptions, "reduce": _c10d.ReduceOptions}
+
+
+def _backend_of(group, device: torch.device):
+    """The backend object (ProcessGroupNCCL) behind `group` for `device`, when this torch exposes
+    it and its methods; None otherwise (the fast path then calls torch.distributed)."""
+    try:
+        be = group._get_backend(device)
+    except Exception:                                   # noqa: BLE001 (any torch without it)
+        return None
+    need = ("allreduce", "_reduce_scatter_base", "_allgather_base", "alltoall_base", "broadcast", "reduce",
+            "send", "recv")
+    return be if all(hasattr(be, m) for m in need) else None
+
+
+class CallPath:
+    """Part of braid.comm.Communicator (a mixin: state lives on the communicator)."""
+
+    # shares -----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def fixed_shares(self, shares: dict[str, float] | None, op: str = "*") -> Iterator[None]:
+        """Use these shares for every op (or one op) inside the block (tests, calibration, bench)."""
+        old = self._fixed
+        self._fixed = None if shares is None else {**(old or {}), op: dict(shares)}
+        self._native_cache.clear()
+        self._fast_clear()
+        try:
+            yield
+        finally:
+            self._fixed = old
+            self._fast_clear()
+
+    def shares_for(self, op: str, nbytes: int, lanes: list[str]) -> dict[str, float]:
+        if not lanes:
+            raise LaneUnavailableError(f"{op}: no lane can move these tensors here "
+                                       f"(unavailable: {self.unavailable}, BRAID_LANES={self.wanted})")
+        if self._fixed is not None:
+            fixed = self._fixed.get(op, self._fixed.get("*"))
+            if fixed is not None:
+                missing = [k for k, v in fixed.items() if v > 0 and k not in lanes]
+                if missing:
+                    raise LaneUnavailableError(f"{op}: lanes {missing} were asked for but are not available here: "
+                                               f"{ {k: self.unavailable.get(k, 'not usable for this device') for k in missing} }")
+                return {k: v for k, v in fixed.items() if v > 0}
+        key = (op, nbytes, tuple(lanes), self.calib_digest)
+        shares = self._share_cache.get(key)
+        if shares is None:
+            table = self.calib.get(f"{op}/{self.world_size}", {})
+            costs = {k: table.get(k, DEFAULT_COSTS[k]) for k in lanes}
+            shares = self.split_rule(op, costs, nbytes)
+            if len(shares) > 1:
+                verdict = self._split_verdict(op, nbytes)
+            elif op in ("all_reduce", "reduce_scatter") and set(shares) <= {"nccl", "gloo"}:
+                # the model keeps NCCL alone: a lane measured faster alone in this very size
+                # bucket (calibrate.ALONE_CHECK) replaces it; nothing else overrides the model
+                verdict = self._split_verdict(op, nbytes, exact=True)
+                verdict = verdict if isinstance(verdict, str) else True
+            else:
+                verdict = True
+            if isinstance(verdict, dict):               # the split, balanced at calibration
+                if len(shares) > 1 and set(verdict) <= set(lanes):
+                    shares = dict(verdict)
+            elif isinstance(verdict, str) and verdict in lanes:
+                shares = {verdict: 1.0}                 # a lane alone measured fastest here
+            elif verdict is not True and ("nccl" in lanes or "gloo" in lanes):
+                shares = {next(k for k in ("nccl", "gloo") if k in lanes): 1.0}
+            if len(self._share_cache) > 4096:
+                self._share_cache.clear()
+            self._share_cache[key] = shares
+        if len(shares) > 1 and self.adapt:
+            bkey = self._bucket(op, nbytes, shares)
+            self.balancer.start(bkey, shares)
+            return self.balancer.shares(bkey)
+        return shares
+
+    def _split_verdict(self, op: str, nbytes: int, exact: bool = False) -> bool | str | dict:
+        """The calibration's verdict for the nearest measured size bucket (with `exact`, only this
+        size's own bucket): True (nothing measured, or an old table's split), the split's shares as
+        balanced there (a dict: the split measured fastest), False (the native lane alone), or the
+        name of the lane that alone measured fastest (`calibrate.split_pays`)."""
+        pays = self.pays.get(f"{op}/{self.world_size}")
+        if not pays:
+            return True
+        b = max(0, int(math.log2(max(nbytes, 1))))
+        if exact:
+            return pays.get(b, True)
+        nearest = min(pays, key=lambda m: (abs(m - b), -m))
+        return pays[nearest]
+
+    def _balancer_key(self, op: str, nbytes: int, lanes: list[str]):
+        """The balancer bucket of this call: keyed by the model's split for it (the balancer may
+        have parked a lane since, so the shares in use can name fewer lanes)."""
+        model = self._share_cache.get((op, nbytes, tuple(lanes), self.calib_digest))
+        return self._bucket(op, nbytes, model) if model and len(model) > 1 else None
+
+    @staticmethod
+    def _bucket(op: str, nbytes: int, shares: dict[str, float]) -> tuple:
+        from ..planner.balancer import OnlineBalancer
+        return OnlineBalancer.bucket(op, nbytes) + (tuple(sorted(shares)),)
+
+    def _observation(self, op: str):
+        """The last split call of this op, if it has finished here: (bucket, shares, lane times)."""
+        pending = self._pending.pop(op, None)
+        if pending is None:
+            return None
+        bkey, used, handle = pending
+        if not handle.is_completed():
+            return None
+        return [list(bkey[:2]) + [list(bkey[2])], used, handle.lane_times_us()]
+
+    def _learn(self, descs: list) -> None:
+        """Feed the balancer the slowest rank's lane times of the previous split call, when every
+        rank reported it (so every rank makes the same move)."""
+        obs = [d.get("obs") for d in descs if d is not None]
+        if not obs or any(o is None for o in obs):
+            return
+        first = obs[0]
+        if any(o[0] != first[0] or o[1] != first[1] for o in obs):
+            return
+        bkey = (obs[0][0][0], obs[0][0][1], tuple(obs[0][0][2]))
+        times = {k: max(o[2].get(k, 0.0) for o in obs) for k in obs[0][1]}
+        self.balancer.observe(bkey, obs[0][1], times)
+
+    def split_rule(self, op: str, costs: dict[str, LaneCost], nbytes: int) -> dict[str, float]:
+        """Shares from lane costs. braid's broadcast lanes are stars from the root (every peer
+        reads the root), which only pays for 2 ranks; beyond that the copy engines sit out."""
+        exclude = ("ce",) if op == "broadcast" and self.world_size > 2 else ()
+        return choose_with_native(costs, nbytes, "nccl", exclude,
+                                  single_ok=op in ("all_reduce", "reduce_scatter"),
+                                  native_share=op == "all_reduce" and self.cuda)
+
+    def _native_ok(self, shares: dict[str, float]) -> bool:
+        """One lane that is a library of its own (NCCL, gloo): call its collective directly."""
+        return len(shares) == 1 and next(iter(shares)) in ("nccl", "gloo") and not self.check
+
+    def _native_group(self, shares: dict[str, float]):
+        return self.native_group if "nccl" in shares else self.gloo_group
+
+    def _native_for(self, op: str, nbytes: int) -> bool:
+        """Cached: will this op at this size go to the native library's own call (NCCL on GPUs,
+        gloo on CPU communicators)? (the small-message fast path)"""
+        if self._fixed is not None or self.check:
+            return False
+        key = (op, nbytes, self.calib_digest)
+        hit = self._native_cache.get(key)
+        if hit is None:
+            lanes = self.lanes_for(self.device)
+            # a world of one rank has nothing to split: the native library's call is a local copy
+            hit = bool(lanes) and (self.world_size == 1 or self._native_ok(self.shares_for(op, nbytes, lanes)))
+            if len(self._native_cache) > 4096:
+                self._native_cache.clear()
+            self._native_cache[key] = hit
+        return hit
+
+    def _fast_ok(self, *tensors) -> bool:
+        """Cheap checks for the fast path: CUDA tensors on our device, contiguous. Anything else
+        takes the full path, which validates and explains."""
+        if not self.cuda or self.closed:
+            return False
+        idx = self.device.index
+        for t in tensors:
+            if type(t) is not torch.Tensor or not t.is_cuda or t.get_device() != idx or not t.is_contiguous():
+                return False
+        return True
+
+    # the braid backend's forwarding ------------------------------------------------------------
+    # Under init_process_group("braid"), a call that the native library takes whole goes from the
+    # backend straight to its inner NCCL (gloo) group, with torch's own options object, and the
+    # caller gets that library's Work: its future, its stream semantics, no braid object per call.
+    # These read the fast path's answer for the call shape; a shape not seen yet answers False, so
+    # its first call takes the full path, which fills the answer in (the same facts on every rank).
+    def _takes(self, t) -> bool:
+        """A tensor the fast path's answers apply to (all_reduce's test is written out in the
+        backend: the same as whole_reduce_scatter's, for one tensor)."""
+        return (type(t) is torch.Tensor and t.is_cuda is self.cuda and t.is_contiguous() and not self.closed
+                and not self.aborted)
+
+    def whole_reduce_scatter(self, out, inp, op) -> bool:
+        if not (self._takes(inp) and self._takes(out)):
+            return False
+        ent = self._fast_rs.get(inp.numel())
+        return (ent is not None and ent[-1] and ent[0] is inp.dtype and ent[1] == op
+                and ent[2] == out.numel() and out.dtype is inp.dtype)
+
+    def whole_all_gather(self, out, inp) -> bool:
+        if not (self._takes(inp) and self._takes(out)):
+            return False
+        ent = self._fast_ag.get(inp.numel())
+        return ent is not None and ent[-1] and ent[0] is inp.dtype and ent[1] == out.numel() and out.dtype is inp.dtype
+
+    def whole_broadcast(self, t, root: int) -> bool:
+        if not self._takes(t):
+            return False
+        ent = self._fast_bc.get(t.numel())
+        return ent is not None and ent[-1] and ent[0] is t.dtype and ent[1] == root
+
+    def whole_all_to_all(self, out, inp) -> bool:
+        """Balanced all_to_all_single (no split sizes) only: uneven calls agree per call."""
+        if not (self._takes(inp) and self._takes(out)) or inp.dim() == 0:
+            return False
+        ent = self._fast_a2a.get(inp.numel())
+        return (ent is not None and ent[-1] and ent[0] is inp.dtype and ent[1] == inp.size(0)
+                and ent[2] == out.numel() and out.dtype is inp.dtype)
+
+    def _fast_put(self, table: dict, n: int, sig: tuple, hit: bool) -> tuple:
+        """The fast path (whole calls that the native library's own collective takes: NCCL for
+        CUDA tensors, gloo on a CPU communicator; e.g. every small message) costs a few Python
+        steps per call: the answer for a call shape
+        (element count -> dtype and the other shape facts, then the answer) is computed once
+        here, with the full checks, and kept until it may change (fixed shares, a new
+        calibration, close). NCCL (gloo) checks device and layout itself, with its own errors."""
+        if len(table) > 1024:
+            table.clear()
+        ent = table[n] = sig + (bool(hit) and not self.closed and not self.aborted,)
+        return ent
+
+    def _fast_clear(self) -> None:
+        for t in (self._fast_ar, self._fast_rs, self._fast_ag, self._fast_a2a, self._fast_a2av, self._fast_bc):
+            t.clear()
+
+    def _finish(self, work, async_op: bool):
+        handle = Handle(native=work)
+        handle.native_lane = "nccl" if self.cuda else "gloo"
+        self.last_handle = handle
+        if async_op:
+            return handle
+        work.wait()
+        return None
+
+    def _opts(self, kind: str, async_op: bool, op=None, root: int = 0):
+        """torch's options object for a fast-path call, built once per (kind, op, root, async)."""
+        key = (kind, op, root, async_op)
+        o = self._fast_opts.get(key)
+        if o is None:
+            o = _OPTS[kind]()
+            if op is not None:
+                o.reduceOp = op
+            if kind in ("broadcast", "reduce"):
+                o.rootRank, o.rootTensor = root, 0
+            if hasattr(o, "asyncOp"):
+                o.asyncOp = async_op     # synchronous: NCCL runs on the caller's stream (torch >= 2.8)
+            if len(self._fast_opts) > 256:
+                self._fast_opts.clear()
+            self._fast_opts[key] = o
+        return o
+
+    def _native_fast(self, method: str, args: tuple, kind: str, async_op: bool, op=None, root: int = 0,
+                     fallback=None, counted: bool = False):
+        """The fast path's call: the NCCL backend's own method with cached options, as
+        torch.distributed's wrapper would make it, without the wrapper's per-call checks (the
+        fast path made them once per call shape). Without that backend object: `fallback`."""
+        x = args[1] if len(args) > 1 else (args[0][0] if type(args[0]) is list else args[0])
+        if not counted:
+            self.ncalls += 1
+        self.last_call = (_OP_OF[kind], x.numel() * x.element_size(), x.dtype, "whole")
+        be = self._fast_be
+        if be is None:
+            if self._p2p_pending and not self.cuda:    # as _run does before a collective (CPU)
+                self._flush_p2p()
+            work = fallback(async_op)
+        else:
+            work = getattr(be, method)(*args, self._opts(kind, async_op, op, root))
+        if async_op:
+            return self._finish(work, True)
+        if work is not None:
+            work.wait()
+        self.last_handle = self._native_done
+        return None

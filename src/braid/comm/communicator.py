@@ -1,0 +1,434 @@
+"""The Communicator: braid's ops over a torch.distributed world, split across lanes.
+
+Each op: check arguments locally -> decide the split (shares) -> either NCCL's own op when NCCL
+alone is best (small messages), or: exchange call descriptors through the node segment (every
+rank sees every rank's sizes, dtype, IPC handle), check that they agree, plan, and run the plan on
+the lanes. Calls return at once; `async_op=False` makes the current stream wait (GPU) or blocks
+until done (CPU), like torch.distributed.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from .. import envs
+from ..collectives import check_rank, input_bytes, output_bytes, same_dtype
+from ..errors import MisuseError
+from ..executor import Handle
+from ..node import Layout, NodeSegment
+from ..planner.model import LaneCost
+from ..planner.plan import CPU_LANES, GPU_LANES, LaneKind, all_gather_movement, broadcast_movement
+from ..planner.rings import COLL, PAIR, RingCursor, ring_id
+
+from .p2p import PendingP2P
+
+log = logging.getLogger("braid")
+
+from ..lanes.base import LaneContext
+from .callpath import CallPath, _NATIVE_DONE, _backend_of
+from .exchange import Exchange
+from .ledger import Ledger, _Watchdog, _call
+from .p2p import PointToPoint
+from .reductions import Reductions
+from .routing import Routing
+
+
+OPS = ("send_recv", "broadcast", "all_gather", "all_to_all_single", "all_reduce", "reduce_scatter", "reduce")
+
+class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger):
+    """braid over the default torch.distributed group (one process per GPU, or CPU processes).
+
+    Lanes: nccl, ce and host for CUDA tensors; gloo and shm for CPU tensors. `lanes` (or
+    BRAID_LANES) restricts them; unavailable lanes are skipped with one log line.
+    """
+
+    def __init__(self, group=None, lanes: list[str] | None = None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise MisuseError("braid.Communicator needs torch.distributed initialised first: "
+                              "dist.init_process_group('nccl' or 'gloo') (torchrun sets the rendezvous)")
+        if group is not None and group is not dist.group.WORLD and dist.get_world_size(group) != dist.get_world_size():
+            raise MisuseError("braid supports the default (world) group in this version; pass group=None")
+        level = str(envs.get("BRAID_LOG_LEVEL")).upper()
+        log.setLevel(getattr(logging, level, logging.WARNING))
+        if not log.handlers and not logging.getLogger().handlers:
+            logging.basicConfig(format="%(name)s %(levelname)s: %(message)s")
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self._init_state(lanes)
+        self._init_groups()
+        # what the lanes get of this communicator (they never see the communicator itself)
+        self.lane_ctx = LaneContext(self.rank, self.world_size, self.device, self.segment, self.layout,
+                                    self.segment_tensor, self.seg_dev_ptr, self.ring_cursors)
+        self._lanes = self.lane_ctx.lanes = self._make_lanes()
+        self.watchdog = None
+        if self.segment is not None:
+            me = weakref.ref(self)        # the segment and the watchdog must not keep self alive
+            self.segment.on_wait = lambda *a: _call(me, "_on_wait", *a)
+            self.segment.on_timeout = lambda *a: _call(me, "_on_timeout", *a)
+            self.watchdog = _Watchdog(self.segment, self.rank, self.world_size, self.cuda,
+                                      status=lambda: _call(me, "_status"),
+                                      on_peer_abort=lambda why: _call(me, "_abort_native", why))
+        self._closer = weakref.finalize(self, _finalize, self.segment, self.seg_dev_ptr, self.watchdog)
+        self.load_calibration()
+
+    # set-up -----------------------------------------------------------------------------------
+    def _init_state(self, lanes) -> None:
+        """Every attribute the ops keep between calls, and the lanes asked for."""
+        self.closed = False
+        self._fixed: dict[str, dict[str, float]] | None = None
+        self.last_handle: Handle | None = None
+        self.calib: dict[str, dict[str, LaneCost]] = {}
+        self.pays: dict[str, dict[int, bool | str | dict]] = {}
+        self.calib_digest = "default"
+        self._share_cache: dict = {}
+        self._native_cache: dict = {}
+        self._fast_ar: dict = {}     # the fast path's answers per op (see _fast_put)
+        self._fast_rs: dict = {}
+        self._fast_ag: dict = {}
+        self._fast_a2a: dict = {}
+        self._fast_a2av: dict = {}   # uneven all_to_all: (in, out elements) -> shape facts, may agree fast
+        self._small_run = 0          # uneven calls in a row agreed small (see _uneven_small)
+        self._desc_memo: dict = {}   # every rank's descriptor digest -> those descriptors (recent full exchanges)
+        self._fast_bc: dict = {}
+        from ..planner.balancer import OnlineBalancer
+        self.balancer = OnlineBalancer()
+        self.adapt = True                    # stage 2 on; comm.adapt = False freezes the shares
+        self._pending: dict[str, tuple] = {}   # op -> (bucket key, shares used, handle) of its last split call
+        from ..collectives.routed import RoutedAllToAll
+        self._routed = RoutedAllToAll(self.world_size)
+        self._routed_seq = 0                    # skewed calls observed so far (same on every rank)
+        self._routed_pending: list = []         # [seq, handle, cycle, times] of each observed call
+        self._cycle_open = None                 # the last skewed call's cycle, ended by the next one
+        self.routing = envs.get("BRAID_ROUTE")      # skewed all_to_all through the router: auto/on/off
+        self.last_route: tuple[float, float] | None = None
+        self._p2p_pending: list["PendingP2P"] = []                  # posted, peer's side not read yet
+        self._staged_buf = None                 # reductions' slot scratch on GPUs, reused
+        self._staged_end = None                 # the last staged reduction's end event
+        self._ce_red = None
+        self._nccl_stream = None                # NCCL's share of split all_reduces
+        self.check = envs.get("BRAID_CHECK")   # read once, when the communicator is created
+        # the call ledger: collective calls made so far (every path), and the last one as
+        # (op, bytes, dtype, path); published to the node segment so that peers can tell a
+        # mismatch from a slow rank and name both calls (see _on_wait)
+        self.ncalls = 0
+        self.last_call: tuple = ("", 0, None, "")
+        self.aborted = ""                   # why abort() was called (the communicator is unusable)
+        self._plan_cache: dict = {}
+        wanted = lanes if lanes is not None else envs.get("BRAID_LANES")
+        known = [k.value for k in LaneKind]
+        unknown = [x for x in (wanted or ()) if str(x) not in known]
+        if unknown:
+            raise MisuseError(f"unknown lane(s) {unknown} (from {'lanes=' if lanes is not None else 'BRAID_LANES'}); "
+                              f"valid lanes: {known}")
+        self.wanted = None if wanted is None else {LaneKind(str(x)).value for x in wanted}
+
+    def _init_groups(self) -> None:
+        """braid's gloo group, the device, the node (a shared segment when every rank is on one
+        host), braid's NCCL group and where whole calls go."""
+        self.gloo_group = dist.new_group(backend="gloo")
+        # GPU lanes under an NCCL default group, or under braid's own backend (its default group
+        # is braid's: whole calls then go to braid's NCCL group below, never to the default group)
+        backend = str(dist.get_backend()).lower()
+        self.cuda = torch.cuda.is_available() and dist.is_nccl_available() and ("nccl" in backend or backend == "braid")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+        ids = [None] * self.world_size
+        dist.all_gather_object(ids, (socket.gethostname(), _boot_id(), os.getpid(),
+                                     self.device.index if self.cuda else -1), group=self.gloo_group)
+        self.single_node = len({(h, b) for h, b, _, _ in ids}) == 1
+        if self.cuda:
+            _check_gpus_per_host(ids)
+
+        self.layout = self.segment = self.segment_tensor = self.seg_dev_ptr = None
+        self.ring_cursors: dict[tuple, RingCursor] = {}
+        if self.single_node:
+            self._open_segment()
+        self.nccl_group = None
+        if self.cuda:
+            self.nccl_group = dist.new_group(backend="nccl")
+            warm = torch.zeros(1, device=self.device)
+            dist.all_reduce(warm, group=self.nccl_group)   # create the NCCL communicator now
+        # where whole calls go to NCCL's own collective: the default group when it is NCCL (the
+        # communicator the caller's own NCCL calls use: measured ~10 us per call faster at 1-4 MiB
+        # than a second communicator from new_group on 2 and 4 x H200), else braid's group. The
+        # nccl lane's share of split calls stays on braid's group, beside the other lanes.
+        self.native_group = self.nccl_group
+        if self.cuda and "nccl" in str(dist.get_backend()).lower():
+            self.native_group = dist.group.WORLD
+        self._fast_be = _backend_of(self.native_group, self.device) if self.cuda else None
+        # the fast path's library call: NCCL's group on GPUs; on a CPU communicator, gloo's own
+        # (never the default group: under init_process_group("braid") that is braid itself)
+        self._fast_group = self.native_group if self.cuda else self.gloo_group
+        self._fast_opts: dict = {}
+        self._native_done = _NATIVE_DONE[self.cuda]     # last_handle after a whole native call
+
+    def _open_segment(self) -> None:
+        chunk = envs.get("BRAID_HOST_CHUNK_KB") << 10
+        wanted_budget = envs.get("BRAID_HOST_BUFFER_MB") << 20   # every rank reads (and rejects) settings
+        # CPU relays stage in the segment; GPU relays stage in device memory (a small area here
+        # serves CPU tensors passed to a GPU communicator)
+        wanted_relay = (1 << 20) if self.cuda else envs.get("BRAID_RELAY_BUFFER_MB") << 20
+        box = [None]
+        if self.rank == 0:     # decide the size, create the segment, then tell the others its name
+            budget, relay = _fit_shm(self.world_size, wanted_budget, chunk, wanted_relay)
+            self.layout = Layout(self.world_size, budget, chunk, relay)
+            box = [(NodeSegment.new_name(), budget, relay)]
+            self.segment = NodeSegment(box[0][0], self.layout, self.rank, create=True, spin_s=self._spin_s())
+        dist.broadcast_object_list(box, src=0, group=self.gloo_group)
+        name, budget, relay = box[0]
+        self.layout = Layout(self.world_size, budget, chunk, relay)
+        name = [name]
+        try:
+            if self.rank != 0:
+                self.segment = NodeSegment(name[0], self.layout, self.rank, create=False, spin_s=self._spin_s())
+        finally:
+            dist.barrier(group=self.gloo_group)
+            if self.rank == 0:
+                self.segment.unlink()          # nothing stays in /dev/shm, even after a crash
+        self.segment_tensor = torch.frombuffer(self.segment.mm, dtype=torch.uint8)
+        for r in range(self.world_size):
+            self.ring_cursors[ring_id(COLL, r)] = RingCursor(self.layout.coll_rings[r].num_slots)
+            for d in range(self.world_size):
+                if d != r:
+                    self.ring_cursors[ring_id(PAIR, r, d)] = RingCursor(self.layout.pair_rings[(r, d)].num_slots)
+        if self.cuda:
+            try:
+                from ..lanes import _cuda
+                self.seg_dev_ptr = _cuda.host_register(self.segment.address, self.layout.total_bytes)
+            except (OSError, Exception) as exc:   # no driver symbol, registration refused
+                log.warning("braid: cannot pin the node segment (%s); ce and host lanes are off", exc)
+                self.seg_dev_ptr = None
+
+    def _spin_s(self) -> float:
+        return 0.002 if self.cuda else 0.00005
+
+    def _make_lanes(self) -> dict[str, object]:
+        from ..lanes.gloo import GlooLane
+        from ..lanes.shm import ShmLane
+        lanes: dict[str, object] = {"gloo": GlooLane(self.gloo_group), "shm": ShmLane(self.lane_ctx)}
+        if self.cuda:
+            from ..lanes.ce import CeLane
+            from ..lanes.host import HostLane
+            from ..lanes.nccl import NcclLane
+            lanes["nccl"] = NcclLane(self.nccl_group, self.device)
+            lanes["ce"] = CeLane(self.lane_ctx, self.device)
+            lanes["host"] = HostLane(self.lane_ctx, self.device)
+        from ..lanes.relay import RelayLane     # GPU or CPU engine, picked per call by the tensors
+        lanes["relay"] = RelayLane(self.lane_ctx, lanes.get("ce"), self.device if self.cuda else None)
+        self.unavailable: dict[str, str] = {}
+        for name, lane in list(lanes.items()):
+            ok, why = lane.available()
+            if not ok:
+                self.unavailable[name] = why
+                if self.wanted is not None and name in self.wanted:    # asked for by name: say so
+                    log.warning("braid: lane %s was asked for but is not available: %s", name, why)
+                elif self.wanted is None:
+                    log.info("braid: lane %s is not available: %s", name, why)
+        if self.wanted is not None:
+            for name in self.wanted:
+                if name not in lanes:
+                    self.unavailable[name] = "needs CUDA tensors and an NCCL backend" if name in ("nccl", "ce", "host") else "unknown"
+        return lanes
+
+    def lane(self, name: str):
+        return self._lanes[name]
+
+    def lanes_for(self, device: torch.device) -> list[str]:
+        """Lane names usable here for tensors on `device`, in plan order."""
+        kinds = GPU_LANES if device.type == "cuda" else CPU_LANES
+        return [k.value for k in kinds if k.value in self._lanes and k.value not in self.unavailable
+                and (self.wanted is None or k.value in self.wanted)]
+
+    @property
+    def slowdown(self) -> dict[str, float]:
+        """Test/bench hook: CPU lane name -> time multiplier (the lanes read it per call)."""
+        return self.lane_ctx.slowdown
+
+    @slowdown.setter
+    def slowdown(self, value: dict[str, float]) -> None:
+        self.lane_ctx.slowdown = dict(value)
+
+    # ops ----------------------------------------------------------------------------------------
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        op = "all_gather"
+        if (type(input) is torch.Tensor and type(output) is torch.Tensor and input.is_cuda is self.cuda
+                and output.is_cuda is self.cuda and input.is_contiguous() and output.is_contiguous()):
+            n, dt = input.numel(), input.dtype
+            ent = self._fast_ag.get(n)
+            if ent is None or ent[0] is not dt or ent[1] != output.numel():
+                ent = self._fast_put(self._fast_ag, n, (dt, output.numel()), dt is output.dtype
+                                     and output.numel() == n * self.world_size
+                                     and self._native_for(op, n * input.element_size()))
+            if ent[-1]:
+                return self._native_fast("_allgather_base", (output, input), "allgather", async_op, fallback=lambda a:
+                                         dist.all_gather_into_tensor(output, input, group=self._fast_group, async_op=a))
+        dev = self._device_for(input)
+        ib = input_bytes(input, "input", dev, op)
+        ob = output_bytes(output, "output", dev, op)
+        same_dtype(input, output, op)
+        if ob.numel() != ib.numel() * self.world_size:
+            raise MisuseError(f"{op}: output has {output.numel()} elements, need input.numel() * world_size = "
+                              f"{input.numel()} * {self.world_size}")
+        n = ib.numel()
+        desc = {"op": op, "dtype": str(input.dtype), "nbytes": n}
+        return self._run(op, desc, n, ib, [ob], lambda d: (n, ("ag", n, False), lambda: all_gather_movement(self.world_size, n, False)),
+                         lambda g: dist.all_gather_into_tensor(ob, ib, group=g, async_op=True),
+                         ("op", "dtype", "nbytes"), async_op)
+
+    def all_gather(self, output_list: list[torch.Tensor], input: torch.Tensor, async_op: bool = False):
+        op = "all_gather"
+        dev = self._device_for(input)
+        ib = input_bytes(input, "input", dev, op)
+        if not isinstance(output_list, (list, tuple)) or len(output_list) != self.world_size:
+            raise MisuseError(f"{op}: output_list must be a list of world_size={self.world_size} tensors")
+        outs = []
+        for i, o in enumerate(output_list):
+            outs.append(output_bytes(o, f"output_list[{i}]", dev, op))
+            same_dtype(input, o, op, ("input", f"output_list[{i}]"))
+            if o.numel() != input.numel():
+                raise MisuseError(f"{op}: output_list[{i}] has {o.numel()} elements, input has {input.numel()}")
+        n = ib.numel()
+        desc = {"op": op, "dtype": str(input.dtype), "nbytes": n}
+        return self._run(op, desc, n, ib, outs, lambda d: (n, ("ag", n, True), lambda: all_gather_movement(self.world_size, n, True)),
+                         lambda g: dist.all_gather(list(outs), ib, group=g, async_op=True),
+                         ("op", "dtype", "nbytes"), async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
+        op = "broadcast"
+        if type(tensor) is torch.Tensor and type(src) is int and tensor.is_cuda is self.cuda and tensor.is_contiguous():
+            n, dt = tensor.numel(), tensor.dtype
+            ent = self._fast_bc.get(n)
+            if ent is None or ent[0] is not dt or ent[1] != src:
+                ent = self._fast_put(self._fast_bc, n, (dt, src), 0 <= src < self.world_size
+                                     and self._native_for(op, n * tensor.element_size()))
+            if ent[-1]:
+                return self._native_fast("broadcast", ([tensor],), "broadcast", async_op, root=src, fallback=lambda a:
+                                         dist.broadcast(tensor, src=src, group=self._fast_group, async_op=a))
+        dev = self._device_for(tensor)
+        check_rank(src, self.world_size, "src", op)
+        tb = output_bytes(tensor, "tensor", dev, op)
+        n = tb.numel()
+        desc = {"op": op, "dtype": str(tensor.dtype), "nbytes": n, "root": src}
+        inp = tb if self.rank == src else None
+        return self._run(op, desc, n, inp, [tb], lambda d: (n, ("bc", n, src), lambda: broadcast_movement(self.world_size, n, src)),
+                         lambda g: dist.broadcast(tb, src=src, group=g, async_op=True),
+                         ("op", "dtype", "nbytes", "root"), async_op)
+
+    # helpers -----------------------------------------------------------------------------------------
+    def _device_for(self, t) -> torch.device:
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            if not self.cuda:
+                raise MisuseError("CUDA tensor passed, but this communicator has no GPU lanes "
+                                  "(initialise torch.distributed with the 'nccl' backend)")
+            return self.device
+        return torch.device("cpu")
+
+    # calibration -------------------------------------------------------------------------------------
+    def calibration_key(self) -> dict:
+        from ..calibrate import machine_key
+        return machine_key(self)
+
+    def load_calibration(self) -> None:
+        """Rank 0 reads the cached calibration (if any) and every rank takes the same copy."""
+        from ..calibrate import load
+        box = [load(self) if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self.gloo_group)
+        self.set_calibration(box[0] or {})
+
+    def set_calibration(self, table: dict) -> None:
+        self.pays = {op[: -len("/pays")]: {int(b): v if isinstance(v, (str, dict)) else bool(v) for b, v in t.items()}
+                     for op, t in table.items() if op.endswith("/pays")}
+        self.calib = {op: {k: LaneCost(**v) if isinstance(v, dict) else v for k, v in lanes.items()}
+                      for op, lanes in table.items() if not op.endswith(("/pays", "/timed"))}
+        text = json.dumps({"costs": {op: {k: c.to_dict() for k, c in v.items()} for op, v in self.calib.items()},
+                           "pays": self.pays}, sort_keys=True)
+        self.calib_digest = hashlib.sha1(text.encode()).hexdigest()[:12] if self.calib else "default"
+        self._native_cache.clear()
+        if getattr(self, "_fast_ar", None) is not None:
+            self._fast_clear()
+        if getattr(self, "balancer", None) is not None:   # a new calibration restarts stage 2
+            from ..planner.balancer import OnlineBalancer
+            self.balancer = OnlineBalancer()
+            self._pending.clear()
+
+    def close(self) -> None:
+        """Release lanes, pinned memory and the shared segment. Idempotent; no collective calls."""
+        if self.closed:
+            return
+        self.closed = True
+        self._fast_clear()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        for lane in self._lanes.values():
+            lane.close()
+        if self._ce_red is not None:
+            self._ce_red.close()
+        self._staged_buf = self._staged_end = self._ce_red = None
+        self._closer()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _fit_shm(world_size: int, budget: int, chunk: int, relay: int = 0) -> tuple[int, int]:
+    """Shrink the per-rank host buffer and relay staging so the node segment fits in /dev/shm (a
+    container's default /dev/shm is 64 MiB; writing past it kills the process with SIGBUS instead
+    of an error). Both are halved together; returns (host buffer bytes, relay staging bytes)."""
+    try:
+        st = os.statvfs("/dev/shm")
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        return budget, relay
+    need = Layout(world_size, budget, chunk, relay).total_bytes
+    if need <= free * 0.9:
+        return budget, relay
+    fitted, fitted_relay = budget, relay
+    while fitted > (64 << 10) and Layout(world_size, fitted, chunk, fitted_relay).total_bytes > free * 0.9:
+        fitted //= 2
+        fitted_relay = max(fitted_relay // 2, 64 << 10) if relay else 0
+    log.warning("braid: /dev/shm has %d MiB free, too little for BRAID_HOST_BUFFER_MB=%d (and %d MiB of relay "
+                "staging) on %d ranks; using %d KiB per rank and %d KiB of relay staging (host, shm and relay "
+                "lanes get slower; enlarge /dev/shm to fix)",
+                free >> 20, budget >> 20, relay >> 20, world_size, fitted >> 10, fitted_relay >> 10)
+    return fitted, fitted_relay
+
+
+def _finalize(segment, seg_dev_ptr, watchdog=None) -> None:
+    if watchdog is not None:
+        watchdog.stop()
+    if seg_dev_ptr is not None and segment is not None and not segment.closed:
+        try:
+            from ..lanes import _cuda
+            _cuda.host_unregister(segment.address)
+        except Exception as exc:   # at interpreter exit the driver may be gone already
+            log.debug("braid: unregister at close failed: %s", exc)
+    if segment is not None:
+        segment.close()
+
+
+def _check_gpus_per_host(ids: list) -> None:
+    """Every rank of a host on its own GPU. `ids`: (hostname, boot id, pid, GPU index) per rank.
+    The same index on two hosts is normal (each rank on cuda:LOCAL_RANK)."""
+    seen: dict[tuple, int] = {}
+    for rank, (host, boot, _, dev) in enumerate(ids):
+        other = seen.setdefault((host, boot, dev), rank)
+        if other != rank:
+            raise MisuseError(f"ranks {other} and {rank} both use GPU {dev} of host {host}; call "
+                              f"torch.cuda.set_device(local_rank) before creating the communicator")
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""

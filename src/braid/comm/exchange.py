@@ -1,0 +1,321 @@
+"""The full path of every op: agree on the call across ranks (descriptors through the node segment,
+digests for repeated calls), plan the movement with the agreed shares, and post it on the lanes.
+`run_plan` runs a plan given by the caller (routed plans, tests).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+
+from .. import envs
+from ..collectives import input_bytes, output_bytes
+from ..errors import BraidTimeoutError, LaneFailureError, LaneUnavailableError, MisuseError, PeerMismatchError
+from ..executor import Handle, as_handle, execute
+from ..planner.plan import Plan, split
+
+from .routing import _DECLINED, _Cycle
+
+log = logging.getLogger("braid")
+
+
+P2P_DESC_BYTES = 2048
+
+DESC_MEMO = 16               # full descriptor exchanges remembered for repeated calls (_exchange_node)
+
+
+def _check_plan_bounds(plan: Plan, descs: list) -> None:
+    """Every byte range of the plan lies inside the tensors its ranks passed (every rank checks
+    every rank from the exchanged sizes, so all raise alike)."""
+    def outside(rank: int, buf: int | None, off: int, n: int) -> str | None:
+        if not 0 <= rank < len(descs):
+            return f"rank {rank} is not a rank of this world of {len(descs)}"
+        d = descs[rank]
+        if buf is None:
+            size = d["in"]
+            what = f"rank {rank}'s input ({size} bytes)"
+        elif buf >= len(d["outs"]):
+            return f"rank {rank} passed {len(d['outs'])} outputs, the plan writes output {buf}"
+        else:
+            size = d["outs"][buf]
+            what = f"rank {rank}'s outputs[{buf}] ({size} bytes)"
+        if off < 0 or off + n > size:
+            return f"bytes [{off}, {off + n}) are outside {what}"
+        return None
+
+    problems = []
+    for name, transfers in plan.lanes.items():
+        for t in transfers:
+            problems.append(outside(t.src, None, t.src_off, t.nbytes))
+            problems += [outside(r, b, off, t.nbytes) for r, b, off in t.dsts]
+    for c in plan.local:
+        problems += [outside(c.rank, None, c.src_off, c.nbytes), outside(c.rank, c.buf, c.dst_off, c.nbytes)]
+    bad = [p for p in problems if p]
+    if bad:
+        raise MisuseError(f"run_plan: the plan does not fit the tensors passed: {bad[0]}"
+                          + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
+
+
+class Exchange:
+    """Part of braid.comm.Communicator (a mixin: state lives on the communicator)."""
+
+    # descriptor exchange --------------------------------------------------------------------------
+    def _exchange_node(self, desc: dict) -> list:
+        """Every rank's descriptor for a collective through the node segment. A call repeating a
+        recently exchanged one on every rank (same shapes, buffers, lanes, nothing new to report:
+        a training loop's buckets, a bench loop) needs no JSON round: each rank posts a 63-bit
+        digest of its descriptor (`hash` of its repr, stable within the process), and when every
+        rank's digests match those of one of the last DESC_MEMO full exchanges, that exchange's
+        descriptors are the answer (4 x H200: the JSON round took 50-260 us of a 256 MiB
+        reduce_scatter's ~470). Otherwise the full exchange follows. Every rank decides from the
+        same posted values and the same memo, so all take the same branch."""
+        seg = self.segment
+        digest = hash(repr(desc)) & 0x7FFFFFFFFFFFFFFF
+        key = tuple(g[0] for g in seg.read_values(seg.post_values([digest]), str(desc.get("op"))))
+        memo = self._desc_memo
+        hit = memo.get(key)
+        if hit is not None:
+            return list(hit)
+        descs = seg.exchange_collective(desc, list(range(self.world_size)))
+        if len(memo) >= DESC_MEMO:
+            memo.pop(next(iter(memo)))
+        memo[key] = descs
+        return descs
+
+    def _exchange(self, desc: dict, inp: torch.Tensor | None, lanes: list[str], peer: int | None = None) -> list:
+        desc = dict(desc, lanes=lanes, calib=self.calib_digest, rank=self.rank)
+        if "ce" in lanes:
+            desc.update(self._lanes["ce"].descriptor(inp))
+        if self.segment is not None:
+            if peer is None:
+                return self._exchange_node(desc)
+            got = [None] * self.world_size
+            got[self.rank] = desc
+            got[peer] = self.segment.exchange_pair(desc, peer, desc.get("src") == self.rank)
+            return got
+        if peer is not None:   # no shared segment: the pair swaps descriptors through gloo
+            got = [None] * self.world_size
+            got[self.rank] = desc
+            data = json.dumps(desc).encode()
+            mine = torch.zeros(P2P_DESC_BYTES, dtype=torch.uint8)
+            mine[:4] = torch.tensor(list(len(data).to_bytes(4, "little")), dtype=torch.uint8)
+            mine[4:4 + len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+            theirs = torch.zeros(P2P_DESC_BYTES, dtype=torch.uint8)
+            first = self.rank < peer
+            for step in (0, 1):
+                if (step == 0) == first:
+                    dist.send(mine, peer, group=self.gloo_group)
+                else:
+                    dist.recv(theirs, peer, group=self.gloo_group)
+            raw = bytes(theirs.tolist())
+            got[peer] = json.loads(raw[4:4 + int.from_bytes(raw[:4], "little")])
+            return got
+        got = [None] * self.world_size
+        dist.all_gather_object(got, desc, group=self.gloo_group)
+        return got
+
+    @staticmethod
+    def _agree(op: str, descs: list, keys: tuple[str, ...]) -> None:
+        present = [(r, d) for r, d in enumerate(descs) if d is not None]
+        for key in keys:
+            values = {r: d.get(key) for r, d in present}
+            vals = list(values.values())
+            if all(v == vals[0] for v in vals):
+                continue               # equal as objects (the common case: no serialising)
+            if len(set(map(json.dumps, vals))) > 1:       # a tuple and a list may still be equal
+                raise PeerMismatchError(f"{op}: ranks disagree on {key}: {values}. Every rank must pass "
+                                        f"matching arguments to the same call.")
+
+    @staticmethod
+    def _agreed_lanes(descs: list) -> list[str]:
+        sets = [set(d["lanes"]) for d in descs if d is not None]
+        first = next(d["lanes"] for d in descs if d is not None)
+        return [k for k in first if all(k in s for s in sets)]
+
+    # the common path of every op ---------------------------------------------------------------------
+    @torch.no_grad()
+    def _run(self, op: str, desc: dict, size: int, inp, outs, movement_of, native, agree_keys,
+             async_op: bool, peer: int | None = None, always_exchange: bool = False,
+             multi=None, route=None, counted: bool = False) -> Handle | None:
+        """The full path of every op (see _run_call); a fault it raises is also marked in the
+        node segment, so peers waiting for this rank raise at once with its cause. `counted`:
+        the call is in the ledger already (it agreed on something before coming here). Nothing
+        here is recorded by autograd: a collective writes into its tensors as NCCL does, also
+        into tensors that require grad (double backward through DDP reduces such gradients)."""
+        try:
+            return self._run_call(op, desc, size, inp, outs, movement_of, native, agree_keys, async_op,
+                                  peer, always_exchange, multi, route, counted)
+        except (PeerMismatchError, BraidTimeoutError, LaneFailureError) as exc:
+            self._give_up(exc)
+            raise
+
+    def _run_call(self, op: str, desc: dict, size: int, inp, outs, movement_of, native, agree_keys,
+                  async_op: bool, peer: int | None, always_exchange: bool, multi, route,
+                  counted: bool) -> Handle | None:
+        self._check_open()
+        if peer is None and self._p2p_pending:
+            self._flush_p2p()
+        device = (inp if inp is not None else outs[0]).device
+        lanes = self.lanes_for(device)
+        shares = self.shares_for(op, size, lanes) if not always_exchange else None
+        whole = shares is not None and self._native_ok(shares) and native is not None
+        if peer is None:
+            t = inp if inp is not None else outs[0]
+            if not counted:
+                self.ncalls += 1
+            self.last_call = (op, t.numel() * t.element_size(), desc.get("dtype"), "whole" if whole else "split")
+            if not whole and self.segment is not None:
+                self._publish()             # peers that wait in the exchange below can read it
+        if whole:
+            handle = as_handle(native(self._native_group(shares)), next(iter(shares)))
+        else:
+            if self.adapt and peer is None:
+                desc = dict(desc, obs=self._observation(op), bal=self.balancer.version)
+            cycle = None
+            descs = self._exchange(desc, inp, lanes, peer)
+            if self.adapt and peer is None:
+                self._agree(op, descs, ("bal",))
+                self._learn(descs)
+            if peer is not None:
+                self._check_direction(desc, descs[peer], peer)
+            self._agree(op, descs, agree_keys + ("calib",))
+            size, mkey, build = movement_of(descs)
+            agreed = self._agreed_lanes(descs)
+            # a routed call's host time: routing and posting. Not the exchange: waiting there for a
+            # late peer (one that opened buffers, or allocated) read up to 237 ms on 4 x H200
+            t_call = time.perf_counter()
+            routed = route(descs, agreed) if route is not None else None
+            sample = route is not None and self._routed.wants_sample(len(self._routed_pending))
+            if sample or self._cycle_open is not None:
+                # a skewed call timed as a sample of its decision (or the one after it): its start
+                # on the stream (nothing of this call is enqueued yet) ends the last one's cycle
+                cycle = _Cycle(device)
+                if self._cycle_open is not None:
+                    self._cycle_open.close(cycle)
+                    self._cycle_open = None
+                if not sample:
+                    cycle = None
+            if routed is _DECLINED:        # routing measured against the native call and chose it
+                routed, shares = None, {"nccl" if device.type == "cuda" else "gloo": 1.0}
+            else:
+                shares = self.shares_for(op, size, agreed) if routed is None else routed.shares
+            if routed is not None:
+                opened = self._ipc_maps()
+                handle = execute(self.lane_ctx, routed, inp, outs, descs, peer)
+                self._routed.observe_host((time.perf_counter() - t_call) * 1e6,
+                                          cold=self._routed.last_cold or self._ipc_maps() != opened,
+                                          cls=self._routed.last_cls)
+                self._observe(handle, cycle)
+            elif self._native_ok(shares) and native is not None:
+                handle = as_handle(native(self._native_group(shares)), next(iter(shares)))
+                if cycle is not None:          # a skewed call that routing declined: timed too
+                    self._observe(None, cycle)
+            else:
+                if route is not None:          # a skewed call split by shares: neither side
+                    self._routed.begin()
+                if multi is not None:
+                    handle = multi(descs, shares, self._plan(mkey, build, shares, size, device), agreed)
+                else:
+                    handle = execute(self.lane_ctx, self._plan(mkey, build, shares, size, device), inp, outs, descs, peer)
+            fixed_here = self._fixed is not None and self._fixed.get(op, self._fixed.get("*")) is not None
+            if peer is None and self.adapt and not fixed_here and routed is None:
+                bkey = self._balancer_key(op, size, agreed)
+                if bkey is not None and (len(shares) > 1 or self.balancer.parked(bkey)):
+                    self._pending[op] = (bkey, dict(shares), handle)
+        self.last_handle = handle
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def _check_direction(self, desc: dict, theirs: dict, peer: int) -> None:
+        """A send must meet the peer's recv (and a recv its send) at the same place in call order."""
+        if theirs.get("src") == desc.get("src"):
+            return
+        mine = "send" if desc["src"] == self.rank else "recv"
+        their_call = "send" if theirs.get("src") == peer else "recv"
+        raise PeerMismatchError(
+            f"rank {self.rank} called {mine}() with rank {peer}, whose matching call was {their_call}(): "
+            f"braid pairs the send/recv calls of two ranks in call order (per direction). Order them so "
+            f"each send meets a recv, or use batch_isend_irecv.")
+
+    def _plan(self, mkey, build, shares: dict[str, float], size: int, device: torch.device):
+        """Plans are pure functions of the movement and the shares: cache them (splitting a
+        large all_gather costs tens of microseconds of Python)."""
+        min_split = envs.get("BRAID_MIN_SPLIT_KB") << 10
+        align = 4096 if device.type == "cuda" else 64
+        key = (mkey, tuple(shares.items()), align, min_split)
+        plan = self._plan_cache.get(key)
+        if plan is None:
+            plan = split(build(), shares, size, align=align, min_split=min_split)
+            if len(self._plan_cache) > 256:
+                self._plan_cache.clear()
+            self._plan_cache[key] = plan
+        return plan
+
+    # routed plans -------------------------------------------------------------------------------
+    def run_plan(self, plan: Plan, input: torch.Tensor | None, outputs: list[torch.Tensor],
+                 async_op: bool = False) -> Handle | None:
+        """Run an agreed Plan as it is: every rank passes the same plan (checked by digest), its
+        input (bytes at `Transfer.src_off`) and its outputs (`dsts` index them). Tensors are read
+        as flat bytes; the plan's lanes must be usable for their device (ce/host/nccl/relay for
+        CUDA tensors, shm/gloo/relay for CPU tensors). A transfer with `via` >= 0 travels on the
+        `relay` lane only, and the relay lane carries nothing else. A rank with no tensors at all
+        (a pure relay) may pass None and []: it takes this communicator's device."""
+        op = "run_plan"
+        self._check_open()
+        if not isinstance(plan, Plan):
+            raise MisuseError(f"{op}: plan must be a braid Plan, got {type(plan).__name__}")
+        if plan.world_size != self.world_size or plan.p2p:
+            raise MisuseError(f"{op}: the plan is for {'send/recv' if plan.p2p else f'a world of {plan.world_size}'}; "
+                              f"run_plan runs collective plans over all {self.world_size} ranks")
+        outputs = list(outputs or [])
+        first = input if input is not None else (outputs[0] if outputs else None)
+        dev = self._device_for(first) if first is not None else self.device
+        ib = input_bytes(input, "input", dev, op) if input is not None else torch.empty(0, dtype=torch.uint8, device=dev)
+        obs = [output_bytes(o, f"outputs[{i}]", dev, op) for i, o in enumerate(outputs)]
+        used = [name for name, ts in plan.lanes.items() if ts]
+        for name in used:
+            if name == "relay":
+                ok, why = self._lanes["relay"].available_for(dev.type)
+                if self.wanted is not None and "relay" not in self.wanted:
+                    ok, why = False, f"BRAID_LANES={sorted(self.wanted)} leaves it out"
+            else:
+                ok = name in self.lanes_for(dev)
+                why = self.unavailable.get(name, f"not a lane for {dev.type} tensors here")
+            if not ok:
+                raise LaneUnavailableError(f"{op}: the plan uses lane {name!r}, not available here: {why}")
+            for t in plan.lanes[name]:
+                if (t.via >= 0) != (name == "relay"):
+                    raise MisuseError(f"{op}: transfer {t} is on lane {name!r}; relayed transfers (via >= 0) "
+                                      f"go on the 'relay' lane and only there")
+                if name == "relay":
+                    from ..planner.relay import check_transfer
+                    try:
+                        check_transfer(t, self.world_size)
+                    except ValueError as exc:
+                        raise MisuseError(f"{op}: {exc}") from None
+        if self._p2p_pending:
+            self._flush_p2p()
+        digest = hashlib.sha1(plan.to_json().encode()).hexdigest()[:16]
+        desc = {"op": op, "plan": digest, "dev": dev.type, "in": ib.numel(), "outs": [o.numel() for o in obs]}
+        if "relay" in used:
+            desc.update(self._lanes["relay"].descriptor(ib, dev.type))
+        self._enter(op, ib, "split")
+        try:
+            descs = self._exchange(desc, ib, used)
+            self._agree(op, descs, ("op", "plan", "dev") + (("relay_geom",) if "relay" in used else ()))
+        except (PeerMismatchError, BraidTimeoutError, LaneFailureError) as exc:
+            self._give_up(exc)
+            raise
+        _check_plan_bounds(plan, descs)
+        handle = execute(self.lane_ctx, plan, ib, obs, descs)
+        self.last_handle = handle
+        if async_op:
+            return handle
+        handle.wait()
+        return None

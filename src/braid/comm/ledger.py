@@ -1,0 +1,213 @@
+"""Faults that reach every rank: the call ledger (calls made, the last one) published to the node
+segment, mismatch detection while waiting for a peer, timeouts that say what each side posted,
+and abort: marking the segment so peers raise at once, and aborting the NCCL communicators a peer
+could be blocked in. The watchdog thread does the polling.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .. import envs
+from ..errors import BraidTimeoutError, LaneFailureError, MisuseError, PeerMismatchError
+from ..node import NodeSegment
+
+log = logging.getLogger("braid")
+
+
+class _Watchdog:
+    """A thread per communicator with a node segment. A few times a second it publishes this
+    rank's call ledger (peers read it to tell a mismatch from a slow rank, see Communicator._on_wait)
+    and looks for peers that marked themselves aborted; once a second it checks that every peer's
+    process is alive. A peer that exited or aborted marks this communicator broken (the next call
+    raises), and on GPUs releases every stream wait on the node's counters and aborts the NCCL
+    communicators a call of this rank could be blocked in (so no GPU stream, and no rank inside
+    NCCL, waits forever for a dead or failed peer)."""
+
+    PERIOD_S = 0.2
+
+    def __init__(self, segment: NodeSegment, rank: int, world_size: int, cuda: bool, status, on_peer_abort):
+        import threading
+        self.failed = ""
+        self._stop = threading.Event()
+        self._segment, self._rank, self._world, self._cuda = segment, rank, world_size, cuda
+        self._status, self._on_peer_abort = status, on_peer_abort
+        self._thread = threading.Thread(target=self._run, name="braid-watchdog", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        ticks = 0
+        while not self._stop.wait(self.PERIOD_S):
+            ticks += 1
+            try:
+                why = self._tick(ticks)
+            except Exception:   # segment closed under us
+                return
+            if why:
+                self.failed = why
+                log.warning("braid: %s; releasing this rank's pending waits", why)
+                if self._cuda:
+                    self._segment.abort()
+                self._on_peer_abort(why)
+                return
+
+    def _tick(self, ticks: int) -> str:
+        """One look: publish the ledger; the cause when a peer aborted or died, else ""."""
+        st = self._status()
+        if st is None:          # the communicator is gone
+            return ""
+        self._segment.publish(*st)
+        hit = self._segment.aborted()
+        if hit is not None:
+            return f"rank {hit[0]} aborted: {hit[2]}"
+        if ticks % 5 == 0:
+            for peer in range(self._world):
+                if peer != self._rank:
+                    try:
+                        self._segment.check_alive(peer)
+                    except LaneFailureError as exc:
+                        return str(exc)
+        return ""
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2.0)
+
+
+def _call(ref, name: str, *args):
+    """`ref()`'s method `name`, or None once the communicator is gone (weak callbacks)."""
+    obj = ref()
+    return getattr(obj, name)(*args) if obj is not None else None
+
+
+class Ledger:
+    """Part of braid.comm.Communicator (a mixin: state lives on the communicator)."""
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise MisuseError("this braid communicator was closed")
+        if self.aborted:
+            raise LaneFailureError(f"this braid communicator was aborted ({self.aborted}); it cannot run "
+                                   f"calls any more: create a new process group and communicator")
+        if self.watchdog is not None and self.watchdog.failed:
+            raise LaneFailureError(f"braid communicator is broken: {self.watchdog.failed}; "
+                                   f"create a new process group and communicator")
+
+    # faults: mismatches, timeouts and aborts that reach every rank -------------------------------
+    def _enter(self, op: str, t: torch.Tensor, path: str) -> None:
+        """Put a call in the ledger before it exchanges anything (then pass counted=True on)."""
+        self.ncalls += 1
+        self.last_call = (op, t.numel() * t.element_size(), t.dtype, path)
+        if self.segment is not None:
+            self._publish()
+
+    def _status(self) -> tuple:
+        """(calls, op, bytes, dtype, path) of the ledger, for the watchdog to publish."""
+        op, nbytes, dtype, path = self.last_call
+        return self.ncalls, op, nbytes, str(dtype).replace("torch.", ""), path
+
+    def _publish(self) -> None:
+        seg = self.segment
+        if seg is not None and not seg.closed:
+            calls, op, nbytes, dtype, path = self._status()
+            seg.publish(calls, op, nbytes, dtype, path)
+
+    def _describe(self, who: str, calls: int, op: str, nbytes: int, dtype: str, path: str) -> str:
+        how = {"whole": f"taken whole by {'NCCL' if self.cuda else 'gloo'}",
+               "split": "on braid's lanes (it starts by exchanging descriptors)"}.get(path, path)
+        return f"{who} call #{calls} is {op} of {nbytes} bytes of {dtype}, {how}"
+
+    def _peer_said(self, peer: int) -> str:
+        st = self.segment.status(peer) if self.segment is not None else None
+        if st is None:
+            return f"rank {peer} has published no call yet"
+        ago = max(time.time() - st["time"], 0.0)
+        return (self._describe(f"rank {peer}'s latest", st["calls"], st["op"], st["nbytes"], st["dtype"],
+                               st["path"]) + f" (reported {ago:.1f} s ago)")
+
+    def _on_wait(self, peer: int, what: str, posted) -> None:
+        """Called while this rank waits for `peer` in a collective exchange: raise
+        PeerMismatchError, naming both calls, once the peer has shown that it made a different
+        call at this point: it reported a later call, or this very call taken whole by the native
+        library (which posts nothing here: the peer may then sit inside NCCL or gloo)."""
+        if not what.startswith("collective #") or self.segment is None:
+            return
+        st = self.segment.status(peer)
+        if st is None or not (st["calls"] > self.ncalls or (st["calls"] == self.ncalls and st["path"] == "whole")):
+            return
+        if posted():            # the peer posted after all (its report raced the post): no mismatch
+            return
+        msg = (f"ranks {self.rank} and {peer} made different calls: "
+               f"{self._describe(f'rank {self.rank}', *self._status())}; {self._peer_said(peer)}. "
+               f"Every rank must make the same collective calls in the same order with matching "
+               f"sizes and dtypes.")
+        exc = PeerMismatchError(msg)
+        exc.peers_left_waiting = True       # see _give_up
+        raise exc
+
+    def _on_timeout(self, peer: int, what: str) -> None:
+        raise BraidTimeoutError(
+            f"rank {self.rank} waited {envs.get('BRAID_TIMEOUT_S'):.0f} s for rank {peer} ({what}): "
+            f"{self._describe(f'rank {self.rank}', *self._status())}; {self._peer_said(peer)}. Check that "
+            f"every rank makes the same calls in the same order (BRAID_TIMEOUT_S to change the limit).")
+
+    def _give_up(self, exc: BaseException) -> None:
+        """Mark this rank aborted in the node segment with `exc` as the cause (peers waiting on it
+        raise at once; their watchdogs abort the NCCL communicators they could sit in), where a
+        peer may be left waiting: a timeout, a lane failure, a mismatch seen in the call ledger.
+        Not for a disagreement every rank found in the same exchange (each raised it and all
+        stay in step: the communicator goes on working), nor for an error that repeats a peer's
+        abort or this communicator's broken state."""
+        seg = self.segment
+        text = str(exc)
+        if seg is None or seg.closed or " aborted: " in text or "communicator is broken" in text:
+            return
+        if isinstance(exc, PeerMismatchError) and not getattr(exc, "peers_left_waiting", False):
+            return
+        kind = 1 if isinstance(exc, PeerMismatchError) else 2 if isinstance(exc, BraidTimeoutError) else 3
+        try:
+            seg.mark_aborted(kind, f"{type(exc).__name__}: {text}")
+        except Exception as err:       # noqa: BLE001  reporting must not hide the first error
+            log.debug("braid: marking the abort failed: %s", err)
+
+    def _native_groups(self) -> list:
+        """The NCCL process groups a peer of this rank may be blocked in because of braid: braid's
+        own, the fast path's (the default group when it is NCCL's), and under the braid backend
+        its inner NCCL group (the backend lists it in `backend_groups`)."""
+        groups = [g for g in (self.nccl_group, self.native_group) if g is not None]
+        groups += getattr(self, "backend_groups", [])
+        return list({id(g): g for g in groups}.values())
+
+    def _abort_native(self, why: str) -> None:
+        """Abort the NCCL communicators of _native_groups (a call blocked in one of them then
+        fails instead of waiting forever). From the watchdog thread or abort()."""
+        self.aborted = self.aborted or why
+        self._fast_clear()  # the next call takes the full path, which refuses it
+        if not self.cuda:
+            return          # gloo has no abort that releases a blocked call; its timeout does
+        for g in self._native_groups():
+            try:
+                be = g._get_backend(self.device) if hasattr(g, "_get_backend") else g
+                fn = getattr(be, "abort", None) or getattr(be, "_abort", None)
+                if fn is not None:
+                    fn()
+            except Exception as exc:     # noqa: BLE001  aborting is best effort, one group at a time
+                log.debug("braid: aborting an NCCL group failed: %s", exc)
+
+    def abort(self, reason: str = "abort() was called") -> None:
+        """Give up on this communicator on this rank, and tell the peers: they raise at once
+        where they wait for this rank (LaneFailureError "rank r aborted: ..."), and their
+        watchdogs abort the NCCL communicators braid uses, so no rank stays blocked in NCCL. GPU
+        stream waits on braid's counters are released. Afterwards every call raises: make a new
+        process group and communicator (close() still releases memory). Not collective."""
+        if self.closed or self.aborted:
+            return
+        seg = self.segment
+        if seg is not None and not seg.closed:
+            seg.mark_aborted(4, f"rank {self.rank}: {reason}")
+            if self.cuda:
+                seg.abort()
+        self._abort_native(reason)

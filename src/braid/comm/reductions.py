@@ -1,0 +1,369 @@
+"""The reducing collectives: all_reduce, reduce_scatter, reduce. Whole calls go to the native
+library; a split call reduce-scatters into per-rank slots on its lanes, reduces each chunk on the
+device in rank order, and moves the reduced chunks on (on GPUs the copy engines' share runs as one
+pipelined reduction, NCCL's share as its own all_reduce of a prefix).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..collectives import check_rank, flat_bytes, input_bytes, output_bytes, same_dtype
+from ..errors import MisuseError
+from ..collectives.reduce import REDUCE_DTYPES
+from ..executor import Handle, execute
+from ..lanes.base import LaneRun
+from ..planner.plan import LaneKind, Plan
+
+from ..collectives.reduce import check_reduce_dtype, divide, op_name, reduce_factor, reduce_slots, torch_op
+from ..planner.plan import chunk_bounds, cut_points, gather_chunks, reduce_scatter_chunks, reduce_scatter_movement
+from .callpath import _FAST_OPS, _RED_T, NATIVE_SHARE_REDS
+
+log = logging.getLogger("braid")
+
+
+@dataclass
+class _ReduceCall:
+    """The checked facts of one reducing call."""
+    opname: str
+    output: torch.Tensor
+    input: torch.Tensor
+    op: object
+    root: int | None
+    name: str               # the reduction braid runs (collectives/reduce.py)
+    factor: float
+    ib: torch.Tensor        # input as flat bytes
+    ob: torch.Tensor        # output as flat bytes
+    numel: int
+    esz: int
+    bounds: list[int]       # byte bounds of every rank's chunk
+    dev: torch.device
+
+    @property
+    def size(self) -> int:
+        return self.numel * self.esz
+
+
+@dataclass
+class _Cuts:
+    """How a split reduction's elements are divided between its parts (_reduce_cuts)."""
+    base: int                       # elements of NCCL's own all_reduce (a prefix)
+    ce_f: float                     # the copy engines' fraction of every chunk
+    rest: dict[str, float]          # the staged lanes' shares
+    cut: list[int]                  # per rank: elements of its chunk the copy engines take
+    ce_chunks: list[tuple[int, int]]
+    rest_chunks: list[tuple[int, int]]
+    out_at: list[int]
+
+
+class Reductions:
+    """Part of braid.comm.Communicator (a mixin: state lives on the communicator)."""
+
+    # reductions -----------------------------------------------------------------------------------
+    def _fast_reduce_ok(self, op, dtype) -> bool:
+        """The native library's reduction may take the call as is: a plain ReduceOp on a
+        reducible dtype (avg: NCCL only, which averages integers as braid does)."""
+        if dtype not in REDUCE_DTYPES or type(op) is not type(dist.ReduceOp.SUM):
+            return False
+        if op in _FAST_OPS:
+            return True
+        return op == dist.ReduceOp.AVG and self.cuda   # gloo has no AVG
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
+        """In place, like torch.distributed.all_reduce."""
+        if type(op) is _RED_T and type(tensor) is torch.Tensor and tensor.is_cuda is self.cuda and tensor.is_contiguous():
+            n, dt = tensor.numel(), tensor.dtype
+            ent = self._fast_ar.get(n)
+            if ent is None or ent[0] is not dt or ent[1] is not op:
+                ent = self._fast_put(self._fast_ar, n, (dt, op), self._fast_reduce_ok(op, dt)
+                                     and self._native_for("all_reduce", n * tensor.element_size()))
+            if ent[-1]:
+                return self._native_fast("allreduce", ([tensor],), "allreduce", async_op, op=op, fallback=lambda a:
+                                         dist.all_reduce(tensor, op=op, group=self._fast_group, async_op=a))
+        return self._reduction("all_reduce", tensor, tensor, op, None, async_op)
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
+                              async_op: bool = False):
+        """output (numel m) = reduction over ranks of input[rank*m:(rank+1)*m]."""
+        if (type(op) is _RED_T and type(input) is torch.Tensor and type(output) is torch.Tensor and input.is_cuda is self.cuda
+                and output.is_cuda is self.cuda and input.is_contiguous() and output.is_contiguous()):
+            n, dt = input.numel(), input.dtype
+            ent = self._fast_rs.get(n)
+            if ent is None or ent[0] is not dt or ent[1] is not op or ent[2] != output.numel():
+                ent = self._fast_put(self._fast_rs, n, (dt, op, output.numel()), dt is output.dtype
+                                     and n == output.numel() * self.world_size and self._fast_reduce_ok(op, dt)
+                                     and self._native_for("reduce_scatter", n * input.element_size()))
+            if ent[-1]:
+                return self._native_fast("_reduce_scatter_base", (output, input), "reducescatter", async_op, op=op,
+                                         fallback=lambda a: dist.reduce_scatter_tensor(
+                                             output, input, op=op, group=self._fast_group, async_op=a))
+        return self._reduction("reduce_scatter", output, input, op, None, async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op=dist.ReduceOp.SUM,
+                       async_op: bool = False):
+        """List form: input_list[d] is this rank's contribution to rank d (copied into one buffer)."""
+        if not isinstance(input_list, (list, tuple)) or len(input_list) != self.world_size:
+            raise MisuseError(f"reduce_scatter: input_list must hold world_size={self.world_size} tensors")
+        for i, t in enumerate(input_list):
+            if not isinstance(t, torch.Tensor) or t.numel() != output.numel() or t.dtype != output.dtype:
+                raise MisuseError(f"reduce_scatter: input_list[{i}] must be a tensor of {output.numel()} "
+                                  f"{output.dtype} elements like the output")
+        flat = torch.cat([t.reshape(-1) for t in input_list]) if output.numel() else output.new_empty(0)
+        return self._reduction("reduce_scatter", output, flat, op, None, async_op)
+
+    def reduce(self, tensor: torch.Tensor, dst: int = 0, op=dist.ReduceOp.SUM, async_op: bool = False):
+        """The reduction lands in `tensor` on rank dst; other ranks' tensors are left unchanged."""
+        if (self._fast_ok(tensor) and type(dst) is int and 0 <= dst < self.world_size
+                and self._fast_reduce_ok(op, tensor.dtype)
+                and self._native_for("reduce", tensor.numel() * tensor.element_size())):
+            return self._native_fast("reduce", ([tensor],), "reduce", async_op, op=op, root=dst, fallback=lambda a:
+                                     dist.reduce(tensor, dst=dst, op=op, group=self.native_group, async_op=a))
+        check_rank(dst, self.world_size, "dst", "reduce")
+        return self._reduction("reduce", tensor, tensor, op, dst, async_op)
+
+    @torch.no_grad()
+    def _reduction(self, opname: str, output, input, op, root, async_op):
+        """Every reducing op's full path: check the call, then the native library whole or a
+        split (_reduce_split)."""
+        rc = self._reduce_call(opname, output, input, op, root)
+        desc = {"op": opname, "dtype": str(output.dtype), "nbytes": rc.size, "red": rc.name,
+                "factor": rc.factor, "root": root}
+        w, bounds = self.world_size, rc.bounds
+
+        def movement_of(descs):
+            return rc.size, ("rs", tuple(bounds)), lambda: reduce_scatter_movement(w, bounds)
+
+        return self._run(opname, desc, rc.size, rc.ib, [rc.ob], movement_of, lambda g: self._reduce_native(rc, g),
+                         ("op", "dtype", "nbytes", "red", "factor", "root"), async_op,
+                         multi=lambda descs, shares, plan1, agreed: self._reduce_split(rc, desc, descs, shares,
+                                                                                        plan1, agreed))
+
+    def _reduce_call(self, opname: str, output, input, op, root) -> "_ReduceCall":
+        """The checked facts of one reducing call (clear errors for what braid cannot reduce)."""
+        name = op_name(op)
+        dev = self._device_for(input)
+        if opname == "all_reduce" or opname == "reduce":
+            ob = ib = output_bytes(output, "tensor", dev, opname)
+            numel = output.numel()
+        else:
+            ib = input_bytes(input, "input", dev, opname)
+            ob = output_bytes(output, "output", dev, opname)
+            same_dtype(input, output, opname)
+            if input.numel() != output.numel() * self.world_size:
+                raise MisuseError(f"{opname}: input has {input.numel()} elements, need output.numel() * "
+                                  f"world_size = {output.numel()} * {self.world_size}")
+            numel = input.numel()
+        name = check_reduce_dtype(output.dtype, name, opname, dev.type == "cuda")
+        esz = output.element_size()
+        return _ReduceCall(opname, output, input, op, root, name, reduce_factor(op), ib, ob, numel, esz,
+                           chunk_bounds(numel, self.world_size, esz), dev)
+
+    def _reduce_native(self, rc: "_ReduceCall", g):
+        """The whole call on the native library's group `g`."""
+        opname, output, name = rc.opname, rc.output, rc.name
+        if name == "premul_sum" or (g is self.gloo_group and (name == "avg" or opname == "reduce")):
+            # gloo has no avg/premul-sum and its reduce writes into non-root tensors; NCCL's
+            # premul-sum gave wrong bf16 results in torch 2.11 (GPU test, 2026-11-22): reduce a
+            # (scaled) copy with SUM, then divide / copy back on the ranks that own the result
+            return self._reduce_copy(rc, g)
+        top = torch_op(rc.op, name)
+        if opname == "all_reduce":
+            return dist.all_reduce(output, op=top, group=g, async_op=True)
+        if opname == "reduce":
+            return dist.reduce(output, dst=rc.root, op=top, group=g, async_op=True)
+        return dist.reduce_scatter_tensor(output, rc.ib.view(output.dtype), op=top, group=g, async_op=True)
+
+    def _reduce_copy(self, rc: "_ReduceCall", g) -> Handle:
+        """The native library reduces a copy (scaled for premul-sum) with SUM, or the op itself;
+        the result is divided (avg) and copied back on the ranks that own it."""
+        opname, output, name, root, w = rc.opname, rc.output, rc.name, rc.root, self.world_size
+        base = rc.input.reshape(-1) if opname == "reduce_scatter" else output.reshape(-1)
+        # a copy in the tensor's own dtype (x * 1.0 would make an integer tensor float32: int64
+        # sums above 2**24 then lost their low bits)
+        src = base * rc.factor if name == "premul_sum" else base.clone()
+        top = dist.ReduceOp.SUM if name in ("avg", "premul_sum") else torch_op(rc.op, name)
+        res = None
+        if opname == "all_reduce":
+            work = dist.all_reduce(src, op=top, group=g, async_op=True)
+        elif opname == "reduce":
+            work = dist.reduce(src, dst=root, op=top, group=g, async_op=True)
+        else:
+            res = torch.empty_like(output.reshape(-1))
+            work = dist.reduce_scatter_tensor(res, src, op=top, group=g, async_op=True)
+
+        def after():
+            out = res if opname == "reduce_scatter" else src
+            if name == "avg":
+                divide(out, w)
+            if opname != "reduce" or self.rank == root:
+                output.reshape(-1).copy_(out)
+        return Handle(native=work, after=after)
+
+    def _reduce_cuts(self, rc: "_ReduceCall", shares: dict[str, float]) -> "_Cuts":
+        """Which elements each part of a split reduction takes: NCCL's own all_reduce of a prefix
+        (all_reduce on GPUs: its kernels run beside the copy engines, the host lane adds PCIe),
+        the copy engines' pipelined share of every rank's chunk, and the staged lanes' rest."""
+        w, esz, numel, opname = self.world_size, rc.esz, rc.numel, rc.opname
+        cuda = rc.dev.type == "cuda"
+        nat_f = shares.get("nccl", 0.0) if cuda and opname == "all_reduce" and rc.name in NATIVE_SHARE_REDS else 0.0
+        base = 0
+        chunk_b = rc.bounds
+        if 0.0 < nat_f < 1.0:
+            base = cut_points(numel * esz, [nat_f, 1.0 - nat_f], 4096)[1] // esz
+            shares = {k: v / (1.0 - nat_f) for k, v in shares.items() if k != "nccl"}
+            chunk_b = [base * esz + b for b in chunk_bounds(numel - base, w, esz)]
+        elem = [(chunk_b[d] // esz, (chunk_b[d + 1] - chunk_b[d]) // esz) for d in range(w)]
+        ce_f = shares.get("ce", 0.0) if cuda and opname != "reduce" and base < numel else 0.0
+        rest = {k: v for k, v in shares.items() if not (k == "ce" and ce_f > 0)} if base < numel else {}
+        if ce_f > 0 and rest:
+            cut = [cut_points(n * esz, [ce_f, 1.0 - ce_f], 4096)[1] // esz for _, n in elem]
+        else:
+            cut = [n if ce_f > 0 else 0 for _, n in elem]
+        # where rank d's reduced chunk goes in its own output: in place for all_reduce/reduce,
+        # the start of the output for reduce_scatter
+        out_at = [o for o, _ in elem] if opname != "reduce_scatter" else [0] * w
+        return _Cuts(base, ce_f, rest, cut, [(o, c) for (o, _), c in zip(elem, cut)],
+                     [(o + c, n - c) for (o, n), c in zip(elem, cut)], out_at)
+
+    def _reduce_record(self, rc: "_ReduceCall", cuts: "_Cuts", shares: dict[str, float], staged_plan):
+        """The plan as it ran: the staged lanes' transfers, and the pulls of the copy engines'
+        pipelined part (for Handle.shares and lane_bytes)."""
+        if cuts.ce_f == 0 and cuts.base == 0:
+            return staged_plan
+        lanes = dict(staged_plan.lanes) if staged_plan is not None else {}
+        if cuts.ce_f > 0:
+            ce_bytes = [(o * rc.esz, n * rc.esz) for o, n in cuts.ce_chunks]
+            lanes["ce"] = reduce_scatter_chunks(self.world_size, ce_bytes).transfers
+        if cuts.base:       # NCCL's own all_reduce of the prefix: no braid transfers to list
+            lanes["nccl"] = []
+        return Plan(rc.opname, self.world_size, rc.size, dict(shares), lanes, [])
+
+    def _reduce_split(self, rc: "_ReduceCall", desc: dict, descs, shares, plan1, agreed) -> Handle:
+        """Split call. On GPUs the copy engines' share of every chunk runs as one pipelined
+        reduction (collectives/ce_reduce.py) and NCCL's share as its own all_reduce of a prefix;
+        the other lanes' share takes the staged path (_reduce_staged)."""
+        cuda = rc.dev.type == "cuda"
+        cuts = self._reduce_cuts(rc, shares)
+        start_event = None
+        runs = []
+        if cuda:
+            caller = torch.cuda.current_stream(rc.dev)
+            if self._staged_end is not None and cuts.rest:
+                caller.wait_event(self._staged_end)   # the staged scratch is free again
+            start_event = torch.cuda.Event()
+            start_event.record(caller)
+        if cuts.base:
+            runs.append(self._native_share(rc.output.reshape(-1)[:cuts.base], torch_op(rc.op, rc.name), start_event))
+        if cuts.ce_f > 0:
+            runs.append(self._ce_reduction().post(
+                start_event=start_event, inp=rc.ib.view(rc.output.dtype), out=rc.output.reshape(-1),
+                chunks=cuts.ce_chunks, out_offsets=cuts.out_at, gather=rc.opname == "all_reduce", descs=descs,
+                name=rc.name, factor=rc.factor))
+        if not cuts.rest or not any(n for _, n in cuts.rest_chunks):
+            event = runs[0].end if cuda and runs else None
+            if cuda and len(runs) > 1:         # join the lanes' ends on braid's op stream
+                join = self._op_stream()
+                for r in runs:
+                    join.wait_event(r.end)
+                event = torch.cuda.Event()
+                event.record(join)
+            staged_plan = None if cuts.ce_f > 0 or cuts.base else plan1
+            return Handle(runs, plan=self._reduce_record(rc, cuts, shares, staged_plan), event=event)
+        return self._reduce_staged(rc, desc, descs, shares, agreed, cuts, runs, start_event)
+
+    def _reduce_staged(self, rc: "_ReduceCall", desc: dict, descs, shares, agreed, cuts: "_Cuts", runs,
+                       start_event) -> Handle:
+        """The staged lanes' part: reduce-scatter into per-rank slots on those lanes, reduce this
+        rank's slots in rank order, gather the reduced chunks back (all_reduce, reduce). On GPUs
+        it runs on braid's op stream after `start_event`, and joins the other parts' ends."""
+        me, w, esz, dev, opname = self.rank, self.world_size, rc.esz, rc.dev, rc.opname
+        output, rest, rest_chunks = rc.output, cuts.rest, cuts.rest_chunks
+        cuda = dev.type == "cuda"
+        stream = self._op_stream() if cuda else None
+        with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+            if cuda:
+                stream.wait_event(start_event)
+                t_start = torch.cuda.Event(enable_timing=True)
+                t_start.record(stream)
+            byte_chunks = tuple((o * esz, n * esz) for o, n in rest_chunks)
+            p1 = self._plan(("rs", byte_chunks), lambda: reduce_scatter_chunks(w, list(byte_chunks)),
+                            rest, rc.size, dev)
+            o_me, n_me = rest_chunks[me]
+            slots = self._staged_scratch(w * n_me, output.dtype, dev)
+            h1 = execute(self.lane_ctx, p1, rc.ib, [rc.ob, flat_bytes(slots)], descs)
+            h1.wait()
+            if opname == "reduce_scatter":
+                c = cuts.cut[me]
+                reduce_slots(slots, w, rc.name, output.reshape(-1)[c: c + n_me], rc.factor)
+                staged = h1.runs
+            else:
+                target = output if (opname == "all_reduce" or me == rc.root) else torch.empty_like(output)
+                reduce_slots(slots, w, rc.name, target.reshape(-1)[o_me: o_me + n_me], rc.factor)
+                src = flat_bytes(target)
+                # only the staged lanes' descriptors (the copy engines' IPC handle of the
+                # output is wanted only when they are one of them: reduce)
+                d2 = self._exchange(dict(desc, op=f"{opname}/gather"), src, [k for k in agreed if k in rest])
+                mv = gather_chunks(w, list(byte_chunks), None if opname == "all_reduce" else rc.root)
+                p2 = self._plan(("gather", byte_chunks, rc.root), lambda: mv, rest, rc.size, dev)
+                h2 = execute(self.lane_ctx, p2, src, [rc.ob], d2)
+                h2.wait()
+                staged = h1.runs + h2.runs
+            event = None
+            if cuda:
+                t_end = torch.cuda.Event(enable_timing=True)
+                t_end.record(stream)
+                if len(rest) == 1:     # one lane: its time is the whole staged path, reduction included
+                    staged = [LaneRun(LaneKind(next(iter(rest))), start=t_start, end=t_end)]
+                for r in runs:
+                    stream.wait_event(r.end)
+                event = torch.cuda.Event()
+                event.record(stream)
+                self._staged_end = event
+                for t in (output, rc.input, slots):
+                    if t.numel():
+                        t.record_stream(stream)
+        return Handle(runs + staged, plan=self._reduce_record(rc, cuts, shares, p1), event=event)
+
+    def _native_share(self, view: torch.Tensor, top, start_event) -> LaneRun:
+        """NCCL's own all_reduce of `view` on braid's NCCL stream, after `start_event` (where the
+        call was made on the caller's stream), timed for the balancer. torch runs a synchronous
+        NCCL call on the current stream (2.11: no Work is returned); older versions run it on
+        their own stream and make the current one wait: either way the end event follows it."""
+        if self._nccl_stream is None:
+            self._nccl_stream = torch.cuda.Stream(self.device)
+        ns = self._nccl_stream
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(ns):
+            ns.wait_event(start_event)
+            t0.record(ns)
+            dist.all_reduce(view, op=top, group=self.nccl_group)
+            t1.record(ns)
+        view.record_stream(ns)
+        return LaneRun(LaneKind.NCCL, start=t0, end=t1)
+
+    def _staged_scratch(self, n: int, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+        """Slots of the staged reductions, kept from call to call on GPUs (a fresh allocation
+        per call went to cudaMalloc: the previous call's block is still held by our streams).
+        The next staged call starts after this one's end event (see multi())."""
+        if dev.type != "cuda":
+            return torch.empty(n, dtype=dtype, device=dev)
+        need = n * torch.empty((), dtype=dtype).element_size()
+        if self._staged_buf is None or self._staged_buf.numel() < need:
+            self._staged_buf = None
+            self._staged_buf = torch.empty(max(need, 1), dtype=torch.uint8, device=dev)
+        return self._staged_buf[:need].view(dtype)
+
+    def _ce_reduction(self):
+        if self._ce_red is None:
+            from ..collectives.ce_reduce import CeReduction
+            self._ce_red = CeReduction(self._lanes["ce"], self.lane_ctx)
+        return self._ce_red
+
+    def _op_stream(self):
+        if getattr(self, "_opstream", None) is None:
+            self._opstream = torch.cuda.Stream(device=self.device)
+        return self._opstream

@@ -1,0 +1,277 @@
+"""all_to_all(v): the balanced call, the uneven call's cheap agreement (is any demand large enough
+to route?), and the skewed call's routing decision: the router's plan over direct, relay and
+multi-rail paths, timed against the native call and learned per traffic class.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..collectives import input_bytes, output_bytes, same_dtype, split_bytes
+from ..errors import PeerMismatchError
+from ..planner.plan import all_to_all_movement
+
+from .callpath import DEFAULT_COSTS
+
+log = logging.getLogger("braid")
+
+
+ROUTE_MIN_BYTES = 1 << 20    # NIMBLE: multipath off at or below 1 MB
+
+SMALL_RUN = 16               # agreed-small uneven calls in a row after which their agreement is read one call late
+
+_DECLINED = object()         # a skewed call's routing decision: the native collective, not a share split
+
+
+class _Cycle:
+    """The cycle of one skewed all_to_all call: from its start to the start of the next one, on
+    the caller's stream (GPU: two timing events; CPU: the clock). In a loop this is what a call
+    costs whatever bounds it (the GPU's lanes, the host's posting, waiting for the last peer),
+    which neither a lane's own time nor the host time alone shows (4 x H200, 2026-11-22, h = 0.7
+    at 256 MiB: lane times 2451 / 2176 us in calls that came every 1800 us; the first native call
+    after a routed one read 1106 us from its own start to its end, NCCL's steady calls 398)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.end = None
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.start = time.perf_counter()
+
+    def close(self, nxt: "_Cycle") -> None:
+        self.end = nxt.start
+
+    def done(self) -> bool:
+        if self.end is None:
+            return False
+        return self.end.query() if self.cuda else True
+
+    def elapsed_us(self) -> float:
+        if self.cuda:
+            return self.start.elapsed_time(self.end) * 1e3
+        return (self.end - self.start) * 1e6
+
+
+class Routing:
+    """Part of braid.comm.Communicator (a mixin: state lives on the communicator)."""
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
+                          input_split_sizes=None, async_op: bool = False):
+        op = "all_to_all_single"
+        if (not input_split_sizes and not output_split_sizes and type(input) is torch.Tensor
+                and type(output) is torch.Tensor and input.is_cuda is self.cuda and output.is_cuda is self.cuda
+                and input.dim() > 0 and input.is_contiguous() and output.is_contiguous()):
+            n, dt, rows = input.numel(), input.dtype, input.size(0)
+            ent = self._fast_a2a.get(n)
+            if ent is None or ent[0] is not dt or ent[1] != rows or ent[2] != output.numel():
+                ent = self._fast_put(self._fast_a2a, n, (dt, rows, output.numel()), dt is output.dtype
+                                     and n == output.numel() and rows % self.world_size == 0
+                                     and self._native_for(op, n * input.element_size()))
+            if ent[-1]:
+                return self._native_fast("alltoall_base", (output, input, [], []), "alltoall", async_op, fallback=lambda a:
+                                         dist.all_to_all_single(output, input, group=self._fast_group, async_op=a))
+        agreed = counted = False           # counted: in the ledger already (see _enter)
+        if input_split_sizes and output_split_sizes and type(input) is torch.Tensor \
+                and type(output) is torch.Tensor and input.is_cuda and output.is_cuda and input.dim() > 0 \
+                and output.dim() > 0 and input.is_contiguous() and output.is_contiguous():
+            agreed, small = self._a2av_agree(output, input, output_split_sizes, input_split_sizes)
+            counted = agreed
+            if small:
+                args = (output, input, list(output_split_sizes), list(input_split_sizes))
+                return self._native_fast("alltoall_base", args, "alltoall", async_op, counted=True,
+                                         fallback=lambda x: dist.all_to_all_single(
+                                             output, input, args[2], args[3], group=self.native_group,
+                                             async_op=x))
+        dev = self._device_for(input)
+        ib = input_bytes(input, "input", dev, op)
+        ob = output_bytes(output, "output", dev, op)
+        same_dtype(input, output, op)
+        ins = split_bytes(input_split_sizes, input, self.world_size, "input", op)
+        outs = split_bytes(output_split_sizes, output, self.world_size, "output", op)
+        balanced = not input_split_sizes and not output_split_sizes
+        if not agreed and not balanced and self.segment is not None and dev.type == "cuda" and not self.check \
+                and self._fixed is None and self.routing != "on" and len(self.lanes_for(dev)) > 1:
+            # the same agreement for the uneven calls the block above leaves (one split list given)
+            me = self.rank
+            big = max([v for d, v in enumerate(ins) if d != me] + [v for s, v in enumerate(outs) if s != me] + [0])
+            if "nccl" in self.lanes_for(dev):
+                self._check_open()
+                self._enter(op, ib, "agreeing")
+                counted = True
+                if self._uneven_small(big, op):
+                    return self._native_fast("alltoall_base", (ob, ib, list(outs), list(ins)), "alltoall",
+                                             async_op, counted=True, fallback=lambda a: dist.all_to_all_single(
+                                                 ob, ib, list(outs), list(ins), group=self.native_group, async_op=a))
+        desc = {"op": op, "dtype": str(input.dtype), "in": ins, "out": outs,
+                **self._routed.report(self._routed_observation())}
+
+        def native(g):
+            return dist.all_to_all_single(ob, ib, list(outs), list(ins), group=g, async_op=True)
+
+        movement_of, route = self._a2a_rules(op, dev)
+
+        # Without split sizes the traffic is balanced by contract (as for NCCL), so every rank
+        # knows the whole matrix and can pick the path alone; uneven splits must be exchanged first.
+        return self._run(op, desc, sum(ins), ib, [ob], movement_of, native, ("op", "dtype"), async_op,
+                         always_exchange=not balanced and (len(self.lanes_for(dev)) > 1 or self.check),
+                         route=route, counted=counted)
+
+    def _a2av_agree(self, output, input, output_split_sizes, input_split_sizes) -> tuple[bool, bool]:
+        """An uneven all_to_all of CUDA tensors with both split lists: (agreed, small). agreed:
+        the ranks took part in the cheap agreement (the call is in the ledger); small: no rank
+        has a demand over the routing threshold, so the call is NCCL's own, whole."""
+        op = "all_to_all_single"
+        # uneven splits: each rank knows only its row and column of the matrix. The ranks agree
+        # on one number first, the largest demand: when none exceeds the routing threshold
+        # (NIMBLE: multipath off at or below 1 MB), the call is NCCL's own, whole, with no
+        # descriptor exchange (4 x H200, 1 MiB hot: ~400 us per call with one, NCCL ~45). A
+        # rank with a larger demand of its own knows the answer: it posts and does not wait.
+        # The shape facts, and whether this communicator agrees this way at all, are kept per
+        # call shape, so a call costs a few Python steps besides NCCL's own.
+        key = (input.numel(), output.numel())
+        ent = self._fast_a2av.get(key)
+        dt, rin, rout = input.dtype, input.size(0), output.size(0)
+        if ent is None or ent[0] is not dt or ent[1] != rin or ent[2] != rout:
+            idx = self.device.index if self.cuda else None
+            ok = (dt is output.dtype and self.segment is not None and not self.check
+                  and self._fixed is None and self.routing != "on" and input.get_device() == idx
+                  and output.get_device() == idx and len(self.lanes_for(self.device)) > 1
+                  and "nccl" in self.lanes_for(self.device))
+            esz = input.element_size()     # bytes per row; an empty side's splits are all 0
+            ent = self._fast_put(self._fast_a2av, key, (dt, rin, rout, key[0] // max(rin, 1) * esz,
+                                                         key[1] // max(rout, 1) * esz), ok)
+        w = self.world_size
+        if ent[-1] and len(input_split_sizes) == w and len(output_split_sizes) == w \
+                and sum(input_split_sizes) == rin and sum(output_split_sizes) == rout \
+                and min(input_split_sizes) >= 0 and min(output_split_sizes) >= 0:
+            me = self.rank
+            a, b = list(input_split_sizes), list(output_split_sizes)
+            a[me] = b[me] = 0
+            big = max(max(a) * ent[3], max(b) * ent[4])
+            self._check_open()
+            self._enter(op, input, "agreeing")
+            return True, self._uneven_small(big, op)
+        return False, False
+
+    def _uneven_small(self, big: int, op: str) -> bool:
+        """The agreement before an uneven all_to_all on GPUs: does no rank have a demand (to or
+        from another rank) over ROUTE_MIN_BYTES? Then the call is NCCL's own, whole.
+
+        Every rank posts its largest demand in the node segment and reads all (a rank whose own
+        demand is larger knows the answer and does not wait). That read holds each rank's call
+        until the slowest rank has posted: for calls of a few tens of microseconds this lockstep
+        was the larger part of braid's cost (4 x H200, 1 MiB hot: ~50 us per call against NCCL's
+        ~40). So after SMALL_RUN calls in a row agreed small, the ranks take the next calls as
+        small without waiting, and read each call's values at the next call (a peer has long
+        posted them by then). When those values show a large demand, that one call has already
+        run as NCCL's whole (correct, only not routed) and the ranks go back to waiting from the
+        next call. Every step depends only on values every rank read, so all ranks switch at the
+        same call."""
+        seg = self.segment
+        last = seg.settle()
+        if last is not None and max(last)[0] > ROUTE_MIN_BYTES:
+            self._small_run = 0
+        token = seg.post_values([big])
+        if self._small_run >= SMALL_RUN:
+            seg.defer(token, op)
+            return True
+        if big > ROUTE_MIN_BYTES:
+            self._small_run = 0
+            return False
+        small = max(seg.read_values(token, op))[0] <= ROUTE_MIN_BYTES
+        self._small_run = self._small_run + 1 if small else 0
+        return small
+
+    def _a2a_rules(self, op: str, dev: torch.device):
+        """The uneven all_to_all's matrix check and routing decision, from the exchanged
+        descriptors ("in"/"out" byte counts per rank; "zc": False where a rank cannot hand its
+        bytes over as one buffer, which keeps the router out)."""
+        w = self.world_size
+
+        def movement_of(descs):
+            matrix = [descs[s]["in"] for s in range(w)]
+            for d in range(w):
+                for s in range(w):
+                    if descs[d]["out"][s] != matrix[s][d]:
+                        raise PeerMismatchError(
+                            f"{op}: rank {s} sends {matrix[s][d]} bytes to rank {d}, but rank {d} expects "
+                            f"{descs[d]['out'][s]} bytes from rank {s} (input/output split sizes disagree)")
+            size = max(max(sum(row) for row in matrix), max(sum(matrix[s][d] for s in range(w)) for d in range(w)))
+            return size, ("a2a", tuple(map(tuple, matrix))), lambda: all_to_all_movement(matrix)
+
+        def route(descs, agreed):
+            """A plan from the router when the matrix is skewed (or BRAID_ROUTE=on)."""
+            from ..collectives.routed import PATH_LANE
+            kind = dev.type
+            names = PATH_LANE[kind]
+            learned = self._routed.agree(descs, names)   # every rank reported these observations
+            if learned:
+                gone = set(learned)
+                self._routed_pending = [p for p in self._routed_pending if p[0] not in gone]
+            self._routed.begin()
+            mode = self.routing
+            if mode == "off" or (mode == "auto" and self._fixed is not None):
+                return None
+            if not all(n in agreed for n in names.values()):
+                return None
+            if not all(d.get("zc", True) for d in descs if d is not None):
+                return None      # a rank's bytes are not one buffer (batch_isend_irecv)
+            matrix = [list(descs[s]["in"]) for s in range(w)]
+            off = [matrix[s][d] for s in range(w) for d in range(w) if s != d]
+            if mode == "auto" and (not off or max(off) <= ROUTE_MIN_BYTES or max(off) < 1.5 * sum(off) / len(off)):
+                return None      # small or balanced: the share-based split (or NCCL) handles it
+            table = self.calib.get(f"{op}/{w}", {})
+            costs = {k: table.get(k, DEFAULT_COSTS[k]) for k in names.values()}
+            native_name = "nccl" if kind == "cuda" else "gloo"
+            native_cost = table.get(native_name, DEFAULT_COSTS[native_name]) if native_name in agreed else None
+            plan, routed_us, native_us = self._routed.plan(matrix, kind, costs, native_cost, force=mode == "on")
+            self.last_route = (routed_us, native_us)
+            if log.isEnabledFor(logging.DEBUG):
+                rt = self._routed
+                st = rt._classes.get(rt.last_cls, {})
+                log.debug("route rank %d class %s: routed %.0f us, native %.0f us, host %.0f us, fix %s, "
+                          "trial %s, steady %s, in flight %d -> %s",
+                          self.rank, rt.last_cls, routed_us, native_us, rt.host_time_us(),
+                          rt.fix(rt.last_cls) if rt.last_cls else {}, st.get("trial"), rt.steady,
+                          len(rt.in_flight), "routed" if plan is not None else "native")
+            if plan is None and self._routed.last_pred is not None and not self.check:
+                return _DECLINED           # the side compared with routing: the native call itself
+            return plan
+
+        return movement_of, route
+
+    def _routed_observation(self) -> list:
+        """[seq, lane times] of each observed skewed call that has finished here, oldest first
+        (reported in descriptors until every rank has reported it in the same call)."""
+        out = []
+        for p in self._routed_pending:
+            seq, handle, cycle, times = p
+            if times is None:
+                if not cycle.done() or (handle is not None and not all(r.done() for r in handle.runs)):
+                    break
+                times = {k: round(v, 1) for k, v in handle.lane_times_us().items()} if handle is not None else {}
+                times["cycle"] = round(cycle.elapsed_us(), 1)
+                p[1:] = [None, None, times]          # drop the handle and events, keep the numbers
+            out.append([seq, times])
+        return out
+
+    def _observe(self, handle, cycle) -> None:
+        """Time this skewed call (routed: `handle`'s lanes too) when the routing decision wants it
+        as a sample (`cycle` was made for it); its cycle ends at the next skewed call's start."""
+        rt = self._routed
+        self._cycle_open = cycle
+        if cycle is None:
+            return
+        self._routed_seq += 1
+        self._routed_pending.append([self._routed_seq, handle, cycle, None])
+        rt.expect(self._routed_seq)
+
+    def _ipc_maps(self) -> int:
+        """Peer buffers the copy-engine lane has opened so far (a routed call that opened one
+        paid for it: its host time is not the steady cost)."""
+        return len(getattr(self._lanes.get("ce"), "maps", ()))
