@@ -1,11 +1,17 @@
 """Router planning time: cold route() and Router.plan() cache hits per topology (docs/router.md).
 
     PYTHONPATH=src python scripts/bench_router.py [--old path/to/router.py] [--reps 21] [--kind random|skewed]
+    PYTHONPATH=src python scripts/bench_router.py --clusters 2,4,16,64,128 [--reps 5] [--kind random|skewed]
 
 After one warm-up plan of another matrix (imports, the topology's compile), the median over
 `reps` matrices of: cold = route(topo, m); hit = Router.plan(m drifted by +-1% per demand) after
 Router.plan(m); "+ flows" adds building the plan's `flows` dict. With --old, a second router
 module (e.g. a copy of the previous router.py) runs interleaved in the same process.
+
+--clusters: multi_node(N, 8 GPUs, 8 NICs) per N: the topology's build, the first route() (cold),
+the median of `reps` further route() calls on new matrices (warm), a Router.plan hit on a matrix
+drifted by +-1%, the plan's distance to its certified bound, and the peak memory of one plan
+(tracemalloc: numpy's arrays included, the matrix itself not).
 """
 from __future__ import annotations
 
@@ -69,13 +75,61 @@ def measure(mods, name, ms, ds, flows=False):
     return {k: (statistics.median(cold[k]) * 1e6, statistics.median(hit[k]) * 1e6, hits[k]) for k in mods}
 
 
+def clusters(sizes, reps, kind):
+    import tracemalloc
+    import numpy as np
+    from braid.planner import hier
+    print(f"{'nodes x 8':>9s} {'planner':>7s} {'build ms':>9s} {'cold ms':>9s} {'warm ms':>9s} {'hit ms':>8s} "
+          f"{'plan/bound':>10s} {'peak MB':>8s}")
+    for nodes in sizes:
+        n = nodes * 8
+        rng = np.random.default_rng(nodes)
+
+        def one():
+            m = rng.integers(1, 65, (n, n)) << 20
+            if kind == "skewed":                   # Zipf-heavy demands: a few pairs carry most bytes
+                m = m * rng.zipf(1.5, (n, n)).clip(1, 64)
+            np.fill_diagonal(m, 0)
+            return m.tolist()
+        ms = [one() for _ in range(reps + 1)]
+        t = time.perf_counter()
+        topo = new.multi_node(nodes, 8, 8)
+        build = time.perf_counter() - t
+        t = time.perf_counter()
+        plan = new.route(topo, ms[0])
+        cold = time.perf_counter() - t
+        warm = []
+        for m in ms[1:]:
+            t = time.perf_counter()
+            plan = new.route(topo, m)
+            warm.append(time.perf_counter() - t)
+        r = new.Router(topo)
+        r.plan(ms[0])
+        d = drift(ms[0], random.Random(nodes))
+        t = time.perf_counter()
+        _, hit = r.plan(d)
+        hit_s = time.perf_counter() - t
+        tracemalloc.start()
+        new.route(topo, ms[1])
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        kind_ = "hier" if hier.hierarchical(topo) else "flat"
+        print(f"{nodes:9d} {kind_:>7s} {build * 1e3:9.1f} {cold * 1e3:9.1f} {statistics.median(warm) * 1e3:9.1f} "
+              f"{hit_s * 1e3:7.1f}{'' if hit else '*':1s} {plan.max_load_us / plan.lower_bound_us:10.4f} "
+              f"{peak / 2 ** 20:8.1f}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--old", action="append", default=[], help="another router.py to time beside this one (repeatable)")
     ap.add_argument("--reps", type=int, default=21)
     ap.add_argument("--kind", default="random", choices=("random", "skewed"))
     ap.add_argument("--topos", default=",".join(TOPOS))
+    ap.add_argument("--clusters", default="", help="node counts of 8-GPU nodes, e.g. 2,4,16,64,128: the cluster table")
     a = ap.parse_args()
+    if a.clusters:
+        clusters([int(x) for x in a.clusters.split(",")], a.reps, a.kind)
+        return
     mods = {}
     for i, path in enumerate(a.old):
         name = "before" if len(a.old) == 1 else f"old{i + 1}"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One device-machine session: environment, GPU tests, probes/bench. Usage: bash scripts/device_run.sh STEP...
-# Steps: info | tests | probe2 | probe4 | fast2 | fast4 | bench2 | bench4 | hot4 | trace2 | trace4 | pack
-# Logs and JSON go to $LOGS (default $OUT); `pack` tars $LOGS into $OUT/run.tgz (the device tool
-# returns at most 8 files). bench: BENCH_OP, BENCH_SIZES, BENCH_FACTOR, BENCH_EXTRA (more flags),
+# One run on a GPU machine: environment, GPU tests, bench. Usage: bash scripts/device_run.sh STEP...
+# Steps: info | tests | bench2 | bench4 | hot4 | trace2 | trace4 | pack
+# Logs and JSON go to $LOGS (default $OUT); `pack` tars $LOGS into $OUT/run.tgz (one file to copy
+# back). bench: BENCH_OP, BENCH_SIZES, BENCH_FACTOR, BENCH_EXTRA (more flags),
 # BENCH_TAG (file-name suffix, default the op).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -16,10 +16,6 @@ for step in "$@"; do
           python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())";
           df -h /dev/shm | tail -1 ;;
     tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/gpu -q -x ${TEST_ARGS:-} 2>&1 | tee "$LOGS/gpu_tests${TEST_TAG:-}.log" | tail -30 ;;
-    probe2|probe4) n=${step#probe};
-          timeout 300 python3 scripts/gpu_probe.py --nproc $n ${PROBE_ARGS:-} 2>&1 | tee "$LOGS/probe$n.log" | grep -v Warning ;;
-    fast2|fast4) n=${step#fast};
-          timeout 120 python3 scripts/fastpath_probe.py --nproc $n 2>&1 | grep -v Warning | tee "$LOGS/fast$n.log" ;;
     bench4|bench2) n=${step#bench}; op=${BENCH_OP:-all}; tag=${BENCH_TAG:-$op};
           timeout ${BENCH_TIMEOUT:-240} python3 -m braid bench --op $op --nproc $n --sizes ${BENCH_SIZES:-1M:1G} --factor ${BENCH_FACTOR:-4} --plain \
             ${BENCH_EXTRA:-} --json "$LOGS/bench_h200x${n}_$tag.json" 2>&1 | grep -v Warning | tee "$LOGS/bench${n}_$tag.log" ;;

@@ -78,7 +78,7 @@ def _launch_seen(monkeypatch, ngpu: int, argv: list[str], task: str = "bench"):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: ngpu)
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.setattr(bench, "set_gpu_env", lambda: None)
+    monkeypatch.setattr(bench.config, "set_gpu_env", lambda: None)
 
     def fake_start(fn, args, nprocs, join, start_method):
         seen["cfg"], seen["world"] = args[0], args[1]
@@ -129,7 +129,7 @@ def test_cpu_workers_join_with_gloo(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: got.setdefault("set_device", i))
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: got.setdefault("backend", backend))
-    monkeypatch.setattr(bench, "set_gpu_env", lambda: None)
+    monkeypatch.setattr(bench.config, "set_gpu_env", lambda: None)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     assert bench._init_rank(0, 2, 12345, cpu=True) is False
     assert got == {"backend": "gloo"}

@@ -164,7 +164,7 @@ def ddp_replicas(ctx: Ctx) -> list[Replica]:
             model.register_comm_hook(None, hook)
         return Replica(name, _trainer(ctx, model, model.parameters(), ctx.s["batch"]), model)
     reps = [replica("braid", dist.group.WORLD), replica("baseline", ctx.base), replica("floor", ctx.base, _no_comm)]
-    del template
+    template = None      # the replicas hold their own copies: free the template now
     return reps
 
 
@@ -192,7 +192,7 @@ def fsdp_replicas(ctx: Ctx) -> list[Replica]:
         fully_shard(model, mesh=mesh)
         return Replica(name, _trainer(ctx, model, model.parameters(), ctx.s["batch"]), model)
     reps = [replica("braid", dist.group.WORLD), replica("baseline", ctx.base)]
-    del template
+    template = None      # the replicas hold their own copies: free the template now
     return reps
 
 
@@ -264,7 +264,7 @@ def moe_replicas(ctx: Ctx) -> list[Replica]:
         return Replica(name, _trainer(ctx, forward, layer.parameters(), tokens), layer)
     reps = [replica("braid", _AllToAll, dist.group.WORLD), replica("baseline", _AllToAll, ctx.base),
             replica("floor", _SelfCopy, None)]
-    del template
+    template = None      # the replicas hold their own copies: free the template now
     return reps
 
 
@@ -480,22 +480,24 @@ def format_row(row: dict) -> str:
 
 def run(comm, cfg, cuda: bool):
     """Every workload of cfg on every rank; rank 0 prints the table and writes the JSON. Returns
-    what to do after the teardown: exit with bench.WRONG_EXIT when the losses did not match."""
+    what to do after the teardown: exit with WRONG_EXIT when the losses did not match."""
     import dataclasses
-    from . import bench
+    from .bench.config import WRONG_EXIT
+    from .bench.output import header_line, machine_info, write_json
+    from .bench.sweep import calibrate_for_bench
     s = settings(cfg, cuda)
     ctx = make_ctx(comm, s)
     r0 = comm.rank == 0
     say = (lambda text="": print(text, flush=True)) if r0 else (lambda text="": None)
-    info = bench.machine_info(comm)
-    say(bench.header_line("bench", info))
+    info = machine_info(comm)
+    say(header_line("bench", info))
     for note in cfg.notes:
         say(f"note: {note}")
     say(f"world {ctx.world} ranks | dtype {s['dtype']} | steps {s['steps']} x {s['repeat']} windows per side, "
         f"warmup {s['warmup']} | braid lanes: {', '.join(comm.lanes_for(comm.device)) or 'none'} | "
         f"baseline: {ctx.baseline}")
     ops = tuple(dict.fromkeys(op for w in cfg.workloads for op in OPS_OF[w]))
-    say(bench._calibrate_for_bench(comm, dataclasses.replace(cfg, ops=ops), say) if ctx.world > 1
+    say(calibrate_for_bench(comm, dataclasses.replace(cfg, ops=ops), say) if ctx.world > 1
         else "calibration: one rank, nothing to split")
     say(header(ctx.baseline))
     rows: list[dict] = []
@@ -506,12 +508,12 @@ def run(comm, cfg, cuda: bool):
             rows.append(row)
             say(format_row(row))
             if r0 and cfg.json_path:
-                bench._write_json(cfg.json_path, rows)
+                write_json(cfg.json_path, rows)
     bad = [r["workload"] for r in rows if r.get("losses_equal") is False]
     say(f"# {'losses match the baseline' if not bad else 'FAILED: braid differs from the baseline beyond the tolerance in ' + ', '.join(bad)}"
         + (f"; results written to {cfg.json_path}" if cfg.json_path else ""))
 
     def after() -> None:
         if bad:
-            sys.exit(bench.WRONG_EXIT)
+            sys.exit(WRONG_EXIT)
     return after

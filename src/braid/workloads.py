@@ -73,129 +73,174 @@ def make(comm, op: str, nbytes: int, dtype: torch.dtype = torch.bfloat16, device
          hot_nbytes: int | None = None, cold_nbytes: int | None = None, seed: int = 0,
          hot_fraction: float | None = None, hidden: int = 4096) -> Workload:
     """Buffers and callables for one op at one size on this rank."""
+    build = _BUILDERS.get("reduction" if op in ("all_reduce", "reduce", "reduce_scatter") else op)
+    if build is None:
+        raise ValueError(f"unknown op {op!r}; known: {sorted(BUS_FACTOR)}")
     device = device or comm.device
-    w, r = comm.world_size, comm.rank
     esz = torch.empty(0, dtype=dtype).element_size()
-    numel = max(nbytes // esz, 1)
-    seed = seed * 1000 + r
-    if op == "all_gather":
-        x = _rand(numel, dtype, device, seed)
-        out = torch.empty(numel * w, dtype=dtype, device=device)
+    at = _At(comm, op, max(nbytes // esz, 1), esz, dtype, device, seed * 1000 + comm.rank)
+    return build(at, hot_nbytes=hot_nbytes, cold_nbytes=cold_nbytes, hot_fraction=hot_fraction, hidden=hidden)
+
+
+@dataclass
+class _At:
+    """What every op's builder starts from: the communicator, the op, the per-rank element count,
+    the element size and dtype, the device, and this rank's seed."""
+    comm: object
+    op: str
+    numel: int
+    esz: int
+    dtype: torch.dtype
+    device: object
+    seed: int
+
+    def rand(self, numel: int, seed: int | None = None) -> torch.Tensor:
+        return _rand(numel, self.dtype, self.device, self.seed if seed is None else seed)
+
+    def empty(self, numel: int) -> torch.Tensor:
+        return torch.empty(numel, dtype=self.dtype, device=self.device)
+
+
+def _differ(a: torch.Tensor, b: torch.Tensor) -> int:
+    return int((a.view(torch.uint8) != b.view(torch.uint8)).sum())
+
+
+def _all_gather(at: _At, **_) -> Workload:
+    comm, numel, esz, w = at.comm, at.numel, at.esz, at.comm.world_size
+    x = at.rand(numel)
+    out = at.empty(numel * w)
+    ref = torch.empty_like(out)
+    return Workload(at.op, numel * esz, numel * esz * w,
+                    lambda: comm.all_gather_into_tensor(out, x),
+                    lambda: dist.all_gather_into_tensor(ref, x),
+                    lambda: _differ(out, ref))
+
+
+def _broadcast(at: _At, **_) -> Workload:
+    comm, r = at.comm, at.comm.rank
+    x = at.rand(at.numel, 7 + at.seed - r)
+    buf = torch.empty_like(x)
+    ref = torch.empty_like(x)
+
+    def run_braid():
+        buf.copy_(x) if r == 0 else buf.fill_(0)
+        comm.broadcast(buf, 0)
+
+    def run_base():
+        ref.copy_(x) if r == 0 else ref.fill_(0)
+        dist.broadcast(ref, 0)
+    return Workload(at.op, at.numel * at.esz, at.numel * at.esz, run_braid, run_base, lambda: _differ(buf, ref))
+
+
+def _send_recv(at: _At, **_) -> Workload:
+    comm, r, size = at.comm, at.comm.rank, at.numel * at.esz
+    x = at.rand(at.numel)
+    out = torch.empty_like(x)
+    ref = torch.empty_like(x)
+    if r == 0:
+        return Workload(at.op, size, size, lambda: comm.send(x, 1), lambda: dist.send(x, 1), lambda: 0)
+    if r == 1:
+        return Workload(at.op, size, size, lambda: comm.recv(out, 0), lambda: dist.recv(ref, 0),
+                        lambda: _differ(out, ref))
+    return Workload(at.op, size, size, lambda: None, lambda: None, lambda: 0, participates=False)
+
+
+def _all_to_all(at: _At, hot_nbytes=None, cold_nbytes=None, hot_fraction=None, **_) -> Workload:
+    comm, w, r, esz = at.comm, at.comm.world_size, at.comm.rank, at.esz
+    if hot_nbytes is not None:
+        cold = (cold_nbytes or 0) // esz
+        mat = [[0 if s == d else cold for d in range(w)] for s in range(w)]
+        mat[0][1] = hot_nbytes // esz
+    elif hot_fraction is not None:
+        mat = hot_matrix(w, at.numel, hot_fraction)
+    else:
+        per = max(at.numel // w, 1)
+        mat = [[per] * w for _ in range(w)]
+    ins, outs = mat[r], [mat[s][r] for s in range(w)]
+    x = at.rand(sum(ins))
+    out = at.empty(sum(outs))
+    ref = torch.empty_like(out)
+    size = max(sum(row) for row in mat) * esz
+    skewed = hot_nbytes is not None or hot_fraction is not None
+    splits = (outs, ins) if skewed else (None, None)   # balanced: no split sizes
+    return Workload(at.op, size, size,
+                    lambda: comm.all_to_all_single(out, x, *splits),
+                    lambda: dist.all_to_all_single(ref, x, *splits),
+                    lambda: _differ(out, ref))
+
+
+def _moe(at: _At, hidden: int = 4096, **_) -> Workload:
+    comm, w, r = at.comm, at.comm.world_size, at.comm.rank
+    # nbytes per rank of dispatched activations: tokens x hidden elements
+    tokens = max(at.numel // hidden, 1)
+    mat = moe_matrix(w, tokens, seed=at.seed // 1000 + 17)
+    ins = [c * hidden for c in mat[r]]
+    outs = [mat[s][r] * hidden for s in range(w)]
+    x = at.rand(sum(ins))
+    mid = at.empty(sum(outs))
+    back = torch.empty_like(x)
+    mid_ref, back_ref = torch.empty_like(mid), torch.empty_like(x)
+
+    def layer(a2a, m, b):
+        def run():
+            a2a(m, x, outs, ins)          # dispatch: tokens to their experts' ranks
+            a2a(b, m, ins, outs)          # combine: expert outputs back (identity experts)
+        return run
+    size = max(sum(ins), sum(outs)) * at.esz
+    return Workload(at.op, size, size, layer(comm.all_to_all_single, mid, back),
+                    layer(dist.all_to_all_single, mid_ref, back_ref),
+                    lambda: _differ(back, back_ref) + _differ(mid, mid_ref))
+
+
+def _reduction(at: _At, **_) -> Workload:
+    """all_reduce, reduce, reduce_scatter: timed calls reduce in place without resetting (as
+    nccl-tests do); the check resets first and compares with a tolerance (braid reduces in rank
+    order, NCCL in ring order)."""
+    comm, op, w, r, numel, esz, dtype = at.comm, at.op, at.comm.world_size, at.comm.rank, at.numel, at.esz, at.dtype
+    x = at.rand(numel)
+    if op == "reduce_scatter":
+        per = max(numel // w, 1)
+        x = x[: per * w].contiguous() if x.numel() >= per * w else at.rand(per * w)
+        out = at.empty(per)
         ref = torch.empty_like(out)
-        return Workload(op, numel * esz, numel * esz * w,
-                        lambda: comm.all_gather_into_tensor(out, x),
-                        lambda: dist.all_gather_into_tensor(ref, x),
-                        lambda: int((out.view(torch.uint8) != ref.view(torch.uint8)).sum()))
-    if op == "broadcast":
-        x = _rand(numel, dtype, device, 7 + seed - r)
-        buf = torch.empty_like(x)
-        ref = torch.empty_like(x)
-
-        def run_braid():
-            buf.copy_(x) if r == 0 else buf.fill_(0)
-            comm.broadcast(buf, 0)
-
-        def run_base():
-            ref.copy_(x) if r == 0 else ref.fill_(0)
-            dist.broadcast(ref, 0)
-        return Workload(op, numel * esz, numel * esz, run_braid, run_base,
-                        lambda: int((buf.view(torch.uint8) != ref.view(torch.uint8)).sum()))
-    if op == "send_recv":
-        x = _rand(numel, dtype, device, seed)
-        out = torch.empty_like(x)
-        ref = torch.empty_like(x)
-        if r == 0:
-            return Workload(op, numel * esz, numel * esz, lambda: comm.send(x, 1), lambda: dist.send(x, 1), lambda: 0)
-        if r == 1:
-            return Workload(op, numel * esz, numel * esz, lambda: comm.recv(out, 0), lambda: dist.recv(ref, 0),
-                            lambda: int((out.view(torch.uint8) != ref.view(torch.uint8)).sum()))
-        return Workload(op, numel * esz, numel * esz, lambda: None, lambda: None, lambda: 0, participates=False)
-    if op == "all_to_all_single":
-        if hot_nbytes is not None:
-            cold = (cold_nbytes or 0) // esz
-            mat = [[0 if s == d else cold for d in range(w)] for s in range(w)]
-            mat[0][1] = hot_nbytes // esz
-        elif hot_fraction is not None:
-            mat = hot_matrix(w, numel, hot_fraction)
+        run_braid = lambda: comm.reduce_scatter_tensor(out, x)          # noqa: E731
+        run_base = lambda: dist.reduce_scatter_tensor(ref, x)           # noqa: E731
+        size = x.numel() * esz
+        check = (out, ref)
+    else:
+        buf, rbuf = x.clone(), x.clone()
+        if op == "all_reduce":
+            run_braid = lambda: comm.all_reduce(buf)                    # noqa: E731
+            run_base = lambda: dist.all_reduce(rbuf)                    # noqa: E731
         else:
-            per = max(numel // w, 1)
-            mat = [[per] * w for _ in range(w)]
-        ins, outs = mat[r], [mat[s][r] for s in range(w)]
-        x = _rand(sum(ins), dtype, device, seed)
-        out = torch.empty(sum(outs), dtype=dtype, device=device)
-        ref = torch.empty_like(out)
-        size = max(sum(row) for row in mat) * esz
-        skewed = hot_nbytes is not None or hot_fraction is not None
-        splits = (outs, ins) if skewed else (None, None)   # balanced: no split sizes
-        return Workload(op, size, size,
-                        lambda: comm.all_to_all_single(out, x, *splits),
-                        lambda: dist.all_to_all_single(ref, x, *splits),
-                        lambda: int((out.view(torch.uint8) != ref.view(torch.uint8)).sum()))
-    if op == "moe":
-        # nbytes per rank of dispatched activations: tokens x hidden elements
-        tokens = max(numel // hidden, 1)
-        mat = moe_matrix(w, tokens, seed=seed // 1000 + 17)
-        ins = [c * hidden for c in mat[r]]
-        outs = [mat[s][r] * hidden for s in range(w)]
-        x = _rand(sum(ins), dtype, device, seed)
-        mid = torch.empty(sum(outs), dtype=dtype, device=device)
-        back = torch.empty_like(x)
-        mid_ref, back_ref = torch.empty_like(mid), torch.empty_like(x)
+            run_braid = lambda: comm.reduce(buf, 0)                     # noqa: E731
+            run_base = lambda: dist.reduce(rbuf, 0)                     # noqa: E731
+        size = numel * esz
+        check = (buf, rbuf)
 
-        def layer(a2a, m, b):
-            def run():
-                a2a(m, x, outs, ins)          # dispatch: tokens to their experts' ranks
-                a2a(b, m, ins, outs)          # combine: expert outputs back (identity experts)
-            return run
-        size = max(sum(ins), sum(outs)) * esz
-        return Workload(op, size, size, layer(comm.all_to_all_single, mid, back),
-                        layer(dist.all_to_all_single, mid_ref, back_ref),
-                        lambda: int((back.view(torch.uint8) != back_ref.view(torch.uint8)).sum())
-                        + int((mid.view(torch.uint8) != mid_ref.view(torch.uint8)).sum()))
-    if op in ("all_reduce", "reduce", "reduce_scatter"):
-        # timed calls reduce in place without resetting (as nccl-tests do); the check resets first
-        # and compares with a tolerance (braid reduces in rank order, NCCL in ring order)
-        x = _rand(numel, dtype, device, seed)
+    def wrong() -> int:
+        a, b = check
+        if op != "reduce_scatter":   # fresh inputs, one call each
+            a.copy_(x)
+            b.copy_(x)
+            run_braid()
+            run_base()
+        # rounding error of a sum scales with sum_i |x_i| (cancellation), not with |sum|;
+        # a collective, so every rank computes it before any rank returns
+        scale = x.abs().double()
+        dist.all_reduce(scale)
+        if op == "reduce" and r != 0:
+            return int((a != x).sum())            # non-root tensors must be left unchanged
+        a64, b64 = a.double(), b.double()
+        if not dtype.is_floating_point:
+            return int((a64 != b64).sum())
         if op == "reduce_scatter":
-            per = max(numel // w, 1)
-            x = x[: per * w].contiguous() if x.numel() >= per * w else _rand(per * w, dtype, device, seed)
-            out = torch.empty(per, dtype=dtype, device=device)
-            ref = torch.empty_like(out)
-            run_braid = lambda: comm.reduce_scatter_tensor(out, x)
-            run_base = lambda: dist.reduce_scatter_tensor(ref, x)
-            size = x.numel() * esz
-            check = (out, ref)
-        else:
-            buf, rbuf = x.clone(), x.clone()
-            if op == "all_reduce":
-                run_braid = lambda: comm.all_reduce(buf)
-                run_base = lambda: dist.all_reduce(rbuf)
-            else:
-                run_braid = lambda: comm.reduce(buf, 0)
-                run_base = lambda: dist.reduce(rbuf, 0)
-            size = numel * esz
-            check = (buf, rbuf)
+            per = a.numel()
+            scale = scale[r * per:(r + 1) * per]     # this rank's chunk of sum_i |x_i|
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        return int(((a64 - b64).abs() > tol * scale + 1e-3).sum())
+    return Workload(op, size, size, run_braid, run_base, wrong)
 
-        def wrong() -> int:
-            a, b = check
-            if op != "reduce_scatter":   # fresh inputs, one call each
-                a.copy_(x)
-                b.copy_(x)
-                run_braid()
-                run_base()
-            # rounding error of a sum scales with sum_i |x_i| (cancellation), not with |sum|;
-            # a collective, so every rank computes it before any rank returns
-            scale = x.abs().double()
-            dist.all_reduce(scale)
-            if op == "reduce" and r != 0:
-                return int((a != x).sum())            # non-root tensors must be left unchanged
-            a64, b64 = a.double(), b.double()
-            if not dtype.is_floating_point:
-                return int((a64 != b64).sum())
-            if op == "reduce_scatter":
-                per = a.numel()
-                scale = scale[r * per:(r + 1) * per]     # this rank's chunk of sum_i |x_i|
-            tol = 1e-5 if dtype == torch.float32 else 3e-2
-            return int(((a64 - b64).abs() > tol * scale + 1e-3).sum())
-        return Workload(op, size, size, run_braid, run_base, wrong)
-    raise ValueError(f"unknown op {op!r}; known: {sorted(BUS_FACTOR)}")
+
+_BUILDERS = {"all_gather": _all_gather, "broadcast": _broadcast, "send_recv": _send_recv,
+             "all_to_all_single": _all_to_all, "moe": _moe, "reduction": _reduction}

@@ -45,6 +45,7 @@ from ..planner.plan import (Movement, Plan, all_gather_movement, all_to_all_move
                             chunk_bounds, cut_points, gather_chunks, gather_chunks_movement, p2p_movement,
                             reduce_scatter_chunks, reduce_scatter_movement, split)
 from ..planner.pieces import piece_elems, pieces, tail_elems
+from .busbw import algbytes, bus_factor
 from .flow import BYTES_PER_US, Flow, FlowResult, simulate
 from .topology import SimTopology
 
@@ -54,21 +55,6 @@ OPS = ("all_gather", "all_reduce", "reduce_scatter", "broadcast", "send_recv", "
 CE_REDUCE = ("pipelined", "staged")      # braid's copy-engine reduction: now / the earlier staged one
 
 PAGE = 4096                              # braid's cut points on GPUs (Communicator._plan, _reduction)
-
-# nccl-tests bus-bandwidth factors (REFERENCE.md)
-
-
-def bus_factor(op: str, world: int) -> float:
-    if op == "all_reduce":
-        return 2 * (world - 1) / world
-    if op in ("all_gather", "reduce_scatter", "all_to_all_single"):
-        return (world - 1) / world
-    return 1.0
-
-
-def algbytes(op: str, world: int, nbytes: int) -> int:
-    """What bandwidth is computed over (braid bench's algbytes): all_gather's output is W x input."""
-    return nbytes * world if op == "all_gather" else nbytes
 
 
 @dataclass

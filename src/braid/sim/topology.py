@@ -31,6 +31,7 @@ from importlib import resources
 from ..planner import checks
 from ..planner.checks import MisuseError
 from ..planner.router import Path, Topology
+from .busbw import algbytes, bus_factor
 from .flow import pipeline_rate_gbps
 
 PRESETS = ("h800x8-flexlink", "hopper8-8nic-fuselink", "h100x4-mesh-4rail-nimble", "h200x4", "h200x2")
@@ -86,7 +87,6 @@ class SimTopology:
         table = self.nccl_busbw.get(op)
         if not table or world != self.num_gpus:
             return None
-        from .collectives import algbytes, bus_factor
         pts = [(mib << 20, algbytes(op, world, mib << 20) * bus_factor(op, world) / (bw * 1e3))
                for mib, bw in table["points_mib_gbps"]]
         if nbytes <= pts[0][0]:

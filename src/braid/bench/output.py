@@ -1,0 +1,236 @@
+"""What rank 0 of the bench shows and writes: the header line that names the machine, the
+nccl-tests style table (rich when importable and not --plain, plain text otherwise, both fed one
+row per point as it is measured), the `--trace` table, and the JSON file (rewritten after every
+point, so an interrupted sweep keeps what it measured). Plots are in `plots.py`.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import os
+import platform
+import socket
+import sys
+
+import torch
+
+# ---------------------------------------------------------------------------------------------
+# the machine, and numbers as the tables print them
+# ---------------------------------------------------------------------------------------------
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def nccl_version() -> str | None:
+    try:
+        if torch.cuda.is_available():
+            return ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception:   # CPU builds, or no libnccl
+        pass
+    return None
+
+
+def machine_info(comm) -> dict:
+    from .. import __version__
+    info = {"host": socket.gethostname(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "torch": torch.__version__, "nccl": nccl_version(), "braid_version": __version__,
+            "world_size": comm.world_size}
+    if comm.cuda:
+        n = torch.cuda.device_count()
+        name = torch.cuda.get_device_name(comm.device)
+        info["machine"] = f"{comm.world_size}x {name}" + (f" (of {n})" if n > comm.world_size else "")
+        info["gpu"], info["gpus"], info["cuda"] = name, n, torch.version.cuda
+    else:
+        info["machine"] = f"CPU {cpu_name()} ({os.cpu_count()} cores)"
+    return info
+
+
+def header_line(tool: str, info: dict) -> str:
+    return (f"braid {tool} {info['braid_version']} | {info['machine']} | {info['date'].replace('T', ' ')} | "
+            f"torch {info['torch']} | NCCL {info['nccl'] or 'n/a'} | host {info['host']}")
+
+
+def human(n: float) -> str:
+    """Bytes in binary units as the tables print them: 1048576 -> '1M', 1572864 -> '1.5M'."""
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.0f}{unit}" if abs(v - round(v)) < 1e-9 else f"{v:.3g}{unit}"
+    return f"{int(n)}"
+
+
+def format_shares(shares: dict[str, float] | None) -> str:
+    if not shares:
+        return "-"
+    return " ".join(f"{k}={v:.2f}" for k, v in shares.items())
+
+
+def write_json(path: str, results: list[dict]) -> None:
+    """`results` as indented JSON at `path`, replaced atomically (readers never see half a file)."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# the sweep's table: rich when importable, plain text otherwise
+# ---------------------------------------------------------------------------------------------
+
+COLUMNS = ("size", "count", "type", "time_us", "algbw", "busbw", "#wrong", "base_us", "base_busbw", "ratio",
+           "host_us", "shares")
+
+
+def _row_cells(p: dict) -> list[str]:
+    wrong = "N/A" if p["wrong"] is None else str(p["wrong"])
+    return [str(p["nbytes"]), str(p["count"]), p["dtype"], f"{p['time_us']:.1f}", f"{p['algbw_gbps']:.2f}",
+            f"{p['busbw_gbps']:.2f}", wrong, f"{p['baseline']['time_us']:.1f}",
+            f"{p['baseline']['busbw_gbps']:.2f}", f"{p['ratio']:.2f}", _host_cell(p), format_shares(p["shares"])]
+
+
+def _host_cell(p: dict) -> str:
+    """Host time per call, braid's / the baseline's (us)."""
+    mine, base = p.get("host_us"), p["baseline"].get("host_us")
+    return "-" if mine is None or base is None else f"{mine:.0f}/{base:.0f}"
+
+
+class PlainUi:
+    WIDTHS = (12, 11, 10, 11, 8, 8, 7, 12, 12, 7, 12)
+
+    def __init__(self, total: int):
+        self.total, self.done = total, 0
+        self.tty = sys.stderr.isatty()
+
+    def line(self, text: str = "") -> None:
+        self._clear()
+        print(text, flush=True)
+
+    def start_op(self, op: str, title: str, baseline: str) -> None:
+        self.line()
+        self.line(f"# {title}")
+        heads = list(COLUMNS)
+        heads[7], heads[8] = f"{baseline}_us", f"{baseline}_busbw"
+        self.line("# " + "".join(h.rjust(w) for h, w in zip(heads, self.WIDTHS))[2:] + "  shares")
+        self.line("# " + "".join(u.rjust(w) for u, w in zip(
+            ("(B)", "(elements)", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "", "(us)"), self.WIDTHS))[2:])
+
+    def row(self, p: dict) -> None:
+        cells = _row_cells(p)
+        self.line("".join(c.rjust(w) for c, w in zip(cells, self.WIDTHS)) + "  " + cells[-1])
+
+    def status(self, what: str) -> None:
+        if self.tty:
+            sys.stderr.write(f"\r[{self.done + 1}/{self.total}] {what} ...")
+            sys.stderr.flush()
+
+    def advance(self) -> None:
+        self.done += 1
+
+    def end_op(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._clear()
+
+    def _clear(self) -> None:
+        if self.tty:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
+class RichUi:
+    def __init__(self, total: int):
+        from rich.console import Console, Group
+        from rich.live import Live
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        self.Group = Group
+        self.console = Console()
+        if not self.console.is_terminal:     # a log file or a pipe: no 80-column squeeze
+            self.console = Console(width=200)
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=self.console)
+        self.task = self.progress.add_task("sweep", total=total)
+        self.table = None
+        self.live = Live(self.progress, console=self.console, transient=True, refresh_per_second=4)
+        self.live.start()
+
+    def line(self, text: str = "") -> None:
+        self.console.print(text, highlight=False, markup=False, soft_wrap=True)
+
+    def start_op(self, op: str, title: str, baseline: str) -> None:
+        from rich import box
+        from rich.table import Table
+        self.table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
+                           caption=f"size in bytes, time in us, bandwidth in GB/s; ratio = {baseline} time / braid time; "
+                                   f"host_us = host time per call, braid/{baseline}",
+                           caption_justify="left")
+        heads = [("size", "right"), ("count", "right"), ("type", "left"), ("time_us", "right"),
+                 ("algbw", "right"), ("busbw", "right"), ("#wrong", "right"),
+                 (f"{baseline}_us", "right"), (f"{baseline}_busbw", "right"), ("ratio", "right"), ("host_us", "right"),
+                 ("shares", "left")]
+        for name, justify in heads:
+            self.table.add_column(name, justify=justify, no_wrap=True)
+        self.live.update(self.Group(self.table, self.progress))
+
+    def row(self, p: dict) -> None:
+        from rich.text import Text
+        cells = [Text(c) for c in _row_cells(p)]
+        if p["wrong"]:
+            cells[6].stylize("bold red")
+        r = p["ratio"]
+        if r >= 1.05 or r < 0.95:
+            cells[9].stylize("green" if r >= 1.05 else "red")
+        self.table.add_row(*cells)
+
+    def status(self, what: str) -> None:
+        self.progress.update(self.task, description=what)
+
+    def advance(self) -> None:
+        self.progress.advance(self.task)
+
+    def end_op(self) -> None:
+        if self.table is not None:
+            self.live.update(self.progress)
+            self.console.print(self.table)
+            self.table = None
+
+    def close(self) -> None:
+        self.end_op()
+        self.live.stop()
+
+
+def make_ui(total: int, plain: bool):
+    if not plain:
+        try:
+            importlib.import_module("rich")
+        except ImportError:
+            return PlainUi(total)
+        return RichUi(total)
+    return PlainUi(total)
+
+
+# ---------------------------------------------------------------------------------------------
+# --trace: one line per call
+# ---------------------------------------------------------------------------------------------
+
+def print_trace(rows: list[dict], op: str, nbytes: int, calls: int, world: int, slow) -> None:
+    """The trace table: each call's time, the shares braid used and each lane's time (slowest rank)."""
+    print(f"# trace: {op} {human(nbytes)}B x {calls} calls, {world} ranks"
+          + (f", {slow[0]} x{slow[1]:g} slower in calls {slow[2]}..{slow[3] - 1}" if slow else ""))
+    print("#  call   time_us  shares                          lane_time_us")
+    for r in rows:
+        lt = " ".join(f"{k}={v:.0f}" for k, v in r["lane_time_us"].items())
+        mark = " (slowed)" if r["slowed"] else ""
+        print(f"  {r['call']:5d} {r['time_us']:9.0f}  {format_shares(r['shares']):30s}  {lt}{mark}")

@@ -1,0 +1,275 @@
+"""The op sweep of `braid bench`, run on every rank: braid against its baseline (NCCL on GPUs,
+gloo on the CPU lanes), point by point.
+
+For each point every rank builds the same workload (`braid.workloads.make`: braid's call and the
+baseline's on the same buffers), runs both once and counts the bytes where braid's output differs,
+then times the two in alternating windows (`braid.calibrate.time_call_host`: the slowest rank's
+mean per call, and the host time per call). Large calls keep each side's best of `--repeat`
+windows. Small calls, where one window of `--iters` calls would span well under ~20 ms, are timed
+in at least SMALL_ROUNDS shorter windows of the same calls in total, alternating which side goes
+first, and keep each side's median: host-bound calls drift with the machine's load, short
+alternating windows let both sides meet the same quiet moments, and a median is not decided by
+one lucky window (a min of 6 windows scattered +-20% between runs at 64 KiB-1 MiB).
+
+Before the sweep the benched ops are calibrated once (`calibrate_for_bench`), so braid's shares
+come from this machine as it is now. Rank 0 prints the table, writes the JSON after each point and
+returns the plot for after the teardown.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from .config import NO_GPU_LINE, SMALL_ROUNDS, WRONG_EXIT, Config
+from .output import format_shares, header_line, human, machine_info, make_ui, write_json
+
+
+def _sync(comm) -> None:
+    if comm.cuda:
+        torch.cuda.synchronize(comm.device)
+
+
+def _sum_over_ranks(comm, value: int) -> int:
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, group=comm.gloo_group)
+    return int(t.item())
+
+
+def calibrate_for_bench(comm, cfg: Config, say) -> str:
+    """Calibrate the benched ops once (merged into the cache); returns a line for the header."""
+    from .. import calibrate as cal
+    from .. import envs
+    if cfg.shares:
+        return f"calibration: skipped, fixed shares {format_shares(cfg.shares)}"
+    if not cfg.calibrate:
+        return f"calibration: {'cached ' + comm.calib_digest if comm.calib else 'none cached: built-in lane model'} (--no-calibrate)"
+    if envs.get("BRAID_CALIBRATE") == "off":
+        return "calibration: BRAID_CALIBRATE=off: built-in lane model"
+    if len(comm.lanes_for(comm.device)) < 2:
+        return f"calibration: not needed, one lane ({', '.join(comm.lanes_for(comm.device))})"
+    ops = tuple(dict.fromkeys("all_to_all_single" if op == "moe" else op for op in cfg.ops))  # moe runs all_to_all
+    say(f"calibrating {', '.join(ops)} on lanes {', '.join(comm.lanes_for(comm.device))} ...")
+    t0 = time.perf_counter()
+    table = cal.calibrate(comm, ops=ops, save_to_disk=False)
+    path = ""
+    if comm.rank == 0:
+        merged = dict(cal.load(comm) or {})     # keep the cached ops this run did not measure
+        merged.update(table)
+        path = cal.save(comm, merged)
+    return f"calibration: measured in {time.perf_counter() - t0:.1f} s ({comm.calib_digest}), cached at {path}"
+
+
+def _points(cfg: Config) -> list[tuple[str, int | None, float | None]]:
+    """The sweep's points in order: (op, nbytes, hot fraction); nbytes None is the one skewed
+    all_to_all_single point of --hot-bytes."""
+    plan = []
+    for op in cfg.ops:
+        if op == "all_to_all_single" and cfg.hot_bytes is not None:
+            plan += [(op, None, None)]
+        elif op == "all_to_all_single" and cfg.hot_fraction:
+            plan += [(op, n, h) for h in cfg.hot_fraction for n in cfg.size_list()]
+        else:
+            plan += [(op, n, None) for n in cfg.size_list()]
+    return plan
+
+
+def run(comm, cfg: Config):
+    """The sweep on every rank; rank 0 prints and returns what to do after the teardown (the plot)."""
+    r0 = comm.rank == 0
+    baseline = "nccl" if comm.cuda else "gloo"
+    info = machine_info(comm)
+    if comm.world_size < 2:
+        from ..errors import MisuseError
+        raise MisuseError("braid bench needs at least 2 ranks")
+    if cfg.trace:
+        from .trace import run as run_trace
+        return run_trace(comm, cfg, info)
+    plan = _points(cfg)
+    ui = make_ui(len(plan), cfg.plain) if r0 else None
+    say = ui.line if r0 else (lambda text="": None)
+    results: list[dict] = []
+    bad = 0
+    try:
+        lanes = comm.lanes_for(comm.device)
+        _check_fixed_shares(comm, cfg, lanes)
+        _say_header(comm, cfg, info, lanes, baseline, say)
+        say(calibrate_for_bench(comm, cfg, say))
+        common = {"world_size": comm.world_size, "dtype": cfg.dtype, "lanes": lanes, "iters": cfg.iters,
+                  "warmup": cfg.warmup, "repeat": cfg.repeat, "calibration": comm.calib_digest,
+                  "fixed_shares": cfg.shares, **info}
+        if cfg.hot_bytes is not None:
+            common.update(hot_nbytes=cfg.hot_bytes, cold_nbytes=cfg.cold_bytes)
+        with comm.fixed_shares(cfg.shares):
+            bad = _sweep(comm, cfg, plan, common, info, baseline, ui, results)
+        if r0:
+            ui.end_op()
+            if cfg.check:
+                say(f"# {'all outputs match the baseline' if not bad else f'FAILED: {bad} wrong bytes in total'}")
+            if cfg.json_path:
+                say(f"# results written to {cfg.json_path}")
+    finally:
+        if r0:
+            ui.close()
+
+    def after() -> None:
+        if r0 and cfg.plot_path:
+            from .plots import plot
+            plot(results, cfg.plot_path, info)
+        if bad:
+            sys.exit(WRONG_EXIT)
+    return after
+
+
+def _check_fixed_shares(comm, cfg: Config, lanes: list[str]) -> None:
+    if cfg.shares and any(k not in lanes for k in cfg.shares):
+        from ..errors import MisuseError
+        raise MisuseError(f"--shares {format_shares(cfg.shares)}: lanes "
+                          f"{[k for k in cfg.shares if k not in lanes]} are not usable here "
+                          f"(usable: {lanes}; unavailable: {comm.unavailable}); `braid topo` says why")
+
+
+def _say_header(comm, cfg: Config, info: dict, lanes: list[str], baseline: str, say) -> None:
+    """The lines above the tables: machine, notes, world, lanes (and why others are off), baseline."""
+    say(header_line("bench", info))
+    if not comm.cuda and os.environ.get("RANK") is not None:
+        say(NO_GPU_LINE)
+    for note in cfg.notes:
+        say(f"note: {note}")
+    unavailable = {k: v for k, v in comm.unavailable.items() if comm.wanted is None or k in comm.wanted}
+    say(f"world {comm.world_size} ranks | dtype {cfg.dtype} | iters {cfg.iters} warmup {cfg.warmup} repeat {cfg.repeat} | "
+        f"braid lanes: {', '.join(lanes) or 'none'}"
+        + (f" (unavailable: {'; '.join(f'{k}: {v}' for k, v in unavailable.items())})" if unavailable else "")
+        + f" | baseline: {baseline}")
+
+
+def _sweep(comm, cfg: Config, plan, common: dict, info: dict, baseline: str, ui, results: list[dict]) -> int:
+    """Every point of `plan`, a table per (op, hot fraction); returns the wrong bytes summed over points."""
+    from ..workloads import BUS_FACTOR, make
+    r0 = comm.rank == 0
+    dtype = getattr(torch, cfg.dtype)
+    esz = torch.empty(0, dtype=dtype).element_size()
+    bad, current = 0, None
+    for op, nbytes, hot in plan:
+        if (op, hot) != current:
+            if r0:
+                ui.end_op()
+                ui.start_op(op, _table_title(op, nbytes, hot, cfg, comm.world_size, info), baseline)
+            current = (op, hot)
+        if r0:
+            ui.status(f"{op} {'skewed' if nbytes is None else human(nbytes) + 'B'}")
+        if nbytes is None:
+            load = make(comm, op, 0, dtype, hot_nbytes=cfg.hot_bytes, cold_nbytes=cfg.cold_bytes)
+        else:
+            load = make(comm, op, nbytes, dtype, hot_fraction=hot)
+        wrong = _count_wrong(comm, load) if cfg.check else None
+        comm.last_handle = None
+        t_base, t_braid, common["host_us"] = _time_point(comm, cfg, load)
+        got = _lane_views(comm, load)
+        if r0:
+            point = _point(op, load, esz, cfg.dtype, comm.world_size, t_braid, t_base, wrong, got,
+                           baseline, BUS_FACTOR[op](comm.world_size), common)
+            _record(comm, cfg, point, hot, ui, results)
+        bad += wrong or 0
+        del load
+    return bad
+
+
+def _table_title(op: str, nbytes: int | None, hot: float | None, cfg: Config, world: int, info: dict) -> str:
+    title = f"{op}  world {world}  {info['machine']}"
+    if nbytes is None:
+        title += f"  hot 0->1 {human(cfg.hot_bytes)}B, cold {human(cfg.cold_bytes)}B"
+    if hot is not None:
+        title += f"  hot fraction {hot:g} to rank {world - 1}"
+    return title
+
+
+def _count_wrong(comm, load) -> int:
+    """Run the baseline and braid once each; the bytes where they differ, summed over the ranks."""
+    load.baseline()
+    load.braid()
+    _sync(comm)
+    return _sum_over_ranks(comm, load.wrong() if load.participates else 0)
+
+
+def _time_point(comm, cfg: Config, load) -> tuple[float, float, dict[str, float]]:
+    """(baseline us, braid us, {side: host us}) per call: alternating windows, slowest rank."""
+    from .. import calibrate as cal
+    iters, rounds = cfg.iters, cfg.repeat
+    if cfg.auto_iters:
+        # small calls: time enough of them that each measurement spans >= ~20 ms, in at least
+        # SMALL_ROUNDS shorter windows alternating baseline and braid (and which goes first):
+        # host-bound small calls drift with the machine's load, and many short alternating
+        # windows let both sides see the same quiet moments
+        probe = cal.time_call(comm, load.baseline, 3, cfg.warmup)
+        iters = max(cfg.iters, min(2000, int(20_000 / max(probe, 1.0))))
+        if iters > cfg.iters:
+            rounds = max(cfg.repeat, SMALL_ROUNDS)
+            iters = max(cfg.iters, iters * cfg.repeat // rounds)
+    bases, braids, hosts = [], [], {"braid": [], "baseline": []}
+    for k in range(rounds):
+        first_base = k % 2 == 0
+        for is_base in ((True, False) if first_base else (False, True)):
+            side = "baseline" if is_base else "braid"
+            t, host = cal.time_call_host(comm, load.baseline if is_base else load.braid, iters, cfg.warmup)
+            (bases if is_base else braids).append(t)
+            hosts[side].append(host)
+    # large calls: the best of the repeats; small ones (many alternating windows): each side's
+    # median window, so one lucky quiet window does not decide the ratio
+    pick = statistics.median if rounds >= SMALL_ROUNDS else min
+    return pick(bases), pick(braids), {k: statistics.median(v) for k, v in hosts.items()}
+
+
+def _lane_views(comm, load) -> list:
+    """Every rank's (shares, lane times) of its last timed braid call; None where it took no part."""
+    handle = comm.last_handle if load.participates else None
+    mine = (handle.shares, handle.lane_times_us()) if handle is not None else None
+    got = [None] * comm.world_size
+    dist.all_gather_object(got, mine, group=comm.gloo_group)
+    return got
+
+
+def _record(comm, cfg: Config, point: dict, hot: float | None, ui, results: list[dict]) -> None:
+    """Rank 0: the point's extra fields, its table row, and the JSON so far."""
+    if hot is not None:
+        point["hot_fraction"] = hot
+    if point["op"] == "all_to_all_single" and comm.last_route is not None:
+        # the router's prediction for the last skewed call: routed vs NCCL's (us)
+        point["route_predicted_us"] = {"routed": comm.last_route[0], "native": comm.last_route[1],
+                                       "host": comm._routed.host_time_us()}
+    results.append(point)
+    ui.row(point)
+    ui.advance()
+    if cfg.json_path:
+        write_json(cfg.json_path, results)
+
+
+def _point(op, load, esz, dtype, world, t_braid, t_base, wrong, got, baseline, factor, common) -> dict:
+    """One row of the JSON: braid's and the baseline's times and bandwidths, shares, lane times
+    (slowest rank), and the run's common fields."""
+    views = [g for g in got if g is not None]
+    shares = views[0][0] if views else {}
+    lane_us: dict[str, float] = {}
+    for _, times in views:
+        for k, v in times.items():
+            lane_us[k] = max(lane_us.get(k, 0.0), v)
+    algbw = load.algbytes / t_braid / 1e3
+    base_alg = load.algbytes / t_base / 1e3
+    point = {"op": op, "nbytes": load.nbytes, "count": load.nbytes // esz, "algbytes": load.algbytes,
+             "world_size": world, "dtype": dtype, "time_us": t_braid, "algbw_gbps": algbw,
+             "busbw_gbps": algbw * factor, "wrong": wrong, "shares": shares,
+             "lane_time_us": lane_us,
+             "baseline": {"name": baseline, "time_us": t_base, "algbw_gbps": base_alg, "busbw_gbps": base_alg * factor},
+             "ratio": t_base / t_braid}
+    host = common.get("host_us")
+    if host:      # per call, the median window's, slowest rank: braid's and the baseline's own
+        point["host_us"] = host["braid"]
+        point["baseline"]["host_us"] = host["baseline"]
+    if any(v[0] != shares for v in views):
+        point["shares_by_rank"] = [g[0] if g is not None else None for g in got]
+    point.update({k: v for k, v in common.items() if k not in point and k != "host_us"})
+    return point
