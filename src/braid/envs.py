@@ -117,6 +117,15 @@ _define("BRAID_ROUTE", _route, "auto",
         "NCCL's own call (predictions corrected per kind of matrix by what steady calls of each "
         "side measured; the side not in use is tried in blocks of 4 calls now and then); "
         "on = always (tests); off = never.")
+_define("BRAID_FAKE_NODES", _positive_int, 1,
+        "For tests: split one host's ranks into this many pretend nodes of equal size (ranks in "
+        "order: the first world/N ranks are node 0). Each pretend node gets its own segment and "
+        "lanes; the steps between nodes run on gloo (CPU) or NCCL (GPU) rail groups, as between "
+        "real hosts. Must divide the world size; the same on every rank.")
+_define("BRAID_HIER_MIN_BYTES", _nonneg_int, 1 << 20,
+        "On a world of several nodes: calls of at least this many bytes (per rank's input or "
+        "output, the larger) run as node steps on braid's lanes plus rail steps on NCCL/gloo; "
+        "smaller ones go to the native library whole. Must be the same on every rank.")
 _define("BRAID_LOG_LEVEL", str, "WARNING", "Log level of the 'braid' logger (debug: one line per "
         "skewed all_to_all routing decision, with its corrections and trial state).")
 

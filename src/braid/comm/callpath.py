@@ -200,6 +200,8 @@ class CallPath:
         gloo on CPU communicators)? (the small-message fast path)"""
         if self._fixed is not None or self.check:
             return False
+        if self.hier is not None and self.hier.wants(op, nbytes):
+            return False              # node steps and rail steps (comm/hier.py)
         key = (op, nbytes, self.calib_digest)
         hit = self._native_cache.get(key)
         if hit is None:

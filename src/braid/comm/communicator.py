@@ -49,18 +49,22 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
     BRAID_LANES) restricts them; unavailable lanes are skipped with one log line.
     """
 
-    def __init__(self, group=None, lanes: list[str] | None = None):
+    def __init__(self, group=None, lanes: list[str] | None = None, _node=None):
         if not dist.is_available() or not dist.is_initialized():
             raise MisuseError("braid.Communicator needs torch.distributed initialised first: "
                               "dist.init_process_group('nccl' or 'gloo') (torchrun sets the rendezvous)")
         if group is not None and group is not dist.group.WORLD and dist.get_world_size(group) != dist.get_world_size():
             raise MisuseError("braid supports the default (world) group in this version; pass group=None")
+        # _node: braid's own communicator of one node of a multi-node world (comm/hier.py): the
+        # groups of that node, made by every rank of the world; ranks are the node's own (0..G-1)
+        self._node = _node
         level = str(envs.get("BRAID_LOG_LEVEL")).upper()
         log.setLevel(getattr(logging, level, logging.WARNING))
         if not log.handlers and not logging.getLogger().handlers:
             logging.basicConfig(format="%(name)s %(levelname)s: %(message)s")
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank(_node["gloo"]) if _node else dist.get_rank()
+        self.world_size = dist.get_world_size(_node["gloo"]) if _node else dist.get_world_size()
+        self.hier = None       # the node and rail steps of a world of several nodes (comm/hier.py)
         self._init_state(lanes)
         self._init_groups()
         # what the lanes get of this communicator (they never see the communicator itself)
@@ -132,7 +136,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
     def _init_groups(self) -> None:
         """braid's gloo group, the device, the node (a shared segment when every rank is on one
         host), braid's NCCL group and where whole calls go."""
-        self.gloo_group = dist.new_group(backend="gloo")
+        node = self._node
+        self.gloo_group = node["gloo"] if node else dist.new_group(backend="gloo")
         # GPU lanes under an NCCL default group, or under braid's own backend (its default group
         # is braid's: whole calls then go to braid's NCCL group below, never to the default group)
         backend = str(dist.get_backend()).lower()
@@ -140,10 +145,11 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         ids = [None] * self.world_size
         dist.all_gather_object(ids, (socket.gethostname(), _boot_id(), os.getpid(),
-                                     self.device.index if self.cuda else -1), group=self.gloo_group)
-        self.single_node = len({(h, b) for h, b, _, _ in ids}) == 1
+                                     self.device.index if self.cuda else -1, _pretend_node()), group=self.gloo_group)
+        hosts = [(h, b, fake) for h, b, _, _, fake in ids]     # a node: a host (or a pretend node of one)
+        self.single_node = len(set(hosts)) == 1
         if self.cuda:
-            _check_gpus_per_host(ids)
+            _check_gpus_per_host([i[:4] for i in ids])
 
         self.layout = self.segment = self.segment_tensor = self.seg_dev_ptr = None
         self.ring_cursors: dict[tuple, RingCursor] = {}
@@ -151,7 +157,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
             self._open_segment()
         self.nccl_group = None
         if self.cuda:
-            self.nccl_group = dist.new_group(backend="nccl")
+            self.nccl_group = node["nccl"] if node else dist.new_group(backend="nccl")
             warm = torch.zeros(1, device=self.device)
             dist.all_reduce(warm, group=self.nccl_group)   # create the NCCL communicator now
         # where whole calls go to NCCL's own collective: the default group when it is NCCL (the
@@ -159,7 +165,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         # than a second communicator from new_group on 2 and 4 x H200), else braid's group. The
         # nccl lane's share of split calls stays on braid's group, beside the other lanes.
         self.native_group = self.nccl_group
-        if self.cuda and "nccl" in str(dist.get_backend()).lower():
+        if self.cuda and "nccl" in str(dist.get_backend()).lower() and not node:
             self.native_group = dist.group.WORLD
         self._fast_be = _backend_of(self.native_group, self.device) if self.cuda else None
         # the fast path's library call: NCCL's group on GPUs; on a CPU communicator, gloo's own
@@ -167,6 +173,9 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         self._fast_group = self.native_group if self.cuda else self.gloo_group
         self._fast_opts: dict = {}
         self._native_done = _NATIVE_DONE[self.cuda]     # last_handle after a whole native call
+        if not self.single_node and not node:
+            from .hier import Hierarchy
+            self.hier = Hierarchy.build(self, hosts, lambda lanes, groups: Communicator(lanes=lanes, _node=groups))
 
     def _open_segment(self) -> None:
         chunk = envs.get("BRAID_HOST_CHUNK_KB") << 10
@@ -180,7 +189,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
             self.layout = Layout(self.world_size, budget, chunk, relay)
             box = [(NodeSegment.new_name(), budget, relay)]
             self.segment = NodeSegment(box[0][0], self.layout, self.rank, create=True, spin_s=self._spin_s())
-        dist.broadcast_object_list(box, src=0, group=self.gloo_group)
+        dist.broadcast_object_list(box, group_src=0, group=self.gloo_group)
         name, budget, relay = box[0]
         self.layout = Layout(self.world_size, budget, chunk, relay)
         name = [name]
@@ -257,6 +266,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
     # ops ----------------------------------------------------------------------------------------
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         op = "all_gather"
+        if getattr(input, "requires_grad", False):
+            input = input.detach()     # read only: the native library's copies of it stay out of autograd
         if (type(input) is torch.Tensor and type(output) is torch.Tensor and input.is_cuda is self.cuda
                 and output.is_cuda is self.cuda and input.is_contiguous() and output.is_contiguous()):
             n, dt = input.numel(), input.dtype
@@ -275,6 +286,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         if ob.numel() != ib.numel() * self.world_size:
             raise MisuseError(f"{op}: output has {output.numel()} elements, need input.numel() * world_size = "
                               f"{input.numel()} * {self.world_size}")
+        if self.hier is not None and (h := self.hier.all_gather_into_tensor(output, input, async_op)) is not None:
+            return h if async_op else None
         n = ib.numel()
         desc = {"op": op, "dtype": str(input.dtype), "nbytes": n}
         return self._run(op, desc, n, ib, [ob], lambda d: (n, ("ag", n, False), lambda: all_gather_movement(self.world_size, n, False)),
@@ -293,6 +306,13 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
             same_dtype(input, o, op, ("input", f"output_list[{i}]"))
             if o.numel() != input.numel():
                 raise MisuseError(f"{op}: output_list[{i}] has {o.numel()} elements, input has {input.numel()}")
+        if self.hier is not None and type(input) is torch.Tensor and input.is_contiguous():
+            whole = input.new_empty(input.numel() * self.world_size)
+            if (h := self.hier.all_gather_into_tensor(whole, input, async_op)) is not None:
+                with torch.no_grad():
+                    for o, piece in zip(output_list, whole.view(self.world_size, -1)):
+                        o.copy_(piece.view_as(o))
+                return h if async_op else None
         n = ib.numel()
         desc = {"op": op, "dtype": str(input.dtype), "nbytes": n}
         return self._run(op, desc, n, ib, outs, lambda d: (n, ("ag", n, True), lambda: all_gather_movement(self.world_size, n, True)),
@@ -309,15 +329,17 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
                                      and self._native_for(op, n * tensor.element_size()))
             if ent[-1]:
                 return self._native_fast("broadcast", ([tensor],), "broadcast", async_op, root=src, fallback=lambda a:
-                                         dist.broadcast(tensor, src=src, group=self._fast_group, async_op=a))
+                                         dist.broadcast(tensor, group_src=src, group=self._fast_group, async_op=a))
         dev = self._device_for(tensor)
         check_rank(src, self.world_size, "src", op)
+        if self.hier is not None and (h := self.hier.broadcast(tensor, src, async_op)) is not None:
+            return h if async_op else None
         tb = output_bytes(tensor, "tensor", dev, op)
         n = tb.numel()
         desc = {"op": op, "dtype": str(tensor.dtype), "nbytes": n, "root": src}
         inp = tb if self.rank == src else None
         return self._run(op, desc, n, inp, [tb], lambda d: (n, ("bc", n, src), lambda: broadcast_movement(self.world_size, n, src)),
-                         lambda g: dist.broadcast(tb, src=src, group=g, async_op=True),
+                         lambda g: dist.broadcast(tb, group_src=src, group=g, async_op=True),
                          ("op", "dtype", "nbytes", "root"), async_op)
 
     # helpers -----------------------------------------------------------------------------------------
@@ -338,7 +360,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         """Rank 0 reads the cached calibration (if any) and every rank takes the same copy."""
         from ..calibrate import load
         box = [load(self) if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0, group=self.gloo_group)
+        dist.broadcast_object_list(box, group_src=0, group=self.gloo_group)
         self.set_calibration(box[0] or {})
 
     def set_calibration(self, table: dict) -> None:
@@ -370,6 +392,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         if self._ce_red is not None:
             self._ce_red.close()
         self._staged_buf = self._staged_end = self._ce_red = None
+        if self.hier is not None:
+            self.hier.close()
         self._closer()
 
     def __enter__(self) -> "Communicator":
@@ -432,3 +456,16 @@ def _boot_id() -> str:
             return f.read().strip()
     except OSError:
         return ""
+
+
+def _pretend_node() -> int:
+    """This rank's pretend node under BRAID_FAKE_NODES (0 when unset): the world's ranks cut in
+    order into that many nodes of equal size."""
+    n = envs.get("BRAID_FAKE_NODES")
+    if n <= 1:
+        return 0
+    world = dist.get_world_size()
+    if world % n:
+        raise MisuseError(f"BRAID_FAKE_NODES={n} does not divide the world of {world} ranks; set it to "
+                          f"a divisor of {world} (pretend nodes have equal sizes)")
+    return dist.get_rank() // (world // n)

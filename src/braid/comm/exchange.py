@@ -108,9 +108,9 @@ class Exchange:
             first = self.rank < peer
             for step in (0, 1):
                 if (step == 0) == first:
-                    dist.send(mine, peer, group=self.gloo_group)
+                    dist.send(mine, group_dst=peer, group=self.gloo_group)
                 else:
-                    dist.recv(theirs, peer, group=self.gloo_group)
+                    dist.recv(theirs, group_src=peer, group=self.gloo_group)
             raw = bytes(theirs.tolist())
             got[peer] = json.loads(raw[4:4 + int.from_bytes(raw[:4], "little")])
             return got

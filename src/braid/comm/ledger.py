@@ -179,6 +179,8 @@ class Ledger:
         its inner NCCL group (the backend lists it in `backend_groups`)."""
         groups = [g for g in (self.nccl_group, self.native_group) if g is not None]
         groups += getattr(self, "backend_groups", [])
+        if getattr(self, "hier", None) is not None:     # a multi-node world's rail group
+            groups.append(self.hier.rail_group)
         return list({id(g): g for g in groups}.values())
 
     def _abort_native(self, why: str) -> None:
@@ -211,3 +213,5 @@ class Ledger:
             if self.cuda:
                 seg.abort()
         self._abort_native(reason)
+        if getattr(self, "hier", None) is not None:     # the node's communicator, and its peers
+            self.hier.node.abort(reason)

@@ -94,7 +94,7 @@ class PendingP2P:
         if comm._native_ok(shares):
             g = comm._native_group(shares)
             tb = self.inp if self.src == me else self.outs[0]
-            work = dist.isend(tb, dst=self.peer, group=g) if self.src == me else dist.irecv(tb, src=self.peer, group=g)
+            work = dist.isend(tb, group_dst=self.peer, group=g) if self.src == me else dist.irecv(tb, group_src=self.peer, group=g)
             self.inner = as_handle(work, next(iter(shares)))
             return
         src, dst, n = self.src, self.dst, self.n
@@ -242,7 +242,7 @@ class PointToPoint:
                 **self._routed.report(self._routed_observation())}
 
         def native(g):
-            ops = [dist.P2POp(dist.isend if snd else dist.irecv, t, p, group=g) for snd, t, p in items if t.numel()]
+            ops = [dist.P2POp(dist.isend if snd else dist.irecv, t, group=g, group_peer=p) for snd, t, p in items if t.numel()]
             return _Works(dist.batch_isend_irecv(ops) if ops else [])
 
         def multi(descs, shares, plan1, agreed):
@@ -272,7 +272,7 @@ class PointToPoint:
                 work = be.send([tensor], peer, 0) if sending else be.recv([tensor], peer, 0)
             else:
                 g = self.native_group
-                work = dist.isend(tensor, dst=peer, group=g) if sending else dist.irecv(tensor, src=peer, group=g)
+                work = dist.isend(tensor, group_dst=peer, group=g) if sending else dist.irecv(tensor, group_src=peer, group=g)
             if async_op:
                 return self._finish(work, True)
             work.wait()
@@ -291,7 +291,7 @@ class PointToPoint:
         desc = {"op": op, "dtype": str(tensor.dtype), "nbytes": n, "src": src, "dst": dst}
 
         def native(g):
-            return (dist.isend(tb, dst=peer, group=g) if sending else dist.irecv(tb, src=peer, group=g))
+            return (dist.isend(tb, group_dst=peer, group=g) if sending else dist.irecv(tb, group_src=peer, group=g))
 
         if self.segment is None:
             return self._run(op, desc, n, inp, outs, lambda d: (n, ("p2p", src, dst, n), lambda: p2p_movement(self.world_size, src, dst, n)),

@@ -84,11 +84,15 @@ class Reductions:
             if ent[-1]:
                 return self._native_fast("allreduce", ([tensor],), "allreduce", async_op, op=op, fallback=lambda a:
                                          dist.all_reduce(tensor, op=op, group=self._fast_group, async_op=a))
+        if self.hier is not None and (h := self.hier.all_reduce(tensor, op, async_op)) is not None:
+            return h if async_op else None
         return self._reduction("all_reduce", tensor, tensor, op, None, async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
                               async_op: bool = False):
         """output (numel m) = reduction over ranks of input[rank*m:(rank+1)*m]."""
+        if getattr(input, "requires_grad", False):
+            input = input.detach()     # read only: the native library's copies of it stay out of autograd
         if (type(op) is _RED_T and type(input) is torch.Tensor and type(output) is torch.Tensor and input.is_cuda is self.cuda
                 and output.is_cuda is self.cuda and input.is_contiguous() and output.is_contiguous()):
             n, dt = input.numel(), input.dtype
@@ -101,6 +105,8 @@ class Reductions:
                 return self._native_fast("_reduce_scatter_base", (output, input), "reducescatter", async_op, op=op,
                                          fallback=lambda a: dist.reduce_scatter_tensor(
                                              output, input, op=op, group=self._fast_group, async_op=a))
+        if self.hier is not None and (h := self.hier.reduce_scatter_tensor(output, input, op, async_op)) is not None:
+            return h if async_op else None
         return self._reduction("reduce_scatter", output, input, op, None, async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op=dist.ReduceOp.SUM,
@@ -113,6 +119,8 @@ class Reductions:
                 raise MisuseError(f"reduce_scatter: input_list[{i}] must be a tensor of {output.numel()} "
                                   f"{output.dtype} elements like the output")
         flat = torch.cat([t.reshape(-1) for t in input_list]) if output.numel() else output.new_empty(0)
+        if self.hier is not None and (h := self.hier.reduce_scatter_tensor(output, flat, op, async_op)) is not None:
+            return h if async_op else None
         return self._reduction("reduce_scatter", output, flat, op, None, async_op)
 
     def reduce(self, tensor: torch.Tensor, dst: int = 0, op=dist.ReduceOp.SUM, async_op: bool = False):
@@ -121,7 +129,7 @@ class Reductions:
                 and self._fast_reduce_ok(op, tensor.dtype)
                 and self._native_for("reduce", tensor.numel() * tensor.element_size())):
             return self._native_fast("reduce", ([tensor],), "reduce", async_op, op=op, root=dst, fallback=lambda a:
-                                     dist.reduce(tensor, dst=dst, op=op, group=self.native_group, async_op=a))
+                                     dist.reduce(tensor, group_dst=dst, op=op, group=self.native_group, async_op=a))
         check_rank(dst, self.world_size, "dst", "reduce")
         return self._reduction("reduce", tensor, tensor, op, dst, async_op)
 
@@ -174,7 +182,7 @@ class Reductions:
         if opname == "all_reduce":
             return dist.all_reduce(output, op=top, group=g, async_op=True)
         if opname == "reduce":
-            return dist.reduce(output, dst=rc.root, op=top, group=g, async_op=True)
+            return dist.reduce(output, group_dst=rc.root, op=top, group=g, async_op=True)
         return dist.reduce_scatter_tensor(output, rc.ib.view(output.dtype), op=top, group=g, async_op=True)
 
     def _reduce_copy(self, rc: "_ReduceCall", g) -> Handle:
@@ -190,7 +198,7 @@ class Reductions:
         if opname == "all_reduce":
             work = dist.all_reduce(src, op=top, group=g, async_op=True)
         elif opname == "reduce":
-            work = dist.reduce(src, dst=root, op=top, group=g, async_op=True)
+            work = dist.reduce(src, group_dst=root, op=top, group=g, async_op=True)
         else:
             res = torch.empty_like(output.reshape(-1))
             work = dist.reduce_scatter_tensor(res, src, op=top, group=g, async_op=True)

@@ -63,6 +63,8 @@ class Routing:
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
                           input_split_sizes=None, async_op: bool = False):
         op = "all_to_all_single"
+        if getattr(input, "requires_grad", False):
+            input = input.detach()     # read only: the native library's copies of it stay out of autograd
         if (not input_split_sizes and not output_split_sizes and type(input) is torch.Tensor
                 and type(output) is torch.Tensor and input.is_cuda is self.cuda and output.is_cuda is self.cuda
                 and input.dim() > 0 and input.is_contiguous() and output.is_contiguous()):
@@ -94,6 +96,8 @@ class Routing:
         ins = split_bytes(input_split_sizes, input, self.world_size, "input", op)
         outs = split_bytes(output_split_sizes, output, self.world_size, "output", op)
         balanced = not input_split_sizes and not output_split_sizes
+        if balanced and self.hier is not None and (h := self.hier.all_to_all_single(output, input, async_op)) is not None:
+            return h if async_op else None
         if not agreed and not balanced and self.segment is not None and dev.type == "cuda" and not self.check \
                 and self._fixed is None and self.routing != "on" and len(self.lanes_for(dev)) > 1:
             # the same agreement for the uneven calls the block above leaves (one split list given)

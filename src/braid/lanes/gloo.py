@@ -31,10 +31,10 @@ class GlooLane(Lane):
             if t.src == me:
                 piece = ctx.inp[t.src_off: t.src_off + t.nbytes]
                 for d, _, _ in t.dsts:
-                    works.append(dist.isend(piece, dst=d, group=self.group))
+                    works.append(dist.isend(piece, group_dst=d, group=self.group))
             for d, b, off in t.dsts:
                 if d == me:
-                    works.append(dist.irecv(ctx.outs[b][off: off + t.nbytes], src=t.src, group=self.group))
+                    works.append(dist.irecv(ctx.outs[b][off: off + t.nbytes], group_src=t.src, group=self.group))
 
         def finish() -> None:
             for w in works:

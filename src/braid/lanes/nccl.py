@@ -36,10 +36,10 @@ class NcclLane(GpuLaneMixin, Lane):
             if t.src == me:
                 piece = ctx.inp[t.src_off: t.src_off + t.nbytes]
                 for d, _, _ in t.dsts:
-                    ops.append(dist.P2POp(dist.isend, piece, d, self.group))
+                    ops.append(dist.P2POp(dist.isend, piece, group=self.group, group_peer=d))
             for d, b, off in t.dsts:
                 if d == me:
-                    ops.append(dist.P2POp(dist.irecv, ctx.outs[b][off: off + t.nbytes], t.src, self.group))
+                    ops.append(dist.P2POp(dist.irecv, ctx.outs[b][off: off + t.nbytes], group=self.group, group_peer=t.src))
         with torch.cuda.stream(s):
             if ops:
                 for w in dist.batch_isend_irecv(ops):

@@ -1,0 +1,245 @@
+"""A world of several nodes: braid's lanes inside each node, NCCL (gloo on CPU) between nodes.
+
+Ranks are grouped by host (hostname + boot id; BRAID_FAKE_NODES cuts one host into pretend
+nodes for tests). Where the nodes are regular (N nodes of G ranks, rank = node * G + local
+index, as torchrun numbers them), every rank of the world builds, in the same order:
+- one braid Communicator per node (its own segment and lanes; ranks 0..G-1 within the node),
+- one rail group per local index i: the ranks (a, i) of every node a, on NCCL (GPU) or gloo
+  (CPU), as NCCL's own hierarchical algorithms use them: NIC i of every node carries rail i.
+A large call then runs as node steps on braid's lanes and one rail step per rank:
+    all_reduce       node reduce_scatter -> rail all_reduce of the shard -> node all_gather
+    all_gather       rail all_gather -> node all_gather -> reorder to world order
+    reduce_scatter   reorder -> node reduce_scatter -> rail reduce_scatter
+    broadcast        rail broadcast (the root's rail) -> node broadcast from the root's index
+    all_to_all       reorder -> node all_to_all -> reorder -> rail all_to_all (equal splits)
+Each rank moves (N - 1) / N of its data across nodes once, on its own rail (the minimum).
+Data-movement ops give the same bits as a one-node call; reductions add in another order
+(within the node first), as NCCL's own hierarchical algorithms do. AVG is summed and divided once
+at the end (integers truncate toward zero, as NCCL). Calls below BRAID_HIER_MIN_BYTES, other
+reduction ops, uneven all_to_all, reduce, gather, scatter and send/recv go to the native
+library whole (the step overheads outweigh the gain there; every op stays correct).
+
+The steps run one after another and the call returns done (async_op gets a completed handle):
+correctness and the bytes each link carries are the point here; overlapping the steps is left
+for when a multi-node GPU machine can measure it.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from .. import envs
+from ..collectives.reduce import REDUCE_DTYPES, divide
+from ..executor import Handle
+
+log = logging.getLogger("braid")
+
+_HIER_REDS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MIN: "min",
+              dist.ReduceOp.MAX: "max", dist.ReduceOp.PRODUCT: "product"}
+
+
+class HierHandle(Handle):
+    """A multi-node call that ran as steps (done when returned). `steps` says where each ran:
+    (step, where, bytes per rank), e.g. ("node reduce_scatter", "shm=0.62 gloo=0.38", 4 MiB)."""
+
+    def __init__(self, steps: list[tuple[str, str, int]], shares: dict[str, float]):
+        super().__init__()
+        self._waited = True
+        self.steps = steps
+        self._shares = shares
+
+    @property
+    def shares(self) -> dict[str, float]:
+        return dict(self._shares)
+
+
+def node_layout(hosts: list) -> tuple[list[list[int]], str]:
+    """The world's ranks per node (nodes in order of their first rank), and why the layout is
+    not regular ("" when it is: equal node sizes, each node's ranks consecutive)."""
+    order: dict = {}
+    for r, h in enumerate(hosts):
+        order.setdefault(h, []).append(r)
+    nodes = list(order.values())
+    g = len(nodes[0])
+    if any(len(m) != g for m in nodes):
+        return nodes, f"nodes have different rank counts ({sorted({len(m) for m in nodes})})"
+    if any(m != list(range(a * g, (a + 1) * g)) for a, m in enumerate(nodes)):
+        return nodes, "a node's ranks are not consecutive (rank = node * ranks_per_node + local index)"
+    return nodes, ""
+
+
+class Hierarchy:
+    """The node communicator and rail group of this rank, and the multi-node ops (see the
+    module text). Built by the world's Communicator on every rank."""
+
+    def __init__(self, world, nodes: list[list[int]], make_node):
+        self.world = world
+        self.num_nodes, self.per_node = len(nodes), len(nodes[0])
+        self.node_index, self.local = divmod(world.rank, self.per_node)
+        cuda = world.cuda
+        mine = {}
+        for a, members in enumerate(nodes):          # every rank makes every group, in one order
+            groups = {"gloo": dist.new_group(members, backend="gloo")}
+            if cuda:
+                groups["nccl"] = dist.new_group(members, backend="nccl")
+            if a == self.node_index:
+                mine = groups
+        self.rail_group = None
+        for i in range(self.per_node):
+            g = dist.new_group([a * self.per_node + i for a in range(self.num_nodes)],
+                               backend="nccl" if cuda else "gloo")
+            if i == self.local:
+                self.rail_group = g
+        self.rail_lib = "nccl" if cuda else "gloo"
+        lanes = sorted(world.wanted) if world.wanted is not None else None
+        self.node = make_node(lanes, mine)     # braid's Communicator of this rank's node
+
+    @classmethod
+    def build(cls, world, hosts: list, make_node) -> "Hierarchy | None":
+        """The hierarchy of a world whose ranks sit on `hosts` (one key per rank), or None when
+        the world is one node or its nodes are not regular. make_node(lanes, groups) makes the
+        node's Communicator over the node's groups."""
+        nodes, why = node_layout(hosts)
+        if len(nodes) < 2:
+            return None
+        if why:
+            log.warning("braid: %d nodes, but %s: every call goes to %s whole", len(nodes), why,
+                        "NCCL" if world.cuda else "gloo")
+            return None
+        return cls(world, nodes, make_node)
+
+    def close(self) -> None:
+        self.node.close()
+
+    # the decision ---------------------------------------------------------------------------
+    def _takes(self, nbytes: int, *tensors) -> bool:
+        """Steps for this call? From facts every rank shares when the calls match (size, dtype);
+        contiguous tensors of the world's device type."""
+        if nbytes < max(1, envs.get("BRAID_HIER_MIN_BYTES")):
+            return False
+        for t in tensors:
+            if type(t) is not torch.Tensor or t.is_cuda is not self.world.cuda or not t.is_contiguous():
+                return False
+        return True
+
+    def wants(self, op: str, nbytes: int) -> bool:
+        """Would a call of this op and size run as steps (the fast path then leaves it alone)?"""
+        return op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all_single") \
+            and nbytes >= max(1, envs.get("BRAID_HIER_MIN_BYTES"))
+
+    def _done(self, op, steps, async_op):
+        """The call's handle (the caller returns it where async_op); node steps' lane shares weighted by their bytes, rail steps as
+        'rail-nccl' / 'rail-gloo'."""
+        total = sum(b for _, _, b in steps) or 1
+        shares: dict[str, float] = {}
+        for _, where, b in steps:
+            for part in where.split():
+                lane, _, f = part.partition("=")
+                shares[lane] = shares.get(lane, 0.0) + float(f or 1.0) * b / total
+        h = HierHandle(steps, shares)
+        self.world.last_handle = h
+        self.world.ncalls += 1
+        self.world.last_call = (op, total, None, "steps")
+        return h
+
+    def _node_step(self, name: str, fn, nbytes: int, steps: list) -> None:
+        fn()
+        h = self.node.last_handle
+        where = " ".join(f"{k}={v:.2f}" for k, v in (h.shares if h is not None else {}).items()) or "node"
+        steps.append((f"node {name}", where, nbytes))
+
+    def _rail_step(self, name: str, fn, nbytes: int, steps: list) -> None:
+        fn()
+        steps.append((f"rail {name}", f"rail-{self.rail_lib}", nbytes))
+
+    # the ops ----------------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op, async_op: bool):
+        name = _HIER_REDS.get(op) if type(op) is type(dist.ReduceOp.SUM) else None
+        if name is None or tensor.dtype not in REDUCE_DTYPES or tensor.dtype is torch.bool \
+                or not self._takes(tensor.numel() * tensor.element_size(), tensor):
+            return None
+        red = dist.ReduceOp.SUM if name == "avg" else op
+        g, n = self.per_node, tensor.numel()
+        flat = tensor.view(-1)
+        m = -(-n // g)
+        buf = flat if m * g == n else torch.zeros(m * g, dtype=tensor.dtype, device=tensor.device)
+        if buf is not flat:
+            buf[:n].copy_(flat)
+        shard = torch.empty(m, dtype=tensor.dtype, device=tensor.device)
+        es, steps = tensor.element_size(), []
+        self._node_step("reduce_scatter", lambda: self.node.reduce_scatter_tensor(shard, buf, op=red), m * g * es, steps)
+        self._rail_step("all_reduce", lambda: dist.all_reduce(shard, op=red, group=self.rail_group), m * es, steps)
+        self._node_step("all_gather", lambda: self.node.all_gather_into_tensor(buf, shard), m * g * es, steps)
+        with torch.no_grad():
+            if buf is not flat:
+                flat.copy_(buf[:n])
+            if name == "avg":
+                divide(flat, self.world.world_size)
+        return self._done("all_reduce", steps, async_op)
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, async_op: bool):
+        n, N, G = input.numel(), self.num_nodes, self.per_node
+        if input.dtype != output.dtype or output.numel() != n * N * G \
+                or not self._takes(n * input.element_size(), input, output):
+            return None
+        es, steps = input.element_size(), []
+        rail = torch.empty(N * n, dtype=input.dtype, device=input.device)
+        self._rail_step("all_gather", lambda: dist.all_gather_into_tensor(rail, input.view(-1), group=self.rail_group),
+                        N * n * es, steps)
+        node = torch.empty(G * N * n, dtype=input.dtype, device=input.device)
+        self._node_step("all_gather", lambda: self.node.all_gather_into_tensor(node, rail), G * N * n * es, steps)
+        with torch.no_grad():          # [G local][N node][n] -> world order [N][G][n]
+            output.view(N, G, n).copy_(node.view(G, N, n).transpose(0, 1))
+        return self._done("all_gather", steps, async_op)
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op, async_op: bool):
+        name = _HIER_REDS.get(op) if type(op) is type(dist.ReduceOp.SUM) else None
+        n, N, G = output.numel(), self.num_nodes, self.per_node
+        if name is None or input.dtype != output.dtype or input.numel() != n * N * G \
+                or output.dtype not in REDUCE_DTYPES or output.dtype is torch.bool \
+                or not self._takes(input.numel() * input.element_size(), input, output):
+            return None
+        red = dist.ReduceOp.SUM if name == "avg" else op
+        es, steps = input.element_size(), []
+        # [N node][G local][n] -> [G local][N node][n]: local index j gets every node's chunk j
+        x = input.view(N, G, n).transpose(0, 1).contiguous()
+        part = torch.empty(N * n, dtype=input.dtype, device=input.device)
+        self._node_step("reduce_scatter", lambda: self.node.reduce_scatter_tensor(part, x.view(-1), op=red),
+                        N * G * n * es, steps)
+        self._rail_step("reduce_scatter", lambda: dist.reduce_scatter_tensor(output.view(-1), part, op=red,
+                                                                             group=self.rail_group), N * n * es, steps)
+        if name == "avg":
+            with torch.no_grad():
+                divide(output, self.world.world_size)
+        return self._done("reduce_scatter", steps, async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool):
+        if not self._takes(tensor.numel() * tensor.element_size(), tensor):
+            return None
+        root_node, root_local = divmod(src, self.per_node)
+        nb, steps = tensor.numel() * tensor.element_size(), []
+        flat = tensor.view(-1)
+        if self.local == root_local:
+            self._rail_step("broadcast", lambda: dist.broadcast(flat, group_src=root_node, group=self.rail_group),
+                            nb, steps)
+        self._node_step("broadcast", lambda: self.node.broadcast(flat, src=root_local), nb, steps)
+        return self._done("broadcast", steps, async_op)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, async_op: bool):
+        N, G = self.num_nodes, self.per_node
+        w = N * G
+        if input.dtype != output.dtype or input.numel() != output.numel() or input.numel() % w \
+                or not self._takes(input.numel() * input.element_size(), input, output):
+            return None
+        n, es, steps = input.numel() // w, input.element_size(), []
+        # [N dest node][G dest local][n] -> [G dest local][N dest node][n]
+        x = input.view(N, G, n).transpose(0, 1).contiguous()
+        y = torch.empty_like(x)
+        self._node_step("all_to_all", lambda: self.node.all_to_all_single(y.view(-1), x.view(-1)), w * n * es, steps)
+        # y: [G src local][N dest node][n] -> [N dest node][G src local][n] for the rail exchange
+        z = y.transpose(0, 1).contiguous()
+        self._rail_step("all_to_all", lambda: dist.all_to_all_single(output.view(-1), z.view(-1),
+                                                                     group=self.rail_group), w * n * es, steps)
+        return self._done("all_to_all_single", steps, async_op)

@@ -1,0 +1,223 @@
+"""A world of several nodes on CPU: BRAID_FAKE_NODES cuts the test's ranks into pretend nodes.
+
+Each pretend node gets its own braid communicator (segment, shm and gloo lanes); the steps between
+nodes run on gloo rail groups (comm/hier.py). Every op is checked against a reference computed
+locally from every rank's seeded input (no collective in the reference), at odd sizes, for the
+direct API and for the braid backend, on 2 x 2 and 3 x 2 pretend nodes. Data-movement ops must give
+the same bits as the reference; reductions use data whose sums are exact in every order (quarter
+steps), so they are compared bit for bit too.
+"""
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_world
+
+SIZES = (3, 1031, 65537)          # elements per rank (odd, and not divisible by the node size)
+
+
+def _data(seed: int, rank: int, n: int, dtype):
+    import torch
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    if dtype.is_floating_point:
+        return (torch.randint(-40, 41, (n,), generator=g).to(torch.float64) / 4).to(dtype)
+    return torch.randint(-1000, 1000, (n,), generator=g, dtype=torch.int64).to(dtype)
+
+
+def _reduce(stack, name):
+    import torch
+    if name == "sum":
+        return stack.sum(0, dtype=stack.dtype)
+    if name == "max":
+        return stack.max(0).values
+    if name == "min":
+        return stack.min(0).values
+    if name == "avg":
+        total = stack.sum(0, dtype=stack.dtype)
+        return total / stack.shape[0] if stack.dtype.is_floating_point else torch.div(
+            total, stack.shape[0], rounding_mode="trunc")
+    raise AssertionError(name)
+
+
+def _worker(rank, world, mode, fake):
+    import torch
+    import torch.distributed as dist
+
+    import braid
+    from braid.comm.hier import HierHandle
+    if mode == "backend":
+        dist.destroy_process_group()
+        import os
+        dist.init_process_group("braid", rank=rank, world_size=world,
+                                init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}")
+        api = dist
+        from braid.backend import world_group
+        pg = world_group()
+        comm = pg.ensure_communicator()
+    else:
+        comm = braid.init()
+        api = braid
+    per_node = world // fake
+    assert comm.hier is not None and comm.hier.num_nodes == fake and comm.hier.per_node == per_node
+    assert comm.hier.node.world_size == per_node and comm.hier.node.segment is not None
+    assert comm.segment is None            # the world spans (pretend) nodes: no world segment
+    ops = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min", dist.ReduceOp.AVG: "avg"}
+    bad, steps_seen = [], set()
+
+    def check(what, got, want):
+        if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
+            diff = (got.double() - want.double()).abs().max().item() if got.shape == want.shape else "shape"
+            bad.append(f"rank {rank} {what}: differs (max diff {diff})")
+
+    def note():
+        h = comm.last_handle
+        if isinstance(h, HierHandle):
+            steps_seen.update(s for s, _, _ in h.steps)
+        return h
+
+    seed = 11
+    for n in SIZES:
+        for dtype in (torch.float32, torch.int64, torch.bfloat16):
+            seed += 1
+            ins = [_data(seed, r, n, dtype) for r in range(world)]
+            stack = torch.stack(ins)
+            for op, name in ops.items():
+                if dtype is torch.bfloat16 and name == "avg":
+                    continue       # bf16 quarter steps divided by 6 round differently per order
+                t = ins[rank].clone()
+                api.all_reduce(t, op=op)
+                check(f"all_reduce {name} {dtype} n={n}", t, _reduce(stack, name))
+                assert isinstance(note(), HierHandle) or mode == "backend"
+            # all_gather (tensor and list)
+            out = torch.empty(n * world, dtype=dtype)
+            api.all_gather_into_tensor(out, ins[rank])
+            check(f"all_gather_into_tensor {dtype} n={n}", out, torch.cat(ins))
+            note()
+            lst = [torch.empty(n, dtype=dtype) for _ in range(world)]
+            api.all_gather(lst, ins[rank])
+            check(f"all_gather list {dtype} n={n}", torch.cat(lst), torch.cat(ins))
+            # reduce_scatter: every rank's input holds world chunks of n
+            big = [_data(seed + 500, r, n * world, dtype) for r in range(world)]
+            for op, name in ops.items():
+                if dtype is torch.bfloat16 and name == "avg":
+                    continue
+                o = torch.empty(n, dtype=dtype)
+                api.reduce_scatter_tensor(o, big[rank].clone(), op=op)
+                want = _reduce(torch.stack(big), name)[rank * n:(rank + 1) * n]
+                check(f"reduce_scatter {name} {dtype} n={n}", o, want)
+                note()
+            # broadcast from every root
+            for root in range(world):
+                t = ins[rank].clone()
+                api.broadcast(t, src=root)
+                check(f"broadcast root {root} {dtype} n={n}", t, ins[root])
+                note()
+            # all_to_all, equal splits: big[r][d*n:(d+1)*n] goes to d
+            o = torch.empty(n * world, dtype=dtype)
+            api.all_to_all_single(o, big[rank])
+            want = torch.cat([big[s][rank * n:(rank + 1) * n] for s in range(world)])
+            check(f"all_to_all_single {dtype} n={n}", o, want)
+            note()
+            # uneven all_to_all, reduce, send/recv: the native library whole
+            splits = [(rank + d) % 3 + 1 for d in range(world)]
+            recv = [(s + rank) % 3 + 1 for s in range(world)]
+            src = _data(seed + 900, rank, sum(splits), dtype)
+            o = torch.empty(sum(recv), dtype=dtype)
+            api.all_to_all_single(o, src, recv, splits)
+            parts = []
+            for s in range(world):
+                their = [(s + d) % 3 + 1 for d in range(world)]
+                full = _data(seed + 900, s, sum(their), dtype)
+                off = sum(their[:rank])
+                parts.append(full[off:off + their[rank]])
+            check(f"uneven all_to_all {dtype} n={n}", o, torch.cat(parts))
+            t = ins[rank].clone()
+            api.reduce(t, dst=world - 1, op=dist.ReduceOp.SUM)
+            if rank == world - 1:
+                check(f"reduce {dtype} n={n}", t, _reduce(stack, "sum"))
+    # a small call below BRAID_HIER_MIN_BYTES goes whole; then the threshold is the default
+    return {"bad": bad, "steps": sorted(steps_seen)}
+
+
+@pytest.mark.parametrize("mode", ["direct", "backend"])
+@pytest.mark.parametrize("world,fake", [(4, 2), (6, 3)])
+def test_every_op_on_pretend_nodes(world, fake, mode):
+    res = run_world(_worker, world, mode, fake, timeout=240,
+                    env={"BRAID_FAKE_NODES": str(fake), "BRAID_HIER_MIN_BYTES": "0"})
+    for r in res:
+        assert not r["bad"], "\n".join(r["bad"][:20])
+    if mode == "direct":
+        steps = set(res[0]["steps"])
+        for s in ("node reduce_scatter", "rail all_reduce", "node all_gather", "rail all_gather",
+                  "rail reduce_scatter", "node broadcast", "node all_to_all", "rail all_to_all"):
+            assert s in steps, (s, steps)
+
+
+def _threshold_worker(rank, world):
+    import torch
+    import braid
+    from braid.comm.hier import HierHandle
+    comm = braid.init()
+    small = torch.ones(16)
+    braid.all_reduce(small)
+    small_steps = isinstance(comm.last_handle, HierHandle)
+    big = torch.ones(1 << 18)      # 1 MiB of float32: the default threshold
+    braid.all_reduce(big)
+    return {"small": small_steps, "big": isinstance(comm.last_handle, HierHandle),
+            "ok": bool((small == world).all() and (big == world).all())}
+
+
+def test_small_calls_go_whole_large_ones_in_steps():
+    res = run_world(_threshold_worker, 4, env={"BRAID_FAKE_NODES": "2"})
+    assert all(r["ok"] for r in res)
+    assert not any(r["small"] for r in res) and all(r["big"] for r in res)
+
+
+def _bad_fake_worker(rank, world):
+    import braid
+    from braid.errors import MisuseError
+    try:
+        braid.init()
+    except MisuseError as exc:
+        return str(exc)
+    return ""
+
+
+def test_fake_nodes_must_divide_the_world():
+    res = run_world(_bad_fake_worker, 3, env={"BRAID_FAKE_NODES": "2"})
+    assert all("BRAID_FAKE_NODES=2 does not divide the world of 3" in r for r in res)
+
+
+def test_node_layout_rules():
+    from braid.comm.hier import node_layout
+    nodes, why = node_layout(["a", "a", "b", "b"])
+    assert nodes == [[0, 1], [2, 3]] and why == ""
+    assert "different rank counts" in node_layout(["a", "a", "b"])[1]
+    assert "not consecutive" in node_layout(["a", "b", "a", "b"])[1]
+
+
+def test_bench_on_pretend_nodes_says_which_step_ran_where(tmp_path):
+    """`braid bench` on a world of 2 pretend nodes: every point is right, and the JSON names the
+    node steps (braid's lanes) and the rail steps (gloo) of each call."""
+    import json
+    import os
+    import subprocess
+    import sys
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, BRAID_CACHE_DIR=str(tmp_path / "cache"), BRAID_HOST_BUFFER_MB="4",
+               BRAID_TIMEOUT_S="60", BRAID_FAKE_NODES="2", BRAID_HIER_MIN_BYTES="0")
+    proc = subprocess.run(
+        [sys.executable, "-m", "braid", "bench", "--op", "all", "--nproc", "4",
+         "--sizes", "256K:256K", "--iters", "2", "--fixed-iters", "--repeat", "1", "--no-calibrate",
+         "--plain", "--json", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    points = json.loads(out.read_text())
+    assert {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all_single"} <= {p["op"] for p in points}
+    for p in points:
+        assert p["wrong"] == 0
+        if p["op"] in ("send_recv", "reduce"):       # whole, on gloo
+            assert "steps" not in p and p["shares"] == {"gloo": 1.0}, p
+            continue
+        steps = [s["step"] for s in p["steps"]]
+        assert any(s.startswith("node ") for s in steps) and any(s.startswith("rail ") for s in steps), steps
+        assert "rail-gloo" in p["shares"] and abs(sum(p["shares"].values()) - 1.0) < 1e-6
