@@ -31,6 +31,14 @@ def test_bench_every_op_on_cpu_lanes(tmp_path):
         assert set(p["shares"]) <= {"gloo", "shm"}, f"{p['op']}: a CPU world has no NCCL: {p['shares']}"
         assert {"name", "time_us", "busbw_gbps", "host_us"} <= set(p["baseline"])
         assert p["host_us"] > 0 and p["baseline"]["host_us"] > 0
+        # the other baselines: reported with the reason they did not run, never dropped
+        if p["op"] in ("all_reduce", "all_gather", "reduce_scatter"):
+            alts = p["alternatives"]
+            assert alts and all(a["status"] == "unavailable" and "CUDA" in a["why"] for a in alts.values()), alts
+        else:
+            assert "alternatives" not in p
+        assert p["best_baseline"]["name"] == "gloo" and p["ratio_best"] == p["ratio"]
+    assert "# other baselines: symm_mem two_shot: unavailable (needs CUDA tensors" in proc.stdout
 
 
 def test_route_and_env_commands_run():
@@ -133,3 +141,31 @@ def test_cpu_workers_join_with_gloo(monkeypatch):
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     assert bench._init_rank(0, 2, 12345, cpu=True) is False
     assert got == {"backend": "gloo"}
+
+
+def test_other_baselines_registry():
+    """Every alternative names its op and says why it cannot run on a CPU world; the best
+    baseline of a point is the fastest that ran (an unavailable one is listed, never chosen)."""
+    import types
+
+    import torch
+
+    from braid.bench import baselines
+    from braid.bench.sweep import _add_alternatives
+    cpu = types.SimpleNamespace(cuda=False)
+    assert {a.op for a in baselines.ALTERNATIVES} == {"all_reduce", "all_gather", "reduce_scatter"}
+    st = baselines.statuses(cpu, "all_reduce", torch.float32)
+    assert set(st) == {"symm_mem two_shot", "symm_mem one_shot"} and all("CUDA" in v for v in st.values())
+    assert baselines.statuses(cpu, "broadcast", torch.float32) == {}
+    point = {}
+    alts = {"fast": {"status": "ok", "time_us": 50.0, "copy_in_us": 9.0},
+            "off": {"status": "unavailable", "why": "no symmetric memory"},
+            "broken": {"status": "failed", "why": "rank 1: RuntimeError: boom"}}
+    _add_alternatives(point, alts, "nccl", t_base=80.0, t_braid=100.0)
+    assert point["best_baseline"] == {"name": "fast", "time_us": 50.0} and point["ratio_best"] == 0.5
+    assert point["alternatives"]["off"] == {"status": "unavailable", "why": "no symmetric memory"}
+    assert point["alternatives"]["broken"]["status"] == "failed"
+    assert point["alternatives"]["fast"]["copy_in_us"] == 9.0 and point["alternatives"]["fast"]["ratio"] == 0.5
+    slow = {}
+    _add_alternatives(slow, {"slow": {"status": "ok", "time_us": 90.0, "copy_in_us": 1.0}}, "nccl", 80.0, 100.0)
+    assert slow["best_baseline"]["name"] == "nccl" and slow["ratio_best"] == 0.8

@@ -97,7 +97,16 @@ def _row_cells(p: dict) -> list[str]:
     wrong = "N/A" if p["wrong"] is None else str(p["wrong"])
     return [str(p["nbytes"]), str(p["count"]), p["dtype"], f"{p['time_us']:.1f}", f"{p['algbw_gbps']:.2f}",
             f"{p['busbw_gbps']:.2f}", wrong, f"{p['baseline']['time_us']:.1f}",
-            f"{p['baseline']['busbw_gbps']:.2f}", f"{p['ratio']:.2f}", _host_cell(p), format_shares(p["shares"])]
+            f"{p['baseline']['busbw_gbps']:.2f}", f"{p['ratio']:.2f}", _host_cell(p),
+            format_shares(p["shares"]) + _best_cell(p)]
+
+
+def _best_cell(p: dict) -> str:
+    """After the shares: the best baseline where another than the table's own ran faster."""
+    best = p.get("best_baseline")
+    if not best or best["name"] == p["baseline"]["name"]:
+        return ""
+    return f"  best: {best['name']} {best['time_us']:.1f} us, ratio {p['ratio_best']:.2f}"
 
 
 def _host_cell(p: dict) -> str:

@@ -25,6 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from . import baselines as alternatives
 from .config import NO_GPU_LINE, SMALL_ROUNDS, WRONG_EXIT, Config
 from .output import format_shares, header_line, human, machine_info, make_ui, write_json
 
@@ -160,6 +161,10 @@ def _sweep(comm, cfg: Config, plan, common: dict, info: dict, baseline: str, ui,
                 ui.end_op()
                 ui.start_op(op, _table_title(op, nbytes, hot, cfg, comm.world_size, info), baseline)
             current = (op, hot)
+            others = alternatives.statuses(comm, op, dtype)
+            if r0 and others:
+                ui.line("# other baselines: " + "; ".join(
+                    f"{k}: {'timed beside ' + baseline if not v else 'unavailable (' + v + ')'}" for k, v in others.items()))
         if r0:
             ui.status(f"{op} {'skewed' if nbytes is None else human(nbytes) + 'B'}")
         if nbytes is None:
@@ -167,12 +172,14 @@ def _sweep(comm, cfg: Config, plan, common: dict, info: dict, baseline: str, ui,
         else:
             load = make(comm, op, nbytes, dtype, hot_fraction=hot)
         wrong = _count_wrong(comm, load) if cfg.check else None
+        alts = _prepare_alternatives(comm, op, nbytes, dtype) if nbytes is not None else {}
         comm.last_handle = None
-        t_base, t_braid, common["host_us"] = _time_point(comm, cfg, load)
+        t_base, t_braid, common["host_us"] = _time_point(comm, cfg, load, alts)
         got = _lane_views(comm, load)
         if r0:
             point = _point(op, load, esz, cfg.dtype, comm.world_size, t_braid, t_base, wrong, got,
                            baseline, BUS_FACTOR[op](comm.world_size), common)
+            _add_alternatives(point, alts, baseline, t_base, t_braid)
             _record(comm, cfg, point, hot, ui, results)
         bad += wrong or 0
         del load
@@ -196,8 +203,53 @@ def _count_wrong(comm, load) -> int:
     return _sum_over_ranks(comm, load.wrong() if load.participates else 0)
 
 
-def _time_point(comm, cfg: Config, load) -> tuple[float, float, dict[str, float]]:
-    """(baseline us, braid us, {side: host us}) per call: alternating windows, slowest rank."""
+def _prepare_alternatives(comm, op: str, nbytes: int, dtype) -> dict[str, dict]:
+    """name -> {"status": "ok", "prepared": ...} or {"status": "unavailable"/"failed", "why": ...}
+    for every other baseline of `op`. Every rank prepares; a failure on any rank fails it on all
+    (agreed over gloo), so no rank times a call its peers skip."""
+    out: dict[str, dict] = {}
+    for alt in alternatives.for_op(op):
+        why = alt.why_not(comm, dtype)
+        if why:
+            out[alt.name] = {"status": "unavailable", "why": why}
+            continue
+        err, prepared = "", None
+        try:
+            prepared = alt.prepare(comm, nbytes, dtype)
+            prepared.run()
+            prepared.copy_in()
+            _sync(comm)
+        except Exception as exc:      # noqa: BLE001  reported in the table and the JSON
+            err = f"{type(exc).__name__}: {exc}"[:300]
+        failed = [None] * comm.world_size
+        dist.all_gather_object(failed, err, group=comm.gloo_group)
+        bad = [f"rank {r}: {e}" for r, e in enumerate(failed) if e]
+        out[alt.name] = {"status": "failed", "why": bad[0]} if bad else {"status": "ok", "prepared": prepared}
+    return out
+
+
+def _add_alternatives(point: dict, alts: dict[str, dict], baseline: str, t_base: float, t_braid: float) -> None:
+    """The JSON fields of the other baselines, and the best baseline of the point (the fastest
+    of NCCL's call and every alternative that ran; copy-in not counted, reported beside)."""
+    best_name, best_us = baseline, t_base
+    fields = {}
+    for name, a in alts.items():
+        if a["status"] != "ok":
+            fields[name] = {"status": a["status"], "why": a["why"]}
+            continue
+        fields[name] = {"status": "ok", "time_us": a["time_us"], "copy_in_us": a["copy_in_us"],
+                        "ratio": a["time_us"] / t_braid}
+        if a["time_us"] < best_us:
+            best_name, best_us = name, a["time_us"]
+    if fields:
+        point["alternatives"] = fields
+    point["best_baseline"] = {"name": best_name, "time_us": best_us}
+    point["ratio_best"] = best_us / t_braid
+
+
+def _time_point(comm, cfg: Config, load, alts: dict | None = None) -> tuple[float, float, dict[str, float]]:
+    """(baseline us, braid us, {side: host us}) per call: alternating windows, slowest rank. The
+    other baselines that can run are timed in the same windows (their times go into `alts`)."""
     from .. import calibrate as cal
     iters, rounds = cfg.iters, cfg.repeat
     if cfg.auto_iters:
@@ -211,6 +263,9 @@ def _time_point(comm, cfg: Config, load) -> tuple[float, float, dict[str, float]
             rounds = max(cfg.repeat, SMALL_ROUNDS)
             iters = max(cfg.iters, iters * cfg.repeat // rounds)
     bases, braids, hosts = [], [], {"braid": [], "baseline": []}
+    ready = {k: a for k, a in (alts or {}).items() if a["status"] == "ok"}
+    alt_t: dict[str, list] = {k: [] for k in ready}
+    copy_t: dict[str, list] = {k: [] for k in ready}
     for k in range(rounds):
         first_base = k % 2 == 0
         for is_base in ((True, False) if first_base else (False, True)):
@@ -218,16 +273,24 @@ def _time_point(comm, cfg: Config, load) -> tuple[float, float, dict[str, float]
             t, host = cal.time_call_host(comm, load.baseline if is_base else load.braid, iters, cfg.warmup)
             (bases if is_base else braids).append(t)
             hosts[side].append(host)
+        for name, a in ready.items():
+            alt_t[name].append(cal.time_call_host(comm, a["prepared"].run, iters, cfg.warmup)[0])
+            copy_t[name].append(cal.time_call_host(comm, a["prepared"].copy_in, iters, cfg.warmup)[0])
     # large calls: the best of the repeats; small ones (many alternating windows): each side's
     # median window, so one lucky quiet window does not decide the ratio
     pick = statistics.median if rounds >= SMALL_ROUNDS else min
+    for name, a in ready.items():
+        a["time_us"], a["copy_in_us"] = pick(alt_t[name]), pick(copy_t[name])
+        del a["prepared"]
     return pick(bases), pick(braids), {k: statistics.median(v) for k, v in hosts.items()}
 
 
 def _lane_views(comm, load) -> list:
     """Every rank's (shares, lane times) of its last timed braid call; None where it took no part."""
     handle = comm.last_handle if load.participates else None
-    mine = (handle.shares, handle.lane_times_us()) if handle is not None else None
+    # a multi-node world's call ran as steps (node steps on braid's lanes, rail steps): which where
+    steps = [list(x) for x in getattr(handle, "steps", [])] if handle is not None else []
+    mine = (handle.shares, handle.lane_times_us(), steps) if handle is not None else None
     got = [None] * comm.world_size
     dist.all_gather_object(got, mine, group=comm.gloo_group)
     return got
@@ -254,7 +317,7 @@ def _point(op, load, esz, dtype, world, t_braid, t_base, wrong, got, baseline, f
     views = [g for g in got if g is not None]
     shares = views[0][0] if views else {}
     lane_us: dict[str, float] = {}
-    for _, times in views:
+    for _, times, _ in views:
         for k, v in times.items():
             lane_us[k] = max(lane_us.get(k, 0.0), v)
     algbw = load.algbytes / t_braid / 1e3
@@ -269,6 +332,8 @@ def _point(op, load, esz, dtype, world, t_braid, t_base, wrong, got, baseline, f
     if host:      # per call, the median window's, slowest rank: braid's and the baseline's own
         point["host_us"] = host["braid"]
         point["baseline"]["host_us"] = host["baseline"]
+    if views and views[0][2]:
+        point["steps"] = [{"step": a, "ran_on": b, "bytes": c} for a, b, c in views[0][2]]
     if any(v[0] != shares for v in views):
         point["shares_by_rank"] = [g[0] if g is not None else None for g in got]
     point.update({k: v for k, v in common.items() if k not in point and k != "host_us"})
