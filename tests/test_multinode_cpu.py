@@ -221,3 +221,58 @@ def test_bench_on_pretend_nodes_says_which_step_ran_where(tmp_path):
         steps = [s["step"] for s in p["steps"]]
         assert any(s.startswith("node ") for s in steps) and any(s.startswith("rail ") for s in steps), steps
         assert "rail-gloo" in p["shares"] and abs(sum(p["shares"].values()) - 1.0) < 1e-6
+
+
+_TWO_LAUNCH_SCRIPT = r'''
+import os, sys, torch, torch.distributed as dist
+import braid
+from braid.comm.hier import HierHandle
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+comm = braid.init()
+assert comm.hier is not None and comm.hier.num_nodes == 2, "two launches must make two nodes"
+x = torch.arange(1001, dtype=torch.float64) + rank
+braid.all_reduce(x)
+want = torch.arange(1001, dtype=torch.float64) * world + sum(range(world))
+ok = torch.equal(x, want) and isinstance(comm.last_handle, HierHandle)
+out = torch.empty(1001 * world, dtype=torch.float64)
+braid.all_gather_into_tensor(out, torch.full((1001,), float(rank), dtype=torch.float64))
+ok = ok and torch.equal(out, torch.arange(world, dtype=torch.float64).repeat_interleave(1001))
+print(f"RESULT rank {rank} node {os.environ['GROUP_RANK']} ok={ok}", flush=True)
+braid.close()
+dist.destroy_process_group()
+sys.exit(0 if ok else 3)
+'''
+
+
+def test_two_torchrun_launches_make_two_nodes(tmp_path):
+    """Two `torchrun --nnodes=2 --node_rank=0/1` launches against 127.0.0.1, 2 ranks each: with
+    BRAID_FAKE_NODES=2 each launch is one node (one host cannot tell them apart otherwise), and the
+    calls run as node and rail steps."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import free_port
+    script = tmp_path / "two_launch.py"
+    script.write_text(_TWO_LAUNCH_SCRIPT)
+    port = free_port()
+    env = dict(os.environ, BRAID_FAKE_NODES="2", BRAID_HIER_MIN_BYTES="0", BRAID_HOST_BUFFER_MB="2",
+               BRAID_HOST_CHUNK_KB="64", BRAID_CALIBRATE="off", BRAID_CACHE_DIR=str(tmp_path / "cache"),
+               BRAID_TIMEOUT_S="60", OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+         "--node-rank", str(k), "--master-addr", "127.0.0.1", "--master-port", str(port), str(script)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for k in (0, 1)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=180)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    text = "\n".join(outs)
+    assert all(p.returncode == 0 for p in procs), text[-4000:]
+    for r in range(4):
+        assert f"RESULT rank {r} node {r // 2} ok=True" in text, text[-4000:]
