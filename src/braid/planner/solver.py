@@ -36,6 +36,8 @@ class _Compiled:
     kept candidates repeats column 0 (a duplicate column changes nothing in the LP)."""
 
     def __init__(self, topo: Topology):
+        # kept whole (100 lines): one pass over the topology's paths fills every table the
+        # solver reads; each table's rows depend on the index maps built a few lines before
         import numpy as np
         checks.topology(topo)                  # once per compile: capacities divide below
         self.npaths, self.capacity = len(topo.paths), dict(topo.capacity)
@@ -246,7 +248,10 @@ def _solve(Gx, A, pcu, rows: _Rows, fixed, gap: float, iters: int):
     lower bound seen. Both are tried at the iterate and at the predictor's point (the iterate plus
     the full affine step), which is often closer to the optimum: a hit there skips the corrector.
     Returns (fractions (nd, R), upper, lower, prices w / sum(w) over the M links, link times of
-    the returned fractions)."""
+    the returned fractions).
+
+    Kept whole (134 lines): one Newton iteration's predictor, certificate checks and corrector
+    share a dozen arrays updated in place; split into functions they would pass them all around."""
     import numpy as np
     f0 = rows.f0
     kidx, cidx, sidx, compact = rows.kidx, rows.cidx, rows.sidx, rows.compact

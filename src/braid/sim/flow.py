@@ -120,7 +120,9 @@ def simulate(capacity: dict[str, float], flows: list[Flow],
     starts `latency_us` after the last of those flows finishes (never before its `start_us`);
     the names it waits on must be unique among the flows. `capacity_of`, where given, gives the
     capacities while a set of flows is active (a link whose rate depends on what else runs: a GPU's
-    NVLink port that both sends and receives); `capacity` is then the set of known links."""
+    NVLink port that both sends and receives); `capacity` is then the set of known links.
+    Kept whole (83 lines): the event loop's rate assignment, next event and progress share the
+    active set and its per-link counts."""
     for f in flows:
         for e, _ in f.links:
             if e not in capacity:
