@@ -86,7 +86,7 @@ OWN_MISSES = {
         "the model pays each host transfer's first-slot fill (4 MiB at 47 GB/s, ~89 us) as idle time "
         "before the 12 transfers share host memory, while on the machine those D2H bytes already move; "
         "simulated host lane 786 us vs recorded 699 (hidden at 1 GiB: +4.7%)"),
-    # session 3: pipelined reductions with forced shares
+    # the NCCL-share benches: pipelined reductions with forced shares
     "h200x4-all_reduce-256M-ce95_host05": (
         "time that does not scale with bytes: the call took 612 us more than a quarter of its 1 GiB time and "
         "its recorded lanes are ~1.5x the simulated (ce 1807 vs 1160 us) while at 1 GiB they match (4648 vs "
@@ -104,19 +104,21 @@ OWN_MISSES = {
         "NCCL's kernels and the copy engines on one NVLink port moved 304 GB/s together, less than either "
         "alone (NCCL 353, ce 329); the model shares the port between them at full rate, with no interference "
         "between the two engines (simulated NCCL lane 4491 us vs recorded 5053)"),
-    # session 8 (tapered cut)
-    "h200x4-w2-reduce_scatter-1024M-s8-run5": (
+    # the taper benches (tapered cut)
+    "h200x4-w2-reduce_scatter-1024M-reductions-taper-balanced-calibration": (
         "a slow process start: the recorded copy-engine lane (1571 us) is the simulated one (1571), but the "
         "host lane took 1799 us for its 7% (simulated 1549 with the others) and the call 1910; the same "
-        "shares ran 1558 us in s8-run3's process (the VM's host-speed spread, docs/results.md)"),
-    "h200x2-reduce_scatter-256M-s8-run10": (
+        "shares ran 1558 us in the process of 2026-11-22-h200x4-taper-final-rule (the VM's host-speed "
+        "spread, docs/results.md)"),
+    "h200x2-reduce_scatter-256M-reductions-taper-calibration-record": (
         "the recorded copy-engine lane alone took 571 us where the same process's calibration had timed "
-        "the whole call at 467 us (and s8-run9, same machine, 456): the simulator's 441 us matches those; "
-        "this first bench point after calibration ran slow for a reason the recorded data does not show"),
+        "the whole call at 467 us (and 2026-11-22-h200x2-reductions-taper, same machine, 456): the "
+        "simulator's 441 us matches those; this first bench point after calibration ran slow for a reason "
+        "the recorded data does not show"),
     "h200x4-all_reduce-1024M-ce95_host05": (
         "the recorded total is 485 us above braid's slowest recorded lane (ce 4648 us, which the model "
-        "matches: 4586); the model has no time outside the lanes (host-side posting), as in run 3's "
-        "all_reduce 1G (-9.3%, just inside)"),
+        "matches: 4586); the model has no time outside the lanes (host-side posting), as in the every-op "
+        "sweep's all_reduce 1G (-9.3%, just inside)"),
 }
 
 
@@ -124,7 +126,7 @@ def test_own_presets_host_constants_come_from_calibration():
     """The host lane's constants of h200x2/h200x4 are braid's own calibration of that run, derived as
     the presets' sources say (nothing from the bench points)."""
     from braid.sim.topology import load
-    root = DATA.parent.parent.parent / "bench_results" / "2026-11-22-run3" / "calibration"
+    root = DATA.parent.parent.parent / "bench_results" / "2026-11-22-h200x4-every-op-sweep" / "calibration"
     for w, name in ((2, "calib-f0ea8916f7388a16.json"), (4, "calib-54f70825861dea3d.json")):
         cal = json.loads((root / name).read_text())
         assert cal["key"]["world_size"] == w
@@ -155,22 +157,28 @@ def test_own_comparison_has_predictions_not_only_inputs():
     assert set(OWN_MISSES) <= {c.name for c in OWN}
 
 
-S3_FILES = ("s3-run2/bench_h200x4_ar_auto.json", "s3-run2/bench_h200x4_ar_nccl95_host05.json",
-            "s3-run2/bench_h200x4_ar_nccl60_ce35_host05.json", "s3-run2/bench_h200x4_ar_ce95_host05.json",
-            "s3-run2/bench_h200x4_rs_ce95.json", "s3-run2/bench_h200x4_hot.json",
-            "s3-run3/bench_h200x4_a2a_balanced.json", "s3-run3/bench_h200x2_all_reduce_2gpu.json",
-            "s3-run3/bench_h200x2_reduce_scatter_2gpu.json",
-            # session 4: the final auto sweeps and the hot all_to_all after the routed-lane changes
-            "s4-run5/bench_h200x2_all_reduce_2gpu.json", "s4-run5/bench_h200x2_reduce_scatter_2gpu.json",
-            "s4-run5/bench_h200x4_all_reduce.json", "s4-run4/bench_h200x4_hot.json")
+NCCL_SHARE_FILES = ("h200x4-all-reduce-nccl-share/bench_h200x4_ar_auto.json",
+                    "h200x4-all-reduce-nccl-share/bench_h200x4_ar_nccl95_host05.json",
+                    "h200x4-all-reduce-nccl-share/bench_h200x4_ar_nccl60_ce35_host05.json",
+                    "h200x4-all-reduce-nccl-share/bench_h200x4_ar_ce95_host05.json",
+                    "h200x4-all-reduce-nccl-share/bench_h200x4_rs_ce95.json",
+                    "h200x4-all-reduce-nccl-share/bench_h200x4_hot.json",
+                    "h200x4-balanced-a2a-moe-reductions/bench_h200x4_a2a_balanced.json",
+                    "h200x4-balanced-a2a-moe-reductions/bench_h200x2_all_reduce_2gpu.json",
+                    "h200x4-balanced-a2a-moe-reductions/bench_h200x2_reduce_scatter_2gpu.json",
+                    # the later benches: the final auto sweeps, the hot all_to_all after the routed-lane changes
+                    "h200x4-calibration-bench-windows/bench_h200x2_all_reduce_2gpu.json",
+                    "h200x4-calibration-bench-windows/bench_h200x2_reduce_scatter_2gpu.json",
+                    "h200x4-calibration-bench-windows/bench_h200x4_all_reduce.json",
+                    "h200x4-routed-a2a-lane-feedback/bench_h200x4_hot.json")
 
 
-def test_own_session3_and_4_points_are_every_split_point_of_their_files():
-    """Every split point >= 256 MiB of session 3's and 4's reduction, a2a and 2-GPU files is
+def test_own_nccl_share_and_later_points_are_every_split_point_of_their_files():
+    """Every split point >= 256 MiB of the NCCL-share and later benches' reduction, a2a and 2-GPU files is
     stored, as recorded (time, shares, lane times): none left out, none edited."""
     stored = {(p["source"], p["op"], p["nbytes"], p.get("hot_fraction")): p
               for p in load_points(str(DATA)) if "source" in p and not p.get("ce_taper")}
-    got = _recorded_split_points(S3_FILES, stored)
+    got = _recorded_split_points(NCCL_SHARE_FILES, stored)
     assert all(p["preset"] == "h200x4" for p in got)   # 2-GPU rows ran on GPUs 0-1 of the 4-GPU machine
     assert len(got) == len(stored) == 29
 
@@ -261,32 +269,39 @@ def test_cli_reproduce_writes_json(tmp_path, capsys):
     rows = json.loads(out.read_text())
     assert {"name", "published", "simulated", "unit"} <= set(rows[0])
     assert "212.4" in capsys.readouterr().out
-    assert main(["sim", "scale", "--op", "all_gather", "--nodes", "2", "--nics", "4",
+    assert main(["sim", "scale", "--proxy", "--op", "all_gather", "--nodes", "2", "--nics", "4",
                  "--json", str(tmp_path / "s.json")]) == 0
     assert len(json.loads((tmp_path / "s.json").read_text())) == 3
     assert main(["sim", "scale", "--op", "alltoallv", "--nodes", "1"]) == 2
 
 
-S8_FILES = ("s8-run4/bench_h200x2_reduce_scatter.json", "s8-run4/bench_h200x2_all_reduce.json",
-            "s8-run4/bench_h200x4_reduce_scatter.json", "s8-run5/bench_h200x2_reduce_scatter.json",
-            "s8-run5/bench_h200x2_all_reduce.json", "s8-run5/bench_h200x4_reduce_scatter.json",
-            "s8-run5/bench_h200x4_all_reduce.json", "s8-run7/bench_h200x2_reduce_scatter.json",
-            "s8-run7/bench_h200x2_all_reduce.json", "s8-run7/bench_h200x4_all_reduce.json",
-            # the 2 x H200 machine (preset h200x2)
-            "s8-run9/bench_h200x2_reduce_scatter.json", "s8-run9/bench_h200x2_all_reduce.json",
-            "s8-run10/bench_h200x2_reduce_scatter.json")
+TAPER_FILES = ("h200x4-reductions-taper-old-calibration/bench_h200x2_reduce_scatter.json",
+               "h200x4-reductions-taper-old-calibration/bench_h200x2_all_reduce.json",
+               "h200x4-reductions-taper-old-calibration/bench_h200x4_reduce_scatter.json",
+               "h200x4-reductions-taper-balanced-calibration/bench_h200x2_reduce_scatter.json",
+               "h200x4-reductions-taper-balanced-calibration/bench_h200x2_all_reduce.json",
+               "h200x4-reductions-taper-balanced-calibration/bench_h200x4_reduce_scatter.json",
+               "h200x4-reductions-taper-balanced-calibration/bench_h200x4_all_reduce.json",
+               "h200x4-reductions-taper-repeat/bench_h200x2_reduce_scatter.json",
+               "h200x4-reductions-taper-repeat/bench_h200x2_all_reduce.json",
+               "h200x4-reductions-taper-repeat/bench_h200x4_all_reduce.json",
+               # the 2 x H200 machine (preset h200x2)
+            "h200x2-reductions-taper/bench_h200x2_reduce_scatter.json",
+            "h200x2-reductions-taper/bench_h200x2_all_reduce.json",
+            "h200x2-reductions-taper-calibration-record/bench_h200x2_reduce_scatter.json")
 
 
-def test_own_session8_points_are_every_split_point_of_their_files():
-    """Session 8's bench (the tapered cut, calibrated in each run): every point >= 256 MiB that is
+def test_own_taper_points_are_every_split_point_of_their_files():
+    """The taper benches (the tapered cut, calibrated in each run): every point >= 256 MiB that is
     not NCCL alone is stored as recorded and simulated with the tapered cut; none left out."""
     stored = {(p["source"], p["op"], p["nbytes"], None): p for p in load_points(str(DATA)) if p.get("ce_taper")}
-    got = _recorded_split_points(S8_FILES, stored)
-    assert all(p["variant"] == p["source"].split("2026-11-22-")[1].split("/")[0] for p in got)
+    got = _recorded_split_points(TAPER_FILES, stored)
+    assert all(p["source"].split("/")[1].endswith("-" + p["variant"]) for p in got)   # the folder names the point
     assert len(got) == len(stored) == 20
     # a tapered point is simulated with the taper: at 1 GiB it changes the prediction
     from braid.sim.own import simulate_point
     from braid.sim.topology import load
-    p = stored[("bench_results/2026-11-22-s8-run7/bench_h200x2_reduce_scatter.json", "reduce_scatter", 1 << 30, None)]
+    f = "bench_results/2026-11-22-h200x4-reductions-taper-repeat/bench_h200x2_reduce_scatter.json"
+    p = stored[(f, "reduce_scatter", 1 << 30, None)]
     t = load(p["preset"])
     assert simulate_point(t, p).time_us < 0.97 * simulate_point(t, dict(p, ce_taper=False)).time_us

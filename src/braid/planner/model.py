@@ -145,9 +145,10 @@ def choose_with_native(costs: dict[str, LaneCost], nbytes: int, native: str = "n
                        exclude: tuple[str, ...] = (), single_ok: bool = False,
                        margin: float = 0.03, native_share: bool = False) -> dict[str, float]:
     """The split rule on GPUs: NCCL's own call when one lane is best, else a split over the other
-    lanes (copy engines + host). Measured on H200 (bench_results/2026-11-22-run1): NCCL's kernels
-    inside a split run as batched point-to-point, slower than NCCL's own collective and than the
-    copy engines, so NCCL is the single-lane choice and the copy engines the NVLink lane of a split.
+    lanes (copy engines + host). Measured on H200
+    (bench_results/2026-11-22-h200x4-sweep-before-split-rule): NCCL's kernels inside a split run as
+    batched point-to-point, slower than NCCL's own collective and than the copy engines, so NCCL is
+    the single-lane choice and the copy engines the NVLink lane of a split.
     `exclude` drops lanes that cannot help this op (e.g. star-shaped broadcast beyond 2 ranks).
     `single_ok`: another lane alone may replace NCCL when it is predicted faster by `margin` (the
     reductions, where the copy engines run an algorithm of their own).

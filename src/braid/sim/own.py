@@ -4,8 +4,8 @@ Each recorded point gives the op, size, world and the shares braid ran with. The
 the op by those shares through the planner, runs the plan's lanes as flows on the h200x2 / h200x4
 preset and predicts braid's time. The presets' link rates come from HARDWARE.md's probes, except the
 host lane's (D2H / H2D per GPU, host memory), which come from braid's own calibration tables of the
-same run (`bench_results/2026-11-22-run3/calibration/`, timed before the bench sweep at 1 / 64 /
-512 MiB): what braid itself plans from. Nothing is taken from the bench points themselves.
+same run (`bench_results/2026-11-22-h200x4-every-op-sweep/calibration/`, timed before the bench
+sweep at 1 / 64 / 512 MiB): what braid itself plans from. Nothing is taken from the bench points themselves.
 
 What the bench times besides braid's op: its broadcast workload copies the message into the root's
 buffer before every timed call (`workloads.make`: `buf.copy_(x)` on the root), so a broadcast that
