@@ -521,7 +521,7 @@ def test_module_has_no_torch():
 
 
 def test_a_lane_stuck_slow_at_the_floor_is_parked_then_probed_again():
-    """GPU trace of 2026-11-22 (bench_results/2026-11-22-run5): under competing PCIe copies the
+    """GPU trace of 2026-11-22 (bench_results/2026-11-22-h200x2-skewed-a2a-and-trace): under competing PCIe copies the
     host lane, already at the 1% floor, still took 9.5 ms where the copy engines took 3 ms, so every
     call waited for it. Such a lane leaves the split, is tried again after `probe_after` calls, and
     regains its share once it is fast again."""
