@@ -110,8 +110,12 @@ def topo(comm) -> None:
         _print_gpus()
     else:
         print("GPUs: none (torch.cuda.is_available() is False): braid has its CPU lanes only")
+    from ..nics import report
+    print("\n".join(report()))
     print(f"world: {comm.world_size} ranks, backend {dist.get_backend()}, single node: {comm.single_node}"
-          + (f", node segment {comm.layout.total_bytes / (1 << 20):.0f} MiB" if comm.layout is not None else ""))
+          + (f", node segment {comm.layout.total_bytes / (1 << 20):.0f} MiB" if comm.layout is not None else "")
+          + (f", {comm.hier.num_nodes} nodes of {comm.hier.per_node} ranks: node steps on braid's lanes, "
+             f"rail steps on {comm.hier.rail_lib} (one group per local rank)" if comm.hier is not None else ""))
     _print_lanes(comm, views)
     sys.stdout.flush()
 
