@@ -276,3 +276,89 @@ def test_two_torchrun_launches_make_two_nodes(tmp_path):
     assert all(p.returncode == 0 for p in procs), text[-4000:]
     for r in range(4):
         assert f"RESULT rank {r} node {r // 2} ok=True" in text, text[-4000:]
+
+
+def _uneven_worker(rank, world, hot):
+    """Uneven all_to_all over the rails (BRAID_ROUTE=on): skewed matrices with a hot pair across
+    nodes, zeros, rows of several elements, against a local reference."""
+    import random
+
+    import torch
+
+    import braid
+    from braid.comm.hier import HierHandle
+    comm = braid.init()
+    bad, steps = [], set()
+    rng = random.Random(99)                      # the same matrices on every rank
+    for call in range(6):
+        width = rng.choice([1, 3, 17])
+        dtype = rng.choice([torch.float32, torch.int64, torch.bfloat16])
+        m = [[rng.choice([0, 1, 5, 40]) for _ in range(world)] for _ in range(world)]
+        if hot:
+            m[0][world - 1] = 3000 + call        # rank 0 -> the last rank, on another node
+            m[1][world - 2] = 2000
+        def rows(s, d, m=m, width=width, dtype=dtype, call=call):
+            g = torch.Generator().manual_seed(call * 10000 + s * 100 + d)
+            return torch.randint(-500, 500, (m[s][d], width), generator=g).to(dtype)
+        inp = torch.cat([rows(rank, d) for d in range(world)])
+        out = torch.full((sum(m[s][rank] for s in range(world)), width), -7).to(dtype)
+        braid.all_to_all_single(out, inp, [m[s][rank] for s in range(world)], m[rank])
+        want = torch.cat([rows(s, rank) for s in range(world)])
+        if not torch.equal(out, want):
+            bad.append(f"rank {rank} call {call}: differs")
+        h = comm.last_handle
+        if isinstance(h, HierHandle):
+            steps.update(s for s, _, _ in h.steps)
+    # a rank whose output split sizes disagree with its peers' input split sizes: every rank raises
+    from braid.errors import PeerMismatchError
+    inp = torch.ones(world, 2)
+    outs = [1] * world
+    if rank == 0:
+        outs = [2] + [1] * (world - 2)           # still world - 1 + 1 rows, but one split wrong
+        outs.append(0)
+    try:
+        braid.all_to_all_single(torch.empty(sum(outs), 2), inp, outs, [1] * world)
+        raised = ""
+    except PeerMismatchError as exc:
+        raised = str(exc)
+    return {"bad": bad, "steps": sorted(steps), "raised": raised}
+
+
+@pytest.mark.parametrize("world,fake", [(4, 2), (6, 3)])
+def test_uneven_all_to_all_over_every_rail(world, fake):
+    res = run_world(_uneven_worker, world, True, timeout=240,
+                    env={"BRAID_FAKE_NODES": str(fake), "BRAID_HIER_MIN_BYTES": "0", "BRAID_ROUTE": "on"})
+    for r in res:
+        assert not r["bad"], r["bad"]
+        assert {"node all_to_all (to the rails)", "rail all_to_all", "node all_to_all (from the rails)"} <= set(r["steps"])
+        assert "rank 0 expects 2 rows from rank 0" in r["raised"], r["raised"]
+
+
+def _rail_use_worker(rank, world):
+    """The hot pair's rows cross on every rail: the plan spreads them (no step asserts timing)."""
+    import torch
+
+    import braid
+    comm = braid.init()
+    m = [[4] * world for _ in range(world)]
+    m[0][world - 1] = 4096
+    inp = torch.ones(sum(m[rank]), 8)
+    out = torch.empty(sum(m[s][rank] for s in range(world)), 8)
+    braid.all_to_all_single(out, inp, [m[s][rank] for s in range(world)], m[rank])
+    parts = comm.hier._a2av.parts(m, 32)
+    return {"hot": parts[(0, world - 1)], "ok": bool((out == 1).all())}
+
+
+def test_hot_pair_uses_every_rail():
+    res = run_world(_rail_use_worker, 4, env={"BRAID_FAKE_NODES": "2", "BRAID_HIER_MIN_BYTES": "0",
+                                              "BRAID_ROUTE": "on"})
+    for r in res:
+        assert r["ok"] and sum(r["hot"]) == 4096 and all(v > 0 for v in r["hot"]), r["hot"]
+
+
+def test_split_rows_sums_exactly():
+    from braid.comm.hier_a2a import _split_rows
+    assert _split_rows([1.0, 1.0, 1.0], 10, 4) == [4, 3, 3]
+    assert _split_rows([0.0, 0.0], 7, 4) == [7, 0]
+    assert _split_rows([3.0, 1.0], 0, 4) == [0, 0]
+    assert sum(_split_rows([0.2, 0.5, 0.3], 1001, 2)) == 1001

@@ -116,7 +116,9 @@ _define("BRAID_ROUTE", _route, "auto",
         "carries more than 1 MiB and 1.5x the mean and the routed plan is predicted 3% faster than "
         "NCCL's own call (predictions corrected per kind of matrix by what steady calls of each "
         "side measured; the side not in use is tried in blocks of 4 calls now and then); "
-        "on = always (tests); off = never.")
+        "on = always (tests); off = never. On a world of several nodes, on also sends every uneven "
+        "all_to_all_single over every NIC rail as the hierarchical router plans it; auto and off leave "
+        "those to NCCL whole.")
 _define("BRAID_FAKE_NODES", _positive_int, 1,
         "For tests: split one host's ranks into this many pretend nodes of equal size (ranks in "
         "order: the first world/N ranks are node 0). Each pretend node gets its own segment and "

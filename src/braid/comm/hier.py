@@ -26,6 +26,7 @@ for when a multi-node GPU machine can measure it.
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 import torch.distributed as dist
@@ -95,6 +96,7 @@ class Hierarchy:
         self.rail_lib = "nccl" if cuda else "gloo"
         lanes = sorted(world.wanted) if world.wanted is not None else None
         self.node = make_node(lanes, mine)     # braid's Communicator of this rank's node
+        self._a2av = None                      # uneven all_to_all over every rail (hier_a2a.py)
 
     @classmethod
     def build(cls, world, hosts: list, make_node) -> "Hierarchy | None":
@@ -242,4 +244,25 @@ class Hierarchy:
         z = y.transpose(0, 1).contiguous()
         self._rail_step("all_to_all", lambda: dist.all_to_all_single(output.view(-1), z.view(-1),
                                                                      group=self.rail_group), w * n * es, steps)
+        return self._done("all_to_all_single", steps, async_op)
+
+    def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, out_splits, in_splits, async_op: bool):
+        """Uneven all_to_all over every rail (comm/hier_a2a.py) under BRAID_ROUTE=on; None (NCCL
+        whole) otherwise, or where the tensors do not allow it."""
+        if envs.get("BRAID_ROUTE") != "on" or input.dim() == 0 or output.dim() == 0 \
+                or input.dtype != output.dtype or input.shape[1:] != output.shape[1:] \
+                or math.prod(input.shape[1:]) == 0 or not output.is_contiguous() \
+                or type(input) is not torch.Tensor or input.is_cuda is not self.world.cuda \
+                or output.is_cuda is not self.world.cuda:
+            return None
+        w = self.world.world_size
+        ins = [int(v) for v in in_splits] if in_splits else [input.size(0) // w] * w
+        outs = [int(v) for v in out_splits] if out_splits else [output.size(0) // w] * w
+        if len(ins) != w or len(outs) != w or sum(ins) != input.size(0) or sum(outs) != output.size(0):
+            return None         # the full path explains what is wrong
+        if self._a2av is None:
+            from .hier_a2a import RailRoutedAllToAll
+            self._a2av = RailRoutedAllToAll(self)
+        with torch.no_grad():
+            steps = self._a2av.run(output, input.contiguous(), outs, ins)
         return self._done("all_to_all_single", steps, async_op)

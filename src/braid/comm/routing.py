@@ -96,8 +96,11 @@ class Routing:
         ins = split_bytes(input_split_sizes, input, self.world_size, "input", op)
         outs = split_bytes(output_split_sizes, output, self.world_size, "output", op)
         balanced = not input_split_sizes and not output_split_sizes
-        if balanced and self.hier is not None and (h := self.hier.all_to_all_single(output, input, async_op)) is not None:
-            return h if async_op else None
+        if self.hier is not None:
+            h = (self.hier.all_to_all_single(output, input, async_op) if balanced else
+                 self.hier.all_to_all_v(output, input, output_split_sizes, input_split_sizes, async_op))
+            if h is not None:
+                return h if async_op else None
         if not agreed and not balanced and self.segment is not None and dev.type == "cuda" and not self.check \
                 and self._fixed is None and self.routing != "on" and len(self.lanes_for(dev)) > 1:
             # the same agreement for the uneven calls the block above leaves (one split list given)
