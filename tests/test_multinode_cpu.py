@@ -1,4 +1,5 @@
-"""A world of several nodes on CPU: BRAID_FAKE_NODES cuts the test's ranks into pretend nodes.
+"""A world of several nodes on CPU: BRAID_FAKE_NODES cuts the test's ranks into pretend nodes,
+BRAID_HIER=1 turns the node and rail steps on (off, the default, leaves every call to gloo whole).
 
 Each pretend node gets its own braid communicator (segment, shm and gloo lanes); the steps between
 nodes run on gloo rail groups (comm/hier.py). Every op is checked against a reference computed
@@ -46,10 +47,14 @@ def _worker(rank, world, mode, fake):
     import braid
     from braid.comm.hier import HierHandle
     if mode == "backend":
+        # a new rendezvous port, picked by rank 0 and told over the first group (reusing the first
+        # group's port races with its store's shutdown)
+        from conftest import free_port
+        box = [free_port() if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        dist.barrier()
         dist.destroy_process_group()
-        import os
-        dist.init_process_group("braid", rank=rank, world_size=world,
-                                init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}")
+        dist.init_process_group("braid", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{box[0]}")
         api = dist
         from braid.backend import world_group
         pg = world_group()
@@ -143,7 +148,7 @@ def _worker(rank, world, mode, fake):
 @pytest.mark.parametrize("world,fake", [(4, 2), (6, 3)])
 def test_every_op_on_pretend_nodes(world, fake, mode):
     res = run_world(_worker, world, mode, fake, timeout=240,
-                    env={"BRAID_FAKE_NODES": str(fake), "BRAID_HIER_MIN_BYTES": "0"})
+                    env={"BRAID_FAKE_NODES": str(fake), "BRAID_HIER": "1", "BRAID_HIER_MIN_BYTES": "0"})
     for r in res:
         assert not r["bad"], "\n".join(r["bad"][:20])
     if mode == "direct":
@@ -168,7 +173,7 @@ def _threshold_worker(rank, world):
 
 
 def test_small_calls_go_whole_large_ones_in_steps():
-    res = run_world(_threshold_worker, 4, env={"BRAID_FAKE_NODES": "2"})
+    res = run_world(_threshold_worker, 4, env={"BRAID_FAKE_NODES": "2", "BRAID_HIER": "1"})
     assert all(r["ok"] for r in res)
     assert not any(r["small"] for r in res) and all(r["big"] for r in res)
 
@@ -205,7 +210,7 @@ def test_bench_on_pretend_nodes_says_which_step_ran_where(tmp_path):
     import sys
     out = tmp_path / "bench.json"
     env = dict(os.environ, BRAID_CACHE_DIR=str(tmp_path / "cache"), BRAID_HOST_BUFFER_MB="4",
-               BRAID_TIMEOUT_S="60", BRAID_FAKE_NODES="2", BRAID_HIER_MIN_BYTES="0")
+               BRAID_TIMEOUT_S="60", BRAID_FAKE_NODES="2", BRAID_HIER="1", BRAID_HIER_MIN_BYTES="0")
     proc = subprocess.run(
         [sys.executable, "-m", "braid", "bench", "--op", "all", "--nproc", "4",
          "--sizes", "256K:256K", "--iters", "2", "--fixed-iters", "--repeat", "1", "--no-calibrate",
@@ -257,7 +262,7 @@ def test_two_torchrun_launches_make_two_nodes(tmp_path):
     script = tmp_path / "two_launch.py"
     script.write_text(_TWO_LAUNCH_SCRIPT)
     port = free_port()
-    env = dict(os.environ, BRAID_FAKE_NODES="2", BRAID_HIER_MIN_BYTES="0", BRAID_HOST_BUFFER_MB="2",
+    env = dict(os.environ, BRAID_FAKE_NODES="2", BRAID_HIER="1", BRAID_HIER_MIN_BYTES="0", BRAID_HOST_BUFFER_MB="2",
                BRAID_HOST_CHUNK_KB="64", BRAID_CALIBRATE="off", BRAID_CACHE_DIR=str(tmp_path / "cache"),
                BRAID_TIMEOUT_S="60", OMP_NUM_THREADS="1")
     procs = [subprocess.Popen(
@@ -327,7 +332,7 @@ def _uneven_worker(rank, world, hot):
 @pytest.mark.parametrize("world,fake", [(4, 2), (6, 3)])
 def test_uneven_all_to_all_over_every_rail(world, fake):
     res = run_world(_uneven_worker, world, True, timeout=240,
-                    env={"BRAID_FAKE_NODES": str(fake), "BRAID_HIER_MIN_BYTES": "0", "BRAID_ROUTE": "on"})
+                    env={"BRAID_FAKE_NODES": str(fake), "BRAID_HIER": "1", "BRAID_HIER_MIN_BYTES": "0", "BRAID_ROUTE": "on"})
     for r in res:
         assert not r["bad"], r["bad"]
         assert {"node all_to_all (to the rails)", "rail all_to_all", "node all_to_all (from the rails)"} <= set(r["steps"])
@@ -350,7 +355,7 @@ def _rail_use_worker(rank, world):
 
 
 def test_hot_pair_uses_every_rail():
-    res = run_world(_rail_use_worker, 4, env={"BRAID_FAKE_NODES": "2", "BRAID_HIER_MIN_BYTES": "0",
+    res = run_world(_rail_use_worker, 4, env={"BRAID_FAKE_NODES": "2", "BRAID_HIER": "1", "BRAID_HIER_MIN_BYTES": "0",
                                               "BRAID_ROUTE": "on"})
     for r in res:
         assert r["ok"] and sum(r["hot"]) == 4096 and all(v > 0 for v in r["hot"]), r["hot"]
@@ -362,3 +367,22 @@ def test_split_rows_sums_exactly():
     assert _split_rows([0.0, 0.0], 7, 4) == [7, 0]
     assert _split_rows([3.0, 1.0], 0, 4) == [0, 0]
     assert sum(_split_rows([0.2, 0.5, 0.3], 1001, 2)) == 1001
+
+
+def _off_worker(rank, world):
+    import torch
+    import braid
+    comm = braid.init()
+    t = torch.arange(300_000, dtype=torch.float64) + rank
+    braid.all_reduce(t)
+    return {"hier": comm.hier is not None, "nodes": comm.num_nodes, "single": comm.single_node,
+            "ok": bool(torch.equal(t, torch.arange(300_000, dtype=torch.float64) * world + sum(range(world)))),
+            "shares": comm.last_handle.shares}
+
+
+def test_steps_are_off_by_default():
+    """Without BRAID_HIER the pretend nodes are seen (no world segment) and every call goes to gloo
+    whole, right."""
+    for r in run_world(_off_worker, 4, env={"BRAID_FAKE_NODES": "2"}):
+        assert not r["hier"] and r["nodes"] == 2 and not r["single"] and r["ok"]
+        assert r["shares"] == {"gloo": 1.0}

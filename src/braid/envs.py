@@ -124,10 +124,15 @@ _define("BRAID_FAKE_NODES", _positive_int, 1,
         "order: the first world/N ranks are node 0). Each pretend node gets its own segment and "
         "lanes; the steps between nodes run on gloo (CPU) or NCCL (GPU) rail groups, as between "
         "real hosts. Must divide the world size; the same on every rank.")
+_define("BRAID_HIER", _bool, False,
+        "1: on a world of several nodes, run large calls as node steps on braid's lanes plus rail "
+        "steps on NCCL/gloo (one group per local rank). Off by default: such calls go to NCCL (gloo) "
+        "whole, as NCCL's own hierarchical algorithms run them, since the steps have not been "
+        "measured against NCCL on a real cluster. Must be the same on every rank.")
 _define("BRAID_HIER_MIN_BYTES", _nonneg_int, 1 << 20,
-        "On a world of several nodes: calls of at least this many bytes (per rank's input or "
-        "output, the larger) run as node steps on braid's lanes plus rail steps on NCCL/gloo; "
-        "smaller ones go to the native library whole. Must be the same on every rank.")
+        "With BRAID_HIER=1: calls of at least this many bytes (a rank's input of all_gather, "
+        "reduce_scatter and all_to_all, the tensor of all_reduce and broadcast) run as steps; smaller "
+        "ones go to the native library whole. Must be the same on every rank.")
 _define("BRAID_LOG_LEVEL", str, "WARNING", "Log level of the 'braid' logger (debug: one line per "
         "skewed all_to_all routing decision, with its corrections and trial state).")
 

@@ -115,7 +115,9 @@ def topo(comm) -> None:
     print(f"world: {comm.world_size} ranks, backend {dist.get_backend()}, single node: {comm.single_node}"
           + (f", node segment {comm.layout.total_bytes / (1 << 20):.0f} MiB" if comm.layout is not None else "")
           + (f", {comm.hier.num_nodes} nodes of {comm.hier.per_node} ranks: node steps on braid's lanes, "
-             f"rail steps on {comm.hier.rail_lib} (one group per local rank)" if comm.hier is not None else ""))
+             f"rail steps on {comm.hier.rail_lib} (one group per local rank)" if comm.hier is not None else
+             f", {comm.num_nodes} nodes: calls go to the native library whole (BRAID_HIER=1 runs node and "
+             f"rail steps)" if comm.num_nodes > 1 else ""))
     _print_lanes(comm, views)
     sys.stdout.flush()
 

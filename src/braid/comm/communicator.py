@@ -173,7 +173,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         self._fast_group = self.native_group if self.cuda else self.gloo_group
         self._fast_opts: dict = {}
         self._native_done = _NATIVE_DONE[self.cuda]     # last_handle after a whole native call
-        if not self.single_node and not node:
+        self.num_nodes = len(set(hosts))
+        if not self.single_node and not node and envs.get("BRAID_HIER"):
             from .hier import Hierarchy
             self.hier = Hierarchy.build(self, hosts, lambda lanes, groups: Communicator(lanes=lanes, _node=groups))
 

@@ -1,7 +1,8 @@
 """A world of several nodes: braid's lanes inside each node, NCCL (gloo on CPU) between nodes.
 
 Ranks are grouped by host (hostname + boot id; BRAID_FAKE_NODES cuts one host into pretend
-nodes for tests). Where the nodes are regular (N nodes of G ranks, rank = node * G + local
+nodes for tests). With BRAID_HIER=1 (off by default: every call of a multi-node world then goes
+to NCCL whole), where the nodes are regular (N nodes of G ranks, rank = node * G + local
 index, as torchrun numbers them), every rank of the world builds, in the same order:
 - one braid Communicator per node (its own segment and lanes; ranks 0..G-1 within the node),
 - one rail group per local index i: the ranks (a, i) of every node a, on NCCL (GPU) or gloo
