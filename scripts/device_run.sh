@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One run on a GPU machine: environment, GPU tests, bench. Usage: bash scripts/device_run.sh STEP...
-# Steps: info | tests | bench2 | bench4 | hot4 | trace2 | trace4 | pack
+# Steps: info | tests | bench2 | bench4 | hot4 | trace2 | trace4 | conformance | hier2 | pack
 # Logs and JSON go to $LOGS (default $OUT); `pack` tars $LOGS into $OUT/run.tgz (one file to copy
 # back). bench: BENCH_OP, BENCH_SIZES, BENCH_FACTOR, BENCH_EXTRA (more flags),
 # BENCH_TAG (file-name suffix, default the op).
@@ -24,6 +24,11 @@ for step in "$@"; do
     trace4|trace2) n=${step#trace};
           timeout 200 python3 -m braid bench --op ${TRACE_OP:-all_gather} --nproc $n --sizes 1G:1G --trace 40 --slow ${TRACE_SLOW:-host=4@10:25} \
             --no-calibrate --json "$LOGS/trace_h200x${n}.json" --plot "$LOGS/trace_h200x${n}.png" 2>&1 | grep -v Warning | tee "$LOGS/trace$n.log" ;;
+    conformance) timeout ${CONF_TIMEOUT:-500} python3 tests/conformance/runner.py --compare --device cuda \
+            --pairs ${CONF_PAIRS:-nccl,braid} 2>&1 | tee "$LOGS/conformance_cuda.log" | tail -40 ;;
+    hier2) BRAID_FAKE_NODES=2 BRAID_HIER=1 timeout ${BENCH_TIMEOUT:-240} python3 -m braid bench --op ${BENCH_OP:-all_reduce} \
+            --nproc 2 --sizes ${BENCH_SIZES:-1M:256M} --factor 4 --plain --json "$LOGS/bench_hier2_${BENCH_OP:-all_reduce}.json" \
+            2>&1 | grep -v Warning | tee "$LOGS/hier2.log" ;;
     pack) [ "$LOGS" != "$OUT" ] && tar czf "$OUT/run.tgz" -C "$LOGS" . && ls -la "$OUT" ;;
     *) echo "unknown step $step" ;;
   esac
