@@ -7,9 +7,12 @@ gloo always, NCCL where CUDA and NCCL are there. The braid `Communicator` cannot
 that point (it makes its own groups with dist.new_group, which needs the default group), so it
 is made on the first collective braid takes: every rank calls that collective, so every rank
 makes it at the same point. Until then send/recv go to the inner groups; so do the ops braid
-does not have (gather, scatter, list all_to_all, coalesced ops, reductions braid cannot do such
-as bitwise ones or premul-sum, uneven all_gather lists, several tensors per call) and every op
-of a subgroup (new_group without a backend builds another of these groups, inner groups only).
+does not have (gather, scatter, list all_to_all, coalesced ops, uneven all_gather lists, several
+tensors per call, dtypes braid does not reduce) and every op of a subgroup (new_group without a
+backend builds another of these groups, inner groups only). Reductions the inner gloo group runs
+keep braid's semantics (_inner_reduction): AVG (integers: a wrapping sum divided truncating toward
+zero, as NCCL), premul-sum, and braid's refusals. Collectives stay out of autograd: tensors that
+require grad reach the inner groups detached.
 The inner groups are also registered as the group's cpu/cuda backends, so torch code that asks
 the group for its backend (group names, eager NCCL connect with device_id) finds them.
 """
@@ -21,23 +24,25 @@ import logging
 import torch
 import torch.distributed as dist
 
-from .collectives.reduce import REDUCE_DTYPES
+from .collectives.reduce import REDUCE_DTYPES, PremulSum, check_reduce_dtype, divide, op_name, reduce_factor
 
 NAME = "braid"
 log = logging.getLogger("braid")
 
 
 def _plain_op(op):
-    """The ReduceOp value braid reduces with (SUM/AVG/PRODUCT/MIN/MAX), or None (bitwise ops,
-    premul-sum: its factor cannot be read back from torch's op object)."""
-    R = dist.ReduceOp
-    for cand in (R.SUM, R.AVG, R.MAX, R.MIN, R.PRODUCT):
-        try:
-            if op == cand:
-                return cand
-        except TypeError:
-            continue
-    return None
+    """The op braid's Communicator reduces with: the ReduceOp (SUM/AVG/PRODUCT/MIN/MAX), braid's
+    PremulSum for torch's premul-sum (its factor read from the op object), or None: bitwise ops
+    (the inner group runs them, braid's checks first: _inner_reduction) and unknown ops."""
+    try:
+        name = op_name(op)
+    except Exception:
+        return None
+    if name == "premul_sum":
+        return PremulSum(reduce_factor(op))
+    if name in ("band", "bor", "bxor"):
+        return None
+    return getattr(dist.ReduceOp, "PRODUCT" if name == "product" else name.upper())
 
 
 def _tensors_in(obj):
@@ -46,6 +51,17 @@ def _tensors_in(obj):
     elif isinstance(obj, (list, tuple)):
         for x in obj:
             yield from _tensors_in(x)
+
+
+def _detached(obj):
+    """`obj` with every tensor that requires grad replaced by its detached alias (same storage):
+    the inner group's own copies would otherwise be recorded by autograd (gloo's reduce_scatter
+    and all_gather), and collectives stay out of autograd, as NCCL's do."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach() if obj.requires_grad else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_detached(x) for x in obj)
+    return obj
 
 
 _FUTURE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
@@ -170,6 +186,21 @@ class _QueuedWork(BraidWork):
         return self._waited or self._inner is None or bool(self._inner.is_completed())
 
 
+class _AnySourceWork(BraidWork):
+    """The Work of a receive from any source that braid served from a known peer: torch's
+    dist.recv/irecv ask it for the sender (_source_rank)."""
+
+    def __init__(self, handle, result, source: int):
+        super().__init__(handle, result)
+        self._source = source
+
+    def _source_rank(self) -> int:
+        return self._source
+
+    def source_rank(self) -> int:
+        return self._source
+
+
 def _coalescing(fn, dev):
     """A backend's _start/_end_coalescing: no argument on a raw backend (torch 2.11), the device
     on a ProcessGroup."""
@@ -272,8 +303,12 @@ class BraidProcessGroup(dist.ProcessGroup):
             raise MisuseError("the braid process group was destroyed")
         if self._comm is None:
             from .comm import Communicator
-            comm = Communicator(lanes=lanes)
+            # made on a first call that may run in inference mode (Lightning's validation): its
+            # buffers must be plain tensors, or no later call outside that mode could write them
+            with torch.inference_mode(False):
+                comm = Communicator(lanes=lanes)
             comm._braid_backend_owned = True
+            comm.backend_groups = [self.nccl] if self.nccl is not None else []   # aborted with braid's own
             # the inner group's all_reduce, bound once (the forwarding path's hottest call)
             self._inner_allreduce = (self.nccl if comm.cuda else self.gloo).allreduce
             self._comm = comm
@@ -309,7 +344,10 @@ class BraidProcessGroup(dist.ProcessGroup):
 
     def _forward(self, name: str, *args, **kwargs):
         self.flush_p2p()
-        inner = self._inner(list(_tensors_in((args, list(kwargs.values())))))
+        tensors = list(_tensors_in((args, list(kwargs.values()))))
+        inner = self._inner(tensors)
+        if any(t.requires_grad for t in tensors):
+            args, kwargs = _detached(args), {k: _detached(v) for k, v in kwargs.items()}
         work = _method(inner, name)(*args, **kwargs)
         # a synchronous NCCL call may return no Work (it ran on the current stream)
         return work if work is not None else _done()
@@ -326,6 +364,8 @@ class BraidProcessGroup(dist.ProcessGroup):
         comm.ncalls += 1
         comm.last_call = (_OP_OF.get(name, name), t.numel() * t.element_size(), t.dtype, "whole")
         inner = self.nccl if comm.cuda else self.gloo
+        if t.requires_grad:
+            args = _detached(args)                  # as in _forward
         work = _method(inner, name)(*args, opts)
         return work if work is not None else _finished()
 
@@ -340,7 +380,60 @@ class BraidProcessGroup(dist.ProcessGroup):
 
     @staticmethod
     def _reducible(t, op) -> bool:
-        return op is not None and t.dtype in REDUCE_DTYPES
+        # bool on CPU tensors (sum = or, product = and); on GPUs NCCL's own call maps them so
+        return op is not None and (t.dtype in REDUCE_DTYPES or (t.dtype is torch.bool and not t.is_cuda))
+
+    def _inner_reduction(self, method: str, args: tuple, opts, outs: list, ins: list, root=None):
+        """A reducing call the inner group runs (every call of a subgroup; calls braid's
+        Communicator does not take), with braid's semantics where the inner group's differ: braid's
+        refusals (they name the op, the dtype and the fix), AVG as a SUM then a division (integers
+        truncated toward zero, as NCCL), premul-sum as a SUM of scaled copies. outs: the tensors
+        that receive the result; ins: the tensors the call reads; root: reduce's destination."""
+        cuda = any(t.is_cuda for t in outs + ins)
+        try:
+            name = op_name(opts.reduceOp)
+        except Exception:
+            name = None
+        if name is None or not outs or any(t.layout != torch.strided or t.is_quantized for t in outs + ins):
+            return self._forward(method, *args, opts)      # not braid's to judge: the inner group's errors
+        if cuda and self.nccl is not None and name != "premul_sum":
+            return self._forward(method, *args, opts)      # NCCL's own ops (integer AVG as braid's)
+        # premul-sum on NCCL too, as on braid's default group: NCCL's own gave wrong bfloat16 results
+        opname = {"allreduce": "all_reduce", "reduce": "reduce"}.get(method, "reduce_scatter")
+        for t in outs + ins:
+            check_reduce_dtype(t.dtype, name, opname, cuda)
+        if name not in ("avg", "premul_sum"):
+            return self._forward(method, *args, opts)
+        factor = reduce_factor(opts.reduceOp)
+        writing = torch.inference_mode() if any(t.is_inference() for t in outs) else torch.no_grad()
+        with writing:               # an inference tensor is written only in inference mode
+            if name == "premul_sum" or method == "reduce":
+                # reduce: a copy, so that non-root tensors stay as they were; premul-sum: scaled copies
+                src = [t * factor if name == "premul_sum" else t.clone() for t in ins]
+                work_outs = src if method in ("allreduce", "reduce") else outs
+                if method in ("allreduce", "reduce"):
+                    args = (src,)
+                elif method == "reduce_scatter":
+                    it = iter(src)
+                    args = (args[0], [[next(it) for _ in ts] for ts in args[1]])
+                else:
+                    args = (args[0], src[0])
+            else:
+                work_outs = outs
+            asked = opts.reduceOp
+            opts.reduceOp = dist.ReduceOp.SUM
+            try:
+                self._forward(method, *args, opts).wait()
+            finally:
+                opts.reduceOp = asked               # the caller's options object, as it came
+            if method == "reduce" and self._braid_rank != root:
+                return _done(outs)
+            for dst, res in zip(outs, work_outs):
+                if name == "avg":
+                    divide(res, self._braid_size)
+                if res is not dst:
+                    dst.copy_(res)
+        return _done(outs)
 
     # collectives ------------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
@@ -365,7 +458,7 @@ class BraidProcessGroup(dist.ProcessGroup):
             if comm is not None:
                 t = tensors[0]
                 return self._run(lambda a: comm.all_reduce(t, op, async_op=a), opts, [t])
-        return self._forward("allreduce", tensors, opts)
+        return self._inner_reduction("allreduce", (tensors,), opts, list(tensors), list(tensors))
 
     def broadcast(self, tensors, opts=None):
         opts = opts if opts is not None else dist.BroadcastOptions()
@@ -388,7 +481,7 @@ class BraidProcessGroup(dist.ProcessGroup):
             if comm is not None:
                 t, root = tensors[0], opts.rootRank
                 return self._run(lambda a: comm.reduce(t, root, op, async_op=a), opts, [t])
-        return self._forward("reduce", tensors, opts)
+        return self._inner_reduction("reduce", (tensors,), opts, list(tensors), list(tensors), opts.rootRank)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else dist.AllgatherOptions()
@@ -403,6 +496,8 @@ class BraidProcessGroup(dist.ProcessGroup):
 
     def _all_gather_single(self, name, output, input, opts):
         opts = opts if opts is not None else dist.AllgatherOptions()
+        if input.requires_grad:
+            input = input.detach()      # read only; the output is not autograd's (see _detached)
         comm = self._comm
         if comm is not None and comm.whole_all_gather(output, input):
             return self._whole(name, (output, input), opts, comm)
@@ -427,10 +522,13 @@ class BraidProcessGroup(dist.ProcessGroup):
             comm = self._braid_for([out] + ins) if even else None
             if comm is not None:
                 return self._run(lambda a: comm.reduce_scatter(out, ins, op, async_op=a), opts, [out])
-        return self._forward("reduce_scatter", output_tensors, input_tensors, opts)
+        return self._inner_reduction("reduce_scatter", (output_tensors, input_tensors), opts, list(output_tensors),
+                                     [t for ts in input_tensors for t in ts])
 
     def _reduce_scatter_single(self, name, output, input, opts):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
+        if input.requires_grad:
+            input = input.detach()      # as in _all_gather_single
         comm = self._comm
         if comm is not None and comm.whole_reduce_scatter(output, input, opts.reduceOp.op):
             return self._whole(name, (output, input), opts, comm)
@@ -438,7 +536,7 @@ class BraidProcessGroup(dist.ProcessGroup):
         comm = self._braid_for([output, input]) if self._reducible(output, op) else None
         if comm is not None:
             return self._run(lambda a: comm.reduce_scatter_tensor(output, input, op, async_op=a), opts, [output])
-        return self._forward(name, output, input, opts)
+        return self._inner_reduction(name, (output, input), opts, [output], [input])
 
     def _reduce_scatter_base(self, output, input, opts=None):       # torch <= 2.12
         return self._reduce_scatter_single("_reduce_scatter_base", output, input, opts)
@@ -448,6 +546,8 @@ class BraidProcessGroup(dist.ProcessGroup):
 
     def _all_to_all_single(self, name, output, input, output_split_sizes, input_split_sizes, opts):
         opts = opts if opts is not None else dist.AllToAllOptions()
+        if input.requires_grad:
+            input = input.detach()      # as in _all_gather_single
         comm = self._comm
         if (comm is not None and not output_split_sizes and not input_split_sizes
                 and comm.whole_all_to_all(output, input)):
@@ -517,6 +617,22 @@ class BraidProcessGroup(dist.ProcessGroup):
         return self._p2p(False, tensors, srcRank, tag)
 
     def recv_anysource(self, tensors, tag=0):
+        """recv from any source (dist.recv without src). Once braid's communicator exists, a
+        peer's untagged send of a CPU tensor goes over braid's lanes, which match a receive to one
+        named source: gloo's any-source receive would never see it. In a world of two ranks the
+        source can only be the other rank, so braid receives from it; in a larger world braid
+        cannot tell which peer will send and says so rather than wait forever."""
+        comm = self._comm if (tag == 0 and len(tensors) == 1) else None
+        if comm is not None and self._braid_for(tensors) is not None and not tensors[0].is_cuda:
+            if self._braid_size != 2:
+                from .errors import MisuseError
+                raise MisuseError(
+                    "recv from any source (no src) after braid's first collective works in a world of "
+                    "2 ranks only: braid's send/recv match one named peer; pass src=, or a tag (tagged "
+                    "send/recv go to gloo's own)")
+            self.flush_p2p()
+            peer = 1 - self._braid_rank
+            return _AnySourceWork(comm.recv(tensors[0], peer, async_op=True), [tensors[0]], peer)
         return self._forward("recv_anysource", tensors, tag)
 
     def barrier(self, opts=None):

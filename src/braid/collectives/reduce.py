@@ -89,21 +89,28 @@ def check_reduce_dtype(dtype: torch.dtype, name: str, opname: str, cuda: bool = 
             raise MisuseError(f"{opname}: {name} of a {dtype} tensor is not defined; reduce a float or "
                               f"integer copy (t.to(torch.float32)) instead")
         if cuda and name in BITWISE:
-            raise MisuseError(f"{opname}: {name} is not offered for CUDA tensors (NCCL has no bitwise "
-                              f"reductions); on bool tensors use ReduceOp.MAX for or, ReduceOp.MIN for and")
+            raise MisuseError(f"{opname}: {name} of a {dtype} tensor is not offered on CUDA tensors (no "
+                              f"bitwise reductions on GPUs); use ReduceOp.MAX for or, ReduceOp.MIN for and")
         return {"sum": "max", "product": "min"}.get(name, name)
     if dtype not in REDUCE_DTYPES:
-        raise MisuseError(f"{opname}: dtype {dtype} cannot be reduced by braid; supported: bool, "
+        if dtype.is_complex:
+            raise MisuseError(f"{opname}: {name} of a {dtype} tensor is not supported by braid; reduce "
+                              f"torch.view_as_real(t) with sum, avg or premul_sum instead (the same "
+                              f"reduction of the real and imaginary parts)")
+        raise MisuseError(f"{opname}: {name} of a {dtype} tensor is not supported by braid; use a copy in "
+                          f"one of the supported dtypes instead: bool, "
                           f"{', '.join(str(d).replace('torch.', '') for d in REDUCE_DTYPES)}")
     if name == "premul_sum" and not dtype.is_floating_point:
         raise MisuseError(f"{opname}: premul_sum needs a floating-point tensor (got {dtype}); for "
-                          f"integers multiply by the factor first and reduce with ReduceOp.SUM")
+                          f"integers multiply by the factor first and use ReduceOp.SUM instead")
     if name in BITWISE:
         if dtype.is_floating_point:
-            raise MisuseError(f"{opname}: {name} needs an integer or bool tensor (got {dtype})")
+            raise MisuseError(f"{opname}: {name} needs an integer or bool tensor (got {dtype}); use an "
+                              f"integer copy instead, or ReduceOp.MAX/MIN")
         if cuda:
-            raise MisuseError(f"{opname}: {name} is not offered for CUDA tensors (NCCL has no bitwise "
-                              f"reductions); reduce a CPU copy, or use MAX/MIN on 0/1 flags")
+            raise MisuseError(f"{opname}: {name} of a {dtype} tensor is not offered on CUDA tensors (no "
+                              f"bitwise reductions on GPUs); reduce a CPU copy instead, or use MAX/MIN on "
+                              f"0/1 flags")
     return name
 
 
@@ -114,13 +121,23 @@ def torch_op(op, name: str):
     return getattr(dist.ReduceOp, dict(_TORCH_OPS)[name])
 
 
+def _writing(out: torch.Tensor):
+    """The mode in which braid writes a result into `out`: never recorded by autograd, whatever the
+    grad mode of the thread that finishes the call; inference mode for an inference tensor (torch
+    lets only code in inference mode update one in place, and the mode is per thread)."""
+    if out.is_inference() and not torch.is_inference_mode_enabled():
+        return torch.inference_mode()
+    return torch.no_grad()
+
+
 def divide(out: torch.Tensor, n: int) -> None:
     """avg's last step, in place: floats divide; integers divide truncating toward zero, as NCCL's
     integer average does (the sum wraps around in the tensor's own type first)."""
-    if out.dtype.is_floating_point:
-        out.div_(n)
-    else:
-        out.div_(n, rounding_mode="trunc")
+    with _writing(out):
+        if out.dtype.is_floating_point:
+            out.div_(n)
+        else:
+            out.div_(n, rounding_mode="trunc")
 
 
 def reduce_slots(slots: torch.Tensor, world_size: int, name: str, out: torch.Tensor, factor: float = 1.0) -> None:
@@ -130,6 +147,9 @@ def reduce_slots(slots: torch.Tensor, world_size: int, name: str, out: torch.Ten
     m = out.numel()
     if m == 0:
         return
+    if out.is_inference() and not torch.is_inference_mode_enabled():
+        with torch.inference_mode():
+            return reduce_slots(slots, world_size, name, out, factor)
     x = slots if slots.dim() == 2 else slots[: world_size * m].view(world_size, m)
     half = out.dtype in (torch.float16, torch.bfloat16)
     acc = torch.float32 if half else out.dtype
@@ -160,6 +180,9 @@ def reduce_pair(x0: torch.Tensor, x1: torch.Tensor, name: str, out: torch.Tensor
     exactly and rounded once, like the float32 accumulation. `out` may alias x0 or x1."""
     if out.numel() == 0:
         return
+    if out.is_inference() and not torch.is_inference_mode_enabled():
+        with torch.inference_mode():
+            return reduce_pair(x0, x1, name, out, factor)
     if name in ("sum", "avg"):
         torch.add(x0, x1, out=out)
         if name == "avg":

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from .. import envs
 from ..errors import BraidTimeoutError
 from ..node import geq
@@ -88,6 +90,13 @@ class ShmLane(Lane):
                     if now - idle_since > timeout:
                         raise BraidTimeoutError(f"shm lane on rank {me} made no progress for {timeout:.0f} s "
                                                 f"(waiting on rank {peer}); a peer stopped or called another op")
+
+        if any(o.is_inference() for o in outs):
+            ring_run = run
+
+            def run() -> None:      # an inference tensor is written only in inference mode (per thread)
+                with torch.inference_mode():
+                    ring_run()
 
         run_ = LaneRun(self.kind, thread_fn=run, slowdown=lc.slowdown.get("shm", 1.0))
         self._last[key] = run_

@@ -1,0 +1,125 @@
+"""Helpers of the frameworks tier: training runs of Lightning, accelerate and the transformers
+Trainer, each on backend "braid" and on "gloo", 2 CPU ranks (DDP with create_graph=True, torch's
+own test_ddp_create_graph, is in tests/test_semantics.py).
+
+Every test starts its own world with `run_world` (tests/conftest.py): spawned processes, a local
+rendezvous, a time limit. A worker runs the same seeded job once per backend, one after the
+other, each on a fresh process group with a rendezvous port of its own, and returns what the job
+produced (final weights bit for bit, logged metrics, gathered values) as JSON; the test compares
+the braid run with the gloo run.
+
+Why the runs can be compared exactly: with 2 ranks every reduction adds or averages two values,
+and a + b is the same float in either order, so braid (rank order) and gloo give the same bits
+for every sum, mean, min and max. Where a framework reduces differently on gloo (Lightning
+averages with SUM and a division on gloo, with AVG elsewhere), the result is still the same
+float: (a + b) / 2 computed once.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+
+import pytest
+
+# what every framework worker gets: no GPU, no hub, no telemetry, one thread per rank
+FW_ENV = {
+    "CUDA_VISIBLE_DEVICES": "",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "WANDB_DISABLED": "true",
+    "WANDB_MODE": "disabled",
+    "DISABLE_MLFLOW_INTEGRATION": "TRUE",
+    "ACCELERATE_USE_CPU": "true",
+    # braid splits every call above 1 KiB over its gloo and shm lanes, so the training runs go
+    # through braid's own reductions, not only through the calls it forwards to gloo whole
+    "BRAID_MIN_SPLIT_KB": "1",
+}
+
+BACKENDS = ("gloo", "braid")
+
+
+def require(module: str, extra: str = "frameworks") -> None:
+    """Skip the calling test when `module` is not installed (CI installs it with the extra)."""
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed: `pip install -e .[{extra}]` installs the frameworks tier's packages")
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free local ports (one rendezvous per backend run inside a world)."""
+    socks, ports = [], []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+def rank_env(rank: int, world: int, port: int) -> None:
+    """The variables a launcher (torchrun) sets, as the frameworks read them."""
+    os.environ.update({
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0", "GROUP_RANK": "0",
+        "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    })
+
+
+def braid_calls() -> int:
+    """How many calls braid's communicator of the current default group took (0: none, or the
+    group is not braid's)."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return 0
+    pg = dist.distributed_c10d._get_default_group()
+    comm = getattr(pg, "_comm", None)
+    return int(getattr(comm, "ncalls", 0) or 0)
+
+
+def encode(t) -> dict:
+    """A tensor as JSON, bit for bit."""
+    import torch
+    t = t.detach().to("cpu").contiguous()
+    raw = t.view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
+    return {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape),
+            "hex": raw.numpy().tobytes().hex()}
+
+
+def decode(d: dict):
+    import torch
+    dtype = getattr(torch, d["dtype"])
+    raw = torch.frombuffer(bytearray.fromhex(d["hex"]), dtype=torch.uint8) if d["hex"] else \
+        torch.empty(0, dtype=torch.uint8)
+    if dtype == torch.bool:
+        return raw.to(torch.bool).reshape(d["shape"])
+    return raw.view(dtype).reshape(d["shape"]).clone()
+
+
+def encode_state(state: dict) -> dict:
+    return {k: encode(v) for k, v in state.items()}
+
+
+def assert_same_tensors(got: dict, want: dict, what: str, rtol: float = 0.0, atol: float = 0.0) -> None:
+    """Two name -> encoded tensor maps agree: bit for bit (tolerances 0) or within rtol/atol."""
+    import torch
+    assert sorted(got) == sorted(want), f"{what}: names differ: {sorted(set(got) ^ set(want))}"
+    bad = []
+    for name in sorted(want):
+        a, b = decode(got[name]), decode(want[name])
+        if a.dtype != b.dtype or a.shape != b.shape:
+            bad.append(f"{name}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}")
+            continue
+        if rtol == 0.0 and atol == 0.0:
+            if not torch.equal(a, b):
+                diff = (a.double() - b.double()).abs().max().item() if a.is_floating_point() else "n/a"
+                bad.append(f"{name}: not bit-equal (max abs diff {diff})")
+        elif not torch.allclose(a.double(), b.double(), rtol=rtol, atol=atol):
+            bad.append(f"{name}: max abs diff {(a.double() - b.double()).abs().max().item():.3g}")
+    assert not bad, f"{what}:\n  " + "\n  ".join(bad)
