@@ -1,0 +1,231 @@
+"""The pieces of braid's process group that are not the group itself: the Work objects it returns
+(braid's handles as torch Work, CUDA futures completed on a side stream, queued send/recv work,
+any-source receives), the inner groups' method lookup across torch versions, and small helpers.
+backend.py's BraidProcessGroup uses them."""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("braid")
+
+
+def _tensors_in(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors_in(x)
+
+
+def _detached(obj):
+    """`obj` with every tensor that requires grad replaced by its detached alias (same storage):
+    the inner group's own copies would otherwise be recorded by autograd (gloo's reduce_scatter
+    and all_gather), and collectives stay out of autograd, as NCCL's do."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach() if obj.requires_grad else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_detached(x) for x in obj)
+    return obj
+
+
+_FUTURE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+
+
+def _future_stream(device: torch.device):
+    """One side stream per GPU on which futures of braid's GPU calls wait (see get_future)."""
+    s = _FUTURE_STREAMS.get(device.index)
+    if s is None:
+        s = _FUTURE_STREAMS[device.index] = torch.cuda.Stream(device)
+    return s
+
+
+class BraidWork(dist._Work):
+    """torch's Work around a braid handle. wait(): on GPUs the current stream waits for the call
+    (no CPU block), on CPU it blocks until done, as Handle.wait does. get_future() returns a
+    future holding `result` (the tensors the call wrote), which DDP's communication hooks chain
+    on. On GPUs it is a CUDA future, as NCCL's: a side stream waits for the call and the future
+    completes there, so whoever uses its value waits for the call and nobody else does (the
+    caller's stream is not made to wait: in DDP the rest of the backward pass keeps running
+    beside the bucket's all_reduce). handle None: the call has finished already."""
+
+    def __init__(self, handle, result):
+        super().__init__()
+        self._handle = handle
+        self._result = result
+        self._waited = handle is None
+        self._error: BaseException | None = None
+        self._future = None
+        self._side_done = None       # GPU: an event after the call, recorded by get_future
+
+    def wait(self, timeout=None) -> bool:
+        if self._error is not None:
+            raise self._error
+        if not self._waited:
+            self._waited = True
+            try:
+                self._finish()
+            except BaseException as exc:
+                self._error = exc
+                raise
+        return True
+
+    def _finish(self) -> None:
+        if self._side_done is not None:       # the handle was waited on the future's stream
+            torch.cuda.current_stream().wait_event(self._side_done)
+        else:
+            self._handle.wait()
+
+    def is_completed(self) -> bool:
+        if self._waited:
+            return True
+        if self._side_done is not None:
+            return bool(self._side_done.query())
+        return bool(self._handle.is_completed())
+
+    def is_success(self) -> bool:
+        return self._error is None
+
+    def exception(self):
+        return self._error
+
+    def result(self):
+        return list(self._result)
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def get_future(self):
+        if self._future is None:
+            cuda = [t.device for t in self._result if isinstance(t, torch.Tensor) and t.is_cuda]
+            if not cuda:
+                fut = self._future = torch.futures.Future()
+                try:
+                    self.wait()
+                except BaseException as exc:
+                    fut.set_exception(exc)
+                else:
+                    fut.set_result(list(self._result))
+                return fut
+            fut = self._future = torch.futures.Future(devices=sorted({str(d) for d in cuda}))
+            try:
+                if self._waited:                # finished, or the caller's stream waited already
+                    fut.set_result(list(self._result))
+                    return fut
+                side = _future_stream(cuda[0])
+                with torch.cuda.stream(side):
+                    self._handle.wait()         # the side stream waits for the call, no CPU block
+                    done = torch.cuda.Event()
+                    done.record(side)
+                    self._side_done = done
+                    fut.set_result(list(self._result))   # its events are recorded on the side stream
+            except BaseException as exc:
+                self._error = exc
+                fut.set_exception(exc)
+        return self._future
+
+
+class _QueuedWork(BraidWork):
+    """The Work of a queued GPU send/recv: asking it anything posts the queue first."""
+
+    def __init__(self, pg, result):      # pg: the BraidProcessGroup
+        super().__init__(None, result)
+        self._pg = pg
+        self._waited = False
+        self._inner = None
+
+    def _posted(self, work) -> None:
+        self._inner = work
+
+    def _post(self) -> None:
+        if self._inner is None:
+            self._pg.flush_p2p()
+
+    def _finish(self) -> None:
+        self._post()
+        if self._inner is not None:
+            self._inner.wait()
+
+    def is_completed(self) -> bool:
+        self._post()
+        return self._waited or self._inner is None or bool(self._inner.is_completed())
+
+
+class _AnySourceWork(BraidWork):
+    """The Work of a receive from any source that braid served from a known peer: torch's
+    dist.recv/irecv ask it for the sender (_source_rank)."""
+
+    def __init__(self, handle, result, source: int):
+        super().__init__(handle, result)
+        self._source = source
+
+    def _source_rank(self) -> int:
+        return self._source
+
+    def source_rank(self) -> int:
+        return self._source
+
+
+def _coalescing(fn, dev):
+    """A backend's _start/_end_coalescing: no argument on a raw backend (torch 2.11), the device
+    on a ProcessGroup."""
+    try:
+        return fn()
+    except TypeError:
+        return fn(dev)
+
+
+# torch >= 2.13 calls a Python process group's single-tensor collectives by new names; the raw
+# gloo/NCCL backend objects may still carry only the old ones
+_OLD_NAMES = {"all_gather_single": "_allgather_base", "reduce_scatter_single": "_reduce_scatter_base",
+              "all_to_all_single": "alltoall_base"}
+
+
+# torch's method names as braid's op names (the call ledger, see Communicator._enter)
+_OP_OF = {"allreduce": "all_reduce", "broadcast": "broadcast", "_allgather_base": "all_gather",
+          "all_gather_single": "all_gather", "_reduce_scatter_base": "reduce_scatter",
+          "reduce_scatter_single": "reduce_scatter", "alltoall_base": "all_to_all_single",
+          "all_to_all_single": "all_to_all_single"}
+
+
+def _method(inner, name: str):
+    fn = getattr(inner, name, None)
+    if fn is None and name in _OLD_NAMES:
+        fn = getattr(inner, _OLD_NAMES[name], None)
+    if fn is None:
+        raise AttributeError(f"the inner {type(inner).__name__} group has no {name!r}")
+    return fn
+
+
+_FINISHED: list = []
+
+
+def _finished() -> BraidWork:
+    """One shared Work for synchronous calls that the inner group ran without returning a Work
+    (NCCL on the caller's stream): already complete, no result, so one object serves every call
+    (a new Work per call cost several us of host time)."""
+    if not _FINISHED:
+        _FINISHED.append(BraidWork(None, []))
+    return _FINISHED[0]
+
+
+def _done(result=()) -> BraidWork:
+    return BraidWork(None, list(result))
+
+
+def _make_nccl(store, rank: int, size: int, timeout):
+    """A raw ProcessGroupNCCL over `store`, or None where CUDA or NCCL is missing."""
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        return None
+    try:
+        from torch.distributed import ProcessGroupNCCL
+        opts = ProcessGroupNCCL.Options()
+        if timeout is not None:
+            opts._timeout = timeout
+        return ProcessGroupNCCL(store, rank, size, opts)
+    except Exception as exc:    # an API change: braid still runs, CUDA ops braid lacks then fail
+        log.warning("braid backend: no inner NCCL group (%s); CUDA ops that braid does not "
+                    "implement will fail", exc)
+        return None
