@@ -116,7 +116,7 @@ def _fault_worker(rank: int, w: int, scenario: str, faulty: int, fault_at: int, 
     base = WHOLE_N if scenario == "dtype_whole" else SPLIT_N
 
     def size(k: int) -> int:          # differs per call: a skipped call shows as a mismatch
-        if scenario == "kill" and k == fault_at:
+        if scenario.startswith("kill") and k == fault_at:
             return KILL_N             # long enough to be cut in the middle
         if scenario == "boundary" and k == fault_at:
             return BIG_N if rank == 0 else WHOLE_N
@@ -127,7 +127,7 @@ def _fault_worker(rank: int, w: int, scenario: str, faulty: int, fault_at: int, 
         while k < CALLS:
             n, dtype = size(k), torch.float32
             if rank == faulty and k == fault_at:
-                if scenario == "kill":
+                if scenario.startswith("kill"):
                     _call(comm, k, n, dtype, rank, w, async_op=True)      # in flight on both lanes
                     _write(folder, "fault", {"t": time.time(), "rank": rank})
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -135,7 +135,7 @@ def _fault_worker(rank: int, w: int, scenario: str, faulty: int, fault_at: int, 
                 _write(folder, "fault", {"t": time.time(), "rank": rank})
                 if scenario == "exit0":
                     os._exit(0)
-                if scenario == "raise":
+                if scenario.startswith("raise"):
                     raise RuntimeError("injected: this rank's step failed")
                 if scenario == "skip":
                     k += 1
@@ -174,6 +174,14 @@ SCENARIOS = {
     "boundary": (2, 1, 4, [0, 1], {"PeerMismatchError", "LaneFailureError", "BraidTimeoutError"}, {}),
 }
 
+# the same faults on a world of 2 pretend nodes of 2 ranks with the node and rail steps on for every
+# call: survivors on the faulty rank's node and on the other node
+NODES_ENV = {"BRAID_FAKE_NODES": "2", "BRAID_HIER": "1", "BRAID_HIER_MIN_BYTES": "0"}
+SCENARIOS.update({
+    "kill_nodes": (4, 1, 3, [0, 2, 3], {"LaneFailureError", "BraidTimeoutError"}, {1: -signal.SIGKILL}),
+    "raise_nodes": (4, 2, 4, [0, 1, 3], {"LaneFailureError", "BraidTimeoutError", "PeerMismatchError"}, {}),
+})
+
 BOUNDARY_XFAIL = pytest.mark.xfail(strict=True, reason=(
     "KNOWN LIMIT (measured): a call that one rank gives gloo's own collective whole and another "
     "splits (rank 0: all_reduce of 600,001 float32, split over gloo + shm; rank 1: 1,001 float32, "
@@ -193,7 +201,8 @@ def _run(scenario: str) -> dict:
         t0 = time.monotonic()
         hung = None
         try:
-            run_world(_fault_worker, w, scenario, faulty, fault_at, survivors, folder, env=ENV, timeout=WORLD_TIMEOUT_S,
+            env = dict(ENV, **NODES_ENV) if scenario.endswith("_nodes") else ENV
+            run_world(_fault_worker, w, scenario, faulty, fault_at, survivors, folder, env=env, timeout=WORLD_TIMEOUT_S,
                       allowed_exit=allowed, info=info)
         except WorkerError as exc:        # a hang: the reports written so far still say what happened
             hung = str(exc)[:3000]
@@ -205,7 +214,7 @@ def _run(scenario: str) -> dict:
 
 
 @pytest.mark.parametrize("scenario", [
-    "kill", "exit0", "raise", "skip", "dtype", "dtype_whole",
+    "kill", "exit0", "raise", "skip", "dtype", "dtype_whole", "kill_nodes", "raise_nodes",
     pytest.param("boundary", marks=BOUNDARY_XFAIL),
 ])
 def test_survivors_raise_in_time(scenario, capsys):

@@ -26,6 +26,7 @@ for when a multi-node GPU machine can measure it.
 """
 from __future__ import annotations
 
+import datetime
 import logging
 import math
 
@@ -34,6 +35,7 @@ import torch.distributed as dist
 
 from .. import envs
 from ..collectives.reduce import REDUCE_DTYPES, divide
+from ..errors import BraidError, BraidTimeoutError, LaneFailureError
 from ..executor import Handle
 
 log = logging.getLogger("braid")
@@ -81,17 +83,22 @@ class Hierarchy:
         self.num_nodes, self.per_node = len(nodes), len(nodes[0])
         self.node_index, self.local = divmod(world.rank, self.per_node)
         cuda = world.cuda
+        # every group below gives up after BRAID_TIMEOUT_S, as braid's own waits do: a rank that
+        # fails or leaves mid-call cannot leave its peers on other nodes in a gloo call for the
+        # groups' default half hour (gloo cannot be interrupted; NCCL's watchdog ends the process)
+        limit = datetime.timedelta(seconds=envs.get("BRAID_TIMEOUT_S"))
+        self.agree_group = dist.new_group(backend="gloo", timeout=limit)   # small agreements (hier_a2a)
         mine = {}
         for a, members in enumerate(nodes):          # every rank makes every group, in one order
-            groups = {"gloo": dist.new_group(members, backend="gloo")}
+            groups = {"gloo": dist.new_group(members, backend="gloo", timeout=limit)}
             if cuda:
-                groups["nccl"] = dist.new_group(members, backend="nccl")
+                groups["nccl"] = dist.new_group(members, backend="nccl", timeout=limit)
             if a == self.node_index:
                 mine = groups
         self.rail_group = None
         for i in range(self.per_node):
             g = dist.new_group([a * self.per_node + i for a in range(self.num_nodes)],
-                               backend="nccl" if cuda else "gloo")
+                               backend="nccl" if cuda else "gloo", timeout=limit)
             if i == self.local:
                 self.rail_group = g
         self.rail_lib = "nccl" if cuda else "gloo"
@@ -148,14 +155,48 @@ class Hierarchy:
         return h
 
     def _node_step(self, name: str, fn, nbytes: int, steps: list) -> None:
-        fn()
+        try:
+            fn()
+        except BraidError as exc:
+            raise self.in_node(name, exc) from exc
         h = self.node.last_handle
         where = " ".join(f"{k}={v:.2f}" for k, v in (h.shares if h is not None else {}).items()) or "node"
         steps.append((f"node {name}", where, nbytes))
 
     def _rail_step(self, name: str, fn, nbytes: int, steps: list) -> None:
-        fn()
+        try:
+            fn()
+        except BraidError:
+            raise
+        except RuntimeError as exc:        # gloo/NCCL: a peer that left, a timeout
+            raise self.failed(f"rail {name}", exc) from exc
         steps.append((f"rail {name}", f"rail-{self.rail_lib}", nbytes))
+
+    def in_node(self, step: str, exc: BraidError) -> BraidError:
+        """A node step's error, its ranks (the node's own, 0..G-1) translated for the reader."""
+        first = self.node_index * self.per_node
+        text = (f"rank {self.world.rank}, node step {step} on node {self.node_index} (node ranks 0-"
+                f"{self.per_node - 1} are world ranks {first}-{first + self.per_node - 1}): {exc}")
+        try:
+            return type(exc)(text)
+        except TypeError:              # an error type with other arguments: keep it as it is
+            return exc
+
+    def failed(self, step: str, exc: BaseException) -> BraidError:
+        """The error of a step the native library failed (a peer on another node that died, left
+        or did not come within BRAID_TIMEOUT_S): this rank's node is told (its communicator is
+        aborted, so node peers waiting for this rank raise at once), and the error names the step
+        and the ranks it waited for."""
+        ranks = [a * self.per_node + self.local for a in range(self.num_nodes)]
+        text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        why = (f"rank {self.world.rank}: the {step} step with ranks {ranks} ({self.rail_lib}) failed: {text}; "
+               f"a rank on another node died, left or did not make this call within BRAID_TIMEOUT_S")
+        try:
+            self.node.abort(why)
+        except Exception:          # noqa: BLE001  the first error is the one to report
+            pass
+        err = BraidTimeoutError if "imeout" in text or "imed out" in text else LaneFailureError
+        return err(why)
 
     # the ops ----------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op, async_op: bool):

@@ -60,13 +60,16 @@ class RailRoutedAllToAll:
         return self._topo
 
     def matrix(self, in_rows: list[int], out_rows: list[int], row_bytes: int) -> list[list[int]]:
-        """Every rank's input split sizes (rows), agreed on braid's gloo group with every rank's
+        """Every rank's input split sizes (rows), agreed on the hierarchy's gloo group with every rank's
         output split sizes and row size; every rank checks every rank's (so all raise alike)."""
         h = self.h
         w = h.world.world_size
         mine = torch.tensor(list(in_rows) + list(out_rows) + [row_bytes], dtype=torch.int64)
         got = torch.empty(w * (2 * w + 1), dtype=torch.int64)
-        dist.all_gather_into_tensor(got, mine, group=h.world.gloo_group)
+        try:
+            dist.all_gather_into_tensor(got, mine, group=h.agree_group)
+        except RuntimeError as exc:
+            raise h.failed("split sizes' agreement", exc) from exc
         rows = got.view(w, 2 * w + 1).tolist()
         m = [r[:w] for r in rows]
         sizes = {r[2 * w] for r in rows}
@@ -131,8 +134,9 @@ class RailRoutedAllToAll:
             s = a * G + k
             split_in1.append(m[s][me] + sum(part[(s, d)][i] for d in range(W) if (s, d) in part))
         buf1 = x.new_empty(sum(split_in1), x.size(1))
-        h.node.all_to_all_single(buf1, torch.cat(send1), split_in1, split_out1)
-        steps = [("node all_to_all (to the rails)", _where(h.node), buf1.numel() * es)]
+        steps: list = []
+        h._node_step("all_to_all (to the rails)", lambda: h.node.all_to_all_single(
+            buf1, torch.cat(send1), split_in1, split_out1), buf1.numel() * es, steps)
 
         # step 2: on my rail i, to node b: rows (a, k) -> (b, j) that ride rail i, ordered by (k, j)
         recv1 = list(torch.split(buf1, split_in1))
@@ -159,8 +163,8 @@ class RailRoutedAllToAll:
             split_in2.append(sum(part[(b * G + k, a * G + j)][i] for k in range(G) for j in range(G)
                                  if (b * G + k, a * G + j) in part))
         buf2 = x.new_empty(sum(split_in2), x.size(1))
-        dist.all_to_all_single(buf2, torch.cat(send2), split_in2, split_out2, group=h.rail_group)
-        steps.append(("rail all_to_all", f"rail-{h.rail_lib}", buf2.numel() * es))
+        h._rail_step("all_to_all", lambda: dist.all_to_all_single(buf2, torch.cat(send2), split_in2, split_out2,
+                                                                 group=h.rail_group), buf2.numel() * es, steps)
 
         # step 3: to local j: rows (b, k) -> (a, j) that rode my rail, ordered by source (b, k)
         arrived = {}
@@ -181,8 +185,8 @@ class RailRoutedAllToAll:
             split_out3.append(sum(p.size(0) for p in pieces))
             split_in3.append(sum(part[(s, me)][j] for s in range(W) if (s, me) in part))
         buf3 = x.new_empty(sum(split_in3), x.size(1))
-        h.node.all_to_all_single(buf3, torch.cat(send3), split_in3, split_out3)
-        steps.append(("node all_to_all (from the rails)", _where(h.node), buf3.numel() * es))
+        h._node_step("all_to_all (from the rails)", lambda: h.node.all_to_all_single(
+            buf3, torch.cat(send3), split_in3, split_out3), buf3.numel() * es, steps)
 
         # assemble: rows from source s on rail k sit in the chunk from local rank k, in source order
         chunks = list(torch.split(buf3, split_in3))
@@ -199,7 +203,3 @@ class RailRoutedAllToAll:
                     at += n
         return steps
 
-
-def _where(comm) -> str:
-    hd = comm.last_handle
-    return " ".join(f"{k}={v:.2f}" for k, v in (hd.shares if hd is not None else {}).items()) or "node"
