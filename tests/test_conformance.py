@@ -4,7 +4,8 @@ The CI list of tests/conformance/torch_tests.py runs through tests/conformance/r
 times, each in a fresh interpreter: against gloo (the reference), braid, and braid with every call
 split over both CPU lanes (braid/split). A test gloo passes must pass on braid and braid/split,
 except those in KNOWN_FAILURES, which must still fail (one that passes should leave the list).
-torch's test modules are never imported into this process: they change global torch settings.
+torch's profiler-event checks apply to braid as to gloo (one "braid:<op>" event per call, with the
+call's input shapes). torch's test modules are never imported into this process: they change global torch settings.
 
 BRAID_CONFORMANCE_FULL=1 runs the full list instead. Results and exclusions: docs/conformance.md.
 """
@@ -48,10 +49,12 @@ def reports() -> dict[str, dict]:
             key = backend if variant == "default" else f"{backend}/{variant}"
             log = os.path.join(logs, key.replace("/", "-") + ".log")
             rep = runner.run_in_subprocess(backend, "cpu", names, variant, timeout=PER_TEST_S,
-                                           total_timeout=PER_RUN_S, log_path=log)
+                                           total_timeout=PER_RUN_S, log_path=log, profiler_checks=True)
             if "torch" not in rep:          # the worker wrote no report: it died or ran too long
                 tail = open(log, errors="replace").read()[-3000:] if os.path.exists(log) else ""
                 pytest.fail(f"the {key} conformance worker produced no results; its log ends:\n{tail}")
+            assert rep.get("profiler_checks") is True, (
+                f"the {key} worker ran without torch's profiler-event checks: {rep.get('profiler_checks')!r}")
             out[key] = rep["results"]
     return out
 

@@ -13,6 +13,9 @@ backend builds another of these groups, inner groups only). Reductions the inner
 keep braid's semantics (_inner_reduction): AVG (integers: a wrapping sum divided truncating toward
 zero, as NCCL), premul-sum, and braid's refusals. Collectives stay out of autograd: tensors that
 require grad reach the inner groups detached.
+Under torch's profiler every call leaves one "braid:<op>" event (all_reduce, all_gather, send,
+recv...: gloo's and NCCL's names), asynchronous, with the call's input tensors as its inputs (see
+_recorded); the calls braid hands to an inner group whole leave the inner group's own event too.
 The inner groups are also registered as the group's cpu/cuda backends, so torch code that asks
 the group for its backend (group names, eager NCCL connect with device_id) finds them.
 """
@@ -25,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .backend_work import (_OP_OF, BraidWork, _AnySourceWork, _coalescing, _detached, _done, _finished,  # noqa: F401
-                           _make_nccl, _method, _QueuedWork, _tensors_in)
+                           _make_nccl, _method, _QueuedWork, _record_begin, _record_end, _tensors_in, profiler_on)
 from .collectives.reduce import REDUCE_DTYPES, PremulSum, check_reduce_dtype, divide, op_name, reduce_factor
 
 NAME = "braid"
@@ -49,6 +52,8 @@ def _plain_op(op):
 
 class BraidProcessGroup(dist.ProcessGroup):
     """The process group `init_process_group("braid")` makes (see the module text)."""
+
+    _recording = False      # a call's profiler record is open (its nested calls leave none)
 
     def __init__(self, store, rank: int, size: int, timeout, world: bool):
         super().__init__(rank, size)
@@ -218,8 +223,34 @@ class BraidProcessGroup(dist.ProcessGroup):
                     dst.copy_(res)
         return _done(outs)
 
+    # profiler -------------------------------------------------------------------------------
+    # Each method that torch calls starts with `if profiler_on() and not self._recording:` (off:
+    # one C call, nothing made) and then runs again inside _recorded.
+    def _recorded(self, op: str, inputs, method, *args, **kwargs):
+        """Run `method(*args, **kwargs)` (a method of this group) inside the profiler record "braid:<op>",
+        the tensors `inputs` as its inputs. The record ends when the call is done: at once for a
+        synchronous call or a Work that is finished, else when its Work is waited on, found
+        completed or asked for its future; for a Work of the inner group, once the inner group
+        has the call (its own event covers the rest)."""
+        rec = _record_begin("braid:" + op, inputs)
+        self._recording = True
+        try:
+            work = method(*args, **kwargs)
+        except BaseException:
+            _record_end(rec)
+            raise
+        finally:
+            self._recording = False
+        if isinstance(work, BraidWork) and not work._waited:
+            work._record = rec
+        else:
+            _record_end(rec)
+        return work
+
     # collectives ------------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
+        if profiler_on() and not self._recording:
+            return self._recorded("all_reduce", tensors, self.allreduce, tensors, opts)
         opts = opts if opts is not None else dist.AllreduceOptions()
         comm = self._comm
         if comm is not None and len(tensors) == 1:
@@ -244,6 +275,8 @@ class BraidProcessGroup(dist.ProcessGroup):
         return self._inner_reduction("allreduce", (tensors,), opts, list(tensors), list(tensors))
 
     def broadcast(self, tensors, opts=None):
+        if profiler_on() and not self._recording:
+            return self._recorded("broadcast", tensors, self.broadcast, tensors, opts)
         opts = opts if opts is not None else dist.BroadcastOptions()
         comm = self._comm
         if (comm is not None and len(tensors) == 1 and opts.rootTensor == 0
@@ -257,6 +290,8 @@ class BraidProcessGroup(dist.ProcessGroup):
         return self._forward("broadcast", tensors, opts)
 
     def reduce(self, tensors, opts=None):
+        if profiler_on() and not self._recording:
+            return self._recorded("reduce", tensors, self.reduce, tensors, opts)
         opts = opts if opts is not None else dist.ReduceOptions()
         op = _plain_op(opts.reduceOp)
         if len(tensors) == 1 and opts.rootTensor == 0 and self._reducible(tensors[0], op):
@@ -267,6 +302,8 @@ class BraidProcessGroup(dist.ProcessGroup):
         return self._inner_reduction("reduce", (tensors,), opts, list(tensors), list(tensors), opts.rootRank)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
+        if profiler_on() and not self._recording:
+            return self._recorded("all_gather", input_tensors, self.allgather, output_tensors, input_tensors, opts)
         opts = opts if opts is not None else dist.AllgatherOptions()
         if len(input_tensors) == 1 and len(output_tensors) == 1:
             inp, outs = input_tensors[0], list(output_tensors[0])
@@ -278,6 +315,8 @@ class BraidProcessGroup(dist.ProcessGroup):
         return self._forward("allgather", output_tensors, input_tensors, opts)
 
     def _all_gather_single(self, name, output, input, opts):
+        if profiler_on() and not self._recording:
+            return self._recorded("all_gather_into_tensor", [input], self._all_gather_single, name, output, input, opts)
         opts = opts if opts is not None else dist.AllgatherOptions()
         if input.requires_grad:
             input = input.detach()      # read only; the output is not autograd's (see _detached)
@@ -296,6 +335,9 @@ class BraidProcessGroup(dist.ProcessGroup):
         return self._all_gather_single("all_gather_single", output, input, opts)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        if profiler_on() and not self._recording:
+            return self._recorded("reduce_scatter", list(_tensors_in(input_tensors)), self.reduce_scatter,
+                                  output_tensors, input_tensors, opts)
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         op = _plain_op(opts.reduceOp)
         if len(output_tensors) == 1 and len(input_tensors) == 1 and self._reducible(output_tensors[0], op):
@@ -309,6 +351,9 @@ class BraidProcessGroup(dist.ProcessGroup):
                                      [t for ts in input_tensors for t in ts])
 
     def _reduce_scatter_single(self, name, output, input, opts):
+        if profiler_on() and not self._recording:
+            return self._recorded("reduce_scatter_tensor", [input], self._reduce_scatter_single, name, output, input,
+                                  opts)
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         if input.requires_grad:
             input = input.detach()      # as in _all_gather_single
@@ -328,6 +373,9 @@ class BraidProcessGroup(dist.ProcessGroup):
         return self._reduce_scatter_single("reduce_scatter_single", output, input, opts)
 
     def _all_to_all_single(self, name, output, input, output_split_sizes, input_split_sizes, opts):
+        if profiler_on() and not self._recording:
+            return self._recorded("all_to_all", [input], self._all_to_all_single, name, output, input,
+                                  output_split_sizes, input_split_sizes, opts)
         opts = opts if opts is not None else dist.AllToAllOptions()
         if input.requires_grad:
             input = input.detach()      # as in _all_gather_single
@@ -394,9 +442,13 @@ class BraidProcessGroup(dist.ProcessGroup):
             w._posted(group_work)
 
     def send(self, tensors, dstRank, tag=0):
+        if profiler_on() and not self._recording:
+            return self._recorded("send", tensors, self._p2p, True, tensors, dstRank, tag)
         return self._p2p(True, tensors, dstRank, tag)
 
     def recv(self, tensors, srcRank, tag=0):
+        if profiler_on() and not self._recording:
+            return self._recorded("recv", tensors, self._p2p, False, tensors, srcRank, tag)
         return self._p2p(False, tensors, srcRank, tag)
 
     def recv_anysource(self, tensors, tag=0):
@@ -405,6 +457,8 @@ class BraidProcessGroup(dist.ProcessGroup):
         named source: gloo's any-source receive would never see it. In a world of two ranks the
         source can only be the other rank, so braid receives from it; in a larger world braid
         cannot tell which peer will send and says so rather than wait forever."""
+        if profiler_on() and not self._recording:
+            return self._recorded("recvAnySource", tensors, self.recv_anysource, tensors, tag)
         comm = self._comm if (tag == 0 and len(tensors) == 1) else None
         if comm is not None and self._braid_for(tensors) is not None and not tensors[0].is_cuda:
             if self._braid_size != 2:
@@ -421,6 +475,8 @@ class BraidProcessGroup(dist.ProcessGroup):
     def barrier(self, opts=None):
         """On the inner gloo group (CPU). With braid's GPU lanes the current stream is drained
         first, so work queued before the barrier has finished, as after NCCL's barrier."""
+        if profiler_on() and not self._recording:
+            return self._recorded("barrier", (), self.barrier, opts)
         self.flush_p2p()
         comm = self._comm
         if comm is not None and getattr(comm, "cuda", False) and not comm.closed:
@@ -463,16 +519,30 @@ class BraidProcessGroup(dist.ProcessGroup):
         self._release("abort")
 
 
+# the ops braid forwards whole: torch's method -> the name of its profiler record, and which
+# positional argument holds its inputs (None: no tensors)
+_FORWARDED = {"gather": ("gather", 1), "scatter": ("scatter", 1), "alltoall": ("all_to_all", 1),
+              "allreduce_coalesced": ("all_reduce_coalesced", 0),
+              "allgather_coalesced": ("all_gather_coalesced", 1),
+              "allgather_into_tensor_coalesced": ("all_gather_into_tensor_coalesced", 1),
+              "reduce_scatter_tensor_coalesced": ("reduce_scatter_tensor_coalesced", 1),
+              "monitored_barrier": ("monitored_barrier", None)}
+
+
 def _forwarding(name: str):
+    op, at = _FORWARDED[name]
+
     def method(self, *args, **kwargs):
+        if profiler_on() and not self._recording:
+            inputs = list(_tensors_in(args[at])) if at is not None and len(args) > at else []
+            return self._recorded(op, inputs, self._forward, name, *args, **kwargs)
         return self._forward(name, *args, **kwargs)
     method.__name__ = name
     method.__doc__ = f"torch's {name}: braid has no version of its own; the inner gloo/NCCL group runs it."
     return method
 
 
-for _name in ("gather", "scatter", "alltoall", "allreduce_coalesced", "allgather_coalesced",
-              "allgather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced", "monitored_barrier"):
+for _name in _FORWARDED:
     setattr(BraidProcessGroup, _name, _forwarding(_name))
 
 

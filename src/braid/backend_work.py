@@ -1,10 +1,13 @@
 """The pieces of braid's process group that are not the group itself: the Work objects it returns
 (braid's handles as torch Work, CUDA futures completed on a side stream, queued send/recv work,
-any-source receives), the inner groups' method lookup across torch versions, and small helpers.
-backend.py's BraidProcessGroup uses them."""
+any-source receives), the records braid's calls leave in torch's profiler, the inner groups' method
+lookup across torch versions, and small helpers. backend.py's BraidProcessGroup uses them."""
 from __future__ import annotations
 
 import logging
+import os
+import queue
+import threading
 
 import torch
 import torch.distributed as dist
@@ -51,6 +54,8 @@ class BraidWork(dist._Work):
     caller's stream is not made to wait: in DDP the rest of the backward pass keeps running
     beside the bucket's all_reduce). handle None: the call has finished already."""
 
+    _record = None      # the call's open profiler record (see _record_begin), ended once done
+
     def __init__(self, handle, result):
         super().__init__()
         self._handle = handle
@@ -70,7 +75,15 @@ class BraidWork(dist._Work):
             except BaseException as exc:
                 self._error = exc
                 raise
+            finally:
+                if self._record is not None:
+                    self._end_record()
         return True
+
+    def _end_record(self) -> None:
+        rec, self._record = self._record, None
+        if rec is not None:
+            _record_end(rec)
 
     def _finish(self) -> None:
         if self._side_done is not None:       # the handle was waited on the future's stream
@@ -82,8 +95,12 @@ class BraidWork(dist._Work):
         if self._waited:
             return True
         if self._side_done is not None:
-            return bool(self._side_done.query())
-        return bool(self._handle.is_completed())
+            done = bool(self._side_done.query())
+        else:
+            done = bool(self._handle.is_completed())
+        if done and self._record is not None:
+            self._end_record()
+        return done
 
     def is_success(self) -> bool:
         return self._error is None
@@ -124,6 +141,8 @@ class BraidWork(dist._Work):
             except BaseException as exc:
                 self._error = exc
                 fut.set_exception(exc)
+            if self._record is not None:      # GPU: the call is queued behind the future's events
+                self._end_record()
         return self._future
 
 
@@ -150,7 +169,10 @@ class _QueuedWork(BraidWork):
 
     def is_completed(self) -> bool:
         self._post()
-        return self._waited or self._inner is None or bool(self._inner.is_completed())
+        done = self._waited or self._inner is None or bool(self._inner.is_completed())
+        if done and self._record is not None:
+            self._end_record()
+        return done
 
 
 class _AnySourceWork(BraidWork):
@@ -229,3 +251,76 @@ def _make_nccl(store, rank: int, size: int, timeout):
         log.warning("braid backend: no inner NCCL group (%s); CUDA ops that braid does not "
                     "implement will fail", exc)
         return None
+
+
+# ------------------------------------------------------------------------------------------------
+# profiler records: one "braid:<op>" event per call, as gloo and NCCL record "gloo:<op>"/"nccl:<op>"
+# ------------------------------------------------------------------------------------------------
+# The check on every call (backend.py): torch's own test of whether a profiler runs in this thread,
+# a C function bound once; the rest runs only under a profiler.
+profiler_on = torch._C._autograd._profiler_enabled
+
+
+def _record_begin(title: str, tensors):
+    """Open the profiler record of one call, named `title` ("braid:all_reduce"), with the call's
+    input tensors as its inputs (the profiler's input shapes, with record_shapes=True). Returns a
+    future: completing it ends the record (see _record_end)."""
+    handle = torch._C._autograd._record_function_with_args_enter(
+        title, *[t for t in tensors if isinstance(t, torch.Tensor)])
+    end = torch.futures.Future()
+    torch.ops.profiler._call_end_callbacks_on_jit_fut(handle, end)
+    return end
+
+
+def _record_end(end) -> None:
+    """End a record opened by _record_begin. The end runs on braid's profiler thread while the
+    caller waits: a record that starts and ends on different threads is an asynchronous event,
+    as the events of gloo's and NCCL's Work objects are (theirs end on their worker threads), so
+    braid's calls show in the profiler as theirs do. Returns once the record has ended, so a
+    profiler stopped right after the call still holds it."""
+    global _ENDER
+    if end.done():
+        return
+    done = threading.Event()
+    with _ENDER_LOCK:
+        if _ENDER is None or _ENDER.pid != os.getpid():     # none yet, or a forked child's copy
+            _ENDER = _RecordEnder()
+        _ENDER.jobs.put((end, done))
+    done.wait()
+
+
+class _RecordEnder:
+    """The thread that ends braid's profiler records (see _record_end). Started on the first
+    record; it exits after IDLE_S without one (the next record starts another)."""
+
+    IDLE_S = 2.0
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name="braid-profiler", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        global _ENDER
+        while True:
+            try:
+                end, done = self.jobs.get(timeout=self.IDLE_S)
+            except queue.Empty:
+                with _ENDER_LOCK:
+                    if self.jobs.empty():       # jobs are put under the lock: none can follow
+                        if _ENDER is self:
+                            _ENDER = None
+                        return
+                continue
+            try:
+                if not end.done():
+                    end.set_result(None)
+            except Exception as exc:    # the profiler's own callbacks: report, keep serving
+                log.debug("braid backend: ending a profiler record failed: %s", exc)
+            finally:
+                done.set()
+
+
+_ENDER: _RecordEnder | None = None
+_ENDER_LOCK = threading.Lock()

@@ -29,6 +29,10 @@ file, then the test, then a file barrier) + `DistributedTest._DistTestBase` (the
   (torch_tests.REFERENCE_BODY); in braid's ranks the test module's BACKEND reads the reference
   name ("gloo"/"nccl") once init_process_group("braid") has run, so the body takes the reference
   path while every call still goes to braid's group.
+- torch checks the profiler's "<backend>:<op>" events (one per call, asynchronous, the input
+  shapes) only for the backends it lists (PROFILING_SUPPORTED_BACKENDS...). On CPU braid is added
+  to those lists, so its "braid:<op>" events are checked as gloo's are (--no-profiler-checks:
+  not); on CUDA only with --profiler-checks, until a GPU run has checked them.
 - Each test runs in this process through unittest, which starts the ranks, waits for them (a
   per-test time limit, see --timeout) and turns a rank's exception into a failure.
 
@@ -121,7 +125,7 @@ def _load(backend: str, device: str, variant: str, profiler_checks: bool = False
     assert dt.BACKEND == backend, (dt.BACKEND, backend)
     if profiler_checks and backend not in ("gloo", "nccl", "mpi", "ucc"):
         # torch checks the profiler's "<backend>:<op>" events only for the backends it lists;
-        # listing this one applies those checks to it too (braid records no such events yet)
+        # listing this one applies those checks to it too
         for listed in (dt.PROFILING_SUPPORTED_BACKENDS, dt.CUDA_PROFILING_SUPPORTED_BACKENDS,
                        dt.SEND_RECV_PROFILING_SUPPORTED_BACKENDS):
             listed.append(backend)
@@ -214,6 +218,11 @@ def torch_test_names(timeout: float = 300) -> dict:
         return json.load(open(out))
 
 
+def _profiler_checks(device: str, asked: bool | None) -> bool:
+    """Whether torch's profiler-event checks apply to braid: `asked` if given, else on CPU only."""
+    return (device == "cpu") if asked is None else bool(asked)
+
+
 def run_worker(backend: str, device: str, names: list[str], variant: str, timeout: int,
                out_json: str | None, profiler_checks: bool = False) -> dict:
     import logging
@@ -248,7 +257,7 @@ def run_worker(backend: str, device: str, names: list[str], variant: str, timeou
               f"({dt_s:.1f} s)", flush=True)
     import torch
     report = {"backend": backend, "device": device, "variant": variant, "torch": torch.__version__,
-              "results": results}
+              "profiler_checks": bool(profiler_checks), "results": results}
     if out_json:
         with open(out_json, "w") as f:
             json.dump(report, f, indent=1)
@@ -261,10 +270,12 @@ def run_worker(backend: str, device: str, names: list[str], variant: str, timeou
 
 def run_in_subprocess(backend: str, device: str, names: list[str], variant: str = "default",
                       timeout: int = 120, total_timeout: float | None = None,
-                      log_path: str | None = None, profiler_checks: bool = False) -> dict:
+                      log_path: str | None = None, profiler_checks: bool | None = None) -> dict:
     """Run a worker in a fresh interpreter (its own torch imports, its own BACKEND) and return
     its report. A worker that dies or runs past `total_timeout` makes every test it had not
-    reported "failed"."""
+    reported "failed". profiler_checks: apply torch's profiler-event checks to braid (None: on
+    CPU, see _profiler_checks)."""
+    profiler_checks = _profiler_checks(device, profiler_checks)
     with tempfile.TemporaryDirectory(prefix="braid-conformance-") as tmp:
         out = os.path.join(tmp, "report.json")
         env = {k: v for k, v in os.environ.items() if k != "CI"}   # torch's CI-only behaviour off
@@ -274,7 +285,8 @@ def run_in_subprocess(backend: str, device: str, names: list[str], variant: str 
         env["BRAID_CACHE_DIR"] = os.path.join(tmp, "braid-cache")
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--backend", backend,
                "--device", device, "--variant", variant, "--timeout", str(timeout),
-               "--json", out, "--tests", ",".join(names)] + (["--profiler-checks"] if profiler_checks else [])
+               "--json", out, "--tests", ",".join(names),
+               "--profiler-checks" if profiler_checks else "--no-profiler-checks"]
         log = open(log_path, "w") if log_path else subprocess.DEVNULL
         try:
             proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -315,7 +327,7 @@ def _mark(r: dict | None) -> str:
 
 
 def compare(pairs: list[tuple[str, str]], device: str, names: list[str], timeout: int,
-            profiler_checks: bool = False) -> int:
+            profiler_checks: bool | None = None) -> int:
     reports = []
     for backend, variant in pairs:
         t0 = time.monotonic()
@@ -361,9 +373,9 @@ def main(argv=None) -> int:
                    help="run the reference backend and braid (and braid/split) and print a table")
     p.add_argument("--pairs", default=None,
                    help="with --compare: comma list of backend[/variant], e.g. gloo,braid,braid/split")
-    p.add_argument("--profiler-checks", action="store_true",
+    p.add_argument("--profiler-checks", action=argparse.BooleanOptionalAction, default=None,
                    help="apply torch's profiler-event checks to braid too (torch makes them only "
-                        "for the backends it lists; braid records no such events yet)")
+                        "for the backends it lists); default: on for --device cpu, off for cuda")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--list-names", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -376,7 +388,8 @@ def main(argv=None) -> int:
     else:
         names = torch_tests.selected(device, full=a.full or torch_tests.full_requested())
     if a.worker:
-        run_worker(a.backend, device, names, a.variant, a.timeout, a.json, a.profiler_checks)
+        run_worker(a.backend, device, names, a.variant, a.timeout, a.json,
+                   _profiler_checks(device, a.profiler_checks))
         return 0
     if a.compare or not a.backend:
         ref = "nccl" if device == "cuda" else "gloo"
