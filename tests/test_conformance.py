@@ -101,7 +101,8 @@ def test_lists_cover_the_families():
         pytest.skip(f"the lists were made on torch {torch_tests.LISTS_MADE_WITH}, this is {torch.__version__}")
     names = set(runner.torch_test_names()["names"])
     assert len(names) > 100, f"only {len(names)} tests found in torch's distributed_test"
-    full, excluded = set(torch_tests.selected("cpu", full=True)), set(torch_tests.EXCLUDED)
+    full = set(torch_tests.selected("cpu", full=True)) | set(torch_tests.group_tests())
+    excluded = set(torch_tests.EXCLUDED)
     unlisted = sorted(n for n in names if torch_tests.in_families(n) and n not in full | excluded)
     assert not unlisted, f"tests of the families in no list: add them to a list or to EXCLUDED: {unlisted}"
     assert not full & excluded, f"listed and excluded at once: {sorted(full & excluded)}"
@@ -110,3 +111,29 @@ def test_lists_cover_the_families():
     assert not unknown, f"names in torch_tests.py that torch {torch.__version__} lacks: {unknown}"
     empty = [n for n, why in torch_tests.EXCLUDED.items() if not why.strip()]
     assert not empty, f"EXCLUDED entries without a reason: {empty}"
+
+
+@pytest.fixture(scope="module")
+def group_reports() -> dict[str, dict]:
+    """The subgroup tests (torch runs them from 8 ranks): gloo, braid, braid split."""
+    names = torch_tests.group_tests()
+    out = {}
+    for backend, variant in RUNS:
+        key = backend if variant == "default" else f"{backend}/{variant}"
+        rep = runner.run_in_subprocess(backend, "cpu", names, variant, timeout=PER_TEST_S, total_timeout=PER_RUN_S,
+                                       profiler_checks=True, world=torch_tests.GROUP_WORLD)
+        assert "torch" in rep, f"the {key} worker of the subgroup tests produced no results"
+        out[key] = rep["results"]
+    return out
+
+
+@pytest.mark.parametrize("key", [k if v == "default" else f"{k}/{v}" for k, v in RUNS[1:]])
+def test_braid_subgroups_pass_what_gloo_passes(group_reports, key):
+    """Subgroups of backend braid (new_group() under the braid default) on 8 CPU ranks."""
+    gloo, braid = group_reports["gloo"], group_reports[key]
+    expected = [n for n, v in gloo.items() if v["outcome"] == "passed"]
+    if SAME_TORCH:
+        assert len(expected) == len(gloo), f"gloo does not pass:\n{_summary(gloo, [n for n in gloo if n not in expected])}"
+    assert expected, "gloo passed none of the subgroup tests: nothing was compared"
+    new = [n for n in expected if braid[n]["outcome"] != "passed"]
+    assert not new, f"{key} fails {len(new)} subgroup test(s) that gloo passes:\n{_summary(braid, new)}"

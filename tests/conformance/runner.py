@@ -60,9 +60,10 @@ WORLD_SIZE = 2
 
 
 def _configure_environment(backend: str, device: str, timeout: int) -> None:
-    """Settings that torch's test modules and braid read when imported: before any import."""
+    """Settings that torch's test modules and braid read when imported: before any import. The
+    world size: BRAID_CONFORMANCE_WORLD (run_in_subprocess sets it), else WORLD_SIZE."""
     os.environ["BACKEND"] = backend
-    os.environ["WORLD_SIZE"] = str(WORLD_SIZE)
+    os.environ["WORLD_SIZE"] = os.environ.get("BRAID_CONFORMANCE_WORLD") or str(WORLD_SIZE)
     os.environ["DISTRIBUTED_TESTS_DEFAULT_TIMEOUT"] = str(timeout)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("BRAID_CALIBRATE", "off")      # braid's built-in lane model, no cache
@@ -270,7 +271,8 @@ def run_worker(backend: str, device: str, names: list[str], variant: str, timeou
 
 def run_in_subprocess(backend: str, device: str, names: list[str], variant: str = "default",
                       timeout: int = 120, total_timeout: float | None = None,
-                      log_path: str | None = None, profiler_checks: bool | None = None) -> dict:
+                      log_path: str | None = None, profiler_checks: bool | None = None,
+                      world: int = WORLD_SIZE) -> dict:
     """Run a worker in a fresh interpreter (its own torch imports, its own BACKEND) and return
     its report. A worker that dies or runs past `total_timeout` makes every test it had not
     reported "failed". profiler_checks: apply torch's profiler-event checks to braid (None: on
@@ -283,6 +285,7 @@ def run_in_subprocess(backend: str, device: str, names: list[str], variant: str 
                                                       "timeout": timeout, "variant": variant,
                                                       "profiler_checks": profiler_checks})
         env["BRAID_CACHE_DIR"] = os.path.join(tmp, "braid-cache")
+        env["BRAID_CONFORMANCE_WORLD"] = str(world)
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--backend", backend,
                "--device", device, "--variant", variant, "--timeout", str(timeout),
                "--json", out, "--tests", ",".join(names),
@@ -327,11 +330,12 @@ def _mark(r: dict | None) -> str:
 
 
 def compare(pairs: list[tuple[str, str]], device: str, names: list[str], timeout: int,
-            profiler_checks: bool | None = None) -> int:
+            profiler_checks: bool | None = None, world: int = WORLD_SIZE) -> int:
     reports = []
     for backend, variant in pairs:
         t0 = time.monotonic()
-        rep = run_in_subprocess(backend, device, names, variant, timeout, profiler_checks=profiler_checks)
+        rep = run_in_subprocess(backend, device, names, variant, timeout, profiler_checks=profiler_checks,
+                                world=world)
         rep["wall"] = time.monotonic() - t0
         reports.append(rep)
     heads = [b if v == "default" else f"{b}/{v}" for b, v in pairs]
@@ -368,6 +372,8 @@ def main(argv=None) -> int:
     p.add_argument("--variant", default="default", choices=["default", *VARIANTS],
                    help="braid variant (see VARIANTS): default, split (both CPU lanes), shm")
     p.add_argument("--timeout", type=int, default=120, help="seconds one test may take")
+    p.add_argument("--world", type=int, default=WORLD_SIZE,
+                   help="ranks (default 2; 3 for the subgroup tests, torch_tests.CPU_GROUP3)")
     p.add_argument("--json", default=None, help="worker: write the report here")
     p.add_argument("--compare", action="store_true",
                    help="run the reference backend and braid (and braid/split) and print a table")
@@ -398,8 +404,9 @@ def main(argv=None) -> int:
         bad = [f"{b}/{v}" for b, v in pairs if v != "default" and v not in VARIANTS]
         if bad:
             p.error(f"--pairs {spec!r}: unknown variant in {bad}; variants: {sorted(VARIANTS)}")
-        return compare(pairs, device, names, a.timeout, a.profiler_checks)
-    rep = run_in_subprocess(a.backend, device, names, a.variant, a.timeout, profiler_checks=a.profiler_checks)
+        return compare(pairs, device, names, a.timeout, a.profiler_checks, a.world)
+    rep = run_in_subprocess(a.backend, device, names, a.variant, a.timeout, profiler_checks=a.profiler_checks,
+                            world=a.world)
     for n in names:
         print(f"{n}: {_mark(rep['results'][n])}")
     return 0
