@@ -157,6 +157,17 @@ def test_every_op_on_pretend_nodes(world, fake, mode):
         assert s in steps, (s, steps)
 
 
+@pytest.mark.parametrize("world,fake", [(4, 2), (6, 3)])
+def test_all_reduce_in_pieces(world, fake):
+    """all_reduce in pieces of 1 KiB (up to 8 per call, the rail step of one beside the node steps
+    of the next): every op still exact."""
+    res = run_world(_worker, world, "direct", fake, timeout=240,
+                    env={"BRAID_FAKE_NODES": str(fake), "BRAID_HIER": "1", "BRAID_HIER_MIN_BYTES": "0",
+                         "BRAID_HIER_PIECE_KB": "1"})
+    for r in res:
+        assert not r["bad"], "\n".join(r["bad"][:20])
+
+
 def _threshold_worker(rank, world):
     import torch
     import braid

@@ -133,6 +133,12 @@ _define("BRAID_HIER_MIN_BYTES", _nonneg_int, 1 << 20,
         "With BRAID_HIER=1: calls of at least this many bytes (a rank's input of all_gather, "
         "reduce_scatter and all_to_all, the tensor of all_reduce and broadcast) run as steps; smaller "
         "ones go to the native library whole. Must be the same on every rank.")
+_define("BRAID_HIER_PIECE_KB", _nonneg_int, 0,
+        "With BRAID_HIER=1: run a multi-node all_reduce in pieces of about this size (at most 8), "
+        "the rail step of one piece beside the node steps of the next; 0 (default) = one piece. "
+        "On CPU pretend nodes 4 MiB pieces made 16-64 MiB calls 2x slower (each piece's node steps "
+        "cost milliseconds of host time); for real nodes, where the network step dominates, it is "
+        "untested. Must be the same on every rank.")
 _define("BRAID_LOG_LEVEL", str, "WARNING", "Log level of the 'braid' logger (debug: one line per "
         "skewed all_to_all routing decision, with its corrections and trial state).")
 

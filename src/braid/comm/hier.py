@@ -44,6 +44,17 @@ _HIER_REDS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.
               dist.ReduceOp.MAX: "max", dist.ReduceOp.PRODUCT: "product"}
 
 
+_MAX_PIECES = 8      # all_reduce's pieces at most (BRAID_HIER_PIECE_KB sets their size)
+
+
+def _merged(steps: list) -> list:
+    """Steps of the same name and place summed (a call in pieces repeats them)."""
+    out: dict = {}
+    for name, where, nbytes in steps:
+        out[(name, where)] = out.get((name, where), 0) + nbytes
+    return [(name, where, b) for (name, where), b in out.items()]
+
+
 class HierHandle(Handle):
     """A multi-node call that ran as steps (done when returned). `steps` says where each ran:
     (step, where, bytes per rank), e.g. ("node reduce_scatter", "shm=0.62 gloo=0.38", 4 MiB)."""
@@ -182,6 +193,18 @@ class Hierarchy:
         except TypeError:              # an error type with other arguments: keep it as it is
             return exc
 
+    def _rail_start(self, name: str, fn):
+        """Post a rail step (async_op=True); _rail_wait ends it. Errors as _rail_step's."""
+        try:
+            return fn()
+        except BraidError:
+            raise
+        except RuntimeError as exc:
+            raise self.failed(f"rail {name}", exc) from exc
+
+    def _rail_wait(self, name: str, work, nbytes: int, steps: list) -> None:
+        self._rail_step(name, work.wait, nbytes, steps)
+
     def failed(self, step: str, exc: BaseException) -> BraidError:
         """The error of a step the native library failed (a peer on another node that died, left
         or did not come within BRAID_TIMEOUT_S): this rank's node is told (its communicator is
@@ -211,17 +234,40 @@ class Hierarchy:
         buf = flat if m * g == n else torch.zeros(m * g, dtype=tensor.dtype, device=tensor.device)
         if buf is not flat:
             buf[:n].copy_(flat)
-        shard = torch.empty(m, dtype=tensor.dtype, device=tensor.device)
         es, steps = tensor.element_size(), []
-        self._node_step("reduce_scatter", lambda: self.node.reduce_scatter_tensor(shard, buf, op=red), m * g * es, steps)
-        self._rail_step("all_reduce", lambda: dist.all_reduce(shard, op=red, group=self.rail_group), m * es, steps)
-        self._node_step("all_gather", lambda: self.node.all_gather_into_tensor(buf, shard), m * g * es, steps)
+        # pieces: the rail all_reduce of one piece runs (async, in the native library's own
+        # thread or stream) while the node steps of the next go on; every rank cuts alike
+        piece = envs.get("BRAID_HIER_PIECE_KB") << 10
+        parts = 1 if piece == 0 else max(1, min(_MAX_PIECES, (m * g * es) // piece))
+        counts = [m // parts + (1 if p < m % parts else 0) for p in range(parts)]
+        counts = [c for c in counts if c]
+        offs = [sum(counts[:p]) for p in range(len(counts))]
+        shards = [torch.empty(c, dtype=tensor.dtype, device=tensor.device) for c in counts]
+        pending = None
+        for p, (lo, c) in enumerate(zip(offs, counts)):
+            part = buf[lo * g:(lo + c) * g]
+            self._node_step("reduce_scatter", lambda: self.node.reduce_scatter_tensor(shards[p], part, op=red),
+                            c * g * es, steps)
+            work = self._rail_start("all_reduce", lambda: dist.all_reduce(shards[p], op=red, group=self.rail_group,
+                                                                           async_op=True))
+            if pending is not None:
+                self._gather_piece(*pending, buf, shards, offs, counts, es, steps)
+            pending = (p, work)
+        self._gather_piece(*pending, buf, shards, offs, counts, es, steps)
         with torch.no_grad():
             if buf is not flat:
                 flat.copy_(buf[:n])
             if name == "avg":
                 divide(flat, self.world.world_size)
-        return self._done("all_reduce", steps, async_op)
+        return self._done("all_reduce", _merged(steps), async_op)
+
+    def _gather_piece(self, p, work, buf, shards, offs, counts, es, steps) -> None:
+        """all_reduce's end for piece p: its rail step waited, then the node all_gather."""
+        g = self.per_node
+        self._rail_wait("all_reduce", work, counts[p] * es, steps)
+        part = buf[offs[p] * g:(offs[p] + counts[p]) * g]
+        self._node_step("all_gather", lambda: self.node.all_gather_into_tensor(part, shards[p]),
+                        counts[p] * g * es, steps)
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, async_op: bool):
         n, N, G = input.numel(), self.num_nodes, self.per_node
