@@ -92,10 +92,10 @@ def render(data: dict, elapsed: str | None) -> str:
       "there, the CUDA column of every table below is unknown. What braid refuses on CUDA tensors beyond "
       "the CPU table: BAND/BOR/BXOR (no bitwise reductions on GPUs), as NCCL does."
       " What NCCL itself accepts, checked on one H100 in a world of one rank (torch 2.11, NCCL 2.28.9; "
-      "`scripts/probes/nccl_accepts.py`, `bench_results/2026-11-25-h100-nccl-accepts/`): braid's direct API "
-      "refuses on CUDA tensors two things NCCL takes: float8 (e4m3fn, e5m2) SUM/PRODUCT/MIN/MAX in "
-      "all_reduce and reduce, and complex64 SUM/AVG/PREMUL_SUM in reduce; under the braid backend those "
-      "calls go to NCCL's own call (accepted), except complex PREMUL_SUM.")
+      "`scripts/probes/nccl_accepts.py`, `bench_results/2026-11-25-h100-nccl-accepts/`): NCCL also takes "
+      "float8 (e4m3fn, e5m2) SUM/PRODUCT/MIN/MAX and complex64 SUM/AVG, which braid's own reductions do "
+      "not do: braid gives those calls to NCCL whole, through the backend and the direct API alike "
+      "(one-GPU test); complex PREMUL_SUM stays refused.")
     w("- Collectives: " + ", ".join(f"`{c}` ({COLL_SHORT[c]})" for c in colls) + ". Each was called at two "
       "sizes (7 elements per rank, on braid's shared-memory lane or the library's own call, and 65,537, "
       "split over braid's lanes) and, on the default group, under two calibrations (braid's lane model, and "

@@ -172,3 +172,40 @@ def test_abort_aborts_nccl_and_refuses_later_calls():
     assert "error" not in res, res.get("error")
     assert res["groups"] >= 1
     assert res["after"] is not None and "aborted (stopping on purpose)" in res["after"], res
+
+
+def _nccl_only_dtypes(port: int, q) -> None:
+    """braid's direct API on a world of one GPU (NCCL default group): float8 and complex
+    reductions, which braid's own reductions do not do and NCCL does, go to NCCL whole."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **GPU_ENV)
+    import torch.distributed as dist
+    import braid
+    try:
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", rank=0, world_size=1)
+        comm = braid.init()
+        done, bad = [], []
+        cases = [(dt, op) for dt in (torch.float8_e4m3fn, torch.float8_e5m2)
+                 for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX)] + [(torch.complex64, dist.ReduceOp.SUM)]
+        for dt, op in cases:
+            x = (torch.arange(64, device="cuda", dtype=torch.float32) / 8).to(dt)
+            for name in ("all_reduce", "reduce"):
+                t = x.clone()
+                (braid.all_reduce(t, op=op) if name == "all_reduce" else braid.reduce(t, dst=0, op=op))
+                torch.cuda.synchronize()
+                same = torch.equal(t.view(torch.uint8), x.view(torch.uint8))
+                if not same or comm.last_handle.shares != {"nccl": 1.0}:
+                    bad.append(f"{name} {dt} {op}: same={same} shares={comm.last_handle.shares}")
+                done.append(f"{name} {dt}")
+        braid.close()
+        dist.destroy_process_group()
+        q.put({"done": done, "bad": bad})
+    except BaseException as exc:       # noqa: BLE001  reported to the parent
+        import traceback
+        q.put({"error": f"{exc!r}\n{traceback.format_exc()}"})
+
+
+def test_float8_and_complex_reductions_go_to_nccl_whole():
+    res = _in_fresh_process(_nccl_only_dtypes)
+    assert "error" not in res, res.get("error")
+    assert res["bad"] == [] and len(res["done"]) == 10, res

@@ -60,6 +60,21 @@ class _Cuts:
     out_at: list[int]
 
 
+_NCCL_FLOAT8 = tuple(d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None))
+                     if d is not None)
+
+
+def _nccl_takes(t, name: str, opname: str) -> bool:
+    """CUDA tensors braid's own reductions do not handle and NCCL does (checked on one H100 with
+    torch 2.11, NCCL 2.28.9: scripts/probes/nccl_accepts.py): float8 with sum, product, min, max;
+    complex with sum and avg in all_reduce and reduce. Such calls go to NCCL whole."""
+    if not isinstance(t, torch.Tensor) or not t.is_cuda:
+        return False
+    if t.dtype in _NCCL_FLOAT8:
+        return name in ("sum", "product", "min", "max")
+    return t.is_complex() and name in ("sum", "avg") and opname in ("all_reduce", "reduce")
+
+
 class Reductions:
     """Part of braid.comm.Communicator (a mixin: state lives on the communicator)."""
 
@@ -137,6 +152,23 @@ class Reductions:
     def _reduction(self, opname: str, output, input, op, root, async_op):
         """Every reducing op's full path: check the call, then the native library whole or a
         split (_reduce_split)."""
+        if self.cuda and _nccl_takes(output, op_name(op), opname):
+            # NCCL reduces these and braid's own reductions do not: its call, whole (through
+            # torch's front end, which turns complex tensors into float pairs where NCCL needs it)
+            x = input if opname == "reduce_scatter" else output
+            self.ncalls += 1
+            self.last_call = (opname, x.numel() * x.element_size(), x.dtype, "whole")
+            g = self.native_group
+            if opname == "all_reduce":
+                work = dist.all_reduce(output, op=op, group=g, async_op=async_op)
+            elif opname == "reduce":
+                work = dist.reduce(output, group_dst=root, op=op, group=g, async_op=async_op)
+            else:
+                work = dist.reduce_scatter_tensor(output, input, op=op, group=g, async_op=async_op)
+            if async_op:
+                return self._finish(work, True)
+            self.last_handle = self._native_done
+            return None
         rc = self._reduce_call(opname, output, input, op, root)
         desc = {"op": opname, "dtype": str(output.dtype), "nbytes": rc.size, "red": rc.name,
                 "factor": rc.factor, "root": root}
