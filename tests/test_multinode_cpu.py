@@ -274,7 +274,8 @@ def test_two_torchrun_launches_make_two_nodes(tmp_path):
     port = free_port()
     env = dict(os.environ, BRAID_FAKE_NODES="2", BRAID_HIER="1", BRAID_HIER_MIN_BYTES="0", BRAID_HOST_BUFFER_MB="2",
                BRAID_HOST_CHUNK_KB="64", BRAID_CALIBRATE="off", BRAID_CACHE_DIR=str(tmp_path / "cache"),
-               BRAID_TIMEOUT_S="60", OMP_NUM_THREADS="1")
+               BRAID_TIMEOUT_S="60", OMP_NUM_THREADS="1",
+               TMPDIR=str(tmp_path))          # torchrun's agent leaves a torchelastic_* folder there
     procs = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
          "--node-rank", str(k), "--master-addr", "127.0.0.1", "--master-port", str(port), str(script)],

@@ -285,6 +285,9 @@ def run_in_subprocess(backend: str, device: str, names: list[str], variant: str 
                                                       "timeout": timeout, "variant": variant,
                                                       "profiler_checks": profiler_checks})
         env["BRAID_CACHE_DIR"] = os.path.join(tmp, "braid-cache")
+        # torch's harness makes each test's rendezvous file with tempfile and never removes it:
+        # in this folder they go with it
+        env["TMPDIR"] = tmp
         env["BRAID_CONFORMANCE_WORLD"] = str(world)
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--backend", backend,
                "--device", device, "--variant", variant, "--timeout", str(timeout),
