@@ -48,18 +48,25 @@ _MAX_PIECES = 8      # all_reduce's pieces at most (BRAID_HIER_PIECE_KB sets the
 
 
 def _merged(steps: list) -> list:
-    """Steps of the same name and place summed (a call in pieces repeats them)."""
-    out: dict = {}
+    """Steps of the same name as one (a call in pieces repeats them): bytes summed, shares
+    weighted by each repeat's bytes."""
+    total: dict[str, int] = {}
+    for name, _, nbytes in steps:
+        total[name] = total.get(name, 0) + nbytes
+    shares: dict[str, dict[str, float]] = {}
     for name, where, nbytes in steps:
-        out[(name, where)] = out.get((name, where), 0) + nbytes
-    return [(name, where, b) for (name, where), b in out.items()]
+        acc = shares.setdefault(name, {})
+        for lane, f in where.items():
+            acc[lane] = acc.get(lane, 0.0) + f * nbytes / (total[name] or 1)
+    return [(name, shares[name], total[name]) for name in total]
 
 
 class HierHandle(Handle):
     """A multi-node call that ran as steps (done when returned). `steps` says where each ran:
-    (step, where, bytes per rank), e.g. ("node reduce_scatter", "shm=0.62 gloo=0.38", 4 MiB)."""
+    (step, {lane: share}, bytes per rank), e.g. ("node reduce_scatter", {"shm": 0.62, "gloo": 0.38},
+    4 MiB) or ("rail all_reduce", {"rail-nccl": 1.0}, 1 MiB)."""
 
-    def __init__(self, steps: list[tuple[str, str, int]], shares: dict[str, float]):
+    def __init__(self, steps: list[tuple[str, dict, int]], shares: dict[str, float]):
         super().__init__()
         self._waited = True
         self.steps = steps
@@ -115,6 +122,9 @@ class Hierarchy:
         self.rail_lib = "nccl" if cuda else "gloo"
         lanes = sorted(world.wanted) if world.wanted is not None else None
         self.node = make_node(lanes, mine)     # braid's Communicator of this rank's node
+        # read once, as the communicator reads its settings (the same on every rank)
+        self.min_bytes = max(1, envs.get("BRAID_HIER_MIN_BYTES"))
+        self.piece_bytes = envs.get("BRAID_HIER_PIECE_KB") << 10
         self._a2av = None                      # uneven all_to_all over every rail (hier_a2a.py)
 
     @classmethod
@@ -138,7 +148,7 @@ class Hierarchy:
     def _takes(self, nbytes: int, *tensors) -> bool:
         """Steps for this call? From facts every rank shares when the calls match (size, dtype);
         contiguous tensors of the world's device type."""
-        if nbytes < max(1, envs.get("BRAID_HIER_MIN_BYTES")):
+        if nbytes < self.min_bytes:
             return False
         for t in tensors:
             if type(t) is not torch.Tensor or t.is_cuda is not self.world.cuda or not t.is_contiguous():
@@ -148,17 +158,16 @@ class Hierarchy:
     def wants(self, op: str, nbytes: int) -> bool:
         """Would a call of this op and size run as steps (the fast path then leaves it alone)?"""
         return op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all_single") \
-            and nbytes >= max(1, envs.get("BRAID_HIER_MIN_BYTES"))
+            and nbytes >= self.min_bytes
 
     def _done(self, op, steps, async_op):
-        """The call's handle (the caller returns it where async_op); node steps' lane shares weighted by their bytes, rail steps as
-        'rail-nccl' / 'rail-gloo'."""
+        """The call's handle (the caller returns it where async_op): every step's lane shares
+        weighted by its bytes (rail steps as 'rail-nccl' / 'rail-gloo')."""
         total = sum(b for _, _, b in steps) or 1
         shares: dict[str, float] = {}
         for _, where, b in steps:
-            for part in where.split():
-                lane, _, f = part.partition("=")
-                shares[lane] = shares.get(lane, 0.0) + float(f or 1.0) * b / total
+            for lane, f in where.items():
+                shares[lane] = shares.get(lane, 0.0) + f * b / total
         h = HierHandle(steps, shares)
         self.world.last_handle = h
         self.world.ncalls += 1
@@ -171,8 +180,7 @@ class Hierarchy:
         except BraidError as exc:
             raise self.in_node(name, exc) from exc
         h = self.node.last_handle
-        where = " ".join(f"{k}={v:.2f}" for k, v in (h.shares if h is not None else {}).items()) or "node"
-        steps.append((f"node {name}", where, nbytes))
+        steps.append((f"node {name}", (h.shares if h is not None else {}) or {"node": 1.0}, nbytes))
 
     def _rail_step(self, name: str, fn, nbytes: int, steps: list) -> None:
         try:
@@ -181,7 +189,7 @@ class Hierarchy:
             raise
         except RuntimeError as exc:        # gloo/NCCL: a peer that left, a timeout
             raise self.failed(f"rail {name}", exc) from exc
-        steps.append((f"rail {name}", f"rail-{self.rail_lib}", nbytes))
+        steps.append((f"rail {name}", {f"rail-{self.rail_lib}": 1.0}, nbytes))
 
     def in_node(self, step: str, exc: BraidError) -> BraidError:
         """A node step's error, its ranks (the node's own, 0..G-1) translated for the reader."""
@@ -237,7 +245,7 @@ class Hierarchy:
         es, steps = tensor.element_size(), []
         # pieces: the rail all_reduce of one piece runs (async, in the native library's own
         # thread or stream) while the node steps of the next go on; every rank cuts alike
-        piece = envs.get("BRAID_HIER_PIECE_KB") << 10
+        piece = self.piece_bytes
         parts = 1 if piece == 0 else max(1, min(_MAX_PIECES, (m * g * es) // piece))
         counts = [m // parts + (1 if p < m % parts else 0) for p in range(parts)]
         counts = [c for c in counts if c]
@@ -337,7 +345,7 @@ class Hierarchy:
     def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, out_splits, in_splits, async_op: bool):
         """Uneven all_to_all over every rail (comm/hier_a2a.py) under BRAID_ROUTE=on; None (NCCL
         whole) otherwise, or where the tensors do not allow it."""
-        if envs.get("BRAID_ROUTE") != "on" or input.dim() == 0 or output.dim() == 0 \
+        if self.world.routing != "on" or input.dim() == 0 or output.dim() == 0 \
                 or input.dtype != output.dtype or input.shape[1:] != output.shape[1:] \
                 or math.prod(input.shape[1:]) == 0 or not output.is_contiguous() \
                 or type(input) is not torch.Tensor or input.is_cuda is not self.world.cuda \

@@ -64,15 +64,15 @@ _NCCL_FLOAT8 = tuple(d for d in (getattr(torch, "float8_e4m3fn", None), getattr(
                      if d is not None)
 
 
-def _nccl_takes(t, name: str, opname: str) -> bool:
+def _nccl_takes(t, op, opname: str) -> bool:
     """CUDA tensors braid's own reductions do not handle and NCCL does (checked on one H100 with
     torch 2.11, NCCL 2.28.9: scripts/probes/nccl_accepts.py): float8 with sum, product, min, max;
     complex with sum and avg in all_reduce and reduce. Such calls go to NCCL whole."""
     if not isinstance(t, torch.Tensor) or not t.is_cuda:
         return False
-    if t.dtype in _NCCL_FLOAT8:
-        return name in ("sum", "product", "min", "max")
-    return t.is_complex() and name in ("sum", "avg") and opname in ("all_reduce", "reduce")
+    if t.dtype in _NCCL_FLOAT8:                 # the op's name only for the dtypes it concerns
+        return op_name(op) in ("sum", "product", "min", "max")
+    return t.is_complex() and opname in ("all_reduce", "reduce") and op_name(op) in ("sum", "avg")
 
 
 class Reductions:
@@ -152,7 +152,7 @@ class Reductions:
     def _reduction(self, opname: str, output, input, op, root, async_op):
         """Every reducing op's full path: check the call, then the native library whole or a
         split (_reduce_split)."""
-        if self.cuda and _nccl_takes(output, op_name(op), opname):
+        if self.cuda and _nccl_takes(output, op, opname):
             # NCCL reduces these and braid's own reductions do not: its call, whole (through
             # torch's front end, which turns complex tensors into float pairs where NCCL needs it)
             x = input if opname == "reduce_scatter" else output
