@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import sys
 
 import torch
@@ -115,12 +116,63 @@ def _host_cell(p: dict) -> str:
     return "-" if mine is None or base is None else f"{mine:.0f}/{base:.0f}"
 
 
+def host_summary(points: list[dict]) -> dict | None:
+    """One table's host cost: braid's host time per call as a ratio of the baseline's (median,
+    min, max over the points that have both), each side's median host_us, and each side's first
+    call of a shape (`first_call_us`: median, max). None when no point has both host times."""
+    both = [p for p in points if p.get("host_us") and p["baseline"].get("host_us")]
+    if not both:
+        return None
+    ratios = [p["host_us"] / p["baseline"]["host_us"] for p in both]
+    out = {"op": points[-1]["op"], "baseline": points[-1]["baseline"]["name"], "points": len(both),
+           "host_ratio_median": statistics.median(ratios), "host_ratio_min": min(ratios),
+           "host_ratio_max": max(ratios),
+           "host_us_median": statistics.median(p["host_us"] for p in both),
+           "baseline_host_us_median": statistics.median(p["baseline"]["host_us"] for p in both)}
+    if "hot_fraction" in points[-1]:
+        out["hot_fraction"] = points[-1]["hot_fraction"]
+    for key, get in (("first_call_us", lambda p: p.get("first_call_us")),
+                     ("baseline_first_call_us", lambda p: p["baseline"].get("first_call_us"))):
+        vals = [v for v in map(get, points) if v is not None]
+        if vals:
+            out[f"{key}_median"], out[f"{key}_max"] = statistics.median(vals), max(vals)
+    return out
+
+
+def _us(v: float) -> str:
+    return f"{v:.0f} us" if v >= 10 else f"{v:.1f} us"
+
+
+def summary_line(s: dict) -> str:
+    """The line under a table: braid's host time per call against the baseline's, then the first
+    call of a shape (braid's includes preparing it) on each side."""
+    base = s["baseline"]
+    line = (f"host per call: braid/{base} median {s['host_ratio_median']:.2f}x "
+            f"(min {s['host_ratio_min']:.2f}x, max {s['host_ratio_max']:.2f}x over {s['points']} "
+            f"point{'s' if s['points'] != 1 else ''}); median braid {_us(s['host_us_median'])}, "
+            f"{base} {_us(s['baseline_host_us_median'])}")
+    if "first_call_us_median" in s:
+        line += (f" | first call (prepare): braid median {_us(s['first_call_us_median'])}, "
+                 f"max {_us(s['first_call_us_max'])}")
+        if "baseline_first_call_us_median" in s:
+            line += (f"; {base} median {_us(s['baseline_first_call_us_median'])}, "
+                     f"max {_us(s['baseline_first_call_us_max'])}")
+    return line
+
+
+def _table_summary(p: dict | None) -> str | None:
+    """The summary line of the table whose last row is `p` (None: nothing to say)."""
+    s = p.get("host_summary") if p else None
+    return summary_line(s) if s else None
+
+
 class PlainUi:
     WIDTHS = (12, 11, 10, 11, 8, 8, 7, 12, 12, 7, 12)
 
     def __init__(self, total: int):
         self.total, self.done = total, 0
         self.tty = sys.stderr.isatty()
+        self.last: dict | None = None      # the current table's last row
 
     def line(self, text: str = "") -> None:
         self._clear()
@@ -138,6 +190,7 @@ class PlainUi:
     def row(self, p: dict) -> None:
         cells = _row_cells(p)
         self.line("".join(c.rjust(w) for c, w in zip(cells, self.WIDTHS)) + "  " + cells[-1])
+        self.last = p
 
     def status(self, what: str) -> None:
         if self.tty:
@@ -148,7 +201,9 @@ class PlainUi:
         self.done += 1
 
     def end_op(self) -> None:
-        pass
+        text, self.last = _table_summary(self.last), None
+        if text:
+            self.line(f"# {text}")
 
     def close(self) -> None:
         self._clear()
@@ -172,6 +227,7 @@ class RichUi:
                                  TimeElapsedColumn(), console=self.console)
         self.task = self.progress.add_task("sweep", total=total)
         self.table = None
+        self.last: dict | None = None      # the current table's last row
         self.live = Live(self.progress, console=self.console, transient=True, refresh_per_second=4)
         self.live.start()
 
@@ -202,6 +258,7 @@ class RichUi:
         if r >= 1.05 or r < 0.95:
             cells[9].stylize("green" if r >= 1.05 else "red")
         self.table.add_row(*cells)
+        self.last = p
 
     def status(self, what: str) -> None:
         self.progress.update(self.task, description=what)
@@ -214,6 +271,9 @@ class RichUi:
             self.live.update(self.progress)
             self.console.print(self.table)
             self.table = None
+            text, self.last = _table_summary(self.last), None
+            if text:
+                self.line(f"  {text}")
 
     def close(self) -> None:
         self.end_op()

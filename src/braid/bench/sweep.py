@@ -2,8 +2,9 @@
 gloo on the CPU lanes), point by point.
 
 For each point every rank builds the same workload (`braid.workloads.make`: braid's call and the
-baseline's on the same buffers), runs both once and counts the bytes where braid's output differs,
-then times the two in alternating windows (`braid.calibrate.time_call_host`: the slowest rank's
+baseline's on the same buffers), runs both once, the first calls of the shape, timed on the host
+apart (`first_call_us`: braid's includes preparing the shape), and counts the bytes where braid's
+output differs, then times the two in alternating windows (`braid.calibrate.time_call_host`: the slowest rank's
 mean per call, and the host time per call). Large calls keep each side's best of `--repeat`
 windows. Small calls, where one window of `--iters` calls would span well under ~20 ms, are timed
 in at least SMALL_ROUNDS shorter windows of the same calls in total, alternating which side goes
@@ -12,8 +13,9 @@ alternating windows let both sides meet the same quiet moments, and a median is 
 one lucky window (a min of 6 windows scattered +-20% between runs at 64 KiB-1 MiB).
 
 Before the sweep the benched ops are calibrated once (`calibrate_for_bench`), so braid's shares
-come from this machine as it is now. Rank 0 prints the table, writes the JSON after each point and
-returns the plot for after the teardown.
+come from this machine as it is now. Rank 0 prints the table and, under it, the table's host
+summary (`output.host_summary`: braid's host time against the baseline's, and the first calls),
+writes the JSON after each point and returns the plot for after the teardown.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import torch.distributed as dist
 
 from . import baselines as alternatives
 from .config import NO_GPU_LINE, SMALL_ROUNDS, WRONG_EXIT, Config
-from .output import format_shares, header_line, human, machine_info, make_ui, write_json
+from .output import format_shares, header_line, host_summary, human, machine_info, make_ui, write_json
 
 
 def _sync(comm) -> None:
@@ -155,12 +157,13 @@ def _sweep(comm, cfg: Config, plan, common: dict, info: dict, baseline: str, ui,
     dtype = getattr(torch, cfg.dtype)
     esz = torch.empty(0, dtype=dtype).element_size()
     bad, current = 0, None
+    table: list[dict] = []      # rank 0: the current table's points (its summary is over them)
     for op, nbytes, hot in plan:
         if (op, hot) != current:
             if r0:
                 ui.end_op()
                 ui.start_op(op, _table_title(op, nbytes, hot, cfg, comm.world_size, info), baseline)
-            current = (op, hot)
+            current, table = (op, hot), []
             others = alternatives.statuses(comm, op, dtype)
             if r0 and others:
                 ui.line("# other baselines: " + "; ".join(
@@ -171,6 +174,7 @@ def _sweep(comm, cfg: Config, plan, common: dict, info: dict, baseline: str, ui,
             load = make(comm, op, 0, dtype, hot_nbytes=cfg.hot_bytes, cold_nbytes=cfg.cold_bytes)
         else:
             load = make(comm, op, nbytes, dtype, hot_fraction=hot)
+        first = _first_calls(comm, load)
         wrong = _count_wrong(comm, load) if cfg.check else None
         alts = _prepare_alternatives(comm, op, nbytes, dtype) if nbytes is not None else {}
         comm.last_handle = None
@@ -178,9 +182,9 @@ def _sweep(comm, cfg: Config, plan, common: dict, info: dict, baseline: str, ui,
         got = _lane_views(comm, load)
         if r0:
             point = _point(op, load, esz, cfg.dtype, comm.world_size, t_braid, t_base, wrong, got,
-                           baseline, BUS_FACTOR[op](comm.world_size), common)
+                           baseline, BUS_FACTOR[op](comm.world_size), common, first)
             _add_alternatives(point, alts, baseline, t_base, t_braid)
-            _record(comm, cfg, point, hot, ui, results)
+            _record(comm, cfg, point, hot, ui, results, table)
         bad += wrong or 0
         del load
     return bad
@@ -195,11 +199,30 @@ def _table_title(op: str, nbytes: int | None, hot: float | None, cfg: Config, wo
     return title
 
 
+def _first_calls(comm, load) -> dict[str, float]:
+    """Run the baseline and braid once each, the first calls of the point's shape (before any
+    warm-up), and return each one's host time in us, the slowest rank's: {"baseline", "braid"}.
+    braid's includes preparing the shape (agreement, plan, GPU program); the baseline's whatever
+    its library does on a first call. Each call is entered as a timed window is (GPU work
+    drained, then a gloo barrier) and drained after, so nothing of the previous work or of the
+    other side's call is counted; the clock runs from entering the call to its return."""
+    mine = []
+    for fn in (load.baseline, load.braid):
+        _sync(comm)
+        dist.barrier(group=comm.gloo_group)
+        t0 = time.perf_counter()
+        fn()
+        mine.append((time.perf_counter() - t0) * 1e6)
+        _sync(comm)
+    t = torch.tensor(mine, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=comm.gloo_group)
+    base, braid = t.tolist()
+    return {"baseline": base, "braid": braid}
+
+
 def _count_wrong(comm, load) -> int:
-    """Run the baseline and braid once each; the bytes where they differ, summed over the ranks."""
-    load.baseline()
-    load.braid()
-    _sync(comm)
+    """The bytes where braid's output differs from the baseline's, summed over the ranks (after
+    `_first_calls` ran each once)."""
     return _sum_over_ranks(comm, load.wrong() if load.participates else 0)
 
 
@@ -296,14 +319,24 @@ def _lane_views(comm, load) -> list:
     return got
 
 
-def _record(comm, cfg: Config, point: dict, hot: float | None, ui, results: list[dict]) -> None:
-    """Rank 0: the point's extra fields, its table row, and the JSON so far."""
+def _record(comm, cfg: Config, point: dict, hot: float | None, ui, results: list[dict],
+            table: list[dict]) -> None:
+    """Rank 0: the point's extra fields, its table row, and the JSON so far. Every point of the
+    table carries the table's host summary over its points so far (`host_summary`): the JSON
+    stays a list of points, and the last point's summary is the one printed under the table."""
     if hot is not None:
         point["hot_fraction"] = hot
     if point["op"] == "all_to_all_single" and comm.last_route is not None:
         # the router's prediction for the last skewed call: routed vs NCCL's (us)
         point["route_predicted_us"] = {"routed": comm.last_route[0], "native": comm.last_route[1],
                                        "host": comm._routed.host_time_us()}
+    table.append(point)
+    summary = host_summary(table)
+    for p in table:
+        if summary is None:
+            p.pop("host_summary", None)
+        else:
+            p["host_summary"] = summary
     results.append(point)
     ui.row(point)
     ui.advance()
@@ -311,9 +344,11 @@ def _record(comm, cfg: Config, point: dict, hot: float | None, ui, results: list
         write_json(cfg.json_path, results)
 
 
-def _point(op, load, esz, dtype, world, t_braid, t_base, wrong, got, baseline, factor, common) -> dict:
+def _point(op, load, esz, dtype, world, t_braid, t_base, wrong, got, baseline, factor, common,
+           first: dict[str, float] | None = None) -> dict:
     """One row of the JSON: braid's and the baseline's times and bandwidths, shares, lane times
-    (slowest rank), and the run's common fields."""
+    (slowest rank), the host time of each side's first call of the shape (`first`), and the
+    run's common fields."""
     views = [g for g in got if g is not None]
     shares = views[0][0] if views else {}
     lane_us: dict[str, float] = {}
@@ -332,6 +367,9 @@ def _point(op, load, esz, dtype, world, t_braid, t_base, wrong, got, baseline, f
     if host:      # per call, the median window's, slowest rank: braid's and the baseline's own
         point["host_us"] = host["braid"]
         point["baseline"]["host_us"] = host["baseline"]
+    if first:     # the first call of the shape, once, before warm-up: not in host_us
+        point["first_call_us"] = first["braid"]
+        point["baseline"]["first_call_us"] = first["baseline"]
     if views and views[0][2]:
         point["steps"] = [{"step": a, "ran_on": b, "bytes": c} for a, b, c in views[0][2]]
     if any(v[0] != shares for v in views):
