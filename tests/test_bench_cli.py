@@ -31,6 +31,9 @@ def test_bench_every_op_on_cpu_lanes(tmp_path):
         assert set(p["shares"]) <= {"gloo", "shm"}, f"{p['op']}: a CPU world has no NCCL: {p['shares']}"
         assert {"name", "time_us", "busbw_gbps", "host_us"} <= set(p["baseline"])
         assert p["host_us"] > 0 and p["baseline"]["host_us"] > 0
+        # every op: its first call of the shape timed apart, and its table's host summary
+        assert p["first_call_us"] > 0 and p["baseline"]["first_call_us"] > 0
+        assert p["host_summary"]["op"] == p["op"] and p["host_summary"]["points"] == 1
         # the other baselines: reported with the reason they did not run, never dropped
         if p["op"] in ("all_reduce", "all_gather", "reduce_scatter"):
             alts = p["alternatives"]
@@ -39,6 +42,7 @@ def test_bench_every_op_on_cpu_lanes(tmp_path):
             assert "alternatives" not in p
         assert p["best_baseline"]["name"] == "gloo" and p["ratio_best"] == p["ratio"]
     assert "# other baselines: symm_mem two_shot: unavailable (needs CUDA tensors" in proc.stdout
+    assert proc.stdout.count("# host per call: braid/gloo median") == len(points)
 
 
 def test_route_and_env_commands_run():
@@ -114,9 +118,16 @@ def test_one_gpu_runs_the_cpu_lanes_not_an_error(monkeypatch):
 def test_gpu_machines_keep_one_rank_per_gpu(monkeypatch):
     rc, world, cfg, out = _launch_seen(monkeypatch, 4, ["--op", "all_reduce"])
     assert rc == 0 and world == 4 and cfg.cpu is False and out == ""
-    # asking for more ranks than GPUs is still an error naming both numbers, spawning nothing
+    # more ranks than GPUs: spawned on the GPUs, sharing them (each rank's placement: test_shared_gpu.py)
     rc, world, cfg, out = _launch_seen(monkeypatch, 1, ["--nproc", "2"])
-    assert rc == 2 and world is None
+    assert rc == 0 and world == 2 and cfg.cpu is False and out == ""
+    rc, world, cfg, out = _launch_seen(monkeypatch, 2, ["--nproc", "4"])
+    assert rc == 0 and world == 4 and cfg.cpu is False
+    # BRAID_SHARED_GPU=1 asked for on one GPU: 2 ranks share it instead of the CPU lanes
+    monkeypatch.setenv("BRAID_SHARED_GPU", "1")
+    rc, world, cfg, out = _launch_seen(monkeypatch, 1, [])
+    assert rc == 0 and world == 2 and cfg.cpu is False and "one GPU visible" not in out
+    monkeypatch.delenv("BRAID_SHARED_GPU")
     # --cpu chooses the CPU lanes on a GPU machine (2 ranks by default), and says so
     rc, world, cfg, out = _launch_seen(monkeypatch, 4, ["--cpu"])
     assert rc == 0 and world == 2 and cfg.cpu is True and "--cpu" in out
