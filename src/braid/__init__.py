@@ -19,6 +19,11 @@ from .errors import (BraidError, BraidTimeoutError, LaneFailureError, LaneUnavai
 from .collectives.reduce import PremulSum
 from .executor import Handle
 from . import backend      # registers the "braid" torch.distributed backend
+from . import envs as _envs
+from .envs import share_gpu   # several ranks on one GPU (BRAID_SHARED_GPU): call before NCCL starts
+
+# BRAID_SHARED_GPU=1 under torchrun: this rank's own NCCL_HOSTID, before the caller starts NCCL
+_envs.share_gpu_under_torchrun()
 
 __version__ = "0.1.0"
 _SUM = _dist.ReduceOp.SUM
@@ -111,5 +116,5 @@ __all__ = [
     "send", "recv", "batch_isend_irecv", "broadcast", "all_gather_into_tensor", "all_gather", "all_to_all_single",
     "all_reduce", "reduce_scatter_tensor", "reduce_scatter", "reduce", "PremulSum",
     "BraidError", "BraidTimeoutError", "LaneFailureError", "LaneUnavailableError", "MisuseError",
-    "PeerMismatchError",
+    "PeerMismatchError", "share_gpu",
 ]

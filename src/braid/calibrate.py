@@ -52,6 +52,8 @@ def machine_key(comm) -> dict:
                    peer=[[int(i == j or torch.cuda.can_device_access_peer(i, j)) for j in range(n)] for i in range(n)],
                    cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())),
                    driver=_driver_version())
+        if envs.get("BRAID_SHARED_GPU"):    # NCCL over its network transport, ranks taking turns on a GPU
+            key["shared_gpu"] = True
     else:
         key.update(cpu=platform.processor() or platform.machine(), cores=os.cpu_count())
     return key

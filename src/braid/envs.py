@@ -139,6 +139,14 @@ _define("BRAID_HIER_PIECE_KB", _nonneg_int, 0,
         "On CPU pretend nodes 4 MiB pieces made 16-64 MiB calls 2x slower (each piece's node steps "
         "cost milliseconds of host time); for real nodes, where the network step dominates, it is "
         "untested. Must be the same on every rank.")
+_define("BRAID_SHARED_GPU", _bool, False,
+        "1: ranks may share a GPU, a development mode: exact results and braid's host (CPU) time per "
+        "call with 2-4 ranks on one GPU. NCCL refuses two ranks of one host on one GPU, so each rank "
+        "also needs an NCCL_HOSTID of its own before NCCL starts (share_gpu(rank); `import braid` sets "
+        "it from torchrun's RANK, `braid bench` and the GPU tests set it): NCCL then takes every rank "
+        "for a host of its own and runs over its network transport, and the ranks' kernels take turns "
+        "on the GPU, so times measured this way are host-cost figures, not link speeds. Off: two ranks "
+        "of one host on one GPU are an error.")
 _define("BRAID_LOG_LEVEL", str, "WARNING", "Log level of the 'braid' logger (debug: one line per "
         "skewed all_to_all routing decision, with its corrections and trial state).")
 
@@ -153,6 +161,29 @@ def get(name: str) -> Any:
         return setting.parse(raw)
     except ValueError as exc:
         raise MisuseError(f"{name}={raw!r} is invalid: {exc}. {setting.doc}") from None
+
+
+def shared_gpu_env(rank: int) -> dict[str, str]:
+    """What rank `rank` adds to its environment, before NCCL starts, to share a GPU with other
+    ranks: BRAID_SHARED_GPU=1 and an NCCL_HOSTID of its own. NCCL tells hosts apart by a hash of
+    the host name and boot id, or of NCCL_HOSTID where it is set, and refuses two ranks of one host
+    on one GPU ("Duplicate GPU detected"); a host id per rank makes every rank a host of its own."""
+    return {"BRAID_SHARED_GPU": "1", "NCCL_HOSTID": f"braid-shared-gpu-rank-{rank}"}
+
+
+def share_gpu(rank: int) -> None:
+    """Put this process, rank `rank` of its world (the global rank), in shared-GPU mode: sets
+    shared_gpu_env(rank). Call it before NCCL starts in this process (before init_process_group);
+    under torchrun `import braid` does it when BRAID_SHARED_GPU=1 is set."""
+    os.environ.update(shared_gpu_env(rank))
+
+
+def share_gpu_under_torchrun() -> None:
+    """At `import braid`: with BRAID_SHARED_GPU=1, torchrun's RANK set and no NCCL_HOSTID, give this
+    rank its own NCCL_HOSTID (share_gpu). A NCCL_HOSTID already set is left as it is."""
+    rank = os.environ.get("RANK", "")
+    if rank.isdigit() and "NCCL_HOSTID" not in os.environ and get("BRAID_SHARED_GPU"):
+        share_gpu(int(rank))
 
 
 def describe() -> list[tuple[str, str, str]]:

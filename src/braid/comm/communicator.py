@@ -441,14 +441,19 @@ def _finalize(segment, seg_dev_ptr, watchdog=None) -> None:
 
 
 def _check_gpus_per_host(ids: list) -> None:
-    """Every rank of a host on its own GPU. `ids`: (hostname, boot id, pid, GPU index) per rank.
-    The same index on two hosts is normal (each rank on cuda:LOCAL_RANK)."""
+    """Every rank of a host on its own GPU, unless BRAID_SHARED_GPU lets ranks share one (a
+    development mode). `ids`: (hostname, boot id, pid, GPU index) per rank. The same index on two
+    hosts is normal (each rank on cuda:LOCAL_RANK)."""
+    if envs.get("BRAID_SHARED_GPU"):
+        return
     seen: dict[tuple, int] = {}
     for rank, (host, boot, _, dev) in enumerate(ids):
         other = seen.setdefault((host, boot, dev), rank)
         if other != rank:
             raise MisuseError(f"ranks {other} and {rank} both use GPU {dev} of host {host}; call "
-                              f"torch.cuda.set_device(local_rank) before creating the communicator")
+                              f"torch.cuda.set_device(local_rank) before creating the communicator (for "
+                              f"development, BRAID_SHARED_GPU=1 lets ranks share a GPU: correct results "
+                              f"and host times, not link speeds)")
 
 
 def _boot_id() -> str:
