@@ -108,7 +108,8 @@ def _factor(text: str) -> float:
 def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=_positive_int, default=None,
                    help="ranks to spawn (default: number of GPUs, or 2 on the CPU lanes with fewer than 2 GPUs or --cpu); "
-                        "ignored under torchrun")
+                        "more ranks than GPUs share them (BRAID_SHARED_GPU: exact results, host-cost times, not "
+                        "link speeds); ignored under torchrun")
     p.add_argument("--lanes", type=parse_lanes, default=None,
                    help="restrict braid to these lanes, e.g. ce,host (sets BRAID_LANES in the workers)")
     p.add_argument("--cpu", action="store_true",

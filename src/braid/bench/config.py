@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from .. import envs
+
 OPS = ("all_gather", "broadcast", "send_recv", "all_to_all_single", "all_reduce", "reduce_scatter", "reduce")
 EXTRA_OPS = ("moe",)      # not in `--op all`: one MoE layer (dispatch + combine), time per layer
 # NVLink multicast (NVLS) off for NCCL, torch symmetric memory and NVSHMEM: set before any CUDA/NCCL init.
@@ -20,13 +22,31 @@ SMALL_ROUNDS = 10       # alternating windows per point for small (host-bound) c
 WRONG_EXIT = 3          # exit status when braid's output differs from the baseline's
 NO_GPU_LINE = "no GPU: running braid's CPU lanes (gloo+shm) against gloo"
 ONE_GPU_LINE = ("one GPU visible: braid's GPU lanes join two or more GPUs, so this runs on braid's CPU lanes "
-                "(gloo+shm, 2 ranks); with 2+ GPUs braid runs against NCCL")
+                "(gloo+shm, 2 ranks); with 2+ GPUs braid runs against NCCL; --nproc 2 runs 2 ranks sharing "
+                "this GPU (exact results, host-cost times, not link speeds)")
 CPU_LINE = "--cpu: running braid's CPU lanes (gloo+shm) against gloo"
+
+
+def shared_gpu_line(world: int, gpus: int) -> str:
+    """The header line of a run whose ranks share GPUs (BRAID_SHARED_GPU=1)."""
+    return (f"shared GPUs: {world} ranks on {gpus} GPU(s) (BRAID_SHARED_GPU=1, NCCL over its network "
+            f"transport): results are exact, times are host-cost figures, not link speeds")
 
 
 def set_gpu_env() -> None:
     """GPU_ENV into this process's environment (spawned ranks inherit it)."""
     os.environ.update(GPU_ENV)
+
+
+def placement(rank: int, world: int, ngpu: int, shared: bool = False) -> tuple[int, dict[str, str]]:
+    """Where spawned rank `rank` of `world` runs on a machine showing `ngpu` GPUs: its GPU index,
+    and what it adds to its environment before NCCL starts. One GPU per rank while there are
+    enough; with more ranks than GPUs, or `shared` (BRAID_SHARED_GPU=1 asked for), braid's
+    shared-GPU mode: rank r on GPU r % ngpu, with BRAID_SHARED_GPU=1 and an NCCL_HOSTID of its
+    own (`braid.envs.shared_gpu_env`)."""
+    if world <= ngpu and not shared:
+        return rank, {}
+    return rank % ngpu, envs.shared_gpu_env(rank)
 
 
 @dataclass

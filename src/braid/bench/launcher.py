@@ -2,8 +2,10 @@
 
 The launcher spawns one process per rank with torch.multiprocessing (start method spawn: a forked
 CUDA context is unusable), or, under torchrun (RANK/WORLD_SIZE set), runs the one rank it was
-started as. GPU ranks join with NCCL, one GPU each; with no GPU, one GPU (nothing for braid's GPU
-lanes to join) or --cpu, two gloo ranks run braid's CPU lanes. Each rank then runs its task
+started as. GPU ranks join with NCCL, one GPU each; more ranks than GPUs (--nproc) share them in
+braid's shared-GPU mode (`config.placement`: exact results, host-cost times). With no GPU, one GPU
+and no --nproc (nothing for braid's GPU lanes to join) or --cpu, two gloo ranks run braid's CPU
+lanes. Each rank then runs its task
 (`sweep.run`, `braid.jobs.run`, `commands.calibrate` or `commands.topo`).
 
 A rank that fails re-raises without tearing anything down: its peers may sit in a collective that
@@ -25,6 +27,7 @@ import torch.distributed as dist
 
 import braid   # also registers the "braid" backend (_init_rank with braid_backend)
 
+from .. import envs
 from . import config
 from .config import CPU_LINE, NO_GPU_LINE, ONE_GPU_LINE, WRONG_EXIT, Config
 
@@ -51,14 +54,13 @@ def launch(cfg: Config, nproc: int | None) -> int:
         return 0
     cuda = torch.cuda.is_available() and not cfg.cpu
     ngpu = torch.cuda.device_count() if cuda else 0
-    one_gpu = cuda and ngpu == 1 and nproc is None and cfg.task in ("bench", "calibrate")
+    shared = cuda and envs.get("BRAID_SHARED_GPU")     # asked for: 2 ranks on one GPU by default
+    one_gpu = cuda and ngpu == 1 and nproc is None and not shared and cfg.task in ("bench", "calibrate")
     if one_gpu:     # nothing for braid's GPU lanes to join; the CPU lanes still run for real
         cfg = dataclasses.replace(cfg, cpu=True)
         cuda, ngpu = False, 0
-    world = nproc or (ngpu if cuda else 2)
-    if cuda and world > ngpu:
-        print(f"braid {cfg.task}: --nproc {world} but only {ngpu} GPU(s) are visible (one rank per GPU)", file=sys.stderr)
-        return 2
+    # more ranks than GPUs: the ranks share them (config.placement, in each rank)
+    world = nproc or (max(ngpu, 2) if shared else ngpu if cuda else 2)
     # training-step workloads also run on one rank (an explicit --nproc 1: the step code on one GPU)
     if cfg.task in ("bench", "calibrate") and world < 2 and not cfg.workloads:
         print(f"braid {cfg.task}: needs at least 2 ranks (got {world}); pass --nproc 2 or more", file=sys.stderr)
@@ -109,9 +111,15 @@ def _init_rank(local_rank: int, world: int | None, port: int | None, cpu: bool =
     if world is not None:      # spawned here
         kwargs = dict(init_method=f"tcp://127.0.0.1:{port}", rank=local_rank, world_size=world)
     if cuda:
-        torch.cuda.set_device(local_rank)
+        shared = envs.get("BRAID_SHARED_GPU")
+        if world is not None:  # this rank's GPU; shared-GPU mode when the ranks outnumber the GPUs
+            gpu, env = config.placement(local_rank, world, torch.cuda.device_count(), shared)
+            os.environ.update(env)         # before NCCL starts
+        else:                  # torchrun: `import braid` gave this rank its NCCL_HOSTID (BRAID_SHARED_GPU=1)
+            gpu = local_rank % torch.cuda.device_count() if shared else local_rank
+        torch.cuda.set_device(gpu)
         if "device_id" in inspect.signature(dist.init_process_group).parameters:
-            kwargs["device_id"] = torch.device("cuda", local_rank)   # eager NCCL init, bound to this GPU
+            kwargs["device_id"] = torch.device("cuda", gpu)   # eager NCCL init, bound to this GPU
         dist.init_process_group("braid" if braid_backend else "nccl", **kwargs)
     else:
         dist.init_process_group("braid" if braid_backend else "gloo", **kwargs)

@@ -16,6 +16,9 @@ import sys
 
 import torch
 
+from .. import envs
+from .config import shared_gpu_line
+
 # ---------------------------------------------------------------------------------------------
 # the machine, and numbers as the tables print them
 # ---------------------------------------------------------------------------------------------
@@ -51,6 +54,7 @@ def machine_info(comm) -> dict:
         name = torch.cuda.get_device_name(comm.device)
         info["machine"] = f"{comm.world_size}x {name}" + (f" (of {n})" if n > comm.world_size else "")
         info["gpu"], info["gpus"], info["cuda"] = name, n, torch.version.cuda
+        info["shared_gpu"] = bool(envs.get("BRAID_SHARED_GPU"))   # ranks may share GPUs: host-cost times
     else:
         info["machine"] = f"CPU {cpu_name()} ({os.cpu_count()} cores)"
     return info
@@ -58,7 +62,8 @@ def machine_info(comm) -> dict:
 
 def header_line(tool: str, info: dict) -> str:
     return (f"braid {tool} {info['braid_version']} | {info['machine']} | {info['date'].replace('T', ' ')} | "
-            f"torch {info['torch']} | NCCL {info['nccl'] or 'n/a'} | host {info['host']}")
+            f"torch {info['torch']} | NCCL {info['nccl'] or 'n/a'} | host {info['host']}"
+            + (f"\n{shared_gpu_line(info['world_size'], info['gpus'])}" if info.get("shared_gpu") else ""))
 
 
 def human(n: float) -> str:
