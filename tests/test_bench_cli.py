@@ -118,9 +118,16 @@ def test_one_gpu_runs_the_cpu_lanes_not_an_error(monkeypatch):
 def test_gpu_machines_keep_one_rank_per_gpu(monkeypatch):
     rc, world, cfg, out = _launch_seen(monkeypatch, 4, ["--op", "all_reduce"])
     assert rc == 0 and world == 4 and cfg.cpu is False and out == ""
-    # asking for more ranks than GPUs is still an error naming both numbers, spawning nothing
+    # more ranks than GPUs: spawned on the GPUs, sharing them (each rank's placement: test_shared_gpu.py)
     rc, world, cfg, out = _launch_seen(monkeypatch, 1, ["--nproc", "2"])
-    assert rc == 2 and world is None
+    assert rc == 0 and world == 2 and cfg.cpu is False and out == ""
+    rc, world, cfg, out = _launch_seen(monkeypatch, 2, ["--nproc", "4"])
+    assert rc == 0 and world == 4 and cfg.cpu is False
+    # BRAID_SHARED_GPU=1 asked for on one GPU: 2 ranks share it instead of the CPU lanes
+    monkeypatch.setenv("BRAID_SHARED_GPU", "1")
+    rc, world, cfg, out = _launch_seen(monkeypatch, 1, [])
+    assert rc == 0 and world == 2 and cfg.cpu is False and "one GPU visible" not in out
+    monkeypatch.delenv("BRAID_SHARED_GPU")
     # --cpu chooses the CPU lanes on a GPU machine (2 ranks by default), and says so
     rc, world, cfg, out = _launch_seen(monkeypatch, 4, ["--cpu"])
     assert rc == 0 and world == 2 and cfg.cpu is True and "--cpu" in out
