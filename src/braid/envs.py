@@ -147,6 +147,14 @@ _define("BRAID_SHARED_GPU", _bool, False,
         "for a host of its own and runs over its network transport, and the ranks' kernels take turns "
         "on the GPU, so times measured this way are host-cost figures, not link speeds. Off: two ranks "
         "of one host on one GPU are an error.")
+_define("BRAID_PREPARED", _bool, True,
+        "1 (default): a repeated split collective is agreed and built once and replayed (one round of "
+        "a few words between ranks; on the copy engines alone, one CUDA graph launch); 0: every split "
+        "call exchanges descriptors and posts its lanes from scratch (for comparison). Must be the "
+        "same on every rank.")
+_define("BRAID_PREPARED_MAX", _positive_int, 64,
+        "Prepared calls a communicator keeps (least recently used go first); each holds its agreed "
+        "descriptors and plan, and on the copy engines alone a CUDA graph.")
 _define("BRAID_LOG_LEVEL", str, "WARNING", "Log level of the 'braid' logger (debug: one line per "
         "skewed all_to_all routing decision, with its corrections and trial state).")
 

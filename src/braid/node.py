@@ -31,6 +31,7 @@ import numpy as np
 
 from . import envs
 from .errors import BraidTimeoutError, LaneFailureError, PeerMismatchError
+from .planner.pieces import MAX_PIECES
 from .planner.relay import geometry as relay_geometry
 
 log = logging.getLogger("braid")
@@ -87,6 +88,9 @@ class Layout:
                  ("ce_arrive", n), ("ce_finish", n), ("ce_red", n), ("ce_p2p_arrive", n * n), ("ce_p2p_finish", n * n),
                  ("coll_full", n), ("coll_done", n * n), ("pair_full", n * n), ("pair_done", n * n),
                  ("relay_arrive", n), ("relay_finish", n), ("relay_full", n), ("relay_done", n * n),
+                 # replay-safe flags of prepared calls (lanes/signals.py): one per ordered pair of
+                 # ranks (and piece, for the reductions' pieces); 0 at rest, the waiter resets
+                 ("flag_ready", n * n), ("flag_done", n * n), ("flag_piece", n * n * MAX_PIECES),
                  ("pid", n), ("abort", n)]
         self.counter_base: dict[str, int] = {}
         idx = 0
@@ -129,8 +133,13 @@ class Layout:
         self.total_bytes = off
 
     def counter(self, name: str, *index: int) -> int:
-        """Byte offset of a counter; 2-D counters take (row, col)."""
-        flat = index[0] if len(index) == 1 else index[0] * self.world_size + index[1]
+        """Byte offset of a counter; 2-D counters take (row, col), 3-D (row, col, piece)."""
+        if len(index) == 1:
+            flat = index[0]
+        elif len(index) == 2:
+            flat = index[0] * self.world_size + index[1]
+        else:
+            flat = (index[0] * self.world_size + index[1]) * MAX_PIECES + index[2]
         return PAGE + (self.counter_base[name] + flat) * LINE
 
     def ring(self, rid: tuple) -> RingGeometry:
@@ -261,6 +270,16 @@ class NodeSegment:
         for i in range(self.layout.counter_base["pid"]):
             idx = (PAGE + i * LINE) // 4
             self.u32[idx] = (int(self.u32[idx]) + 0x40000000) & 0xFFFFFFFF
+
+    def release_flags(self) -> None:
+        """Set every replay-safe flag (lanes/signals.py) far above the 1 its waiters wait for.
+        A replayed program resets each flag it waited on, so a second program queued behind the
+        first would wait again: after an abort the watchdog repeats this until the end (unlike
+        `abort`, repeating it never moves a flag back below its waiters)."""
+        lay = self.layout
+        first, last = lay.counter_base["flag_ready"], lay.counter_base["pid"]
+        for i in range(first, last):
+            self.u32[(PAGE + i * LINE) // 4] = 0x40000000
 
     # status and abort flags -------------------------------------------------------------------
     def publish(self, calls: int, op: str, nbytes: int, dtype: str, path: str) -> None:

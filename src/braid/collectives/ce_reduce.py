@@ -49,6 +49,7 @@ import torch
 from .. import envs
 from ..lanes import _cuda
 from ..lanes.base import LaneRun
+from ..lanes.signals import Rising
 from ..planner import pieces as _pc
 from ..planner.pieces import MAX_PIECES, pieces
 from ..planner.plan import LaneKind
@@ -87,76 +88,94 @@ class CeReduction:
         into every rank's input, length) of chunk d; out_offsets[d]: where chunk d's result goes in
         the output of the rank that reduces it (and, with `gather`, in every rank's output)."""
         lc, lane = self.lc, self.lane
-        me, w = lc.rank, lc.world_size
-        esz = inp.element_size()
-        lay, seg = lc.layout, lc.seg_dev_ptr
         lane.coll_seq += 1
         seq = lane.coll_seq
-        base = (seq * MAX_PIECES) & 0xFFFFFFFF
+        sig = Rising(lc.seg_dev_ptr, lc.layout, seq, (seq * MAX_PIECES) & 0xFFFFFFFF)
         ps, rs, gs = lane.stream, self.reduce_stream, self.gather_stream
         for s in (ps, rs, gs):
             s.wait_event(start_event)
         start = torch.cuda.Event(enable_timing=True)
         start.record(ps)
+        my_len = chunks[lc.rank][1]
+        rows = 1 if lc.world_size == 2 else lc.world_size
+        slots = self._scratch(rows, my_len, inp.dtype) if my_len else None
+        events = self._events(self.num_pieces(chunks, inp.element_size()))
+        self.emit(ps, rs, gs, inp=inp, out=out, chunks=chunks, out_offsets=out_offsets, gather=gather,
+                  peers=self.peer_ptrs(descs), name=name, factor=factor, sig=sig, slots=slots, events=events)
+        for s in (ps, rs, gs):
+            for t in (inp, out, slots):
+                if t is not None and t.numel():
+                    t.record_stream(s)
+        return LaneRun(LaneKind.CE, start=start, end=lane._end(ps))
+
+    def peer_ptrs(self, descs: list) -> dict[int, int]:
+        """Mapped bases of every peer's input (opened once per allocation)."""
+        me, w = self.lc.rank, self.lc.world_size
+        return {p: self.lane._peer_ptr(p, descs[p]) for p in range(w)
+                if p != me and descs[p] and "ce_h" in descs[p]}
+
+    def num_pieces(self, chunks: list[tuple[int, int]], esz: int) -> int:
+        per = piece_elems(chunks, esz)
+        return len(pieces(chunks[self.lc.rank][1], per, tail_elems(per, esz)))
+
+    def emit(self, ps, rs, gs, *, inp: torch.Tensor, out: torch.Tensor, chunks: list[tuple[int, int]],
+             out_offsets: list[int], gather: bool, peers: dict[int, int], name: str, factor: float, sig,
+             slots: torch.Tensor | None, events: list) -> None:
+        """The pipeline on streams ps (pulls), rs (reductions), gs (gathers), all three already
+        after the call's start; ends with rs and gs joined into ps. `sig`: the signal scheme
+        (lanes/signals.py); `slots`: (rows, my chunk) scratch; `events`: one per piece."""
+        lc = self.lc
+        me, w = lc.rank, lc.world_size
+        esz = inp.element_size()
         per = piece_elems(chunks, esz)
         my_off, my_len = chunks[me]
         tail = tail_elems(per, esz)
         mine = pieces(my_len, per, tail)
-        peers = [(me + i) % w for i in range(1, w)]          # rotated: sources are read evenly
-        ptr = {p: lane._peer_ptr(p, descs[p]) for p in peers if descs[p] and "ce_h" in descs[p]}
-        arrive = lambda r: seg + lay.counter("ce_arrive", r)            # noqa: E731
-        finish = lambda r: seg + lay.counter("ce_finish", r)            # noqa: E731
-        red = lambda r: seg + lay.counter("ce_red", r)                  # noqa: E731
-        _cuda.write_value(ps.cuda_stream, arrive(me), seq)
-        for p in peers:
-            _cuda.wait_value(ps.cuda_stream, arrive(p), seq)
-        rows = 1 if w == 2 else w          # two ranks reduce the peer's row with the own input directly
+        others = [(me + i) % w for i in range(1, w)]          # rotated: sources are read evenly
+        psh = ps.cuda_stream
+        sig.ready(psh, me, others)
+        for p in others:
+            sig.wait_ready(psh, p, me)
         row = (lambda p: 0) if w == 2 else (lambda p: p)                # noqa: E731
-        slots = self._scratch(rows, my_len, inp.dtype) if my_len else None
         my_in = inp[my_off: my_off + my_len]
         my_out = out[out_offsets[me]: out_offsets[me] + my_len]
-        events = self._events(len(mine))
         slot_ptr = slots.data_ptr() if slots is not None else 0
         row_bytes = my_len * esz
+        readers = others if gather else ()
         with torch.cuda.stream(rs):
             for k, (a, b) in enumerate(mine):
-                for p in peers:
-                    _cuda.memcpy_async(slot_ptr + row(p) * row_bytes + a * esz, ptr[p] + (my_off + a) * esz,
-                                       (b - a) * esz, ps.cuda_stream)
+                for p in others:
+                    _cuda.memcpy_async(slot_ptr + row(p) * row_bytes + a * esz, peers[p] + (my_off + a) * esz,
+                                       (b - a) * esz, psh)
                 events[k].record(ps)
                 rs.wait_event(events[k])
-                if w == 2:
+                if w == 2:            # two ranks reduce the peer's row with the own input directly
                     other = slots[0, a:b]
                     x0, x1 = (my_in[a:b], other) if me == 0 else (other, my_in[a:b])
                     reduce_pair(x0, x1, name, my_out[a:b], factor)
                 else:
                     slots[me, a:b].copy_(my_in[a:b])
                     reduce_slots(slots[:, a:b], w, name, my_out[a:b], factor)
-                _cuda.write_value(rs.cuda_stream, red(me), base + k + 1)
+                sig.piece(rs.cuda_stream, me, k, readers)
         if gather:
             out_ptr = out.data_ptr()
-            theirs = {p: pieces(chunks[p][1], per, tail) for p in peers}
+            theirs = {p: pieces(chunks[p][1], per, tail) for p in others}
             rounds = max((len(v) for v in theirs.values()), default=0)
             for k in range(rounds):
-                for p in peers:
+                for p in others:
                     if k >= len(theirs[p]):
                         continue
                     a, b = theirs[p][k]
                     at = (out_offsets[p] + a) * esz
-                    _cuda.wait_value(gs.cuda_stream, red(p), base + k + 1)
-                    _cuda.memcpy_async(out_ptr + at, ptr[p] + at, (b - a) * esz, gs.cuda_stream)
+                    sig.wait_piece(gs.cuda_stream, p, me, k)
+                    _cuda.memcpy_async(out_ptr + at, peers[p] + at, (b - a) * esz, gs.cuda_stream)
         for s in (rs, gs):
             ev = torch.cuda.Event()
             ev.record(s)
             ps.wait_event(ev)
-        _cuda.write_value(ps.cuda_stream, finish(me), seq)
-        for p in peers:
-            _cuda.wait_value(ps.cuda_stream, finish(p), seq)
-        for s in (ps, rs, gs):
-            for t in (inp, out, slots):
-                if t is not None and t.numel():
-                    t.record_stream(s)
-        return LaneRun(LaneKind.CE, start=start, end=lane._end(ps))
+        sig.done(psh, me, others)
+        for p in others:
+            sig.wait_done(psh, p, me)
 
     def _events(self, n: int) -> list:
         """Reused events (recording an event again is stream-ordered after its earlier waits)."""

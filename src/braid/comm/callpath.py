@@ -83,11 +83,13 @@ class CallPath:
         self._fixed = None if shares is None else {**(old or {}), op: dict(shares)}
         self._native_cache.clear()
         self._fast_clear()
+        self._prepared.clear()
         try:
             yield
         finally:
             self._fixed = old
             self._fast_clear()
+            self._prepared.clear()
 
     def shares_for(self, op: str, nbytes: int, lanes: list[str]) -> dict[str, float]:
         if not lanes:

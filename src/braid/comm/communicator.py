@@ -71,6 +71,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         self.lane_ctx = LaneContext(self.rank, self.world_size, self.device, self.segment, self.layout,
                                     self.segment_tensor, self.seg_dev_ptr, self.ring_cursors)
         self._lanes = self.lane_ctx.lanes = self._make_lanes()
+        from .prepared import PreparedCalls
+        self._prepared = PreparedCalls(self.rank, self.world_size, self.device, self.cuda)
         self.watchdog = None
         if self.segment is not None:
             me = weakref.ref(self)        # the segment and the watchdog must not keep self alive
@@ -375,6 +377,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         self._native_cache.clear()
         if getattr(self, "_fast_ar", None) is not None:
             self._fast_clear()
+        if getattr(self, "_prepared", None) is not None:
+            self._prepared.clear()
         if getattr(self, "balancer", None) is not None:   # a new calibration restarts stage 2
             from ..planner.balancer import OnlineBalancer
             self.balancer = OnlineBalancer()
@@ -388,6 +392,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         self._fast_clear()
         if self.cuda:
             torch.cuda.synchronize(self.device)
+        self._prepared.close()
         for lane in self._lanes.values():
             lane.close()
         if self._ce_red is not None:

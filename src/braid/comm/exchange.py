@@ -18,6 +18,9 @@ from ..errors import BraidTimeoutError, LaneFailureError, LaneUnavailableError, 
 from ..executor import Handle, as_handle, execute
 from ..planner.plan import Plan, split
 
+from ..lanes import _cuda
+from ..lanes.signals import Flags
+from .prepared import Entry, graph_shares, not_capturable
 from .routing import _DECLINED, _Cycle
 
 log = logging.getLogger("braid")
@@ -140,7 +143,7 @@ class Exchange:
     @torch.no_grad()
     def _run(self, op: str, desc: dict, size: int, inp, outs, movement_of, native, agree_keys,
              async_op: bool, peer: int | None = None, always_exchange: bool = False,
-             multi=None, route=None, counted: bool = False) -> Handle | None:
+             multi=None, route=None, counted: bool = False, emit=None) -> Handle | None:
         """The full path of every op (see _run_call); a fault it raises is also marked in the
         node segment, so peers waiting for this rank raise at once with its cause. `counted`:
         the call is in the ledger already (it agreed on something before coming here). Nothing
@@ -148,14 +151,14 @@ class Exchange:
         into tensors that require grad (double backward through DDP reduces such gradients)."""
         try:
             return self._run_call(op, desc, size, inp, outs, movement_of, native, agree_keys, async_op,
-                                  peer, always_exchange, multi, route, counted)
+                                  peer, always_exchange, multi, route, counted, emit)
         except (PeerMismatchError, BraidTimeoutError, LaneFailureError) as exc:
             self._give_up(exc)
             raise
 
     def _run_call(self, op: str, desc: dict, size: int, inp, outs, movement_of, native, agree_keys,
                   async_op: bool, peer: int | None, always_exchange: bool, multi, route,
-                  counted: bool) -> Handle | None:
+                  counted: bool, emit=None) -> Handle | None:
         self._check_open()
         if peer is None and self._p2p_pending:
             self._flush_p2p()
@@ -172,6 +175,12 @@ class Exchange:
                 self._publish()             # peers that wait in the exchange below can read it
         if whole:
             handle = as_handle(native(self._native_group(shares)), next(iter(shares)))
+        elif (peer is None and route is None and not always_exchange and self.segment is not None
+              and self._prepared.enabled):
+            handle, entry = self._run_prepared(op, desc, inp, outs, movement_of, native, agree_keys, lanes,
+                                               shares, multi, emit, async_op, device)
+            if entry is not None and not entry.native and handle.runs:
+                self._note_pending(op, entry.size, entry.agreed, entry.shares, handle)
         else:
             if self.adapt and peer is None:
                 desc = dict(desc, obs=self._observation(op), bal=self.balancer.version)
@@ -221,16 +230,101 @@ class Exchange:
                     handle = multi(descs, shares, self._plan(mkey, build, shares, size, device), agreed)
                 else:
                     handle = execute(self.lane_ctx, self._plan(mkey, build, shares, size, device), inp, outs, descs, peer)
-            fixed_here = self._fixed is not None and self._fixed.get(op, self._fixed.get("*")) is not None
-            if peer is None and self.adapt and not fixed_here and routed is None:
-                bkey = self._balancer_key(op, size, agreed)
-                if bkey is not None and (len(shares) > 1 or self.balancer.parked(bkey)):
-                    self._pending[op] = (bkey, dict(shares), handle)
+            if peer is None and routed is None:
+                self._note_pending(op, size, agreed, shares, handle)
         self.last_handle = handle
         if async_op:
             return handle
         handle.wait()
         return None
+
+    def _note_pending(self, op: str, size: int, agreed: list[str], shares: dict[str, float], handle) -> None:
+        """Keep a split call's handle: the next split call reports its lane times to the balancer."""
+        if not self.adapt or (self._fixed is not None and self._fixed.get(op, self._fixed.get("*")) is not None):
+            return
+        bkey = self._balancer_key(op, size, agreed)
+        if bkey is not None and (len(shares) > 1 or self.balancer.parked(bkey)):
+            self._pending[op] = (bkey, dict(shares), handle)
+
+    # prepared calls (comm/prepared.py) --------------------------------------------------------------
+    def _run_prepared(self, op: str, desc: dict, inp, outs, movement_of, native, agree_keys, lanes, shares,
+                      multi, emit, async_op: bool, device):
+        """A split collective through the prepared-call cache: one round of words, then the
+        entry every rank keeps under the same key (built by the full exchange on a miss)."""
+        prep, seg = self._prepared, self.segment
+        capturing = self.cuda and torch.cuda.is_current_stream_capturing()
+        word = prep.word(op, desc, inp, outs, lanes, shares, self.calib_digest, self.balancer.version, capturing)
+        obs = self._observation(op) if self.adapt and not capturing else None
+        got = seg.read_values(seg.post_values([word] + prep.obs_values(obs)), op)
+        learned = prep.agreed_obs(obs, got)
+        if learned is not None:
+            self.balancer.observe(*learned)
+        key = tuple(g[0] for g in got)
+        entry = prep.get(key)
+        if entry is None:
+            entry = self._prepare(op, desc, inp, lanes, movement_of, native, agree_keys, device)
+            prep.put(key, entry)
+        entry.calls += 1
+        if entry.native:
+            return as_handle(native(self._native_group(entry.shares)), next(iter(entry.shares))), entry
+        if self.cuda and graph_shares(entry.shares) and (multi is None or emit is not None):
+            if capturing:           # a user's capture: the same program into the caller's stream
+                _, sides = prep._streams()
+                self._program(entry, inp, outs, emit)(torch.cuda.current_stream(self.device), sides, [])
+                prep.stats["captured"] += 1
+                done = Handle(plan=entry.plan)
+                done._waited = True
+                return done, entry
+            if entry.graph is None:
+                prep.capture(entry, self._program(entry, inp, outs, emit))
+            return prep.launch(entry, self._lanes["ce"].stream, async_op, (inp, *outs)), entry
+        if capturing:
+            raise not_capturable(op, entry.shares)
+        if multi is not None:
+            return multi(entry.descs, entry.shares, entry.plan, entry.agreed), entry
+        return execute(self.lane_ctx, entry.plan, inp, outs, entry.descs), entry
+
+    def _prepare(self, op: str, desc: dict, inp, lanes, movement_of, native, agree_keys, device) -> Entry:
+        """The full agreement of a call not prepared yet: every rank's JSON descriptor, the
+        checks that they match, the agreed lanes, the shares and the plan."""
+        full = dict(desc, lanes=lanes, calib=self.calib_digest, rank=self.rank)
+        if self.adapt:
+            full["bal"] = self.balancer.version
+        if "ce" in lanes:
+            full.update(self._lanes["ce"].descriptor(inp))
+        descs = self.segment.exchange_collective(full, list(range(self.world_size)))
+        if self.adapt:
+            self._agree(op, descs, ("bal",))
+        self._agree(op, descs, agree_keys + ("calib",))
+        size, mkey, build = movement_of(descs)
+        agreed = self._agreed_lanes(descs)
+        shares = self.shares_for(op, size, agreed)
+        if self._native_ok(shares) and native is not None:
+            return Entry(descs, None, shares, agreed, size, native=True)
+        return Entry(descs, self._plan(mkey, build, shares, size, device), shares, agreed, size, native=False)
+
+    def _program(self, entry: Entry, inp, outs, emit):
+        """The GPU work of a call on the copy engines alone, with replay-safe flags, as a
+        function of (stream, side streams, keep-alive list). Peers' buffers are mapped here,
+        before any capture (opening an IPC handle is not a stream operation)."""
+        sig = Flags(self.seg_dev_ptr, self.layout)
+        me = self.rank
+        if emit is not None:
+            return emit(entry.descs, entry.shares, sig)
+        ce = self._lanes["ce"]
+        transfers = entry.plan.lanes.get("ce", [])
+        peers = ce.peer_ptrs(transfers, me, entry.descs)
+        out_ptrs = [o.data_ptr() for o in outs]
+        in_ptr = inp.data_ptr() if inp is not None and inp.numel() else 0
+        local = [(out_ptrs[c.buf] + c.dst_off, in_ptr + c.src_off, c.nbytes)
+                 for c in entry.plan.local if c.rank == me and c.nbytes]
+
+        def program(stream, sides, keep) -> None:
+            sh = stream.cuda_stream
+            for dst, src, n in local:
+                _cuda.memcpy_async(dst, src, n, sh)
+            ce.emit(sh, me, transfers, peers, out_ptrs, sig)
+        return program
 
     def _check_direction(self, desc: dict, theirs: dict, peer: int) -> None:
         """A send must meet the peer's recv (and a recv its send) at the same place in call order."""

@@ -51,6 +51,13 @@ class _Watchdog:
                 if self._cuda:
                     self._segment.abort()
                 self._on_peer_abort(why)
+                # a replayed program resets the flags it waited on: keep them released while a
+                # second program queued behind the first may still wait (until close)
+                while self._cuda and not self._stop.wait(self.PERIOD_S):
+                    try:
+                        self._segment.release_flags()
+                    except Exception:    # noqa: BLE001  segment closed under us
+                        return
                 return
 
     def _tick(self, ticks: int) -> str:
@@ -212,6 +219,7 @@ class Ledger:
             seg.mark_aborted(4, f"rank {self.rank}: {reason}")
             if self.cuda:
                 seg.abort()
+                seg.release_flags()
         self._abort_native(reason)
         if getattr(self, "hier", None) is not None:     # the node's communicator, and its peers
             self.hier.node.abort(reason)

@@ -177,10 +177,14 @@ class Reductions:
         def movement_of(descs):
             return rc.size, ("rs", tuple(bounds)), lambda: reduce_scatter_movement(w, bounds)
 
+        emit = None
+        if rc.dev.type == "cuda" and opname != "reduce":     # a graph when the copy engines take it alone
+            emit = lambda descs, shares, sig: self._reduce_program(rc, descs, shares, sig)    # noqa: E731
         return self._run(opname, desc, rc.size, rc.ib, [rc.ob], movement_of, lambda g: self._reduce_native(rc, g),
                          ("op", "dtype", "nbytes", "red", "factor", "root"), async_op,
                          multi=lambda descs, shares, plan1, agreed: self._reduce_split(rc, desc, descs, shares,
-                                                                                        plan1, agreed))
+                                                                                        plan1, agreed),
+                         emit=emit)
 
     def _reduce_call(self, opname: str, output, input, op, root) -> "_ReduceCall":
         """The checked facts of one reducing call (clear errors for what braid cannot reduce)."""
@@ -242,6 +246,34 @@ class Reductions:
             if opname != "reduce" or self.rank == root:
                 output.reshape(-1).copy_(out)
         return Handle(native=work, after=after)
+
+    def _reduce_program(self, rc: "_ReduceCall", descs, shares: dict[str, float], sig):
+        """The copy engines' pipelined reduction of the whole call (shares: ce alone) as a
+        program for a prepared call: f(stream, (reduce stream, gather stream), keep). Its slot
+        rows are allocated in the program's own stream (inside a capture: from the graph's pool)."""
+        cuts = self._reduce_cuts(rc, shares)
+        assert cuts.ce_f > 0 and not cuts.rest and not cuts.base, cuts
+        red = self._ce_reduction()
+        peers = red.peer_ptrs(descs)
+        w, me = self.world_size, self.rank
+        my_len = cuts.ce_chunks[me][1]
+        rows = 1 if w == 2 else w
+        npieces = red.num_pieces(cuts.ce_chunks, rc.esz)
+        inp, out = rc.ib.view(rc.output.dtype), rc.output.reshape(-1)
+
+        def program(stream, sides, keep) -> None:
+            rs, gs = sides
+            start = torch.cuda.Event()
+            start.record(stream)
+            rs.wait_event(start)
+            gs.wait_event(start)
+            slots = torch.empty((rows, my_len), dtype=rc.output.dtype, device=rc.dev) if my_len else None
+            events = [torch.cuda.Event() for _ in range(npieces)]
+            keep += [start, *events, slots]
+            red.emit(stream, rs, gs, inp=inp, out=out, chunks=cuts.ce_chunks, out_offsets=cuts.out_at,
+                     gather=rc.opname == "all_reduce", peers=peers, name=rc.name, factor=rc.factor, sig=sig,
+                     slots=slots, events=events)
+        return program
 
     def _reduce_cuts(self, rc: "_ReduceCall", shares: dict[str, float]) -> "_Cuts":
         """Which elements each part of a split reduction takes: NCCL's own all_reduce of a prefix

@@ -17,6 +17,8 @@ CU_STREAM_WRITE_VALUE_DEFAULT = 0x0
 CU_MEMHOSTREGISTER_PORTABLE = 0x1
 CU_MEMHOSTREGISTER_DEVICEMAP = 0x2
 CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1
+CU_POINTER_ATTRIBUTE_BUFFER_ID = 7      # a process-wide unique id of the allocation a pointer lies in
+CU_EVENT_DISABLE_TIMING = 0x2
 IPC_HANDLE_BYTES = 64
 
 
@@ -44,6 +46,13 @@ def lib() -> ctypes.CDLL:
         "cuMemHostRegister_v2": [_vp, ctypes.c_size_t, ctypes.c_uint],
         "cuMemHostUnregister": [_vp],
         "cuMemHostGetDevicePointer_v2": [ctypes.POINTER(_u64), _vp, ctypes.c_uint],
+        "cuPointerGetAttribute": [_vp, ctypes.c_int, _u64],
+        "cuEventCreate": [ctypes.POINTER(_vp), ctypes.c_uint],
+        "cuEventDestroy_v2": [_vp],
+        "cuEventRecord": [_vp, _vp],
+        "cuEventQuery": [_vp],
+        "cuStreamWaitEvent": [_vp, _vp, ctypes.c_uint],
+        "cuGraphLaunch": [_vp, _vp],
     }
     for name, args in sigs.items():
         fn = getattr(cu, name)
@@ -108,3 +117,45 @@ def host_register(ptr: int, nbytes: int) -> int:
 
 def host_unregister(ptr: int) -> None:
     check(lib().cuMemHostUnregister(ptr), "cuMemHostUnregister")
+
+
+def buffer_id(ptr: int) -> int:
+    """The driver's process-wide unique id of the allocation `ptr` lies in: a new allocation at
+    the same address (the caching allocator gave a segment back and got another one there) has
+    another id, so a peer's mapping of the old one is known to be stale."""
+    out = _u64()
+    check(lib().cuPointerGetAttribute(ctypes.byref(out), CU_POINTER_ATTRIBUTE_BUFFER_ID, ptr),
+          "cuPointerGetAttribute(BUFFER_ID)")
+    return out.value
+
+
+def event_create() -> int:
+    """An event without timing (ordering between streams only); `event_destroy` frees it."""
+    ev = _vp()
+    check(lib().cuEventCreate(ctypes.byref(ev), CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+    return ev.value
+
+
+def event_destroy(event: int) -> None:
+    check(lib().cuEventDestroy_v2(event), "cuEventDestroy")
+
+
+def event_record(event: int, stream: int) -> None:
+    check(lib().cuEventRecord(event, stream), "cuEventRecord")
+
+
+def stream_wait_event(stream: int, event: int) -> None:
+    check(lib().cuStreamWaitEvent(stream, event, 0), "cuStreamWaitEvent")
+
+
+def graph_launch(graph_exec: int, stream: int) -> None:
+    check(lib().cuGraphLaunch(graph_exec, stream), "cuGraphLaunch")
+
+
+def event_query(event: int) -> bool:
+    """True once the event's work is done (cuEventQuery's CUDA_ERROR_NOT_READY: False)."""
+    rc = lib().cuEventQuery(event)
+    if rc == 600:
+        return False
+    check(rc, "cuEventQuery")
+    return True

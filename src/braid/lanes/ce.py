@@ -26,6 +26,7 @@ from ..errors import LaneFailureError
 from ..planner.plan import LaneKind, Transfer
 from . import _cuda
 from .base import GpuLaneMixin, Lane, LaneRun, OpContext
+from .signals import Rising
 
 log = logging.getLogger("braid")
 
@@ -77,65 +78,92 @@ class CeLane(GpuLaneMixin, Lane):
             self.by_base[(peer, desc["ce_base"])] = h
         return self.maps[key] + desc["ce_off"]
 
-    def post(self, ctx: OpContext, transfers: list[Transfer]) -> LaneRun:
-        lc, me, s = self.lc, ctx.rank, self.stream
-        lay, base = lc.layout, lc.seg_dev_ptr
-        if ctx.plan.p2p:
-            # counted per direction, and the sender's side (publish, then wait for the reader) on
-            # a stream of its own: a rank's send and recv with the same peer may be in flight
-            # together, and the send's wait must not hold up the recv's pulls
-            key = (transfers[0].src, transfers[0].dsts[0][0])
-            seq = self.pair_seq.get(key, 0) + 1
-            self.pair_seq[key] = seq
-            if key[0] == me:
-                if self.send_stream is None:
-                    self.send_stream = torch.cuda.Stream(device=self.device)
-                s = self.send_stream
-        else:
-            self.coll_seq += 1
-            seq = self.coll_seq
-        sh = s.cuda_stream
-        start = self._begin(ctx, s)
+    def peer_ptrs(self, transfers: list[Transfer], me: int, descs: list) -> dict[int, int]:
+        """The mapped base of every source this rank pulls from (opened once per allocation)."""
+        out = {}
+        for t in transfers:
+            if t.src in out or not any(d == me for d, _, _ in t.dsts):
+                continue
+            desc = descs[t.src]
+            if desc is None or "ce_h" not in desc:
+                raise LaneFailureError(f"ce lane: rank {t.src} sent no IPC handle for its input")
+            out[t.src] = self._peer_ptr(t.src, desc)
+        return out
 
-        def arrive(r: int, d: int | None) -> int:
-            return base + (lay.counter("ce_p2p_arrive", r, d) if ctx.plan.p2p else lay.counter("ce_arrive", r))
-
-        def finish(r: int, src: int | None) -> int:
-            return base + (lay.counter("ce_p2p_finish", src, r) if ctx.plan.p2p else lay.counter("ce_finish", r))
-
+    def emit(self, sh: int, me: int, transfers: list[Transfer], peers: dict[int, int], out_ptrs: list[int],
+             sig) -> None:
+        """This rank's part of a collective's copy-engine transfers on stream `sh`: announce my
+        input, pull every piece addressed to me (rotated order: rank r starts at r+1, so at any
+        moment each source is read by one puller instead of all pulling from rank 0 first, a 2x
+        egress hot spot), say I am done, wait until my readers are. `peers`: mapped bases of my
+        sources (peer_ptrs); `sig`: the signal scheme (lanes/signals.py)."""
+        world = self.lc.world_size
         readers = sorted({d for t in transfers if t.src == me for d, _, _ in t.dsts if d != me})
-        sources = sorted({t.src for t in transfers if any(d == me for d, _, _ in t.dsts)})
-        if ctx.plan.p2p:
-            if readers:
-                _cuda.write_value(sh, arrive(me, ctx.peer), seq)
-        else:
-            _cuda.write_value(sh, arrive(me, None), seq)
+        sources = sorted({t.src for t in transfers if t.src != me and any(d == me for d, _, _ in t.dsts)})
+        sig.ready(sh, me, readers)
         waited = set()
-        # pull from peers in rotated order (rank r starts at r+1): at any moment each source is
-        # read by one puller instead of all pulling from rank 0 first (a 2x egress hot spot)
-        world = lc.world_size
         for t in sorted(transfers, key=lambda t: ((t.src - me) % world, t.src_off)):
             mine = [(b, off) for d, b, off in t.dsts if d == me]
             if not mine:
                 continue
-            desc = ctx.descs[t.src]
-            if desc is None or "ce_h" not in desc:
-                raise LaneFailureError(f"ce lane: rank {t.src} sent no IPC handle for its input")
+            if t.src not in waited:
+                sig.wait_ready(sh, t.src, me)
+                waited.add(t.src)
+            src_ptr = peers[t.src] + t.src_off
+            for b, off in mine:
+                _cuda.memcpy_async(out_ptrs[b] + off, src_ptr, t.nbytes, sh)
+        sig.done(sh, me, sources)
+        for p in readers:
+            sig.wait_done(sh, p, me)
+
+    def post(self, ctx: OpContext, transfers: list[Transfer]) -> LaneRun:
+        if not ctx.plan.p2p:
+            self.coll_seq += 1
+            s = self.stream
+            start = self._begin(ctx, s)
+            peers = self.peer_ptrs(transfers, ctx.rank, ctx.descs)
+            self.emit(s.cuda_stream, ctx.rank, transfers, peers, [o.data_ptr() for o in ctx.outs],
+                      Rising(self.lc.seg_dev_ptr, self.lc.layout, self.coll_seq))
+            self._keep_alive(ctx, s)
+            return LaneRun(self.kind, start=start, end=self._end(s))
+        return self._post_p2p(ctx, transfers)
+
+    def _post_p2p(self, ctx: OpContext, transfers: list[Transfer]) -> LaneRun:
+        """send/recv: counted per direction, and the sender's side (publish, then wait for the
+        reader) on a stream of its own: a rank's send and recv with the same peer may be in
+        flight together, and the send's wait must not hold up the recv's pulls."""
+        lc, me, s = self.lc, ctx.rank, self.stream
+        lay, base = lc.layout, lc.seg_dev_ptr
+        key = (transfers[0].src, transfers[0].dsts[0][0])
+        seq = self.pair_seq.get(key, 0) + 1
+        self.pair_seq[key] = seq
+        if key[0] == me:
+            if self.send_stream is None:
+                self.send_stream = torch.cuda.Stream(device=self.device)
+            s = self.send_stream
+        sh = s.cuda_stream
+        start = self._begin(ctx, s)
+        arrive = lambda r, d: base + lay.counter("ce_p2p_arrive", r, d)     # noqa: E731
+        finish = lambda r, src: base + lay.counter("ce_p2p_finish", src, r)  # noqa: E731
+        readers = sorted({d for t in transfers if t.src == me for d, _, _ in t.dsts if d != me})
+        sources = sorted({t.src for t in transfers if any(d == me for d, _, _ in t.dsts)})
+        if readers:
+            _cuda.write_value(sh, arrive(me, ctx.peer), seq)
+        peers = self.peer_ptrs(transfers, me, ctx.descs)
+        waited = set()
+        for t in sorted(transfers, key=lambda t: t.src_off):
+            mine = [(b, off) for d, b, off in t.dsts if d == me]
+            if not mine:
+                continue
             if t.src not in waited:
                 _cuda.wait_value(sh, arrive(t.src, me), seq)
                 waited.add(t.src)
-            src_ptr = self._peer_ptr(t.src, desc) + t.src_off
             for b, off in mine:
-                _cuda.memcpy_async(ctx.outs[b].data_ptr() + off, src_ptr, t.nbytes, sh)
-        if ctx.plan.p2p:
-            if sources:
-                _cuda.write_value(sh, finish(me, ctx.peer), seq)
-            for p in readers:
-                _cuda.wait_value(sh, finish(p, me), seq)
-        else:
-            _cuda.write_value(sh, finish(me, None), seq)
-            for p in readers:
-                _cuda.wait_value(sh, finish(p, None), seq)
+                _cuda.memcpy_async(ctx.outs[b].data_ptr() + off, peers[t.src] + t.src_off, t.nbytes, sh)
+        if sources:
+            _cuda.write_value(sh, finish(me, ctx.peer), seq)
+        for p in readers:
+            _cuda.wait_value(sh, finish(p, me), seq)
         self._keep_alive(ctx, s)
         return LaneRun(self.kind, start=start, end=self._end(s))
 

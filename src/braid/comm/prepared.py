@@ -1,0 +1,264 @@
+"""Prepared calls: a split collective agreed and built once, then replayed.
+
+A training loop repeats the same calls on the same buffers (DDP's buckets, FSDP's shards, a
+bench loop). Done from scratch, a split call's host time went to a JSON descriptor exchange, a
+plan, and tens of driver calls per lane (220-1500 us per call against 26-50 us for NCCL's own,
+2 ranks on one H100, 2026-11-25). Here the first call of a shape does that work once and keeps
+it; a repeat costs one round of a few words and, on GPUs, one CUDA graph launch.
+
+One split collective call on rank r:
+
+    word  = hash of what this rank knows alone: op, dtype, sizes, root, lanes, shares, calibration,
+            balancer version, cache epoch, and (when the copy engines read it) the input's address
+            and the driver's id of its allocation (a new allocation at the same address has
+            another id: a peer's mapping of the old one is never read)
+    post [word, last split call's lane times] through the node segment; read every rank's
+    T     = every rank's words, in rank order: the same tuple on every rank
+    entry = cache[T]
+      hit:  run the entry (below)
+      miss: the full exchange (JSON descriptors, agreement checks, plan); cache[T] = a new entry
+    run:  shares on the copy engines alone (GPU): the entry's CUDA graph, captured at its first
+          call, launched on the ce lane's stream after the caller's stream (a few driver calls);
+          any other split: each lane posts its part from the kept descriptors and plan (no JSON)
+
+Every rank reads the same T and its cache holds the same keys (entries are made at the same call
+on every rank, evicted in the same order), so all ranks take the same branch with no further
+word. A change on one rank (a new buffer, a share move, a new calibration) changes its word, so
+T is new for everyone. Graphs use replay-safe flags (lanes/signals.py), never a captured
+sequence number. The balancer's input (the slowest rank's lane times of the previous split call)
+rides in the same round, so every rank makes the same move at the same call.
+
+Inside a user's CUDA graph capture a split call on the copy engines alone is emitted into the
+caller's capturing stream with the same flags; any other split cannot be captured and says so.
+Rejected: keying the cache by this rank's own facts alone (ranks could disagree on hit or miss
+and one would replay while its peer exchanges: a hang), a graph per lane set with the host lane
+(its ring slots and counters advance across calls; it stays eager, agreed from the cache).
+"""
+from __future__ import annotations
+
+import logging
+import zlib
+from collections import OrderedDict
+
+import torch
+
+from .. import envs
+from ..errors import LaneFailureError, MisuseError
+from ..executor import Handle
+from ..lanes import _cuda
+from ..lanes.signals import Flags
+
+log = logging.getLogger("braid")
+
+MASK63 = (1 << 63) - 1
+OBS_LANES = ("ce", "host", "nccl", "gloo", "shm")   # lane times in the round, in this order
+NUM_VALUES = 2 + len(OBS_LANES)                     # word, observation key, lane times
+EVENT_RING = 16          # end events of async replays (reused in turn)
+
+
+def graph_shares(shares: dict[str, float]) -> bool:
+    """Shares a prepared call replays as a CUDA graph: the copy engines alone."""
+    return len(shares) == 1 and "ce" in shares
+
+
+def _current_raw_stream():
+    """The caller's current CUDA stream as a raw handle (torch's own accessor where present,
+    ~0.3 us; torch.cuda.current_stream() costs 4-7 us)."""
+    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if get is not None:
+        return lambda dev: get(dev)
+    return lambda dev: torch.cuda.current_stream(dev).cuda_stream
+
+
+class Entry:
+    """One prepared call: what every rank agreed (descriptors, lanes, shares, plan) and, for the
+    copy engines alone on GPUs, the captured program."""
+
+    __slots__ = ("descs", "plan", "shares", "agreed", "size", "native", "graph", "exec_ptr", "calls", "keep")
+
+    def __init__(self, descs, plan, shares, agreed, size, native: bool):
+        self.descs, self.plan, self.shares, self.agreed, self.size = descs, plan, shares, agreed, size
+        self.native = native            # the agreed lanes left the native library alone
+        self.graph = None
+        self.exec_ptr = 0
+        self.calls = 0
+        self.keep: list = []            # events the captured program records (alive with it)
+
+
+class PreparedHandle(Handle):
+    """An async replay: wait() makes the caller's current stream wait for its end event; the
+    tensors stay referenced until then (as NCCL's Work keeps them)."""
+
+    def __init__(self, event: int, plan, tensors: tuple, device_index: int):
+        super().__init__(plan=plan)
+        self._event, self._tensors, self._dev = event, tensors, device_index
+
+    def wait(self, timeout=None) -> bool:
+        if not self._waited:
+            self._waited = True
+            _cuda.stream_wait_event(_RAW(self._dev), self._event)
+            self._tensors = ()
+        return True
+
+    def is_completed(self) -> bool:
+        return _cuda.event_query(self._event)
+
+    def lane_times_us(self) -> dict[str, float]:
+        return {}
+
+
+_RAW = _current_raw_stream()
+
+
+class PreparedCalls:
+    """The communicator's cache of prepared calls (see the module docstring). It owns the
+    entries, their graphs and the streams and events their replays use."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, cuda: bool):
+        self.rank, self.world_size, self.device, self.cuda = rank, world_size, device, cuda
+        self.enabled = bool(envs.get("BRAID_PREPARED"))
+        self.max_entries = envs.get("BRAID_PREPARED_MAX")
+        self.entries: OrderedDict = OrderedDict()
+        self.epoch = 0
+        self.stats = {"built": 0, "hits": 0, "graphs": 0, "replays": 0, "captured": 0}
+        self._pool = None
+        self._cap = None            # the capture stream and two side streams (reductions)
+        self._sides = None
+        self._ev_start = 0
+        self._ev_ring: list[int] = []
+        self._ev_next = 0
+        self._dev_index = device.index if cuda else -1
+        if cuda and self.enabled:
+            self._streams()         # made now: not inside a user's capture
+
+    # the word and the round ----------------------------------------------------------------
+    def word(self, op: str, desc: dict, inp, outs, lanes: list[str], shares: dict[str, float],
+             calib: str, bal: int, capturing: bool) -> int:
+        """This rank's facts of the call as one 63-bit word (hash within this process)."""
+        facts = [op, tuple(desc.items()), tuple(lanes), tuple(shares.items()), calib, bal, self.epoch, capturing,
+                 -1 if inp is None else inp.numel(), tuple(o.numel() for o in outs)]
+        if self.cuda and "ce" in lanes:     # the copy engines read and write these buffers in place
+            ptr = inp.data_ptr() if inp is not None and inp.numel() else 0
+            facts += [ptr, _cuda.buffer_id(ptr) if ptr else 0, tuple(o.data_ptr() for o in outs)]
+        try:
+            return hash(tuple(facts)) & MASK63
+        except TypeError:                    # a descriptor value that is not hashable
+            return hash(repr(facts)) & MASK63
+
+    @staticmethod
+    def obs_values(obs) -> list[int]:
+        """The previous split call's observation as fixed-width values: a key that is the same
+        on every rank for the same bucket and shares (a stable hash), then lane times in 0.1 us."""
+        if obs is None or any(k not in OBS_LANES for k in obs[1]):
+            return [0] * (1 + len(OBS_LANES))
+        key = zlib.crc32(repr((obs[0], sorted(obs[1].items()))).encode()) + 1
+        return [key] + [max(0, int(round(obs[2].get(k, 0.0) * 10))) for k in OBS_LANES]
+
+    @staticmethod
+    def agreed_obs(obs, got: list[list[int]]):
+        """(bucket, shares used, slowest rank's lane times) when every rank reported the same
+        observation as this one, else None."""
+        if obs is None or not got or got[0][1] == 0 or any(g[1] != got[0][1] for g in got):
+            return None
+        times = {k: max(g[2 + i] for g in got) / 10.0 for i, k in enumerate(OBS_LANES) if k in obs[1]}
+        bkey = (obs[0][0], obs[0][1], tuple(obs[0][2]))
+        return bkey, obs[1], times
+
+    # the cache -------------------------------------------------------------------------------
+    def get(self, key: tuple) -> Entry | None:
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+            self.stats["hits"] += 1
+        return entry
+
+    def put(self, key: tuple, entry: Entry) -> None:
+        self.entries[key] = entry
+        self.stats["built"] += 1
+        while len(self.entries) > self.max_entries:
+            self.entries.popitem(last=False)
+
+    def clear(self) -> None:
+        """Forget every entry (a new calibration, fixed shares, close): the next call of any
+        shape agrees and builds again. The epoch in every word makes stale keys unreachable."""
+        self.epoch += 1
+        self.entries.clear()
+
+    # GPU programs ---------------------------------------------------------------------------------
+    def _streams(self):
+        if self._cap is None:
+            self._cap = torch.cuda.Stream(device=self.device)
+            self._sides = (torch.cuda.Stream(device=self.device), torch.cuda.Stream(device=self.device))
+            self._pool = torch.cuda.graph_pool_handle()
+            self._ev_start = _cuda.event_create()
+            self._ev_ring = [_cuda.event_create() for _ in range(EVENT_RING)]
+        return self._cap, self._sides
+
+    def capture(self, entry: Entry, emit) -> None:
+        """Capture `emit(stream, sides, keep)` (the call's GPU work with Flags signals, started
+        on `stream`, joined back into it) as the entry's CUDA graph. Every entry shares one
+        memory pool: their replays run one after another on one stream, so a temporary of one
+        graph never meets another's."""
+        cap, sides = self._streams()
+        graph = torch.cuda.CUDAGraph()
+        keep: list = []
+        with torch.cuda.stream(cap):
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                emit(cap, sides, keep)
+            finally:
+                graph.capture_end()
+        # events stay with the graph; scratch tensors go back to the shared pool, where the
+        # next capture may reuse them (replays never overlap: one stream)
+        entry.graph, entry.keep = graph, [k for k in keep if not isinstance(k, torch.Tensor)]
+        raw = getattr(graph, "raw_cuda_graph_exec", None)
+        entry.exec_ptr = int(raw()) if raw is not None else 0
+        self.stats["graphs"] += 1
+
+    def launch(self, entry: Entry, stream, async_op: bool, tensors: tuple):
+        """One replay on `stream` (the ce lane's: after its earlier work) once the caller's
+        current stream reached this call; the caller's stream waits for its end unless async."""
+        dev = self._dev_index
+        caller = _RAW(dev)
+        sh = stream.cuda_stream
+        _cuda.event_record(self._ev_start, caller)
+        _cuda.stream_wait_event(sh, self._ev_start)
+        if entry.exec_ptr:
+            _cuda.graph_launch(entry.exec_ptr, sh)
+        else:                       # a torch without the raw handle: replay on the lane stream
+            with torch.cuda.stream(stream):
+                entry.graph.replay()
+        end = self._ev_ring[self._ev_next]
+        self._ev_next = (self._ev_next + 1) % EVENT_RING
+        _cuda.event_record(end, sh)
+        self.stats["replays"] += 1
+        if not async_op:
+            _cuda.stream_wait_event(caller, end)
+            done = PreparedHandle(end, entry.plan, (), dev)
+            done._waited = True
+            return done
+        for t in tensors:           # the caller may free them before waiting: the allocator must know
+            if t is not None and t.numel():
+                t.record_stream(stream)
+        return PreparedHandle(end, entry.plan, tensors, dev)
+
+    def flags(self, seg_dev_ptr: int, layout) -> Flags:
+        return Flags(seg_dev_ptr, layout)
+
+    def close(self) -> None:
+        self.entries.clear()
+        for ev in ([self._ev_start] if self._ev_start else []) + self._ev_ring:
+            try:
+                _cuda.event_destroy(ev)
+            except LaneFailureError as exc:
+                log.debug("braid: destroying an event failed: %s", exc)
+        self._ev_start, self._ev_ring = 0, []
+        self._cap = self._sides = self._pool = None
+
+
+def not_capturable(op: str, shares: dict[str, float]) -> MisuseError:
+    return MisuseError(
+        f"{op}: this call is split over lanes {sorted(shares)}, which cannot be captured in a CUDA graph "
+        f"(only NCCL's whole call and the copy engines alone can). Capture it with the copy engines "
+        f"alone (comm.fixed_shares({{'ce': 1.0}}) around the capture, or BRAID_LANES=nccl,ce) or take "
+        f"it out of the captured region.")

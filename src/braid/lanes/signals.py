@@ -1,0 +1,98 @@
+"""How the copy engines' programs order themselves across ranks: two signal schemes, one interface.
+
+Every GPU program of the `ce` lane and of the copy engines' reduction says four things to its
+peers, with stream memory operations on words of the pinned node segment:
+
+    ready(me, readers)        my input may be read             (before the first pull of me)
+    wait_ready(src, me)       src's input may be read          (before I pull from src)
+    done(me, sources)         I finished reading my sources    (after my last pull)
+    wait_done(reader, me)     reader finished reading me       (before my program ends)
+and the reductions add, per piece k:
+    piece(me, k, readers)     my reduced piece k may be read
+    wait_piece(src, me, k)    src's reduced piece k may be read
+
+`Rising` is the scheme of calls posted one by one: a counter per rank that every call raises to
+its sequence number (waits are >= comparisons, cyclic in 32 bits). Posting costs one write per
+announcement, but the values change with every call, so a captured program could not run twice.
+
+`Flags` is the scheme of programs built once and replayed (CUDA graphs, ours or a user's): one
+flag per ordered pair of ranks (and piece), 0 at rest. The writer sets it to 1; the one rank that
+waits for it waits for >= 1 and sets it back to 0. Every flag a program sets is reset by its
+peer's program of the same call, so after every call the flags are 0 again and the same program
+runs right the next time. A flag is set only for the ranks that will wait for it (the agreed plan
+tells every rank the same readers and sources), so none is left set. The next call's writer
+cannot set a flag before its waiter reset it: the writer's previous program ended with waiting
+for that reader's `done`, which the reader wrote after its reset.
+
+An abort sets every flag far above 1 (NodeSegment.release_flags), releasing every wait.
+Rejected: a rising sequence number captured in a graph (frozen at capture: the second replay
+waits for the value the first one wrote, and passes before the peer is ready).
+"""
+from __future__ import annotations
+
+from . import _cuda
+
+
+class Rising:
+    """Per-rank counters raised to the call's sequence number (`seq`); `piece_base` is where
+    the reduction's piece counter starts in this call (seq * MAX_PIECES)."""
+
+    replayable = False
+
+    def __init__(self, seg_dev_ptr: int, layout, seq: int, piece_base: int = 0):
+        self.base, self.lay, self.seq, self.piece_base = seg_dev_ptr, layout, seq, piece_base
+
+    def ready(self, sh: int, me: int, readers) -> None:
+        _cuda.write_value(sh, self.base + self.lay.counter("ce_arrive", me), self.seq)
+
+    def wait_ready(self, sh: int, src: int, me: int) -> None:
+        _cuda.wait_value(sh, self.base + self.lay.counter("ce_arrive", src), self.seq)
+
+    def done(self, sh: int, me: int, sources) -> None:
+        _cuda.write_value(sh, self.base + self.lay.counter("ce_finish", me), self.seq)
+
+    def wait_done(self, sh: int, reader: int, me: int) -> None:
+        _cuda.wait_value(sh, self.base + self.lay.counter("ce_finish", reader), self.seq)
+
+    def piece(self, sh: int, me: int, k: int, readers) -> None:
+        _cuda.write_value(sh, self.base + self.lay.counter("ce_red", me), self.piece_base + k + 1)
+
+    def wait_piece(self, sh: int, src: int, me: int, k: int) -> None:
+        _cuda.wait_value(sh, self.base + self.lay.counter("ce_red", src), self.piece_base + k + 1)
+
+
+class Flags:
+    """Per-pair flags set to 1 by the writer and reset to 0 by the waiter (replay-safe)."""
+
+    replayable = True
+
+    def __init__(self, seg_dev_ptr: int, layout):
+        self.base, self.lay = seg_dev_ptr, layout
+
+    def _flag(self, name: str, *index: int) -> int:
+        return self.base + self.lay.counter(name, *index)
+
+    def _take(self, sh: int, addr: int) -> None:
+        _cuda.wait_value(sh, addr, 1)
+        _cuda.write_value(sh, addr, 0)
+
+    def ready(self, sh: int, me: int, readers) -> None:
+        for p in readers:
+            _cuda.write_value(sh, self._flag("flag_ready", me, p), 1)
+
+    def wait_ready(self, sh: int, src: int, me: int) -> None:
+        self._take(sh, self._flag("flag_ready", src, me))
+
+    def done(self, sh: int, me: int, sources) -> None:
+        for s in sources:
+            _cuda.write_value(sh, self._flag("flag_done", me, s), 1)
+
+    def wait_done(self, sh: int, reader: int, me: int) -> None:
+        self._take(sh, self._flag("flag_done", reader, me))
+
+    def piece(self, sh: int, me: int, k: int, readers) -> None:
+        for p in readers:
+            _cuda.write_value(sh, self._flag("flag_piece", me, p, k), 1)
+
+    def wait_piece(self, sh: int, src: int, me: int, k: int) -> None:
+        self._take(sh, self._flag("flag_piece", src, me, k))
