@@ -1,6 +1,11 @@
-"""The GPU tier's harness: one spawned process per GPU with NCCL and braid set up, and every
+"""The GPU tier's harness: one spawned process per rank with NCCL and braid set up, and every
 rank's traceback in the failure message. A test passes a top-level `body(rank, world, comm, dev)`
-and the BRAID_* settings it needs beyond the defaults here (small rings, so large cases wrap)."""
+and the BRAID_* settings it needs beyond the defaults here (small rings, so large cases wrap).
+
+Each rank has a GPU of its own where there are enough; with fewer GPUs than ranks (one GPU, or
+CUDA_VISIBLE_DEVICES=0) the ranks share them in braid's shared-GPU mode (`start_rank`), with the
+same assertions: results are exact there, only speeds differ. A test that needs a GPU per rank
+(bandwidth, peer access between GPUs) skips with `pytest.mark.skipif(GPUS < n, reason=...)`."""
 from __future__ import annotations
 
 import os
@@ -14,9 +19,23 @@ BASE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
             "BRAID_HOST_BUFFER_MB": "8", "BRAID_HOST_CHUNK_KB": "512", "BRAID_TIMEOUT_S": "60"}
 
 
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def needs(n: int):
-    return pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < n,
-                              reason=f"needs {n} GPUs")
+    """A test of `n` ranks: runs with any GPU (fewer GPUs than ranks: the ranks share them)."""
+    return pytest.mark.skipif(GPUS == 0, reason=f"needs a GPU ({n} ranks, sharing the GPUs where there are fewer)")
+
+
+def start_rank(rank: int, world: int) -> torch.device:
+    """This process as rank `rank` of `world`: its GPU, made the current device. With fewer GPUs
+    than ranks, GPU rank % GPUS in shared-GPU mode (BRAID_SHARED_GPU=1 and an NCCL_HOSTID of its
+    own, set here before NCCL starts), as `braid bench --nproc` places its ranks."""
+    from braid.bench.config import placement
+    gpu, env = placement(rank, world, GPUS)
+    os.environ.update(env)
+    torch.cuda.set_device(gpu)
+    return torch.device("cuda", gpu)
 
 
 def _port() -> int:
@@ -30,10 +49,10 @@ def _entry(rank, world, port, err_path, body, env):
     import torch.distributed as dist
     import braid
     try:
-        torch.cuda.set_device(rank)
+        dev = start_rank(rank, world)
         dist.init_process_group("nccl", rank=rank, world_size=world)
         comm = braid.init()
-        body(rank, world, comm, torch.device("cuda", rank))
+        body(rank, world, comm, dev)
         braid.close()
         dist.destroy_process_group()
     except BaseException:
@@ -43,7 +62,8 @@ def _entry(rank, world, port, err_path, body, env):
 
 
 def run(world: int, tmp_path, body, env: dict | None = None) -> None:
-    """Run `body` on `world` GPUs; fail with every rank's traceback."""
+    """Run `body` on `world` ranks (sharing the GPUs if there are fewer); fail with every rank's
+    traceback."""
     import torch.multiprocessing as mp
     err = str(tmp_path / "err")
     try:

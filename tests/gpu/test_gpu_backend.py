@@ -1,7 +1,7 @@
 """GPU tier: the "braid" torch.distributed backend with CUDA tensors (plain dist.* calls, DDP,
 functional collectives, FSDP2), against references every rank computes locally.
 
-Skips without 2 GPUs. Run on a GPU machine:  python3 -m pytest tests/gpu/test_gpu_backend.py -q
+Skips without a GPU (on one GPU its 2 ranks share it). Run on a GPU machine:  python3 -m pytest tests/gpu/test_gpu_backend.py -q
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import traceback
 import pytest
 import torch
 
-from gpu_world import BASE_ENV, _port, needs
+from gpu_world import BASE_ENV, _port, needs, start_rank
 
 NEEDS = needs(2)
 SIZES = [7, 1023, 1_000_003, 3 << 20]
@@ -227,8 +227,7 @@ def _entry(rank, world, port, out_dir, bound=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **BASE_ENV, BRAID_MIN_SPLIT_KB="1")
     import torch.distributed as dist
     import braid  # noqa: F401
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
+    dev = start_rank(rank, world)
     dist.init_process_group("braid", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120),
                             **({"device_id": dev} if bound else {}))
     pg = dist.distributed_c10d._get_default_group()

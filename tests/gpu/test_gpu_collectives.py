@@ -1,7 +1,8 @@
 """GPU tier: every op on every lane combination against NCCL's own result, bitwise.
 
-Skips without at least 2 GPUs. Run on a GPU machine:  python3 -m pytest tests/gpu -q
-(each test spawns one process per GPU, up to 4, with the nccl backend).
+Skips without a GPU. Run on a GPU machine:  python3 -m pytest tests/gpu -q
+(each test spawns one process per rank, up to 4, with the nccl backend; with fewer GPUs than ranks
+the ranks share them, see gpu_world.py).
 """
 from __future__ import annotations
 

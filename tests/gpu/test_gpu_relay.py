@@ -1,6 +1,6 @@
 """GPU tier: the relay lane (GPU a -> GPU b -> GPU c through b's staging buffer) in routed plans.
 
-Skips with fewer than 3 GPUs (two GPUs cannot relay). Run on a GPU machine:
+Needs 3 ranks (two cannot relay); with fewer GPUs the ranks share them. Run on a GPU machine:
     python3 -m pytest tests/gpu/test_gpu_relay.py -q
 Every rank derives every rank's data from shared seeds, so a relayed transfer is checked against
 bytes the destination computed itself; random routed all_to_all plans (ce, host and relay pieces
@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import torch
 import torch.distributed as dist
 
-from gpu_world import run
+from gpu_world import needs, run
 from test_relay import routed          # the CPU tier's random routed plans, here over ce + host
 
 from braid.planner.plan import LocalCopy, Plan, Transfer
 
-GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 ENV = {"BRAID_RELAY_BUFFER_MB": "4"}
 MB = 1 << 20
 
@@ -117,11 +115,11 @@ def _worker(rank, world, comm, dev):
     print(f"rank {rank}: {cases} relay cases passed", flush=True)
 
 
-@pytest.mark.skipif(GPUS < 3, reason="needs 3 or more GPUs (two GPUs cannot relay)")
+@needs(3)
 def test_relay_three_gpus(tmp_path):
     run(3, tmp_path, _worker, ENV)
 
 
-@pytest.mark.skipif(GPUS < 4, reason="needs 4 GPUs")
+@needs(4)
 def test_relay_four_gpus(tmp_path):
     run(4, tmp_path, _worker, ENV)
