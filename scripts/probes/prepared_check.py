@@ -141,7 +141,8 @@ def worker(rank, world, port, args, q):
         # a user's CUDA graph capture of split calls, replayed with new data
         for op in OPS:
             try:
-                c = Call(braid, op, sizes[0], torch.float32, world, rank, dev)
+                n = sizes[0] - sizes[0] % (world * 8) if op == "reduce_scatter" else sizes[0]
+                c = Call(braid, op, n, torch.float32, world, rank, dev)
                 c.fill(0)
                 s = torch.cuda.Stream()
                 s.wait_stream(torch.cuda.current_stream())

@@ -102,6 +102,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         self._fast_a2av: dict = {}   # uneven all_to_all: (in, out elements) -> shape facts, may agree fast
         self._small_run = 0          # uneven calls in a row agreed small (see _uneven_small)
         self._desc_memo: dict = {}   # every rank's descriptor digest -> those descriptors (recent full exchanges)
+        self._round = None           # a prepared call's round already posted by the fast path (exchange.py)
         self._fast_bc: dict = {}
         from ..planner.balancer import OnlineBalancer
         self.balancer = OnlineBalancer()
@@ -269,6 +270,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
     # ops ----------------------------------------------------------------------------------------
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         op = "all_gather"
+        tkey = None
         if getattr(input, "requires_grad", False):
             input = input.detach()     # read only: the native library's copies of it stay out of autograd
         if (type(input) is torch.Tensor and type(output) is torch.Tensor and input.is_cuda is self.cuda
@@ -282,6 +284,10 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
             if ent[-1]:
                 return self._native_fast("_allgather_base", (output, input), "allgather", async_op, fallback=lambda a:
                                          dist.all_gather_into_tensor(output, input, group=self._fast_group, async_op=a))
+            if self.cuda:
+                tkey = ("ag", input.data_ptr(), output.data_ptr(), n, output.numel(), dt, output.dtype)
+                if (h := self._fast_prepared(tkey, input, (output,), async_op)) is not None:
+                    return h if async_op else None
         dev = self._device_for(input)
         ib = input_bytes(input, "input", dev, op)
         ob = output_bytes(output, "output", dev, op)
@@ -295,7 +301,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         desc = {"op": op, "dtype": str(input.dtype), "nbytes": n}
         return self._run(op, desc, n, ib, [ob], lambda d: (n, ("ag", n, False), lambda: all_gather_movement(self.world_size, n, False)),
                          lambda g: dist.all_gather_into_tensor(ob, ib, group=g, async_op=True),
-                         ("op", "dtype", "nbytes"), async_op)
+                         ("op", "dtype", "nbytes"), async_op, ticket=tkey)
 
     def all_gather(self, output_list: list[torch.Tensor], input: torch.Tensor, async_op: bool = False):
         op = "all_gather"
@@ -324,6 +330,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         op = "broadcast"
+        tkey = None
         if type(tensor) is torch.Tensor and type(src) is int and tensor.is_cuda is self.cuda and tensor.is_contiguous():
             n, dt = tensor.numel(), tensor.dtype
             ent = self._fast_bc.get(n)
@@ -333,6 +340,10 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
             if ent[-1]:
                 return self._native_fast("broadcast", ([tensor],), "broadcast", async_op, root=src, fallback=lambda a:
                                          dist.broadcast(tensor, group_src=src, group=self._fast_group, async_op=a))
+            if self.cuda:
+                tkey = ("bc", tensor.data_ptr(), n, dt, src)
+                if (h := self._fast_prepared(tkey, tensor if self.rank == src else None, (tensor,), async_op)) is not None:
+                    return h if async_op else None
         dev = self._device_for(tensor)
         check_rank(src, self.world_size, "src", op)
         if self.hier is not None and (h := self.hier.broadcast(tensor, src, async_op)) is not None:
@@ -343,7 +354,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         inp = tb if self.rank == src else None
         return self._run(op, desc, n, inp, [tb], lambda d: (n, ("bc", n, src), lambda: broadcast_movement(self.world_size, n, src)),
                          lambda g: dist.broadcast(tb, group_src=src, group=g, async_op=True),
-                         ("op", "dtype", "nbytes", "root"), async_op)
+                         ("op", "dtype", "nbytes", "root"), async_op, ticket=tkey)
 
     # helpers -----------------------------------------------------------------------------------------
     def _device_for(self, t) -> torch.device:

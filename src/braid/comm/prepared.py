@@ -85,6 +85,19 @@ class Entry:
         self.keep: list = []            # events the captured program records (alive with it)
 
 
+class Ticket:
+    """A call shape whose last call replayed a graph, keyed by the op's own arguments (op,
+    pointers, sizes, dtype, reduction, root): the next identical call goes from the op's entry
+    straight to the round and the launch (Communicator._fast_prepared). Valid while the cache's
+    epoch (calibration, fixed shares) and the balancer's version are those it was made under."""
+
+    __slots__ = ("base", "bal", "key", "entry", "op", "ledger", "lanes")
+
+    def __init__(self, base: int, bal: int, key: tuple, entry: Entry, op: str, ledger: tuple, lanes):
+        self.base, self.bal, self.key, self.entry, self.op, self.ledger, self.lanes = \
+            base, bal, key, entry, op, ledger, lanes
+
+
 class PreparedHandle(Handle):
     """An async replay: wait() makes the caller's current stream wait for its end event; the
     tensors stay referenced until then (as NCCL's Work keeps them)."""
@@ -110,6 +123,21 @@ class PreparedHandle(Handle):
 _RAW = _current_raw_stream()
 
 
+class _Replayed(Handle):
+    """last_handle after a synchronous replay (already in the caller's stream)."""
+
+    def __init__(self):
+        super().__init__()
+        self._waited = True
+
+    @property
+    def shares(self) -> dict[str, float]:
+        return {"ce": 1.0}
+
+
+_DONE = _Replayed()
+
+
 class PreparedCalls:
     """The communicator's cache of prepared calls (see the module docstring). It owns the
     entries, their graphs and the streams and events their replays use."""
@@ -119,10 +147,16 @@ class PreparedCalls:
         self.enabled = bool(envs.get("BRAID_PREPARED"))
         self.max_entries = envs.get("BRAID_PREPARED_MAX")
         self.entries: OrderedDict = OrderedDict()
+        self.tickets: dict = {}     # the op's own arguments -> Ticket (fast path of graph replays)
         self.epoch = 0
+        # True while braid work may be on the ce lane's stream (or another lane's) that the
+        # caller's stream has not waited for: a synchronous replay then forks and joins instead of
+        # launching on the caller's stream (two programs on the same flags must never overlap)
+        self.dirty = False
         self.stats = {"built": 0, "hits": 0, "graphs": 0, "replays": 0, "captured": 0}
         self._pool = None
         self._cap = None            # the capture stream and two side streams (reductions)
+        self._anchor = None
         self._sides = None
         self._ev_start = 0
         self._ev_ring: list[int] = []
@@ -132,18 +166,23 @@ class PreparedCalls:
             self._streams()         # made now: not inside a user's capture
 
     # the word and the round ----------------------------------------------------------------
-    def word(self, op: str, desc: dict, inp, outs, lanes: list[str], shares: dict[str, float],
-             calib: str, bal: int, capturing: bool) -> int:
-        """This rank's facts of the call as one 63-bit word (hash within this process)."""
+    def word_base(self, op: str, desc: dict, inp, outs, lanes: list[str], shares: dict[str, float],
+                  calib: str, bal: int, capturing: bool) -> int:
+        """This rank's facts of the call but the input's allocation, hashed (within this process)."""
         facts = [op, tuple(desc.items()), tuple(lanes), tuple(shares.items()), calib, bal, self.epoch, capturing,
                  -1 if inp is None else inp.numel(), tuple(o.numel() for o in outs)]
         if self.cuda and "ce" in lanes:     # the copy engines read and write these buffers in place
-            ptr = inp.data_ptr() if inp is not None and inp.numel() else 0
-            facts += [ptr, _cuda.buffer_id(ptr) if ptr else 0, tuple(o.data_ptr() for o in outs)]
+            facts += [inp.data_ptr() if inp is not None else 0, tuple(o.data_ptr() for o in outs)]
         try:
-            return hash(tuple(facts)) & MASK63
+            return hash(tuple(facts))
         except TypeError:                    # a descriptor value that is not hashable
-            return hash(repr(facts)) & MASK63
+            return hash(repr(facts))
+
+    def finish_word(self, base: int, inp, lanes) -> int:
+        """The word: the base and, where peers map the input, the id of its allocation."""
+        if self.cuda and "ce" in lanes and inp is not None and inp.numel():
+            return hash((base, _cuda.buffer_id(inp.data_ptr()))) & MASK63
+        return base & MASK63
 
     @staticmethod
     def obs_values(obs) -> list[int]:
@@ -183,6 +222,12 @@ class PreparedCalls:
         shape agrees and builds again. The epoch in every word makes stale keys unreachable."""
         self.epoch += 1
         self.entries.clear()
+        self.tickets.clear()
+
+    def ticket(self, tkey, base: int, bal: int, key: tuple, entry: Entry, op: str, ledger: tuple, lanes) -> None:
+        if len(self.tickets) >= self.max_entries:
+            self.tickets.clear()
+        self.tickets[tkey] = Ticket(base, bal, key, entry, op, ledger, lanes)
 
     # GPU programs ---------------------------------------------------------------------------------
     def _streams(self):
@@ -190,6 +235,13 @@ class PreparedCalls:
             self._cap = torch.cuda.Stream(device=self.device)
             self._sides = (torch.cuda.Stream(device=self.device), torch.cuda.Stream(device=self.device))
             self._pool = torch.cuda.graph_pool_handle()
+            # torch frees a graph pool when its last graph goes, and a later capture into the same
+            # handle then fails: a one-node graph held for the communicator's life keeps it
+            self._anchor = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(self._cap):
+                self._anchor.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                torch.zeros(1, device=self.device)
+                self._anchor.capture_end()
             self._ev_start = _cuda.event_create()
             self._ev_ring = [_cuda.event_create() for _ in range(EVENT_RING)]
         return self._cap, self._sides
@@ -216,10 +268,16 @@ class PreparedCalls:
         self.stats["graphs"] += 1
 
     def launch(self, entry: Entry, stream, async_op: bool, tensors: tuple):
-        """One replay on `stream` (the ce lane's: after its earlier work) once the caller's
-        current stream reached this call; the caller's stream waits for its end unless async."""
+        """One replay. Synchronous, with nothing of braid's left unjoined: on the caller's
+        stream itself (one driver call). Otherwise on `stream` (the ce lane's: after its earlier
+        work) once the caller's current stream reached this call; the caller's stream waits for
+        its end unless async."""
         dev = self._dev_index
         caller = _RAW(dev)
+        if not async_op and not self.dirty and entry.exec_ptr:
+            _cuda.graph_launch(entry.exec_ptr, caller)
+            self.stats["replays"] += 1
+            return _DONE
         sh = stream.cuda_stream
         _cuda.event_record(self._ev_start, caller)
         _cuda.stream_wait_event(sh, self._ev_start)
@@ -234,9 +292,9 @@ class PreparedCalls:
         self.stats["replays"] += 1
         if not async_op:
             _cuda.stream_wait_event(caller, end)
-            done = PreparedHandle(end, entry.plan, (), dev)
-            done._waited = True
-            return done
+            self.dirty = False          # the caller's stream is now after everything braid posted
+            return _DONE
+        self.dirty = True
         for t in tensors:           # the caller may free them before waiting: the allocator must know
             if t is not None and t.numel():
                 t.record_stream(stream)
@@ -253,7 +311,7 @@ class PreparedCalls:
             except LaneFailureError as exc:
                 log.debug("braid: destroying an event failed: %s", exc)
         self._ev_start, self._ev_ring = 0, []
-        self._cap = self._sides = self._pool = None
+        self._cap = self._sides = self._pool = self._anchor = None
 
 
 def not_capturable(op: str, shares: dict[str, float]) -> MisuseError:

@@ -90,6 +90,7 @@ class Reductions:
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
         """In place, like torch.distributed.all_reduce."""
+        tkey = None
         if type(op) is _RED_T and type(tensor) is torch.Tensor and tensor.is_cuda is self.cuda and tensor.is_contiguous():
             n, dt = tensor.numel(), tensor.dtype
             ent = self._fast_ar.get(n)
@@ -99,13 +100,18 @@ class Reductions:
             if ent[-1]:
                 return self._native_fast("allreduce", ([tensor],), "allreduce", async_op, op=op, fallback=lambda a:
                                          dist.all_reduce(tensor, op=op, group=self._fast_group, async_op=a))
+            if self.cuda:
+                tkey = ("ar", tensor.data_ptr(), n, dt, op)
+                if (h := self._fast_prepared(tkey, tensor, (tensor,), async_op)) is not None:
+                    return h if async_op else None
         if self.hier is not None and (h := self.hier.all_reduce(tensor, op, async_op)) is not None:
             return h if async_op else None
-        return self._reduction("all_reduce", tensor, tensor, op, None, async_op)
+        return self._reduction("all_reduce", tensor, tensor, op, None, async_op, tkey)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
                               async_op: bool = False):
         """output (numel m) = reduction over ranks of input[rank*m:(rank+1)*m]."""
+        tkey = None
         if getattr(input, "requires_grad", False):
             input = input.detach()     # read only: the native library's copies of it stay out of autograd
         if (type(op) is _RED_T and type(input) is torch.Tensor and type(output) is torch.Tensor and input.is_cuda is self.cuda
@@ -120,9 +126,13 @@ class Reductions:
                 return self._native_fast("_reduce_scatter_base", (output, input), "reducescatter", async_op, op=op,
                                          fallback=lambda a: dist.reduce_scatter_tensor(
                                              output, input, op=op, group=self._fast_group, async_op=a))
+            if self.cuda:
+                tkey = ("rs", input.data_ptr(), output.data_ptr(), n, output.numel(), dt, output.dtype, op)
+                if (h := self._fast_prepared(tkey, input, (output,), async_op)) is not None:
+                    return h if async_op else None
         if self.hier is not None and (h := self.hier.reduce_scatter_tensor(output, input, op, async_op)) is not None:
             return h if async_op else None
-        return self._reduction("reduce_scatter", output, input, op, None, async_op)
+        return self._reduction("reduce_scatter", output, input, op, None, async_op, tkey)
 
     def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op=dist.ReduceOp.SUM,
                        async_op: bool = False):
@@ -149,7 +159,7 @@ class Reductions:
         return self._reduction("reduce", tensor, tensor, op, dst, async_op)
 
     @torch.no_grad()
-    def _reduction(self, opname: str, output, input, op, root, async_op):
+    def _reduction(self, opname: str, output, input, op, root, async_op, tkey=None):
         """Every reducing op's full path: check the call, then the native library whole or a
         split (_reduce_split)."""
         if self.cuda and _nccl_takes(output, op, opname):
@@ -184,7 +194,7 @@ class Reductions:
                          ("op", "dtype", "nbytes", "red", "factor", "root"), async_op,
                          multi=lambda descs, shares, plan1, agreed: self._reduce_split(rc, desc, descs, shares,
                                                                                         plan1, agreed),
-                         emit=emit)
+                         emit=emit, ticket=tkey)
 
     def _reduce_call(self, opname: str, output, input, op, root) -> "_ReduceCall":
         """The checked facts of one reducing call (clear errors for what braid cannot reduce)."""

@@ -1,0 +1,108 @@
+"""Where a prepared split call's host time goes: each step of the call path timed on its own
+(wrapped functions, nested times included in their callers), 2 ranks sharing one GPU.
+
+    PYTHONPATH=src python3 scripts/probes/prepared_profile.py [--op all_gather] [--nbytes 1048576]
+"""
+import argparse
+import collections
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def worker(rank, world, port, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), BRAID_SHARED_GPU="1")
+    import braid
+    braid.share_gpu(rank)
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    comm = braid.init()
+    from braid.comm import exchange, prepared, communicator
+    from braid.lanes import _cuda
+    from braid import node
+    acc = collections.defaultdict(float)
+    cnt = collections.Counter()
+
+    def wrap(owner, name, label=None):
+        fn = getattr(owner, name)
+        label = label or f"{getattr(owner, '__name__', owner)}.{name}"
+
+        def timed(*a, **k):
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[label] += time.perf_counter_ns() - t0
+                cnt[label] += 1
+        setattr(owner, name, timed)
+
+    n = args.nbytes // 2
+    x = torch.randn(n, device="cuda").to(torch.bfloat16)
+    out = torch.empty(n * world, device="cuda", dtype=torch.bfloat16)
+    y = x.clone()
+    rs_out = torch.empty(n // world, device="cuda", dtype=torch.bfloat16)
+    calls = {
+        "all_gather": lambda: comm.all_gather_into_tensor(out, x),
+        "all_reduce": lambda: comm.all_reduce(y),
+        "reduce_scatter": lambda: comm.reduce_scatter_tensor(rs_out, x),
+        "broadcast": lambda: comm.broadcast(y, 0),
+    }
+    fn = calls[args.op]
+    with comm.fixed_shares({"ce": 1.0}):
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+        C = type(comm)
+        for name in ("_run", "_run_call", "_run_prepared", "lanes_for", "shares_for", "_publish", "_check_open",
+                     "all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor", "broadcast", "_reduction",
+                     "_reduce_call", "_fast_prepared"):
+            if hasattr(C, name):
+                wrap(C, name)
+        for name in ("word_base", "finish_word", "launch", "get"):
+            wrap(prepared.PreparedCalls, name)
+        for name in ("post_values", "read_values"):
+            wrap(node.NodeSegment, name)
+        for name in ("buffer_id", "event_record", "stream_wait_event", "graph_launch"):
+            wrap(_cuda, name)
+        prepared._cuda = _cuda
+        wrap(exchange, "_capturing", "is_capturing")
+        dist.barrier()
+        total = []
+        for i in range(args.calls):
+            t0 = time.perf_counter_ns()
+            fn()
+            total.append(time.perf_counter_ns() - t0)
+            if args.sync_every and i % args.sync_every == 0:
+                torch.cuda.synchronize()
+        torch.cuda.synchronize()
+    if rank == 0:
+        print(f"{args.op} {args.nbytes} B: host per call median {statistics.median(total) / 1e3:.1f} us, "
+              f"mean {statistics.mean(total) / 1e3:.1f} us (wrapped: each wrapper adds ~0.3 us)")
+        for k, v in sorted(acc.items(), key=lambda kv: -kv[1]):
+            print(f"  {k:45s} {v / cnt[k] / 1e3:8.2f} us per call x {cnt[k] / args.calls:.1f}")
+    # the cost of the round alone
+    seg = comm.segment
+    dist.barrier()
+    ts = []
+    for _ in range(200):
+        t0 = time.perf_counter_ns()
+        seg.read_values(seg.post_values([1, 0, 0, 0, 0, 0, 0]), "probe")
+        ts.append(time.perf_counter_ns() - t0)
+    if rank == 0:
+        print(f"  a round of 7 words alone: median {statistics.median(ts) / 1e3:.1f} us")
+    braid.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--op", default="all_gather")
+    ap.add_argument("--nbytes", type=int, default=1 << 20)
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--sync-every", type=int, default=0)
+    a = ap.parse_args()
+    mp.spawn(worker, args=(2, 29400 + os.getpid() % 500, a), nprocs=2)
