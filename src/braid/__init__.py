@@ -18,6 +18,7 @@ from .errors import (BraidError, BraidTimeoutError, LaneFailureError, LaneUnavai
                      PeerMismatchError)
 from .collectives.reduce import PremulSum
 from .executor import Handle
+from ._version import __version__
 from . import backend      # registers the "braid" torch.distributed backend
 from . import envs as _envs
 from .envs import share_gpu   # several ranks on one GPU (BRAID_SHARED_GPU): call before NCCL starts
@@ -25,7 +26,6 @@ from .envs import share_gpu   # several ranks on one GPU (BRAID_SHARED_GPU): cal
 # BRAID_SHARED_GPU=1 under torchrun: this rank's own NCCL_HOSTID, before the caller starts NCCL
 _envs.share_gpu_under_torchrun()
 
-__version__ = "0.1.0"
 _SUM = _dist.ReduceOp.SUM
 
 _default: Communicator | None = None

@@ -6,6 +6,7 @@
     braid topo                        GPUs, peer access, and which lanes braid can use here
     braid route      --matrix M.json --topology h200x4   plan a traffic matrix over every path
     braid sim        reproduce flexlink|fuselink|nimble | scale --op ... | own | presets
+    braid --version                   braid's version (with torch's and Python's)
 
 bench/calibrate/topo spawn one rank per GPU (2 CPU ranks without GPUs), or run inside torchrun:
     torchrun --nproc-per-node 4 -m braid bench --op all
@@ -46,9 +47,18 @@ def _env(args: argparse.Namespace) -> int:
     return 0
 
 
+def version_line() -> str:
+    """What `braid --version` prints: braid's version, then torch's and Python's."""
+    import platform
+    import torch
+    from ._version import __version__
+    return f"braid {__version__} (torch {torch.__version__}, Python {platform.python_version()})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="braid", description="braid: one collective split across every path "
                                      "between GPUs. Benchmark, calibrate and inspect it.")
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("bench", help="time braid against NCCL (or gloo on CPU) over a size sweep",

@@ -1,0 +1,35 @@
+"""The package's name, version and metadata, read from the checkout (fast; no build). The built
+wheel itself is checked by scripts/wheel_smoke.sh (CI), which installs it away from the checkout."""
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+import tomllib
+
+import braid
+from braid import _version
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PEP440 = re.compile(r"^\d+(\.\d+)*((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?$")
+
+
+def _pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_one_version_everywhere():
+    v = _version.__version__
+    assert PEP440.match(v), v
+    assert braid.__version__ == v
+    project = _pyproject()["project"]
+    assert "version" not in project and "version" in project["dynamic"]
+    assert _pyproject()["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "braid._version.__version__"}
+
+
+def test_version_command():
+    proc = subprocess.run([sys.executable, "-m", "braid", "--version"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"braid {braid.__version__} ("), proc.stdout
+    assert "torch " in proc.stdout and "Python " in proc.stdout
