@@ -1,5 +1,5 @@
 """The simulator against published figures (FlexLink, FuseLink, NIMBLE) with their tolerances,
-against braid's own recorded bench on the H200 host (tests/data/sim_bench_h200.json), and the
+against braid's own recorded bench on the H200 host (src/braid/sim/data/sim_bench_h200.json), and the
 scale sweep's shape. Figures an honest model does not meet are strict xfails with the reason
 (docs/sim.md explains each)."""
 from __future__ import annotations
@@ -13,7 +13,8 @@ from braid.sim import repro
 from braid.sim.own import compare, load_points
 from braid.sim.scale import run as scale_run
 
-DATA = pathlib.Path(__file__).resolve().parent / "data" / "sim_bench_h200.json"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DATA = ROOT / "src" / "braid" / "sim" / "data" / "sim_bench_h200.json"
 
 
 def _params(rows, known_misses: dict[str, str]):
@@ -126,7 +127,7 @@ def test_own_presets_host_constants_come_from_calibration():
     """The host lane's constants of h200x2/h200x4 are braid's own calibration of that run, derived as
     the presets' sources say (nothing from the bench points)."""
     from braid.sim.topology import load
-    root = DATA.parent.parent.parent / "bench_results" / "2026-11-22-h200x4-every-op-sweep" / "calibration"
+    root = ROOT / "bench_results" / "2026-11-22-h200x4-every-op-sweep" / "calibration"
     for w, name in ((2, "calib-f0ea8916f7388a16.json"), (4, "calib-54f70825861dea3d.json")):
         cal = json.loads((root / name).read_text())
         assert cal["key"]["world_size"] == w
@@ -186,7 +187,7 @@ def test_own_nccl_share_and_later_points_are_every_split_point_of_their_files():
 def _recorded_split_points(files, stored: dict) -> list:
     """The stored point of every split point >= 256 MiB of these bench files, each checked equal
     to its row (time, shares, lane times); `stored` is keyed (source, op, nbytes, hot fraction)."""
-    root = DATA.parent.parent.parent / "bench_results"
+    root = ROOT / "bench_results"
     got = []
     for f in files:
         for r in json.loads((root / f"2026-11-22-{f}").read_text()):

@@ -4,7 +4,7 @@
     braid sim scale [--gpu h100,h200,h800|nimble] [--nodes 2,8,32,128] [--nics 1,4,8] [--op OP] [--size 256M]
                     [--hot 0.7] [--json P]      multi-node: braid's steps vs NCCL, routed skewed all-to-all
     braid sim scale --proxy --op all_reduce|all_gather|alltoallv [...]    the two-node link proxy
-    braid sim own [--data tests/data/sim_bench_h200.json] [--json P]
+    braid sim own [--data P] [--json P]     the recorded H200 bench (braid/sim/data) vs the simulator
     braid sim presets                       every preset constant with its source
 """
 from __future__ import annotations
@@ -46,7 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--proxy", action="store_true", help="the two-node link proxy (the earlier model)")
     s.add_argument("--json", dest="json_path", metavar="PATH")
     o = sub.add_parser("own", help="the simulator against braid's recorded bench on our H200 host")
-    o.add_argument("--data", default="tests/data/sim_bench_h200.json", help="recorded points (JSON)")
+    o.add_argument("--data", default=None, metavar="PATH",
+                   help="recorded points (JSON); default the H200 bench shipped with braid "
+                        "(braid/sim/data/sim_bench_h200.json)")
     o.add_argument("--json", dest="json_path", metavar="PATH")
     sub.add_parser("presets", help="every preset constant and its source")
 
@@ -241,8 +243,8 @@ def scale(args: argparse.Namespace) -> int:
 
 
 def own(args: argparse.Namespace) -> int:
-    from .own import compare, load_points
-    rows = compare(load_points(args.data))
+    from .own import compare, load_points, recorded_bench
+    rows = compare(load_points(args.data or recorded_bench()))
     print("# braid sim own: recorded braid benches (2026-11-22) vs the simulator on h200x2 / h200x4")
     w = max([46] + [len(c.name) for c in rows])
     print(f"{'point':{w}s} {'kind':10s} {'measured':>9s} {'simulated':>9s} {'error':>7s}  shares")

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from importlib import resources
 
 from .. import envs
 from ..planner.checks import MisuseError
@@ -156,6 +157,12 @@ def compare(points: list[dict], with_planner: bool = True) -> list[Comparison]:
     return out
 
 
+def recorded_bench() -> str:
+    """The path of braid's recorded bench on the H200 host, shipped in the package (`braid sim own`'s
+    default data)."""
+    return str(resources.files("braid.sim").joinpath("data", "sim_bench_h200.json"))
+
+
 def load_points(path: str) -> list[dict]:
     """The recorded points of a bench file: JSON {"points": [{...}, ...]}."""
     with open(path) as f:
@@ -163,9 +170,9 @@ def load_points(path: str) -> list[dict]:
             obj = json.load(f)
         except json.JSONDecodeError as exc:
             raise MisuseError(f"{path} is not JSON ({exc}); pass a recorded bench file like "
-                              f"tests/data/sim_bench_h200.json") from None
+                              f"braid/sim/data/sim_bench_h200.json") from None
     points = obj.get("points") if isinstance(obj, dict) else None
     if not isinstance(points, list) or not all(isinstance(p, dict) for p in points):
         raise MisuseError(f"{path}: expected an object whose \"points\" is a list of recorded points "
-                          f"(like tests/data/sim_bench_h200.json)")
+                          f"(like braid/sim/data/sim_bench_h200.json)")
     return points
