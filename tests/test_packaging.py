@@ -33,3 +33,10 @@ def test_version_command():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"braid {braid.__version__} ("), proc.stdout
     assert "torch " in proc.stdout and "Python " in proc.stdout
+
+
+def test_changelog_starts_with_this_version():
+    text = (ROOT / "CHANGELOG.md").read_text()
+    first = next(line for line in text.splitlines() if line.startswith("## "))
+    assert first.startswith(f"## {braid.__version__} ("), f"CHANGELOG.md's newest entry is {first!r}, " \
+        f"braid is {braid.__version__}: add the version's entry"
