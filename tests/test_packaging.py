@@ -31,7 +31,7 @@ def test_one_version_everywhere():
 def test_version_command():
     proc = subprocess.run([sys.executable, "-m", "braid", "--version"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith(f"braid {braid.__version__} ("), proc.stdout
+    assert proc.stdout.startswith(f"braid {braid.__version__} (braid-collectives; "), proc.stdout
     assert "torch " in proc.stdout and "Python " in proc.stdout
 
 
@@ -40,3 +40,27 @@ def test_changelog_starts_with_this_version():
     first = next(line for line in text.splitlines() if line.startswith("## "))
     assert first.startswith(f"## {braid.__version__} ("), f"CHANGELOG.md's newest entry is {first!r}, " \
         f"braid is {braid.__version__}: add the version's entry"
+
+
+def test_distribution_name_and_package_data():
+    """Installed as `braid-collectives` (the index's `braid` is another project), imported as
+    `braid`; every data file under src/braid is matched by a package-data pattern, so the wheel
+    carries it."""
+    import fnmatch
+    conf = _pyproject()
+    assert conf["project"]["name"] == "braid-collectives"
+    assert conf["project"]["scripts"] == {"braid": "braid.__main__:main"}
+    data = conf["tool"]["setuptools"]["package-data"]
+    src = ROOT / "src"
+    missing = []
+    for f in (src / "braid").rglob("*"):
+        if not f.is_file() or f.suffix in (".py", ".pyc") or "__pycache__" in f.parts:
+            continue
+        pkg = f.parent
+        while not (pkg / "__init__.py").exists():
+            pkg = pkg.parent
+        rel = f.relative_to(pkg).as_posix()
+        name = ".".join(pkg.relative_to(src).parts)
+        if not any(fnmatch.fnmatch(rel, pat) for pat in data.get(name, [])):
+            missing.append(f"{name}: {rel}")
+    assert not missing, f"files the wheel would leave out (add them to [tool.setuptools.package-data]): {missing}"

@@ -48,11 +48,13 @@ def _env(args: argparse.Namespace) -> int:
 
 
 def version_line() -> str:
-    """What `braid --version` prints: braid's version, then torch's and Python's."""
+    """What `braid --version` prints: braid's version, the distribution to install or pin it by
+    (`pip install braid-collectives==VERSION`), then torch's and Python's versions."""
     import platform
     import torch
     from ._version import __version__
-    return f"braid {__version__} (torch {torch.__version__}, Python {platform.python_version()})"
+    return (f"braid {__version__} (braid-collectives; torch {torch.__version__}, "
+            f"Python {platform.python_version()})")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,7 +20,7 @@ def plot(results: list[dict], path: str, info: dict) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         print(f"--plot {path}: matplotlib is not installed (pip install matplotlib, or pip install "
-              f"'braid[bench]'); no plot written", file=sys.stderr)
+              f"'braid-collectives[bench]'); no plot written", file=sys.stderr)
         return False
     if not results:
         print(f"--plot {path}: no results to plot", file=sys.stderr)
