@@ -182,18 +182,6 @@ SCENARIOS.update({
     "raise_nodes": (4, 2, 4, [0, 1, 3], {"LaneFailureError", "BraidTimeoutError", "PeerMismatchError"}, {}),
 })
 
-BOUNDARY_XFAIL = pytest.mark.xfail(strict=True, reason=(
-    "KNOWN LIMIT (measured): a call that one rank gives gloo's own collective whole and another "
-    "splits (rank 0: all_reduce of 600,001 float32, split over gloo + shm; rank 1: 1,001 float32, "
-    "gloo whole, calibration gloo 10 us + 1 GB/s, shm 100 us + 10 GB/s). Rank 0 raises "
-    "PeerMismatchError 0.2 s after the fault ('ranks 0 and 1 made different calls', from the call "
-    "ledger). Rank 1 sits inside gloo's allreduce on braid's gloo group (new_group's default "
-    "timeout, 30 min; braid cannot abort gloo) for as long as rank 0's process lives: it raised only "
-    "when rank 0 left at the end of its hold (bound + 1 s), 11.0 s after the fault, and then a raw "
-    "gloo RuntimeError ('[gloo/transport/tcp/pair.cc:553] Connection closed by peer'), not a braid "
-    "error. Bound: 10 s. tests/test_call_ledger.py checks rank 0's side."))
-
-
 def _run(scenario: str) -> dict:
     w, faulty, fault_at, survivors, _, allowed = SCENARIOS[scenario]
     info: dict = {}
@@ -215,7 +203,7 @@ def _run(scenario: str) -> dict:
 
 @pytest.mark.parametrize("scenario", [
     "kill", "exit0", "raise", "skip", "dtype", "dtype_whole", "kill_nodes", "raise_nodes",
-    pytest.param("boundary", marks=BOUNDARY_XFAIL),
+    "boundary",
 ])
 def test_survivors_raise_in_time(scenario, capsys):
     w, faulty, _, survivors, expected, _ = SCENARIOS[scenario]

@@ -32,6 +32,7 @@ class Handle:
         self.native = native
         self.after = after
         self.plan = plan
+        self.waiter = None          # how to wait for `native` (CPU: in steps that see a peer's abort)
         self._waited = False
 
     def wait(self, timeout=None) -> bool:
@@ -44,7 +45,10 @@ class Handle:
             for run in self.runs:
                 run.join()
         if self.native is not None:
-            self.native.wait()
+            if self.waiter is not None:
+                self.waiter(self.native)
+            else:
+                self.native.wait()
         if self.after is not None:
             with torch.no_grad():        # the call's last step (a division, a copy out) is not autograd's
                 self.after()

@@ -7,19 +7,24 @@ braid backend's forwarding reads the same answers (`whole_*`).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import math
+import time
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d   # the options classes
 
-from ..errors import LaneUnavailableError
+from .. import envs
+from ..errors import BraidTimeoutError, LaneFailureError, LaneUnavailableError
 from ..executor import Handle
 from ..planner.model import LaneCost, choose_with_native
 
 log = logging.getLogger("braid")
+
+GLOO_WAIT_STEP = datetime.timedelta(milliseconds=50)   # how often a wait inside gloo looks for aborts
 
 
 # Lane costs before any calibration (HARDWARE.md orders of magnitude; CPU: a guess the
@@ -284,11 +289,40 @@ class CallPath:
     def _finish(self, work, async_op: bool):
         handle = Handle(native=work)
         handle.native_lane = "nccl" if self.cuda else "gloo"
+        if not self.cuda:
+            handle.waiter = self._wait_gloo
         self.last_handle = handle
         if async_op:
             return handle
-        work.wait()
+        handle.wait()
         return None
+
+    def _wait_gloo(self, work) -> None:
+        """Wait for a call on braid's gloo group in steps of GLOO_WAIT_STEP_S, between which a
+        peer's abort (it raised and marked the node segment) or a dead peer ends the wait with a
+        braid error. gloo has no abort: a rank blocked inside its call stayed there until the peer's
+        process ended (or gloo's own timeout of 30 minutes), and then raised gloo's own error. The
+        gloo call itself stays queued; the communicator is broken from then on."""
+        seg = self.segment
+        if seg is None or seg.closed:
+            work.wait()
+            return
+        deadline = time.monotonic() + envs.get("BRAID_TIMEOUT_S")
+        while True:
+            try:
+                work.wait(GLOO_WAIT_STEP)
+                return
+            except RuntimeError as exc:
+                if "timed out" not in str(exc).lower():
+                    raise LaneFailureError(f"gloo failed on rank {self.rank}: {exc}") from exc
+            seg.raise_if_peer_aborted()
+            if self.watchdog is not None and self.watchdog.failed:
+                raise LaneFailureError(f"braid communicator is broken: {self.watchdog.failed}")
+            if time.monotonic() > deadline:
+                raise BraidTimeoutError(
+                    f"rank {self.rank} waited {envs.get('BRAID_TIMEOUT_S'):.0f} s inside gloo's own "
+                    f"{self.last_call[0]} for its peers: {self._describe(f'rank {self.rank}', *self._status())}. "
+                    f"Check that every rank makes the same calls in the same order (BRAID_TIMEOUT_S to change the limit).")
 
     def _opts(self, kind: str, async_op: bool, op=None, root: int = 0):
         """torch's options object for a fast-path call, built once per (kind, op, root, async)."""
@@ -320,12 +354,15 @@ class CallPath:
         if be is None:
             if self._p2p_pending and not self.cuda:    # as _run does before a collective (CPU)
                 self._flush_p2p()
-            work = fallback(async_op)
+            work = fallback(async_op or not self.cuda)    # CPU: waited in steps (_wait_gloo)
         else:
             work = getattr(be, method)(*args, self._opts(kind, async_op, op, root))
         if async_op:
             return self._finish(work, True)
         if work is not None:
-            work.wait()
+            if self.cuda:
+                work.wait()
+            else:
+                self._wait_gloo(work)
         self.last_handle = self._native_done
         return None

@@ -177,6 +177,8 @@ class Exchange:
                 self._publish()             # peers that wait in the exchange below can read it
         if whole:
             handle = as_handle(native(self._native_group(shares)), next(iter(shares)))
+            if not self.cuda:
+                handle.waiter = self._wait_gloo
         elif (peer is None and route is None and not always_exchange and self.segment is not None
               and self._prepared.enabled):
             handle, entry = self._run_prepared(op, desc, inp, outs, movement_of, native, agree_keys, lanes,
@@ -306,7 +308,10 @@ class Exchange:
             prep.put(key, entry)
         entry.calls += 1
         if entry.native:
-            return as_handle(native(self._native_group(entry.shares)), next(iter(entry.shares))), entry
+            handle = as_handle(native(self._native_group(entry.shares)), next(iter(entry.shares)))
+            if not self.cuda:
+                handle.waiter = self._wait_gloo
+            return handle, entry
         if self.cuda and graph_shares(entry.shares) and (multi is None or emit is not None):
             if not entry.size:              # nothing to move (an empty graph cannot be launched)
                 return _DONE, entry
