@@ -92,9 +92,16 @@ def _launch_seen(monkeypatch, ngpu: int, argv: list[str], task: str = "bench"):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setattr(bench.config, "set_gpu_env", lambda: None)
 
+    class Finished:               # the ranks' context, all of them already ended well
+        processes, error_files = [], []
+
+        def join(self, timeout=None):
+            return True
+
     def fake_start(fn, args, nprocs, join, start_method):
         seen["cfg"], seen["world"] = args[0], args[1]
         assert nprocs == args[1] and start_method == "spawn"
+        return None if join else Finished()
     monkeypatch.setattr(mp, "start_processes", fake_start)
     import argparse
     p = argparse.ArgumentParser()
@@ -180,3 +187,34 @@ def test_other_baselines_registry():
     slow = {}
     _add_alternatives(slow, {"slow": {"status": "ok", "time_us": 90.0, "copy_in_us": 1.0}}, "nccl", 80.0, 100.0)
     assert slow["best_baseline"]["name"] == "nccl" and slow["ratio_best"] == 0.8
+
+
+def _closed_stdout_run(tmp_path, argv: list[str], read_first_line: bool):
+    """Run `braid ARGV` with stdout a pipe whose reader goes away (as `| head -1` does):
+    (exit status, stderr, files torch left in the temporary folder)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(parents=True)
+    env = dict(os.environ, BRAID_CACHE_DIR=str(tmp_path / "cache"), BRAID_HOST_BUFFER_MB="4",
+               BRAID_TIMEOUT_S="60", TMPDIR=str(tmp))
+    proc = subprocess.Popen([sys.executable, "-m", "braid", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    if read_first_line:
+        proc.stdout.readline()
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=240)
+    return proc.returncode, err.decode(errors="replace"), sorted(p.name for p in tmp.iterdir())
+
+
+def test_closed_stdout_ends_the_ranks_quietly(tmp_path):
+    """`braid topo | head -1`, `braid bench | head -1`: the rank that finds stdout closed exits without
+    a traceback, the launcher ends the others and exits 141 (128 + SIGPIPE), torch's error files gone."""
+    rc, err, left = _closed_stdout_run(tmp_path / "topo", ["topo", "--cpu"], read_first_line=False)
+    assert rc == 141 and "Traceback" not in err and "BrokenPipe" not in err and "Terminating" not in err, err
+    assert not [f for f in left if f.startswith("pytorch-errorfile")], left
+    # the bench: the first line is the launcher's own, then rank 0's table (rich where installed)
+    rc, err, left = _closed_stdout_run(tmp_path / "bench", ["bench", "--op", "all_gather", "--cpu", "--sizes",
+                                                            "256K:256K", "--iters", "1", "--fixed-iters",
+                                                            "--repeat", "1", "--no-calibrate"],
+                                       read_first_line=True)
+    assert rc == 141 and "Traceback" not in err and "BrokenPipe" not in err and "Terminating" not in err, err
+    assert not [f for f in left if f.startswith("pytorch-errorfile")], left

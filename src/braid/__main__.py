@@ -105,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except BrokenPipeError:      # `braid env | head`: stop quietly
+    except BrokenPipeError:      # `braid env | head`: stop quietly, with the status of a writer SIGPIPE ended
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+        return bench.config.PIPE_EXIT
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ GPU_SIZES = (1 << 20, 1 << 30)
 CPU_SIZES = (256 << 10, 16 << 20)   # with factor 4: a few minutes for every op on 2 cores
 SMALL_ROUNDS = 10       # alternating windows per point for small (host-bound) calls
 WRONG_EXIT = 3          # exit status when braid's output differs from the baseline's
+PIPE_EXIT = 141         # exit status when stdout's reader went away (`braid topo | head -1`): 128 + SIGPIPE
 NO_GPU_LINE = "no GPU: running braid's CPU lanes (gloo+shm) against gloo"
 ONE_GPU_LINE = ("one GPU visible: braid's GPU lanes join two or more GPUs, so this runs on braid's CPU lanes "
                 "(gloo+shm, 2 ranks); with 2+ GPUs braid runs against NCCL; --nproc 2 runs 2 ranks sharing "

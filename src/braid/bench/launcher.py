@@ -9,14 +9,19 @@ lanes. Each rank then runs its task
 (`sweep.run`, `braid.jobs.run`, `commands.calibrate` or `commands.topo`).
 
 A rank that fails re-raises without tearing anything down: its peers may sit in a collective that
-will never complete, and the launcher (or torchrun) ends them.
+will never complete, and the launcher (or torchrun) ends them. A rank whose stdout was closed by its
+reader (`braid topo | head -1`) exits with PIPE_EXIT instead, without a traceback; the launcher then
+ends the other ranks quietly and exits with the same status, as a shell does for a writer killed by
+SIGPIPE.
 """
 from __future__ import annotations
 
 import dataclasses
 import inspect
 import logging
+import multiprocessing.connection
 import os
+import select
 import signal
 import socket
 import sys
@@ -29,7 +34,7 @@ import braid   # also registers the "braid" backend (_init_rank with braid_backe
 
 from .. import envs
 from . import config
-from .config import CPU_LINE, NO_GPU_LINE, ONE_GPU_LINE, WRONG_EXIT, Config
+from .config import CPU_LINE, NO_GPU_LINE, ONE_GPU_LINE, PIPE_EXIT, WRONG_EXIT, Config
 
 
 def under_torchrun() -> bool:
@@ -76,12 +81,26 @@ def _spawn(cfg: Config, world: int) -> int:
     """`world` ranks of `cfg.task` on this machine; the exit status says how they ended."""
     port = _free_port()
     import torch.multiprocessing as mp
+    ctx = None
     try:
-        mp.start_processes(_worker, args=(cfg, world, port), nprocs=world, join=True, start_method="spawn")
+        ctx = mp.start_processes(_worker, args=(cfg, world, port), nprocs=world, join=False, start_method="spawn")
+        while True:        # ctx.join, but a rank that lost its stdout ends the run quietly
+            if _pipe_closed(ctx):
+                return PIPE_EXIT
+            if ctx.join(timeout=0):
+                break
+            live = [p.sentinel for p in ctx.processes if p.exitcode is None]
+            ready = multiprocessing.connection.wait(live) if live else []
+            for p in ctx.processes:
+                if p.sentinel in ready:
+                    p.join()       # its exit status (the sentinel fires a moment before it is set)
     except mp.ProcessRaisedException as exc:
         print(f"braid {cfg.task}: a rank failed:{exc}", file=sys.stderr)
         return 1
     except mp.ProcessExitedException as exc:
+        if exc.exit_code == PIPE_EXIT:
+            _silence_stdout()
+            return PIPE_EXIT
         if exc.exit_code == WRONG_EXIT:
             what = "losses" if cfg.workloads else "output"
             where = "the losses column" if cfg.workloads else "#wrong"
@@ -92,7 +111,51 @@ def _spawn(cfg: Config, world: int) -> int:
     except KeyboardInterrupt:
         print(f"braid {cfg.task}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if ctx is not None:
+            for path in ctx.error_files:   # torch leaves a rank's traceback file in /tmp
+                try:
+                    os.unlink(path)
+                except (OSError, TypeError):
+                    pass
     return 0
+
+
+def _pipe_closed(ctx) -> bool:
+    """Whether a rank exited because stdout's reader went away; if so, end the others quietly
+    (they may wait in a collective for it) and point this process's stdout at /dev/null."""
+    if not any(p.exitcode == PIPE_EXIT for p in ctx.processes):
+        return False
+    for p in ctx.processes:
+        if p.exitcode is None:
+            p.terminate()
+    for p in ctx.processes:
+        p.join(10)
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+    _silence_stdout()
+    return True
+
+
+def _stdout_closed() -> bool:
+    """True when stdout is a pipe or socket whose reader has gone (poll reports an error on it)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def _silence_stdout() -> None:
+    """stdout to /dev/null, so nothing later (the interpreter's final flush) writes to the closed pipe."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):
+        pass
 
 
 def _free_port() -> int:
@@ -143,7 +206,21 @@ def _setup_logging(rank: int) -> None:
 
 def _worker(local_rank: int, cfg: Config, world: int | None, port: int | None) -> None:
     """One rank. On an exception it re-raises without tearing down (peers may sit in a collective;
-    the launcher or torchrun ends them); the process exit releases the memory."""
+    the launcher or torchrun ends them); the process exit releases the memory. A rank whose
+    stdout's reader went away (`braid topo | head -1`) exits with PIPE_EXIT, without a traceback."""
+    try:
+        _rank(local_rank, cfg, world, port)
+        sys.stdout.flush()        # here, not at the interpreter's exit, so a closed pipe is seen below
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise
+        # the reader has what it wanted; peers that wait for this rank are ended by the launcher
+        # (under torchrun, by its agent)
+        _silence_stdout()
+        sys.exit(PIPE_EXIT)
+
+
+def _rank(local_rank: int, cfg: Config, world: int | None, port: int | None) -> None:
     if cfg.lanes:
         os.environ["BRAID_LANES"] = ",".join(cfg.lanes)
     if cfg.workloads and cfg.cpu:

@@ -6,6 +6,7 @@ point, so an interrupted sweep keeps what it measured). Plots are in `plots.py`.
 from __future__ import annotations
 
 import datetime
+import errno
 import importlib
 import json
 import os
@@ -228,6 +229,7 @@ class RichUi:
         self.console = Console()
         if not self.console.is_terminal:     # a log file or a pipe: no 80-column squeeze
             self.console = Console(width=200)
+        self.console.on_broken_pipe = self._broken_pipe
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), console=self.console)
         self.task = self.progress.add_task("sweep", total=total)
@@ -235,6 +237,12 @@ class RichUi:
         self.last: dict | None = None      # the current table's last row
         self.live = Live(self.progress, console=self.console, transient=True, refresh_per_second=4)
         self.live.start()
+
+    def _broken_pipe(self) -> None:
+        """stdout's reader went away (`braid bench | head`): rich would exit with status 1; raise
+        BrokenPipeError instead, which the launcher turns into a quiet exit (status 141)."""
+        self.console.quiet = True           # close() writes nothing more
+        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
 
     def line(self, text: str = "") -> None:
         self.console.print(text, highlight=False, markup=False, soft_wrap=True)
