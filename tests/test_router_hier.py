@@ -71,7 +71,7 @@ def check(topo, matrix, plan):
     assert plan.max_load_us == pytest.approx(worst, rel=1e-12)
 
 
-@pytest.mark.parametrize("N,G,K,nic,matrix", cases())
+@pytest.mark.parametrize("N,G,K,nic,matrix", list(cases()))
 def test_against_the_lp_optimum(N, G, K, nic, matrix):
     topo = multi_node(N, gpus_per_node=G, nics=K, nic_gbps=nic)
     plan = hier.route_hier(topo, matrix, min_split_bytes=0)
