@@ -218,3 +218,30 @@ def test_closed_stdout_ends_the_ranks_quietly(tmp_path):
                                        read_first_line=True)
     assert rc == 141 and "Traceback" not in err and "BrokenPipe" not in err and "Terminating" not in err, err
     assert not [f for f in left if f.startswith("pytorch-errorfile")], left
+
+
+def test_op_takes_a_comma_list():
+    """--op as --workload: a comma list run in turn, 'all' (every op but moe) inside one, repeats
+    dropped; an unknown name is refused by the parser, --trace wants one op."""
+    import argparse
+
+    import pytest
+
+    from braid import bench
+
+    def ops(*argv):
+        p = argparse.ArgumentParser()
+        bench.add_bench_arguments(p)
+        return bench.config_from_args("bench", p.parse_args(list(argv))).ops
+    assert ops("--op", "all_gather,all_reduce") == ("all_gather", "all_reduce")
+    assert ops("--op", " all_reduce, all_gather ,all_reduce") == ("all_reduce", "all_gather")
+    assert ops("--op", "all") == bench.OPS and ops("--op", "all,moe") == bench.OPS + ("moe",)
+    assert ops("--op", "moe") == ("moe",) and ops() == ("all_gather",)
+    for bad in ("all_gather,nope", ","):
+        with pytest.raises(SystemExit):
+            ops("--op", bad)
+    with pytest.raises(SystemExit, match="--trace follows one op"):
+        ops("--op", "all_gather,all_reduce", "--trace", "4")
+    proc = subprocess.run([sys.executable, "-m", "braid", "bench", "--op", "all_gather,bogus"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "unknown: bogus" in proc.stderr and "Traceback" not in proc.stderr

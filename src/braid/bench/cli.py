@@ -54,6 +54,19 @@ def parse_lanes(text: str) -> list[str]:
     return lanes
 
 
+def parse_ops(text: str) -> tuple[str, ...]:
+    """--op: 'all_gather,all_reduce' -> ('all_gather', 'all_reduce'); 'all' -> every op but moe
+    (which 'all,moe' adds). Repeats are dropped, the order kept."""
+    names = [x.strip().lower() for x in text.split(",") if x.strip()]
+    known = OPS + EXTRA_OPS
+    bad = [x for x in names if x not in known and x != "all"]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: ops are a comma list of {', '.join(known)}, or 'all' (unknown: {', '.join(bad) or 'none given'})")
+    ops = [op for x in names for op in (OPS if x == "all" else (x,))]
+    return tuple(dict.fromkeys(ops))
+
+
 def _hot_fractions(text: str) -> list[float]:
     try:
         values = [float(x) for x in text.split(",") if x.strip()]
@@ -118,9 +131,10 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--op", default=None, choices=OPS + EXTRA_OPS + ("all",),
-                   help="op to run, or 'all' for each in turn (default: all_gather); moe = one MoE layer: "
-                        "dispatch + combine with a Zipf-skewed expert load (time per layer)")
+    p.add_argument("--op", type=parse_ops, default=None, metavar="OP[,OP...]",
+                   help=f"op to run, a comma list run in turn, or 'all' for every op but moe (default: all_gather); "
+                        f"ops: {', '.join(OPS + EXTRA_OPS)}; moe = one MoE layer: dispatch + combine with a "
+                        f"Zipf-skewed expert load (time per layer)")
     p.add_argument("--workload", default=None, metavar="NAME[,NAME...]",
                    help="instead of an op sweep: time training steps under the braid backend against the same "
                         "steps on the baseline (and a floor without communication): ddp, fsdp, moe_layer, "
@@ -221,7 +235,7 @@ def config_from_args(task: str, args: argparse.Namespace) -> Config:
 
 def _sweep_config(args: argparse.Namespace) -> Config:
     """`braid bench` without --workload: the op sweep (or --trace)."""
-    ops = OPS if args.op == "all" else (args.op or "all_gather",)
+    ops = args.op or ("all_gather",)
     if args.cold_bytes is not None and args.hot_bytes is None:
         raise SystemExit("braid bench: --cold-bytes needs --hot-bytes")
     notes = []
@@ -229,6 +243,8 @@ def _sweep_config(args: argparse.Namespace) -> Config:
              if getattr(args, f, None) is not None]
     if shape:
         notes.append(f"--{', --'.join(f.replace('_', '-') for f in shape)} only apply with --workload; ignored")
+    if args.trace is not None and len(ops) > 1:
+        raise SystemExit(f"braid bench: --trace follows one op; give one --op (got {','.join(ops)})")
     if args.hot_bytes is not None and "all_to_all_single" not in ops:
         notes.append("--hot-bytes/--cold-bytes only apply to all_to_all_single; ignored")
     if args.hot_fraction is not None and args.hot_bytes is not None:
@@ -249,7 +265,7 @@ def _workload_config(args: argparse.Namespace) -> Config:
     """`braid bench --workload ...`: training steps (braid.jobs) instead of the op sweep."""
     from ..jobs import parse_workloads
     if args.op is not None:
-        raise SystemExit(f"braid bench: --op {args.op} and --workload {args.workload} both choose what to run; "
+        raise SystemExit(f"braid bench: --op {','.join(args.op)} and --workload {args.workload} both choose what to run; "
                          f"give one of them")
     workloads = parse_workloads(args.workload)
     sweep = {"--sizes": args.sizes, "--iters": args.iters, "--hot-bytes": args.hot_bytes,
