@@ -245,3 +245,19 @@ def test_op_takes_a_comma_list():
     proc = subprocess.run([sys.executable, "-m", "braid", "bench", "--op", "all_gather,bogus"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "unknown: bogus" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_sizes_in_text_are_binary_units_and_verdicts_name_the_native_library(capsys):
+    """The trace, the calibrate table and the plots' titles say KiB/MiB/GiB as the docs do; calibrate's
+    verdicts name gloo, not NCCL, on CPU ranks."""
+    from braid.bench import commands
+    from braid.bench.output import human_bytes, print_trace
+    assert [human_bytes(n) for n in (100, 1536, 256 << 10, 16 << 20, 1 << 30)] == \
+        ["100 B", "1.5 KiB", "256 KiB", "16 MiB", "1 GiB"]
+    assert human_bytes(4 << 20, sep="") == "4MiB"
+    print_trace([], "all_gather", 16 << 20, 40, 2, None)
+    commands._print_verdicts({"broadcast/2/pays": {"20": False, "22": {"gloo": 0.4, "shm": 0.6}}}, "gloo")
+    out = capsys.readouterr().out
+    assert "# trace: all_gather 16 MiB x 40 calls" in out
+    assert "'no' when gloo alone was" in out and "NCCL" not in out
+    assert "1MiB=no 4MiB=(gloo=0.40,shm=0.60)" in out

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .config import GPU_ENV, Config
-from .output import cpu_name, format_shares, header_line, human, machine_info
+from .output import cpu_name, format_shares, header_line, human_bytes, machine_info
 
 
 # ---------------------------------------------------------------------------------------------
@@ -44,11 +44,11 @@ def calibrate(comm, cfg: Config) -> None:
     print(f"measured in {seconds:.1f} s")
     print()
     _print_lane_costs(table)
-    _print_verdicts(table)
+    _print_verdicts(table, "NCCL" if comm.cuda else "gloo")
     sizes = (1 << 20, 64 << 20, 1 << 30) if comm.cuda else (256 << 10, 8 << 20, 64 << 20)
     print()
     print("shares the ops start from:")
-    print(f"{'op':<20}" + "".join(f"{human(n) + 'B':>24}" for n in sizes))
+    print(f"{'op':<20}" + "".join(f"{human_bytes(n):>24}" for n in sizes))
     for op in cfg.ops:
         if f"{op}/{comm.world_size}" not in table:
             continue
@@ -68,21 +68,22 @@ def _print_lane_costs(table: dict) -> None:
             print(f"{key:<22}{lane:<7}{c['latency_us']:>12.1f}{c['bw_gbps']:>10.2f}{c.get('floor_us', 0.0):>10.1f}")
 
 
-def _print_verdicts(table: dict) -> None:
-    """Per op and size bucket, what the measured check chose: the split (its shares), NCCL alone, or one lane."""
+def _print_verdicts(table: dict, native: str = "NCCL") -> None:
+    """Per op and size bucket, what the measured check chose: the split (its shares), the native library
+    alone (`native`: NCCL on GPUs, gloo on CPUs), or one lane."""
     measured = {k[: -len("/pays")]: v for k, v in table.items() if k.endswith("/pays") and v}
     if not measured:
         return
     print()
     print("split measured against the single lanes (size bucket: the split's balanced shares when it "
-          "was faster, 'no' when NCCL alone was, or the lane alone that won):")
+          f"was faster, 'no' when {native} alone was, or the lane alone that won):")
 
     def cell(ok) -> str:
         if isinstance(ok, dict):
             return "(" + format_shares(ok).replace(" ", ",") + ")"
         return ok if isinstance(ok, str) else "yes" if ok else "no"
     for key, verdicts in measured.items():
-        cells = " ".join(f"{human(1 << int(b))}B={cell(ok)}"
+        cells = " ".join(f"{human_bytes(1 << int(b), sep='')}={cell(ok)}"
                          for b, ok in sorted(verdicts.items(), key=lambda kv: int(kv[0])))
         print(f"  {key:<22}{cells}")
 

@@ -76,6 +76,13 @@ def human(n: float) -> str:
     return f"{int(n)}"
 
 
+def human_bytes(n: float, sep: str = " ") -> str:
+    """Bytes with a binary unit for text: 16777216 -> '16 MiB', 1536 -> '1.5 KiB', 100 -> '100 B'
+    (`sep=""` for cells: '16MiB')."""
+    text = human(n)
+    return f"{text[:-1]}{sep}{text[-1]}iB" if text[-1:] in ("K", "M", "G") else f"{text}{sep}B"
+
+
 def format_shares(shares: dict[str, float] | None) -> str:
     if not shares:
         return "-"
@@ -309,7 +316,7 @@ def make_ui(total: int, plain: bool):
 
 def print_trace(rows: list[dict], op: str, nbytes: int, calls: int, world: int, slow) -> None:
     """The trace table: each call's time, the shares braid used and each lane's time (slowest rank)."""
-    print(f"# trace: {op} {human(nbytes)}B x {calls} calls, {world} ranks"
+    print(f"# trace: {op} {human_bytes(nbytes)} x {calls} calls, {world} ranks"
           + (f", {slow[0]} x{slow[1]:g} slower in calls {slow[2]}..{slow[3] - 1}" if slow else ""))
     print("#  call   time_us  shares                          lane_time_us")
     for r in rows:

@@ -9,7 +9,7 @@ import math
 import os
 import sys
 
-from .output import format_shares, human
+from .output import format_shares, human, human_bytes
 
 
 def plot(results: list[dict], path: str, info: dict) -> bool:
@@ -64,7 +64,7 @@ def _plot_op(ax, op: str, points: list[dict], world: int, base_name: str, info: 
     ax.set_ylim(bottom=0, top=max(max(p["busbw_gbps"], p["baseline"]["busbw_gbps"]) for p in pts) * 1.25)
     title = f"{op}, {world} ranks, {info.get('machine', '')}"
     if pts[0].get("hot_nbytes") is not None and op == "all_to_all_single":
-        title += f"\nhot 0->1 {human(pts[0]['hot_nbytes'])}B, cold {human(pts[0]['cold_nbytes'])}B"
+        title += f"\nhot 0->1 {human_bytes(pts[0]['hot_nbytes'])}, cold {human_bytes(pts[0]['cold_nbytes'])}"
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="upper left")
@@ -95,7 +95,7 @@ def plot_trace(rows: list[dict], path: str, info: dict) -> bool:
     ax2.set_ylabel("lane time (ms)")
     ax2.set_xlabel("call")
     r0 = rows[0] if rows else {}
-    fig.suptitle(f"braid online balancer: {r0.get('op')} {human(r0.get('nbytes', 0))}B, "
+    fig.suptitle(f"braid online balancer: {r0.get('op')} {human_bytes(r0.get('nbytes', 0))}, "
                  f"{r0.get('world_size')} ranks, {info.get('machine', '')}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

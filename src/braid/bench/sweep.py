@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from . import baselines as alternatives
 from .config import NO_GPU_LINE, SMALL_ROUNDS, WRONG_EXIT, Config
-from .output import format_shares, header_line, host_summary, human, machine_info, make_ui, write_json
+from .output import format_shares, header_line, host_summary, human_bytes, machine_info, make_ui, write_json
 
 
 def _sync(comm) -> None:
@@ -169,7 +169,7 @@ def _sweep(comm, cfg: Config, plan, common: dict, info: dict, baseline: str, ui,
                 ui.line("# other baselines: " + "; ".join(
                     f"{k}: {'timed beside ' + baseline if not v else 'unavailable (' + v + ')'}" for k, v in others.items()))
         if r0:
-            ui.status(f"{op} {'skewed' if nbytes is None else human(nbytes) + 'B'}")
+            ui.status(f"{op} {'skewed' if nbytes is None else human_bytes(nbytes)}")
         if nbytes is None:
             load = make(comm, op, 0, dtype, hot_nbytes=cfg.hot_bytes, cold_nbytes=cfg.cold_bytes)
         else:
@@ -193,7 +193,7 @@ def _sweep(comm, cfg: Config, plan, common: dict, info: dict, baseline: str, ui,
 def _table_title(op: str, nbytes: int | None, hot: float | None, cfg: Config, world: int, info: dict) -> str:
     title = f"{op}  world {world}  {info['machine']}"
     if nbytes is None:
-        title += f"  hot 0->1 {human(cfg.hot_bytes)}B, cold {human(cfg.cold_bytes)}B"
+        title += f"  hot 0->1 {human_bytes(cfg.hot_bytes)}, cold {human_bytes(cfg.cold_bytes)}"
     if hot is not None:
         title += f"  hot fraction {hot:g} to rank {world - 1}"
     return title
