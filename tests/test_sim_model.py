@@ -188,8 +188,11 @@ def test_presets_ship_inside_the_installed_package():
     import braid.sim
     files = {p.name for p in resources.files(braid.sim).joinpath("presets").iterdir()}
     assert {f"{n}.json" for n in PRESETS} <= files
-    py = (SRC.parents[1] / "pyproject.toml").read_text()
-    assert '"braid.sim" = ["presets/*.json"]' in py
+    import tomllib
+    py = tomllib.loads((SRC.parents[1] / "pyproject.toml").read_text())
+    globs = py["tool"]["setuptools"]["package-data"]["braid.sim"]
+    assert "presets/*.json" in globs and "data/*.json" in globs     # the presets and the recorded bench
+    assert resources.files(braid.sim).joinpath("data", "sim_bench_h200.json").is_file()
 
 
 def test_cluster_generator_and_router_converter():
