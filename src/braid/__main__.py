@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_route)
 
     from .sim import cli as sim_cli
-    p = sub.add_parser("sim", help="the flow-level simulator: published testbeds, our machines, scale",
+    p = sub.add_parser("sim", help="the flow-level simulator: published testbeds, braid's H200 bench, scale",
                        description="Run braid's plans on modelled machines: reproduce FlexLink, FuseLink and NIMBLE's "
                                    "figures, compare with braid's recorded bench, or scale to 128 nodes x 8 GPUs.")
     sim_cli.add_arguments(p)

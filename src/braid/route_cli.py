@@ -14,7 +14,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--matrix", required=True, metavar="FILE",
                    help="JSON list of rows of byte counts; row = source rank, column = destination")
     p.add_argument("--topology", required=True,
-                   help="h200x2, h200x4 (measured here), mesh4, nvswitch8, nvswitch16, or multinode")
+                   help="h200x2, h200x4 (links as measured on 2 and 4 x H200, 2026-11-22), mesh4, nvswitch8, "
+                        "nvswitch16, or multinode")
     p.add_argument("--nodes", type=int, default=2, help="multinode: number of 8-GPU nodes (default 2)")
     p.add_argument("--nics", type=int, default=8, help="multinode: NICs (rails) per node (default 8)")
     p.add_argument("--json", dest="json_path", default=None, metavar="OUT", help="write the plan as JSON")

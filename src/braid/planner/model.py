@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from .plan import LINK_GROUP, LaneKind
 
 # Fixed cost of going multi-lane, in microseconds: a host-memory exchange between ranks and one
-# extra stream join. Measured order on H200 (HARDWARE.md: a cross-GPU memop round trip ~9 us).
+# extra stream join. Measured order on H200 (2 x H200, 2026-11-22: a write/wait round trip between two GPUs through
+# host counters, ~9 us).
 MULTI_LANE_OVERHEAD_US = 15.0
 # Shares below this fraction are not worth a lane (its fixed costs exceed what it brings).
 MIN_SHARE = 0.02

@@ -37,7 +37,8 @@ GPU_LANES = (LaneKind.CE, LaneKind.NCCL, LaneKind.HOST)
 CPU_LANES = (LaneKind.SHM, LaneKind.GLOO)
 
 # Lanes that drive the same physical links: adding a second lane of one group adds no bandwidth
-# (HARDWARE.md: NVLink tops out at ~390 GB/s per GPU whether SMs or copy engines drive it).
+# (probes on 4 x H200, 2026-11-22: NVLink tops out at ~390 GB/s per GPU whether SMs or copy engines
+# drive it).
 LINK_GROUP = {
     LaneKind.CE: "nvlink",
     LaneKind.NCCL: "nvlink",

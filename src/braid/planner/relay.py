@@ -34,7 +34,7 @@ orders, as the host rings use, are not enough here: two consumers that visit two
 opposite orders can each hold a slot the other's next chunk needs.)
 
 Slots: 4, each a quarter of the buffer (BRAID_RELAY_BUFFER_MB, default 64 MiB: 16 MiB slots, the
-geometry of the 4 x 16 MiB host pipeline that reached 53-54 GB/s in HARDWARE.md). Two stages
+geometry of the 4 x 16 MiB host pipeline that reached 53-54 GB/s GPU -> host -> GPU on 2 x H200, 2026-11-22). Two stages
 (s -> v, v -> d) need two slots to overlap; four let v run ahead of a lagging reader. A transfer is
 cut into about TARGET_CHUNKS chunks (at least MIN_CHUNK_BYTES, at most one slot) so that a 16 MiB
 transfer still pipelines instead of paying twice its copy time.

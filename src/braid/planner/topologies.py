@@ -128,8 +128,8 @@ def multi_node(nodes: int, gpus_per_node: int = 8, nics: int = 8, nic_gbps: floa
 
 
 def preset(name: str, nodes: int = 1, nics: int = 8) -> Topology:
-    """Topologies by name: the machines measured here and synthetic ones. `nodes` and `nics` (per
-    node) are used by "multinode" only, but must be >= 1 whatever the name."""
+    """Topologies by name: the 2 and 4 x H200 machines braid was measured on, and synthetic ones.
+    `nodes` and `nics` (per node) are used by "multinode" only, but must be >= 1 whatever the name."""
     if not isinstance(name, str):
         raise MisuseError(f"preset: name = {name!r} is not a topology name; pass one of h200x2, h200x4, "
                           f"mesh4, nvswitchN (N GPUs, e.g. nvswitch8), multinode")
@@ -137,12 +137,14 @@ def preset(name: str, nodes: int = 1, nics: int = 8) -> Topology:
     nics = checks.whole(nics, "preset: nics", 1, "NICs (rails) per node")
     if name == "h200x2":
         return nvswitch(2, 390.0, 53.0, 136.0, name=name,
-                        source="HARDWARE.md 2026-11-22: copy engine 387-396 GB/s, PCIe pair 53, host total 136 (2 GPUs)")
+                        source="probes on 2 and 4 x H200, 2026-11-22: copy engine 387-396 GB/s, PCIe pair 53, "
+                               "host total 136 (2 GPUs)")
     if name == "h200x4":
         return nvswitch(4, 390.0, 53.0, 163.0, name=name,
-                        source="HARDWARE.md 2026-11-22: copy engine 389-396 GB/s, PCIe 53-55, host total 163 (4 GPUs)")
+                        source="probes on 4 x H200 (NVSwitch), 2026-11-22: copy engine 389-396 GB/s, PCIe 53-55, "
+                               "host total 163")
     if name == "mesh4":
-        return mesh(4, 120.0, 50.0, name=name, source="NIMBLE testbed: 120 GB/s direct per pair (REFERENCE.md)")
+        return mesh(4, 120.0, 50.0, name=name, source="NIMBLE testbed (arXiv 2604.00317): 120 GB/s direct per pair")
     if name.startswith("nvswitch") and name[8:].isdigit():
         return nvswitch(int(name[8:]), name=name, source="H200-class NVLink 390 GB/s, PCIe 53 GB/s")
     if name == "multinode":

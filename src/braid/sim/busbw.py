@@ -5,7 +5,7 @@ from __future__ import annotations
 
 
 def bus_factor(op: str, world: int) -> float:
-    """busbw = algbw x this factor (REFERENCE.md): the share of the data each link carries."""
+    """busbw = algbw x this factor (nccl-tests' definition): the share of the data each link carries."""
     if op == "all_reduce":
         return 2 * (world - 1) / world
     if op in ("all_gather", "reduce_scatter", "all_to_all_single"):

@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--size", default="256M", help="bytes per GPU (K/M/G suffixes, default 256M)")
     s.add_argument("--proxy", action="store_true", help="the two-node link proxy (the earlier model)")
     s.add_argument("--json", dest="json_path", metavar="PATH")
-    o = sub.add_parser("own", help="the simulator against braid's recorded bench on our H200 host")
+    o = sub.add_parser("own", help="the simulator against braid's bench recorded on 2 and 4 x H200 (2026-11-22)")
     o.add_argument("--data", default=None, metavar="PATH",
                    help="recorded points (JSON); default the H200 bench shipped with braid "
                         "(braid/sim/data/sim_bench_h200.json)")

@@ -126,7 +126,7 @@ def _ring(op: str, world: int) -> tuple[int, float, float]:
 
 
 def nccl_flows(topo: SimTopology, op: str, world: int, nbytes: float, start_us: float = 0.0) -> list[Flow]:
-    """NCCL's own op on `nbytes`. Measured presets (our machines): the measured table's time as
+    """NCCL's own op on `nbytes`. Measured presets (h200x2, h200x4): the measured table's time as
     ring flows (its fixed part as their latency, the rest at the rate it implies). Modelled presets: ring at nccl_ring_efficiency of NVLink, or NVLink
     SHARP for all_reduce when the preset has nccl_nvls_efficiency, whichever NCCL's own estimate
     finds faster (NCCL's tuner picks per size; here by the same two formulas)."""
@@ -138,7 +138,7 @@ def nccl_flows(topo: SimTopology, op: str, world: int, nbytes: float, start_us: 
         pairs = [(g, g + 1) for g in range(world - 1)]
     seg = topo.nccl_measured_segment(op, world, nbytes)
     if seg is not None:
-        # an input on our machines: the ring's flows at the measured table's latency and rate, so
+        # an input on the measured presets: the ring's flows at the measured table's latency and rate, so
         # that NCCL alone takes exactly its measured time and beside other lanes shares NVLink
         # (where the table's slope is beyond what a link carries, the link's rate and a longer
         # fixed part: still the measured time alone)
@@ -387,7 +387,7 @@ def _simulate_reduction(topo: SimTopology, op: str, world: int, nbytes: int, sha
     """A split reduction as `Communicator._reduction`'s `multi` runs it (bf16: esz 2):
       - all_reduce: NCCL's share is a prefix of the tensor (cut on a page) that NCCL's own
         all_reduce reduces on its stream, at the cost of NCCL's all_reduce of that many bytes
-        (measured table on our machines), beside the other lanes and sharing NVLink with them;
+        (the measured table of h200x2 / h200x4), beside the other lanes and sharing NVLink with them;
       - the rest is cut into W chunks; the copy engines take the front of every chunk (their
         share, renormalised without NCCL) and run the pipelined reduction on it;
       - the other lanes (host) take the back of every chunk through the staged path.

@@ -1,8 +1,9 @@
-"""The simulator against braid's own recorded bench on our H200 host (2 and 4 GPUs).
+"""The simulator against braid's own bench recorded on 2 and 4 x H200 (2026-11-22).
 
 Each recorded point gives the op, size, world and the shares braid ran with. The simulator splits
 the op by those shares through the planner, runs the plan's lanes as flows on the h200x2 / h200x4
-preset and predicts braid's time. The presets' link rates come from HARDWARE.md's probes, except the
+preset and predicts braid's time. The presets' link rates come from device probes on those machines
+(2026-11-22: copy-engine peer copies, PCIe D2H/H2D, device copies), except the
 host lane's (D2H / H2D per GPU, host memory), which come from braid's own calibration tables of the
 same run (`bench_results/2026-11-22-h200x4-every-op-sweep/calibration/`, timed before the bench
 sweep at 1 / 64 / 512 MiB): what braid itself plans from. Nothing is taken from the bench points themselves.
@@ -27,8 +28,9 @@ constants (that machine's links and calibration) with world 2, except where NCCL
 The tapered-cut benches' points (`ce_taper`) ran the copy engines' tapered cut (planner/pieces.py); earlier
 points ran even pieces, and each is simulated with the cut it ran.
 
-What is a prediction and what is an input: NCCL's own kernels are not modelled on our machines; the
-preset carries NCCL's measured bus bandwidths (HARDWARE.md, or an earlier bench run), so a point
+What is a prediction and what is an input: NCCL's own kernels are not modelled on the H200 machines;
+the preset carries NCCL's bus bandwidths measured there (NCCL 2.28.9 through torch 2.11, bf16,
+2026-11-22, or an earlier bench run), so a point
 where braid chose NCCL alone only checks that braid adds little on top of NCCL. The points split over
 the copy engines and the host lane are the predictions: nothing of them was fitted to the bench. A
 split that gives NCCL a share (the pipelined all_reduce) takes NCCL's cost of its bytes from that

@@ -87,18 +87,21 @@ from .topology import SimTopology, cluster, to_router
 # machines
 # -------------------------------------------------------------------------------------------------
 
-_NV4 = "HARDWARE.md: copy-engine peer copy on H200, 387-396 GB/s; NVLink 4, the same on H100"
-_BUSY = "HARDWARE.md: every GPU of h200x4 pushing to every other at once, 335 per GPU (assumed for 8 GPUs)"
+_NV4 = "probe on 2 and 4 x H200, 2026-11-22: copy-engine peer copy 387-396 GB/s; NVLink 4, the same on H100"
+_BUSY = ("probe on 4 x H200, 2026-11-22: every GPU pushing to every other at once, 335 per GPU "
+         "(assumed for 8 GPUs)")
 _NIC = "FuseLink: one GPU on its own 400 Gb/s NIC, 49.3 GB/s"
 _NET = ("assumption: one RDMA write and its completion through NCCL's network proxy, ~5 us per step "
         "that crosses nodes (a few us on InfiniBand)")
 _RING = ("FlexLink's NCCL ring bus bandwidth 132-147 GB/s on 200 GB/s NVLink (preset h800x8-flexlink); "
          "assumed on every Hopper")
-_STEP = "REFERENCE.md: NVLink latency 1-2 us (preset h800x8-flexlink)"
-_LAT = "our measurement: a write/wait round trip through host counters 9.3 us, two per lane call (HARDWARE.md)"
-_PCIE = "PCIe Gen5 x16 on H200, our measurement (HARDWARE.md: 55 one way, 102 both ways)"
-_HOST = "assumption: two CPU sockets, each like our measured one-socket host (HARDWARE.md: 163)"
-_HBM3 = ("assumption: HARDWARE.md's device copy 2100 GB/s on H200 (HBM3e 4.8 TB/s) scaled to HBM3 "
+_STEP = "FlexLink (arXiv 2510.15882): NVLink latency 1-2 us (preset h800x8-flexlink)"
+_LAT = ("measured on 2 x H200, 2026-11-22: a write/wait round trip through host counters 9.3 us, "
+        "two per lane call")
+_PCIE = "PCIe Gen5 x16, measured on 4 x H200, 2026-11-22: 55 one way, 102 both ways"
+_HOST = ("assumption: two CPU sockets, each like the one-socket host of 4 x H200 (measured "
+         "2026-11-22: 163)")
+_HBM3 = ("assumption: the device copy measured on H200, 2100 GB/s (HBM3e 4.8 TB/s, 2026-11-22), scaled to HBM3 "
          "3.35 TB/s")
 
 
@@ -148,7 +151,8 @@ class Machine:
 MACHINES: dict[str, Machine] = {
     "h100": Machine("h100", 8, _hopper(390.0, _NV4, 335.0, _BUSY, 1466.0, _HBM3),
                     "8 x H100 SXM on NVSwitch, 400 Gb/s NICs"),
-    "h200": Machine("h200", 8, _hopper(390.0, _NV4, 335.0, _BUSY, 2100.0, "HARDWARE.md: device-local copy 2100"),
+    "h200": Machine("h200", 8, _hopper(390.0, _NV4, 335.0, _BUSY, 2100.0,
+                                       "probe on 4 x H200, 2026-11-22: device-local copy 2100"),
                     "8 x H200 on NVSwitch, 400 Gb/s NICs"),
     "h800": Machine("h800", 8, _hopper(200.0, "H800 SXM spec: NVLink 400 GB/s both ways (FlexLink)", 172.0,
                                        "assumption: H200's all-at-once ratio 335/390 applied to 200", 1466.0, _HBM3,
@@ -157,7 +161,7 @@ MACHINES: dict[str, Machine] = {
     "nimble": Machine("nimble", 4, _hopper(360.0, "NIMBLE: 120 GB/s per directly wired GPU pair, 3 peers; "
                                                   "modelled as one 360 GB/s port per GPU on a switch", 360.0,
                                            "assumption: no all-at-once loss on direct links", 1466.0, _HBM3,
-                                           nic=45.0, nic_src="NIMBLE: one NDR400 NIC 45 GB/s (REFERENCE.md)"),
+                                           nic=45.0, nic_src="NIMBLE (arXiv 2604.00317): one NDR400 NIC 45 GB/s"),
                       "4 x H100 per node, direct links (NIMBLE's node), NDR400 NICs"),
 }
 GPU_KINDS = tuple(MACHINES)

@@ -2,7 +2,8 @@
 
 A preset names its shape (nodes, GPUs per node, `nvswitch` or `mesh` fabric, NICs per node) and
 a set of constants, each an object {value, unit, source}: the source is a spec sheet, a paper's
-figure, our own measurement (HARDWARE.md, bench_results/), or a stated assumption. One set per
+figure, a measurement on the 2 and 4 x H200 machines (device probes of 2026-11-22, or a bench
+run in bench_results/), or a stated assumption. One set per
 testbed; nothing in the simulator changes them per experiment.
 
 Links (capacities in GB/s, per direction):
