@@ -126,6 +126,23 @@ def test_route_cli(tmp_path, capsys):
     assert "4 rows of 4" in capsys.readouterr().err
 
 
+def test_route_cli_runs_the_shipped_example(capsys):
+    """The README's `braid route --matrix examples/route_matrix_4gpu.json --topology h200x4`: the
+    hot demands into GPU 3 take a second path, the quiet ones stay direct."""
+    import pathlib
+
+    from braid.__main__ import main
+    example = pathlib.Path(__file__).resolve().parents[1] / "examples" / "route_matrix_4gpu.json"
+    m = json.loads(example.read_text())
+    assert len(m) == 4 and all(len(row) == 4 and row[i] == 0 for i, row in enumerate(m))
+    assert main(["route", "--matrix", str(example), "--topology", "h200x4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {tuple(map(int, x.split()[:2])): x.split()[3:] for x in lines if x[:1] == " "}
+    assert len(rows) == 12
+    assert all(len(rows[(s, 3)]) > 1 for s in range(3)) and rows[(0, 1)] == ["direct=1.00"]
+    assert any(x.startswith("max link load") for x in lines)
+
+
 # -------------------------------------------------------------------------------------------------
 # wider topologies, the certificate, plan invariants, reuse, the learned size threshold
 # -------------------------------------------------------------------------------------------------
