@@ -306,3 +306,14 @@ def test_own_taper_points_are_every_split_point_of_their_files():
     p = stored[(f, "reduce_scatter", 1 << 30, None)]
     t = load(p["preset"])
     assert simulate_point(t, p).time_us < 0.97 * simulate_point(t, dict(p, ce_taper=False)).time_us
+
+
+def test_sim_own_runs_from_any_folder(tmp_path):
+    """`braid sim own` without --data reads the recorded bench shipped in the package, whatever the
+    working directory (it once read tests/data/... relative to it)."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "braid", "sim", "own"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "# split points within 10%:" in proc.stdout and "No such file" not in proc.stderr
