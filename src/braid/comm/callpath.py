@@ -27,8 +27,9 @@ log = logging.getLogger("braid")
 GLOO_WAIT_STEP = datetime.timedelta(milliseconds=50)   # how often a wait inside gloo looks for aborts
 
 
-# Lane costs before any calibration (HARDWARE.md orders of magnitude; CPU: a guess the
-# calibration replaces). Bandwidth is the op's algorithm bandwidth on that lane alone.
+# Lane costs before any calibration (orders of magnitude from device probes on 4 x H200,
+# 2026-11-22; CPU: a guess the calibration replaces). Bandwidth is the op's algorithm bandwidth on
+# that lane alone.
 DEFAULT_COSTS = {
     "ce": LaneCost(12.0, 360.0), "nccl": LaneCost(10.0, 320.0), "host": LaneCost(30.0, 30.0),
     "gloo": LaneCost(150.0, 1.0), "shm": LaneCost(60.0, 2.0),
