@@ -259,9 +259,10 @@ class Exchange:
         the full path; after a round that missed, that path goes on from this round)."""
         prep = self._prepared
         tk = prep.tickets.get(tkey)
-        if (tk is None or not prep.enabled or self.closed or self.aborted or tk.bal != self.balancer.version or self._pending
+        if (tk is None or not prep.enabled or self.closed or self.aborted or tk.bal != self.balancer.version
+                or self._p2p_pending or (self._pending and tk.op in self._pending)
                 or (self.watchdog is not None and self.watchdog.failed) or _capturing()):
-            return None
+            return None         # queued send/recv go first, a balancer report rides the full path
         word = prep.finish_word(tk.base, inp, tk.lanes)
         seg = self.segment
         try:
