@@ -18,8 +18,14 @@ One split collective call on rank r:
       hit:  run the entry (below)
       miss: the full exchange (JSON descriptors, agreement checks, plan); cache[T] = a new entry
     run:  shares on the copy engines alone (GPU): the entry's CUDA graph, captured at its first
-          call, launched on the ce lane's stream after the caller's stream (a few driver calls);
+          call; a synchronous repeat with no braid work left unjoined launches it on the caller's
+          stream (one driver call), others on the ce lane's stream between two events;
           any other split: each lane posts its part from the kept descriptors and plan (no JSON)
+
+A repeat of a shape whose last call replayed a graph goes from the op's entry straight to the
+round and the launch (a Ticket keyed by the op's own arguments). Measured with 2 ranks sharing one
+H100 (2026-11-25): 19-56 us of host time per repeated call on the copy engines against NCCL's
+23-51 us in the same windows, 260-950 us without the cache.
 
 Every rank reads the same T and its cache holds the same keys (entries are made at the same call
 on every rank, evicted in the same order), so all ranks take the same branch with no further
