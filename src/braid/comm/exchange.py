@@ -20,7 +20,7 @@ from ..planner.plan import Plan, split
 
 from ..lanes import _cuda
 from ..lanes.signals import Flags
-from .prepared import _DONE, Entry, graph_shares, not_capturable
+from .prepared import _DONE, NO_OBS, Entry, graph_shares, not_capturable
 
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 from .routing import _DECLINED, _Cycle
@@ -176,9 +176,7 @@ class Exchange:
             if not whole and self.segment is not None:
                 self._publish()             # peers that wait in the exchange below can read it
         if whole:
-            handle = as_handle(native(self._native_group(shares)), next(iter(shares)))
-            if not self.cuda:
-                handle.waiter = self._wait_gloo
+            handle = self._whole(native, shares)
         elif (peer is None and route is None and not always_exchange and self.segment is not None
               and self._prepared.enabled):
             handle, entry = self._run_prepared(op, desc, inp, outs, movement_of, native, agree_keys, lanes,
@@ -226,7 +224,7 @@ class Exchange:
                                           cls=self._routed.last_cls)
                 self._observe(handle, cycle)
             elif self._native_ok(shares) and native is not None:
-                handle = as_handle(native(self._native_group(shares)), next(iter(shares)))
+                handle = self._whole(native, shares)
                 if cycle is not None:          # a skewed call that routing declined: timed too
                     self._observe(None, cycle)
             else:
@@ -243,6 +241,14 @@ class Exchange:
             return handle
         handle.wait()
         return None
+
+    def _whole(self, native, shares: dict[str, float]) -> Handle:
+        """The native library's own call of the whole op (its group from `shares`); on CPU its
+        wait goes in steps that see a peer's abort (_wait_gloo)."""
+        handle = as_handle(native(self._native_group(shares)), next(iter(shares)))
+        if not self.cuda:
+            handle.waiter = self._wait_gloo
+        return handle
 
     def _note_pending(self, op: str, size: int, agreed: list[str], shares: dict[str, float], handle) -> None:
         """Keep a split call's handle: the next split call reports its lane times to the balancer."""
@@ -266,7 +272,7 @@ class Exchange:
         word = prep.finish_word(tk.base, inp, tk.lanes)
         seg = self.segment
         try:
-            got = seg.read_values(seg.post_values([word, 0, 0, 0, 0, 0, 0]), tk.op)
+            got = seg.read_values(seg.post_values([word, *NO_OBS]), tk.op)
         except (PeerMismatchError, BraidTimeoutError, LaneFailureError) as exc:
             self._give_up(exc)
             raise
@@ -276,7 +282,6 @@ class Exchange:
                 and prep.get(tk.key) is tk.entry):
             self.ncalls += 1
             self.last_call = tk.ledger
-            tk.entry.calls += 1
             handle = prep.launch(tk.entry, self._lanes["ce"].stream, async_op, (inp, *outs))
             self.last_handle = handle
             return handle
@@ -307,22 +312,16 @@ class Exchange:
         if entry is None:
             entry = self._prepare(op, desc, inp, lanes, movement_of, native, agree_keys, device)
             prep.put(key, entry)
-        entry.calls += 1
         if entry.native:
-            handle = as_handle(native(self._native_group(entry.shares)), next(iter(entry.shares)))
-            if not self.cuda:
-                handle.waiter = self._wait_gloo
-            return handle, entry
+            return self._whole(native, entry.shares), entry
         if self.cuda and graph_shares(entry.shares) and (multi is None or emit is not None):
             if not entry.size:              # nothing to move (an empty graph cannot be launched)
                 return _DONE, entry
             if capturing:           # a user's capture: the same program into the caller's stream
-                _, sides = prep._streams()
+                _, sides = prep.streams()
                 self._program(entry, inp, outs, emit)(torch.cuda.current_stream(self.device), sides, [])
                 prep.stats["captured"] += 1
-                done = Handle(plan=entry.plan)
-                done._waited = True
-                return done, entry
+                return _DONE, entry
             if entry.graph is None:
                 prep.capture(entry, self._program(entry, inp, outs, emit))
             if ticket is not None and bal == self.balancer.version:

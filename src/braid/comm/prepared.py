@@ -52,13 +52,12 @@ from .. import envs
 from ..errors import LaneFailureError, MisuseError
 from ..executor import Handle
 from ..lanes import _cuda
-from ..lanes.signals import Flags
 
 log = logging.getLogger("braid")
 
 MASK63 = (1 << 63) - 1
 OBS_LANES = ("ce", "host", "nccl", "gloo", "shm")   # lane times in the round, in this order
-NUM_VALUES = 2 + len(OBS_LANES)                     # word, observation key, lane times
+NO_OBS = (0,) * (1 + len(OBS_LANES))                # the round's values after the word, nothing observed
 EVENT_RING = 16          # end events of async replays (reused in turn)
 
 
@@ -80,14 +79,13 @@ class Entry:
     """One prepared call: what every rank agreed (descriptors, lanes, shares, plan) and, for the
     copy engines alone on GPUs, the captured program."""
 
-    __slots__ = ("descs", "plan", "shares", "agreed", "size", "native", "graph", "exec_ptr", "calls", "keep")
+    __slots__ = ("descs", "plan", "shares", "agreed", "size", "native", "graph", "exec_ptr", "keep")
 
     def __init__(self, descs, plan, shares, agreed, size, native: bool):
         self.descs, self.plan, self.shares, self.agreed, self.size = descs, plan, shares, agreed, size
         self.native = native            # the agreed lanes left the native library alone
         self.graph = None
         self.exec_ptr = 0
-        self.calls = 0
         self.keep: list = []            # events the captured program records (alive with it)
 
 
@@ -169,7 +167,7 @@ class PreparedCalls:
         self._ev_next = 0
         self._dev_index = device.index if cuda else -1
         if cuda and self.enabled:
-            self._streams()         # made now: not inside a user's capture
+            self.streams()          # made now: not inside a user's capture
 
     # the word and the round ----------------------------------------------------------------
     def word_base(self, op: str, desc: dict, inp, outs, lanes: list[str], shares: dict[str, float],
@@ -195,7 +193,7 @@ class PreparedCalls:
         """The previous split call's observation as fixed-width values: a key that is the same
         on every rank for the same bucket and shares (a stable hash), then lane times in 0.1 us."""
         if obs is None or any(k not in OBS_LANES for k in obs[1]):
-            return [0] * (1 + len(OBS_LANES))
+            return list(NO_OBS)
         key = zlib.crc32(repr((obs[0], sorted(obs[1].items()))).encode()) + 1
         return [key] + [max(0, int(round(obs[2].get(k, 0.0) * 10))) for k in OBS_LANES]
 
@@ -236,7 +234,8 @@ class PreparedCalls:
         self.tickets[tkey] = Ticket(base, bal, key, entry, op, ledger, lanes)
 
     # GPU programs ---------------------------------------------------------------------------------
-    def _streams(self):
+    def streams(self):
+        """(capture stream, (reduce stream, gather stream)), made once."""
         if self._cap is None:
             self._cap = torch.cuda.Stream(device=self.device)
             self._sides = (torch.cuda.Stream(device=self.device), torch.cuda.Stream(device=self.device))
@@ -257,7 +256,7 @@ class PreparedCalls:
         on `stream`, joined back into it) as the entry's CUDA graph. Every entry shares one
         memory pool: their replays run one after another on one stream, so a temporary of one
         graph never meets another's."""
-        cap, sides = self._streams()
+        cap, sides = self.streams()
         graph = torch.cuda.CUDAGraph()
         keep: list = []
         with torch.cuda.stream(cap):
@@ -305,9 +304,6 @@ class PreparedCalls:
             if t is not None and t.numel():
                 t.record_stream(stream)
         return PreparedHandle(end, entry.plan, tensors, dev)
-
-    def flags(self, seg_dev_ptr: int, layout) -> Flags:
-        return Flags(seg_dev_ptr, layout)
 
     def close(self) -> None:
         self.entries.clear()
