@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One run on a GPU machine: environment, GPU tests, bench. Usage: bash scripts/device_run.sh STEP...
-# Steps: info | tests | bench2 | bench4 | hot4 | trace2 | trace4 | conformance | hier2 | pack
+# Steps: info | tests | bench2 | bench4 | work2 | work4 | hot4 | trace2 | trace4 | conformance | hier2 | pack
 # Logs and JSON go to $LOGS (default $OUT); `pack` tars $LOGS into $OUT/run.tgz (one file to copy
 # back). bench: BENCH_OP, BENCH_SIZES, BENCH_FACTOR, BENCH_EXTRA (more flags),
-# BENCH_TAG (file-name suffix, default the op).
+# BENCH_TAG (file-name suffix, default the op). work: WORK (default all), WORK_EXTRA, WORK_TAG.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} BRAID_CACHE_DIR=${BRAID_CACHE_DIR:-/tmp/braid_cache}
@@ -19,6 +19,9 @@ for step in "$@"; do
     bench4|bench2) n=${step#bench}; op=${BENCH_OP:-all}; tag=${BENCH_TAG:-$op};
           timeout ${BENCH_TIMEOUT:-240} python3 -m braid bench --op $op --nproc $n --sizes ${BENCH_SIZES:-1M:1G} --factor ${BENCH_FACTOR:-4} --plain \
             ${BENCH_EXTRA:-} --json "$LOGS/bench_h200x${n}_$tag.json" 2>&1 | grep -v Warning | tee "$LOGS/bench${n}_$tag.log" ;;
+    work4|work2) n=${step#work}; w=${WORK:-all}; tag=${WORK_TAG:-$w};
+          timeout ${WORK_TIMEOUT:-240} python3 -m braid bench --workload $w --nproc $n --plain ${WORK_EXTRA:-} \
+            --json "$LOGS/work_x${n}_$tag.json" 2>&1 | grep -v Warning | tee "$LOGS/work${n}_$tag.log" ;;
     hot4) timeout 120 python3 -m braid bench --op all_to_all_single --nproc 4 --hot-bytes 1G --cold-bytes 8M --no-calibrate --plain \
             --json "$LOGS/bench_h200x4_hot.json" 2>&1 | grep -v Warning | tee "$LOGS/hot4.log" ;;
     trace4|trace2) n=${step#trace};

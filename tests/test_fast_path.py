@@ -160,8 +160,8 @@ def _values_worker(rank, w):
 
 
 def _alone_worker(rank, w):
-    """For the reductions, a lane measured faster alone in a size's own bucket replaces the native
-    lane the model keeps there; nowhere else, and not for the other ops."""
+    """A lane measured faster alone in a size's own bucket replaces the native lane the model keeps
+    there, for any op whose table names it; nowhere else."""
     import braid
     comm = braid.init()
     fast = {"latency_us": 5.0, "bw_gbps": 10.0, "floor_us": 5.0}
@@ -179,7 +179,7 @@ def test_a_lane_alone_replaces_the_native_one_only_in_its_measured_bucket():
     (red, other), = run_world(_alone_worker, 1)
     shm, gloo = {"shm": 1.0}, {"gloo": 1.0}
     assert red == [shm, shm, gloo, gloo, gloo]
-    assert other == [gloo] * 5
+    assert other == red
 
 
 def test_calibration_times_the_copy_engines_alone_where_the_model_keeps_nccl(monkeypatch):
@@ -230,9 +230,16 @@ def test_calibration_times_the_copy_engines_alone_where_the_model_keeps_nccl(mon
     sizes = sorted({n for n, _ in timed_at})
     assert sizes == [256 << 20, 1 << 30], sizes
     assert ((1 << 30), ("host", "nccl")) in timed_at          # the model's split still timed at 1 GiB
-    # an op without a lane of its own (all_gather): only where the model splits
+    # a data-movement op: the copy engines alone are timed the same way (a repeated call on them
+    # costs the host what NCCL's does), and win where they measure faster
     timed_at.clear()
-    assert calibrate.split_pays(comm, "all_gather", costs) == {"30": {"nccl": 0.9, "host": 0.1}}
+    assert calibrate.split_pays(comm, "all_gather", costs) == {"28": "ce", "30": "ce"}
+    assert ((1 << 28), ("ce",)) in timed_at and ((1 << 28), ("nccl",)) in timed_at
+    # broadcast beyond 2 ranks (a star from the root): never the copy engines alone
+    timed_at.clear()
+    comm.world_size = 4
+    assert calibrate.split_pays(comm, "broadcast", costs) == {"30": {"nccl": 0.9, "host": 0.1}}
+    assert all(lanes != ("ce",) for _, lanes in timed_at)
 
 
 def test_calibration_balances_the_split_before_timing_it(monkeypatch):
@@ -290,7 +297,7 @@ def test_calibration_balances_the_split_before_timing_it(monkeypatch):
     costs = {"nccl": LaneCost(10.0, 1000.0), "ce": LaneCost(50.0, 1000.0), "host": LaneCost(200.0, 100.0)}
     record: dict = {}
     got = calibrate.split_pays(comm, "reduce_scatter", costs, record=record)
-    assert set(got) == {"24", "26", "28", "30"}
+    assert set(got) == {"20", "22", "24", "26", "28", "30"}
     # the table keeps what was timed: the balanced split and each lane alone, per bucket
     assert record["30"]["split_shares"] == got["30"] and record["30"]["ce"] == 1050.0
     assert record["30"]["nccl"] == 1400.0 and record["30"]["split"] < 1050.0
@@ -322,6 +329,28 @@ def test_shares_for_uses_the_balanced_verdict():
     assert c.shares_for("reduce_scatter", 3 << 29, lanes) == {"ce": 0.92, "host": 0.08}   # nearest bucket
     assert c.shares_for("reduce_scatter", 1 << 28, lanes) == {"ce": 1.0}
     assert c._split_verdict("reduce_scatter", 1 << 26, exact=True) is False
+
+
+def test_a_lane_measured_alone_replaces_nccl_in_its_buckets_and_between_them():
+    """The model keeps NCCL alone for a data-movement op; the calibration measured the copy engines
+    alone faster at 4 and 16 MiB and NCCL at 1 MiB: the copy engines take 4-31 MiB (the 8 MiB
+    bucket lies between two "ce" verdicts), NCCL keeps 1-2 MiB (between "ce" and False) and every
+    size past the last measured bucket."""
+    from braid.comm import Communicator
+    from braid.planner.model import LaneCost
+    c = Communicator.__new__(Communicator)
+    c.world_size, c.cuda, c.adapt, c._fixed, c._share_cache, c.calib_digest = 2, True, False, None, {}, "t"
+    costs = {"nccl": LaneCost(10.0, 320.0), "ce": LaneCost(40.0, 330.0), "host": LaneCost(230.0, 20.0)}
+    c.calib = {"all_gather/2": costs}
+    c.pays = {"all_gather/2": {20: False, 22: "ce", 24: "ce"}}
+    lanes = ["ce", "host", "nccl"]
+    want = {1 << 20: "nccl", 3 << 20: "nccl", 4 << 20: "ce", 8 << 20: "ce", 12 << 20: "ce",
+            16 << 20: "ce", 31 << 20: "ce", 32 << 20: "nccl", 64 << 20: "nccl"}
+    for n, lane in want.items():
+        assert c.split_rule("all_gather", costs, n) == {"nccl": 1.0}, n      # the model alone: NCCL
+        assert c.shares_for("all_gather", n, lanes) == {lane: 1.0}, n
+    # without the copy engines among the lanes (BRAID_LANES), the verdict cannot apply
+    assert c.shares_for("all_gather", 8 << 20, ["host", "nccl"]) == {"nccl": 1.0}
 
 
 def _split_values_worker(rank, w):

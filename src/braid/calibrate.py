@@ -190,11 +190,15 @@ def calibrate_op(comm, op: str, lanes: list[str], sizes=None, iters: int = 5, ro
     return costs
 
 
-PROBE_SIZES_GPU = (16 << 20, 64 << 20, 256 << 20, 1 << 30)
+# Sizes where the split and each lane alone are timed against NCCL's own call. From 1 MiB: a
+# repeated split call on the copy engines costs about NCCL's host time (prepared calls), so the
+# copy engines alone can win from a few MiB (one pull at ~387 GB/s against NCCL's 171-230 GB/s
+# busbw on 2 GPUs), and only a measurement says from where.
+PROBE_SIZES_GPU = (1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30)
 PROBE_SIZES_CPU = (1 << 20, 4 << 20, 16 << 20)
 
 
-ALONE_OPS = ("all_reduce", "reduce_scatter")    # ops where the copy engines alone may replace NCCL
+ALONE_OPS = ("all_reduce", "reduce_scatter")    # CPU-free reductions of the copy engines' own
 # Where the model keeps NCCL alone for one of those ops but puts the copy engines alone within this
 # factor of it, they are timed too: their line is fitted worst near their fixed cost (4 x H200,
 # 2026-11-22: 2-GPU reduce_scatter at 256 MiB modelled 703 us on the copy engines against NCCL's
@@ -202,13 +206,19 @@ ALONE_OPS = ("all_reduce", "reduce_scatter")    # ops where the copy engines alo
 ALONE_CHECK = 1.5
 
 
+def ce_alone_ok(comm, op: str, costs: dict) -> bool:
+    """May the copy engines alone replace the native call for `op`? On GPUs, for every op but a
+    broadcast beyond 2 ranks (braid's broadcast is a star from the root there)."""
+    return "ce" in costs and not (op == "broadcast" and getattr(comm, "world_size", 2) > 2)
+
+
 def split_pays(comm, op: str, costs: dict[str, LaneCost], iters: int | None = None,
                record: dict | None = None) -> dict[str, bool | str | dict]:
-    """Per size bucket (log2 bytes) where the model splits: what measured fastest? True: the
-    split; False: the native lane (NCCL / gloo) alone; a lane name: that lane alone (the copy
-    engines, for the reductions, which run an algorithm of their own). For the reductions also
-    where the model keeps NCCL alone but the copy engines alone come within ALONE_CHECK of it:
-    NCCL alone (False) or the copy engines alone ("ce"). The cost model can be
+    """Per size bucket (log2 bytes) where the model splits or puts a lane alone: what measured
+    fastest? True: the split; False: the native lane (NCCL / gloo) alone; a lane name: that lane
+    alone (the copy engines, `ce_alone_ok`). Also where the model keeps NCCL alone but the copy
+    engines alone come within ALONE_CHECK of it: NCCL alone (False) or the copy engines alone
+    ("ce"). The cost model can be
     wrong near the crossover (run 2: a predicted 5% gain ran 23% slower), and a split's host work
     adds up over its lanes (2 x H200, 256 MiB all_reduce: copy engines + host lane 1.45 ms of
     host time per call, copy engines alone 0.81 ms end to end, NCCL 0.89).
@@ -227,9 +237,9 @@ def split_pays(comm, op: str, costs: dict[str, LaneCost], iters: int | None = No
         return out
     for n in (PROBE_SIZES_GPU if comm.cuda else PROBE_SIZES_CPU):
         shares = comm.split_rule(op, costs, n)
-        alone = [single] + (["ce"] if op in ALONE_OPS and "ce" in costs else [])
-        if len(shares) < 2 and not (len(alone) > 1 and set(shares) == {single}
-                                    and costs["ce"].time_us(n) <= ALONE_CHECK * costs[single].time_us(n)):
+        alone = [single] + (["ce"] if ce_alone_ok(comm, op, costs) else [])
+        near = len(alone) > 1 and costs["ce"].time_us(n) <= ALONE_CHECK * costs[single].time_us(n)
+        if len(shares) < 2 and set(shares) == {single} and not near:
             continue
         load = make(comm, op, n, torch.bfloat16 if comm.cuda else torch.float32)
         cands: list = []

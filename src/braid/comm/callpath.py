@@ -117,9 +117,9 @@ class CallPath:
             shares = self.split_rule(op, costs, nbytes)
             if len(shares) > 1:
                 verdict = self._split_verdict(op, nbytes)
-            elif op in ("all_reduce", "reduce_scatter") and set(shares) <= {"nccl", "gloo"}:
-                # the model keeps NCCL alone: a lane measured faster alone in this very size
-                # bucket (calibrate.ALONE_CHECK) replaces it; nothing else overrides the model
+            elif set(shares) <= {"nccl", "gloo"}:
+                # the model keeps NCCL alone: a lane measured faster alone in this size bucket
+                # (or in both buckets around it) replaces it; nothing else overrides the model
                 verdict = self._split_verdict(op, nbytes, exact=True)
                 verdict = verdict if isinstance(verdict, str) else True
             else:
@@ -144,13 +144,18 @@ class CallPath:
         """The calibration's verdict for the nearest measured size bucket (with `exact`, only this
         size's own bucket): True (nothing measured, or an old table's split), the split's shares as
         balanced there (a dict: the split measured fastest), False (the native lane alone), or the
-        name of the lane that alone measured fastest (`calibrate.split_pays`)."""
+        name of the lane that alone measured fastest (`calibrate.split_pays`; with `exact`, also
+        a lane that measured fastest alone in both buckets around this one)."""
         pays = self.pays.get(f"{op}/{self.world_size}")
         if not pays:
             return True
         b = max(0, int(math.log2(max(nbytes, 1))))
         if exact:
-            return pays.get(b, True)
+            if b in pays:
+                return pays[b]
+            # between two measured buckets that named the same lane alone: that lane
+            below, above = pays.get(b - 1), pays.get(b + 1)
+            return below if isinstance(below, str) and below == above else True
         nearest = min(pays, key=lambda m: (abs(m - b), -m))
         return pays[nearest]
 
