@@ -261,3 +261,17 @@ def test_sizes_in_text_are_binary_units_and_verdicts_name_the_native_library(cap
     assert "# trace: all_gather 16 MiB x 40 calls" in out
     assert "'no' when gloo alone was" in out and "NCCL" not in out
     assert "1MiB=no 4MiB=(gloo=0.40,shm=0.60)" in out
+
+
+def test_other_baselines_are_checked_against_nccls_output():
+    """An alternative whose output differs from NCCL's (or has another shape) fails its check and
+    is reported as failed, not timed; bf16 rounding of a sum in another order passes."""
+    import torch
+    from braid.bench.baselines import _mismatch
+    want = torch.randn(1001, dtype=torch.float32)
+    assert _mismatch(want.clone(), want) == ""
+    assert _mismatch(want.to(torch.bfloat16), want) == ""
+    bad = want.clone()
+    bad[::7] += 10.0
+    assert "143 of 1001 elements differ" in _mismatch(bad, want)
+    assert "shape" in _mismatch(want[:1000], want)

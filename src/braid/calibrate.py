@@ -122,7 +122,11 @@ def time_call_host(comm, fn, iters: int, warmup: int = 1) -> tuple[float, float]
         host = (time.perf_counter() - t0) * 1e6 / iters
         end.record()
         end.synchronize()
-        mine = start.elapsed_time(end) * 1e3 / iters
+        torch.cuda.synchronize(comm.device)
+        wall = (time.perf_counter() - t0) * 1e6 / iters
+        # the events see the caller's stream; work a call left on another stream (a baseline
+        # that returns before its copies end) only the device-wide wait sees
+        mine = max(start.elapsed_time(end) * 1e3 / iters, wall)
     else:
         t0 = time.perf_counter()
         for _ in range(iters):

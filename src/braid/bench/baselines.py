@@ -22,6 +22,17 @@ import torch.distributed as dist
 class Prepared:
     run: Callable[[], object]             # the op on its own buffers
     copy_in: Callable[[], object]         # a user tensor's copy into those buffers
+    check: Callable[[], str]              # "" when its output matches NCCL's on the same input
+
+
+def _mismatch(got: torch.Tensor, want: torch.Tensor) -> str:
+    """"" when `got` matches `want` (reductions to bf16 rounding: the order of the sum may differ)."""
+    if got.shape != want.shape:
+        return f"output shape {tuple(got.shape)}, NCCL's {tuple(want.shape)}"
+    if not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
+        bad = int((~torch.isclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)).sum())
+        return f"{bad} of {want.numel()} elements differ from NCCL's output"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -59,11 +70,25 @@ class Alternative:
         kernel = getattr(torch.ops.symm_mem, self.kernel)
         if self.op == "all_reduce":                   # two_shot in place, one_shot returns a tensor
             run = lambda: kernel(buf, "sum", name)                                      # noqa: E731
+            inplace = self.kernel.endswith("_")
+            out = (lambda: (run(), buf)[1]) if inplace else run                         # noqa: E731
+            want = user.clone()
+            dist.all_reduce(want, group=group)
         elif self.op == "all_gather":                 # returns the gathered tensor
-            run = lambda: kernel(buf, name)                                             # noqa: E731
+            run = out = lambda: kernel(buf, name)                                       # noqa: E731
+            want = torch.empty(n * w, dtype=dtype, device=dev)
+            dist.all_gather_into_tensor(want, user, group=group)
         else:                                         # reduce_scatter: returns this rank's part
-            run = lambda: kernel(buf, "sum", name)                                      # noqa: E731
-        return Prepared(run=run, copy_in=lambda: buf.copy_(user))
+            run = out = lambda: kernel(buf, "sum", name)                                # noqa: E731
+            want = torch.empty(n, dtype=dtype, device=dev)
+            dist.reduce_scatter_tensor(want, user, group=group)
+
+        def check() -> str:
+            buf.copy_(user)
+            got = out()
+            torch.cuda.synchronize(dev)
+            return _mismatch(got.reshape(-1), want)
+        return Prepared(run=run, copy_in=lambda: buf.copy_(user), check=check)
 
 
 # torch's symmetric-memory kernels (SM kernels reading and writing peers' memory over NVLink)
