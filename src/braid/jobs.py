@@ -76,6 +76,7 @@ class Ctx:
     base: object            # the baseline's process group (NCCL or gloo)
     timer: object           # gloo group for the window barriers and the slowest-rank times
     s: dict                 # settings(): width, depth, batch, bucket_mb, tokens, steps, warmup, repeat
+    comm: object = None     # braid's communicator (its prepared calls' counts go into the row)
 
     @property
     def baseline(self) -> str:
@@ -90,7 +91,7 @@ def make_ctx(comm, s: dict) -> Ctx:
     """Collective: every rank makes the two groups in the same order."""
     base = dist.new_group(backend="nccl" if comm.cuda else "gloo")
     timer = dist.new_group(backend="gloo")
-    return Ctx(comm.rank, comm.world_size, comm.cuda, comm.device, getattr(torch, s["dtype"]), base, timer, s)
+    return Ctx(comm.rank, comm.world_size, comm.cuda, comm.device, getattr(torch, s["dtype"]), base, timer, s, comm)
 
 
 @dataclass
@@ -428,7 +429,12 @@ def run_workload(ctx: Ctx, name: str) -> dict:
         dist.all_reduce(t, group=ctx.timer)
         params = int(t.item())
     start = _param_sum(braid.module)
+    prep = getattr(ctx.comm, "_prepared", None)
+    before = dict(prep.stats) if prep is not None else {}
     windows = time_replicas(ctx, reps)
+    # braid's split calls over the run (warm-up and check steps too): built = agreed and planned
+    # anew (a new shape or buffer), hits = taken from the prepared cache, replays = graph launches
+    split_calls = {k: v - before.get(k, 0) for k, v in prep.stats.items()} if prep is not None else {}
     check = agree(ctx, braid, base, start)
     t_braid, t_base = statistics.median(windows["braid"]), statistics.median(windows["baseline"])
     t_floor = statistics.median(windows["floor"]) if "floor" in windows else None
@@ -446,7 +452,7 @@ def run_workload(ctx: Ctx, name: str) -> dict:
            "param_max_rel_diff": check["param_rel"], "loss_tolerance": check["tol"],
            "tensor_tolerance": check["tensor_tol"], "losses_cell": check["cell"],
            "params_moved": check["params_moved"], "losses": torch.stack(braid.losses).float().cpu().tolist(),
-           "windows": windows}
+           "windows": windows, "split_calls": split_calls}
     del reps, braid, base
     gc.collect()
     if ctx.cuda:
@@ -507,6 +513,9 @@ def run(comm, cfg, cuda: bool):
             row.update({k: v for k, v in info.items() if k not in row})
             rows.append(row)
             say(format_row(row))
+            if row.get("split_calls"):
+                say("  " + " " * WIDTHS[0] + "braid's split calls (rank 0): "
+                    + ", ".join(f"{k} {v}" for k, v in row["split_calls"].items()))
             if r0 and cfg.json_path:
                 write_json(cfg.json_path, rows)
     bad = [r["workload"] for r in rows if r.get("losses_equal") is False]
