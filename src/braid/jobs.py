@@ -514,8 +514,10 @@ def run(comm, cfg, cuda: bool):
             rows.append(row)
             say(format_row(row))
             if row.get("split_calls"):
+                sc = row["split_calls"]
                 say("  " + " " * WIDTHS[0] + "braid's split calls (rank 0): "
-                    + ", ".join(f"{k} {v}" for k, v in row["split_calls"].items()))
+                    + ", ".join(f"{k} {v}" for k, v in sc.items() if k != "round_us")
+                    + (f", round of words {sc['round_us'] / sc['hits']:.1f} us per hit" if sc.get("hits") else ""))
             if r0 and cfg.json_path:
                 write_json(cfg.json_path, rows)
     bad = [r["workload"] for r in rows if r.get("losses_equal") is False]

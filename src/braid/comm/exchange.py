@@ -271,11 +271,14 @@ class Exchange:
             return None         # queued send/recv go first, a balancer report rides the full path
         word = prep.finish_word(tk.base, inp, tk.lanes)
         seg = self.segment
+        t0 = time.perf_counter()
         try:
             got = seg.read_values(seg.post_values([word, *NO_OBS]), tk.op)
         except (PeerMismatchError, BraidTimeoutError, LaneFailureError) as exc:
             self._give_up(exc)
             raise
+        # the round's host time (this rank's post and read, and its wait for the last peer's word)
+        prep.stats["round_us"] += (time.perf_counter() - t0) * 1e6
         # a hit only where the cache would hit (and with the same least-recently-used update), so
         # every rank's cache keeps the same keys whichever way its calls came in
         if (len(got) == len(tk.key) and all(g[0] == k for g, k in zip(got, tk.key))

@@ -157,7 +157,7 @@ class PreparedCalls:
         # caller's stream has not waited for: a synchronous replay then forks and joins instead of
         # launching on the caller's stream (two programs on the same flags must never overlap)
         self.dirty = False
-        self.stats = {"built": 0, "hits": 0, "graphs": 0, "replays": 0, "captured": 0}
+        self.stats = {"built": 0, "hits": 0, "graphs": 0, "replays": 0, "captured": 0, "round_us": 0.0}
         self._pool = None
         self._cap = None            # the capture stream and two side streams (reductions)
         self._anchor = None
