@@ -152,6 +152,11 @@ _define("BRAID_PREPARED", _bool, True,
         "a few words between ranks; on the copy engines alone, one CUDA graph launch); 0: every split "
         "call exchanges descriptors and posts its lanes from scratch (for comparison). Must be the "
         "same on every rank.")
+_define("BRAID_LEARN_SPLIT", _bool, True,
+        "1 (default): an asynchronous call (the backend's, DDP's, FSDP2's) of a shape the calibration "
+        "splits is tried in the job itself, split and whole by turns (48 calls each, again every "
+        "4096), and the shape keeps whichever kept the job's pace; synchronous calls keep the "
+        "calibration's verdict. 0: the calibration alone decides. Must be the same on every rank.")
 _define("BRAID_PREPARED_MAX", _positive_int, 64,
         "Prepared calls a communicator keeps (least recently used go first); each holds its agreed "
         "descriptors and plan, and on the copy engines alone a CUDA graph.")

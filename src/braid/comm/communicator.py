@@ -73,6 +73,12 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         self._lanes = self.lane_ctx.lanes = self._make_lanes()
         from .prepared import PreparedCalls
         self._prepared = PreparedCalls(self.rank, self.world_size, self.device, self.cuda)
+        from .arbiter import Arbiter
+        seg = self.segment
+        # the trials of whole against split are agreed through the node segment: one node only
+        self._arbiter = Arbiter(lambda values: seg.exchange_values(values, "whole-or-split trial"),
+                                enabled=bool(envs.get("BRAID_LEARN_SPLIT")) and seg is not None
+                                and self.cuda and self.world_size > 1 and self.single_node)
         self.watchdog = None
         if self.segment is not None:
             me = weakref.ref(self)        # the segment and the watchdog must not keep self alive
@@ -281,7 +287,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
                 ent = self._fast_put(self._fast_ag, n, (dt, output.numel()), dt is output.dtype
                                      and output.numel() == n * self.world_size
                                      and self._native_for(op, n * input.element_size()))
-            if ent[-1]:
+            if ent[-1] or (async_op and self.cuda and dt is output.dtype and output.numel() == n * self.world_size
+                           and self._arbiter.whole(("ag", n, dt))):
                 return self._native_fast("_allgather_base", (output, input), "allgather", async_op, fallback=lambda a:
                                          dist.all_gather_into_tensor(output, input, group=self._fast_group, async_op=a))
             if self.cuda:
@@ -337,7 +344,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
             if ent is None or ent[0] is not dt or ent[1] != src:
                 ent = self._fast_put(self._fast_bc, n, (dt, src), 0 <= src < self.world_size
                                      and self._native_for(op, n * tensor.element_size()))
-            if ent[-1]:
+            if ent[-1] or (async_op and self.cuda and 0 <= src < self.world_size
+                           and self._arbiter.whole(("bc", n, dt, src))):
                 return self._native_fast("broadcast", ([tensor],), "broadcast", async_op, root=src, fallback=lambda a:
                                          dist.broadcast(tensor, group_src=src, group=self._fast_group, async_op=a))
             if self.cuda:
