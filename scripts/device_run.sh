@@ -18,15 +18,15 @@ for step in "$@"; do
     tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/gpu -q -x ${TEST_ARGS:-} 2>&1 | tee "$LOGS/gpu_tests${TEST_TAG:-}.log" | tail -30 ;;
     bench4|bench2) n=${step#bench}; op=${BENCH_OP:-all}; tag=${BENCH_TAG:-$op};
           timeout ${BENCH_TIMEOUT:-240} python3 -m braid bench --op $op --nproc $n --sizes ${BENCH_SIZES:-1M:1G} --factor ${BENCH_FACTOR:-4} --plain \
-            ${BENCH_EXTRA:-} --json "$LOGS/bench_h200x${n}_$tag.json" 2>&1 | grep -v Warning | tee "$LOGS/bench${n}_$tag.log" ;;
+            ${BENCH_EXTRA:-} --json "$LOGS/bench_x${n}_$tag.json" 2>&1 | grep -v Warning | tee "$LOGS/bench${n}_$tag.log" ;;
     work4|work2) n=${step#work}; w=${WORK:-all}; tag=${WORK_TAG:-$w};
           timeout ${WORK_TIMEOUT:-240} python3 -m braid bench --workload $w --nproc $n --plain ${WORK_EXTRA:-} \
             --json "$LOGS/work_x${n}_$tag.json" 2>&1 | grep -v Warning | tee "$LOGS/work${n}_$tag.log" ;;
     hot4) timeout 120 python3 -m braid bench --op all_to_all_single --nproc 4 --hot-bytes 1G --cold-bytes 8M --no-calibrate --plain \
-            --json "$LOGS/bench_h200x4_hot.json" 2>&1 | grep -v Warning | tee "$LOGS/hot4.log" ;;
+            --json "$LOGS/bench_x4_hot.json" 2>&1 | grep -v Warning | tee "$LOGS/hot4.log" ;;
     trace4|trace2) n=${step#trace};
           timeout 200 python3 -m braid bench --op ${TRACE_OP:-all_gather} --nproc $n --sizes 1G:1G --trace 40 --slow ${TRACE_SLOW:-host=4@10:25} \
-            --no-calibrate --json "$LOGS/trace_h200x${n}.json" --plot "$LOGS/trace_h200x${n}.png" 2>&1 | grep -v Warning | tee "$LOGS/trace$n.log" ;;
+            --no-calibrate --json "$LOGS/trace_x${n}.json" --plot "$LOGS/trace_x${n}.png" 2>&1 | grep -v Warning | tee "$LOGS/trace$n.log" ;;
     conformance) timeout ${CONF_TIMEOUT:-500} python3 tests/conformance/runner.py --compare --device cuda \
             --pairs ${CONF_PAIRS:-nccl,braid} 2>&1 | tee "$LOGS/conformance_cuda.log" | tail -40 ;;
     hier2) BRAID_FAKE_NODES=2 BRAID_HIER=1 timeout ${BENCH_TIMEOUT:-240} python3 -m braid bench --op ${BENCH_OP:-all_reduce} \
