@@ -152,6 +152,11 @@ _define("BRAID_PREPARED", _bool, True,
         "a few words between ranks; on the copy engines alone, one CUDA graph launch); 0: every split "
         "call exchanges descriptors and posts its lanes from scratch (for comparison). Must be the "
         "same on every rank.")
+_define("BRAID_CPU_SHM", _bool, True,
+        "1 (default): on a CPU communicator whose ranks share one host, all_reduce, reduce_scatter, "
+        "all_gather and broadcast of contiguous tensors run whole through the node's shared memory "
+        "(no gloo, no lanes); 0: the calibration's split over the shm and gloo lanes, or gloo whole. "
+        "Explicit shares (fixed_shares, --shares) always run the lanes. Must be the same on every rank.")
 _define("BRAID_LEARN_SPLIT", _bool, True,
         "1 (default): an asynchronous call (the backend's, DDP's, FSDP2's) of a shape the calibration "
         "splits is tried in the job itself, split and whole by turns (48 calls each, again every "

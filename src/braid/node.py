@@ -91,6 +91,8 @@ class Layout:
                  # replay-safe flags of prepared calls (lanes/signals.py): one per ordered pair of
                  # ranks (and piece, for the reductions' pieces); 0 at rest, the waiter resets
                  ("flag_ready", n * n), ("flag_done", n * n), ("flag_piece", n * n * MAX_PIECES),
+                 # rounds of the CPU communicators' whole calls through the segment (comm/cpushm.py)
+                 ("cpu_ready", n),
                  ("pid", n), ("abort", n)]
         self.counter_base: dict[str, int] = {}
         idx = 0

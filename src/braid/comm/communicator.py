@@ -32,7 +32,7 @@ from .p2p import PendingP2P
 log = logging.getLogger("braid")
 
 from ..lanes.base import LaneContext
-from .callpath import CallPath, _NATIVE_DONE, _backend_of
+from .callpath import CallPath, _NATIVE_DONE, _NativeDone, _backend_of
 from .exchange import Exchange
 from .ledger import Ledger, _Watchdog, _call
 from .p2p import PointToPoint
@@ -79,6 +79,13 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         self._arbiter = Arbiter(lambda values: seg.exchange_values(values, "whole-or-split trial"),
                                 enabled=bool(envs.get("BRAID_LEARN_SPLIT")) and seg is not None
                                 and self.cuda and self.world_size > 1 and self.single_node)
+        self._cpu = None            # whole CPU calls through the segment (comm/cpushm.py)
+        self._cpu_done = _NativeDone("shm")
+        if (not self.cuda and seg is not None and self.world_size > 1 and self.single_node
+                and envs.get("BRAID_CPU_SHM")):
+            from .cpushm import CpuShm
+            cpu = CpuShm(seg, self.layout, self.segment_tensor, self.rank, self.world_size)
+            self._cpu = cpu if cpu.ok and cpu.data >= 4096 else None
         self.watchdog = None
         if self.segment is not None:
             me = weakref.ref(self)        # the segment and the watchdog must not keep self alive
@@ -274,9 +281,37 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         self.lane_ctx.slowdown = dict(value)
 
     # ops ----------------------------------------------------------------------------------------
+    # whole CPU calls through the segment -----------------------------------------------------------
+    def _cpu_ok(self, *tensors) -> bool:
+        """This call may run whole through the segment: a CPU communicator with that path, no
+        explicit shares, plain contiguous CPU tensors."""
+        if self._cpu is None or self._fixed is not None or self.check:
+            return False
+        for t in tensors:
+            if type(t) is not torch.Tensor or t.is_cuda or not t.is_contiguous() or t.layout is not torch.strided:
+                return False
+        return True
+
+    def _cpu_call(self, op: str, x: torch.Tensor, run, async_op: bool):
+        """Run `run()` (a CpuShm op) as this communicator's call: open, pending sends/recvs and
+        the shm lane's earlier async calls first (they share the segment), in the ledger."""
+        self._check_open()
+        if self._p2p_pending:
+            self._flush_p2p()
+        for lane_run in list(getattr(self._lanes.get("shm"), "_last", {}).values()):
+            if lane_run.thread is not None:
+                lane_run.thread.join()
+        self._enter(op, x, "shm")
+        run()
+        self.last_handle = self._cpu_done
+        return self._cpu_done if async_op else None
+
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         op = "all_gather"
         tkey = None
+        if (self._cpu is not None and self._cpu_ok(output, input) and input.dtype is output.dtype
+                and output.numel() == input.numel() * self.world_size):
+            return self._cpu_call(op, input, lambda: self._cpu.all_gather(output, input.detach()), async_op)
         if getattr(input, "requires_grad", False):
             input = input.detach()     # read only: the native library's copies of it stay out of autograd
         if (type(input) is torch.Tensor and type(output) is torch.Tensor and input.is_cuda is self.cuda
@@ -338,6 +373,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         op = "broadcast"
         tkey = None
+        if self._cpu is not None and self._cpu_ok(tensor) and type(src) is int and 0 <= src < self.world_size:
+            return self._cpu_call(op, tensor, lambda: self._cpu.broadcast(tensor, src), async_op)
         if type(tensor) is torch.Tensor and type(src) is int and tensor.is_cuda is self.cuda and tensor.is_contiguous():
             n, dt = tensor.numel(), tensor.dtype
             ent = self._fast_bc.get(n)
@@ -412,6 +449,9 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self._prepared.close()
+        if self._cpu is not None:
+            self._cpu.close()       # its views of the segment go before the segment does
+            self._cpu = None
         for lane in self._lanes.values():
             lane.close()
         if self._ce_red is not None:

@@ -91,6 +91,8 @@ class Reductions:
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
         """In place, like torch.distributed.all_reduce."""
         tkey = None
+        if self._cpu is not None and self._cpu_ok(tensor) and (red := self._cpu_reduction(op, tensor.dtype)):
+            return self._cpu_call("all_reduce", tensor, lambda: self._cpu.all_reduce(tensor, *red), async_op)
         if type(op) is _RED_T and type(tensor) is torch.Tensor and tensor.is_cuda is self.cuda and tensor.is_contiguous():
             n, dt = tensor.numel(), tensor.dtype
             ent = self._fast_ar.get(n)
@@ -113,6 +115,11 @@ class Reductions:
                               async_op: bool = False):
         """output (numel m) = reduction over ranks of input[rank*m:(rank+1)*m]."""
         tkey = None
+        if (self._cpu is not None and self._cpu_ok(output, input) and input.dtype is output.dtype
+                and input.numel() == output.numel() * self.world_size
+                and (red := self._cpu_reduction(op, output.dtype))):
+            return self._cpu_call("reduce_scatter", input,
+                                  lambda: self._cpu.reduce_scatter(output, input.detach(), *red), async_op)
         if getattr(input, "requires_grad", False):
             input = input.detach()     # read only: the native library's copies of it stay out of autograd
         if (type(op) is _RED_T and type(input) is torch.Tensor and type(output) is torch.Tensor and input.is_cuda is self.cuda
@@ -161,6 +168,18 @@ class Reductions:
         return self._reduction("reduce", tensor, tensor, op, dst, async_op)
 
     @torch.no_grad()
+    def _cpu_reduction(self, op, dtype) -> tuple[str, float] | None:
+        """(name, factor) where the segment's whole call reduces this op and dtype; None: the
+        full path (which also explains what braid cannot reduce)."""
+        red = self._cpu.reduction(op)
+        if red is None:
+            return None
+        try:
+            check_reduce_dtype(dtype, red[0], "all_reduce")
+        except MisuseError:
+            return None
+        return red
+
     def _reduction(self, opname: str, output, input, op, root, async_op, tkey=None):
         """Every reducing op's full path: check the call, then the native library whole or a
         split (_reduce_split)."""

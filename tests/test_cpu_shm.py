@@ -1,0 +1,276 @@
+"""Whole CPU collectives through the node segment (braid.comm.cpushm): every op, dtype and
+reduction against references built from every rank's inputs, odd, zero and multi-chunk sizes,
+the same bits on every rank, a disagreement and a dead peer raising on time, the lanes still
+taken under explicit shares or with BRAID_CPU_SHM=0."""
+import os
+import time
+
+import pytest
+import torch
+
+from conftest import run_world
+
+RED_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+              torch.int32, torch.int64, torch.bool]
+MOVE_DTYPES = RED_DTYPES + [torch.complex64]
+# the ring area is 2 MiB per rank in the tests (conftest): 300,001 float32 elements take 3 chunks
+SIZES = [0, 1, 7, 4099, 300_001]
+FLOAT_OPS = ["sum", "avg", "product", "min", "max", "premul_sum"]
+INT_OPS = ["sum", "avg", "product", "min", "max", "band", "bor", "bxor"]
+BOOL_OPS = ["sum", "product", "min", "max", "band", "bor", "bxor"]
+
+
+def data(rank, n, dtype, salt):
+    """Rank `rank`'s input: fresh random values (never zeros), the same wherever it is rebuilt."""
+    g = torch.Generator().manual_seed(1_000_003 * rank + 7919 * n + salt)
+    if dtype is torch.bool:
+        return torch.rand(n, generator=g) > 0.5
+    if dtype.is_floating_point:
+        return ((torch.rand(n, generator=g, dtype=torch.float64) - 0.3) * 4).to(dtype)
+    if dtype.is_complex:
+        return torch.randn(n, generator=g, dtype=dtype)
+    lo, hi = (0, 256) if dtype is torch.uint8 else (-100, 100) if dtype is torch.int8 else (-10**6, 10**6)
+    return torch.randint(lo, hi, (n,), generator=g, dtype=torch.int64).to(dtype)
+
+
+def reference(xs, name, factor):
+    """The reduction of every rank's input: floats in float64 (checked with a tolerance), integers
+    and bools in their own type (exact: wrap-around sums are order-free)."""
+    dt = xs[0].dtype
+    if dt.is_floating_point:
+        s = torch.stack([x.double() for x in xs])
+        if name in ("sum", "avg", "premul_sum"):
+            out = s.sum(0) * (factor if name == "premul_sum" else 1.0)
+            return out / len(xs) if name == "avg" else out
+        return {"product": lambda: s.prod(0), "min": lambda: s.min(0).values, "max": lambda: s.max(0).values}[name]()
+    acc = xs[0].clone()
+    for x in xs[1:]:
+        if dt is torch.bool:
+            acc = {"sum": acc | x, "max": acc | x, "bor": acc | x, "product": acc & x, "min": acc & x,
+                   "band": acc & x, "bxor": acc ^ x}[name]
+        else:
+            acc = {"sum": acc + x, "avg": acc + x, "product": acc * x, "min": torch.minimum(acc, x),
+                   "max": torch.maximum(acc, x), "band": acc & x, "bor": acc | x, "bxor": acc ^ x}[name]
+    if name == "avg":
+        acc = torch.div(acc, len(xs), rounding_mode="trunc")
+    return acc
+
+
+def close(got, want, xs, name):
+    if not got.dtype.is_floating_point:
+        return torch.equal(got, want)
+    if got.numel() == 0:
+        return True
+    # bf16/fp16 round each partial result; bound by the magnitude of what was summed
+    eps = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-6, torch.float64: 1e-12}[got.dtype]
+    if name == "product":
+        scale = torch.stack([x.double().abs() for x in xs]).prod(0) * len(xs)
+    else:
+        scale = torch.stack([x.double().abs() for x in xs]).sum(0)
+    # half precision: results near zero round on the subnormal grid (absolute, not relative)
+    return bool(((got.double() - want).abs() <= 4 * eps * scale + torch.finfo(got.dtype).tiny).all())
+
+
+def _ops_worker(rank, w):
+    import torch.distributed as dist
+    import braid
+    comm = braid.init()
+    bad, bits = [], []
+
+    def note(what, ok, t):
+        if not ok:
+            bad.append(what)
+        if comm.last_call[-1] != "shm" or comm.last_handle.shares != {"shm": 1.0}:
+            bad.append(f"{what}: did not run whole through the segment ({comm.last_handle})")
+        if not what.startswith("reduce_scatter"):     # each rank's own part: not alike across ranks
+            bits.append((what, t.contiguous().view(-1).view(torch.uint8).clone() if t.numel() else t))
+
+    for n in SIZES:
+        for dt in RED_DTYPES:
+            ops = BOOL_OPS if dt is torch.bool else FLOAT_OPS if dt.is_floating_point else INT_OPS
+            for k, name in enumerate(ops):
+                factor = 0.37 if name == "premul_sum" else 1.0
+                op = braid.PremulSum(factor) if name == "premul_sum" else name
+                xs = [data(r, n, dt, k) for r in range(w)]
+                want = reference(xs, name, factor)
+                t = xs[rank].clone()
+                comm.all_reduce(t, op=op)
+                note(f"all_reduce {name} {dt} n={n}", close(t, want, xs, name), t)
+                m = n // w
+                if m:
+                    ins = [x[: m * w] for x in xs]
+                    out = torch.empty(m, dtype=dt)
+                    comm.reduce_scatter_tensor(out, ins[rank].clone(), op=op)
+                    part = [x[rank * m:(rank + 1) * m] for x in ins]
+                    note(f"reduce_scatter {name} {dt} n={n}", close(out, reference(part, name, factor), part, name), out)
+        for dt in MOVE_DTYPES:
+            xs = [data(r, n, dt, 99) for r in range(w)]
+            out = torch.empty(n * w, dtype=dt)
+            comm.all_gather_into_tensor(out, xs[rank])
+            note(f"all_gather {dt} n={n}", torch.equal(out, torch.cat(xs)), out)
+            for root in {0, w - 1}:
+                t = xs[rank].clone()
+                comm.broadcast(t, root)
+                note(f"broadcast root {root} {dt} n={n}", torch.equal(t, xs[root]), t)
+    # async calls return a finished handle; many calls back to back with changing sizes
+    for i in range(200):
+        n = (i * 7919) % 70_001
+        t = data(rank, n, torch.float32, i)
+        h = comm.all_reduce(t, async_op=True)
+        h.wait()
+        want = reference([data(r, n, torch.float32, i) for r in range(w)], "sum", 1.0)
+        if not close(t, want, [data(r, n, torch.float32, i) for r in range(w)], "sum"):
+            bad.append(f"back to back {i} n={n}")
+    # every rank holds the same bits of every reduction
+    digests = [(what, int(b.sum().item()) if b.numel() else 0, b.numel()) for what, b in bits]
+    every = [None] * w
+    dist.all_gather_object(every, digests, group=comm.gloo_group)
+    for e in every:
+        diff = [a[0] for a, b in zip(digests, e) if a != b]
+        if diff:
+            bad.append(f"ranks differ in their results: {diff[:3]} ({len(diff)} results)")
+    braid.close()
+    return bad
+
+
+@pytest.mark.parametrize("w", [2, 3, 4])
+def test_every_op_dtype_and_reduction(w):
+    for bad in run_world(_ops_worker, w, timeout=300):
+        assert bad == []
+
+
+def _eight_worker(rank, w):
+    import braid
+    comm = braid.init()
+    bad = []
+    for n in (1, 1000, 300_001):
+        xs = [data(r, n, torch.float32, 5) for r in range(w)]
+        t = xs[rank].clone()
+        comm.all_reduce(t)
+        if not close(t, reference(xs, "sum", 1.0), xs, "sum"):
+            bad.append(n)
+        out = torch.empty(n * w)
+        comm.all_gather_into_tensor(out, xs[rank])
+        if not torch.equal(out, torch.cat(xs)):
+            bad.append(("ag", n))
+    braid.close()
+    return bad
+
+
+def test_eight_ranks():
+    for bad in run_world(_eight_worker, 8, timeout=300):
+        assert bad == []
+
+
+def _mismatch_worker(rank, w):
+    import braid
+    from braid.errors import PeerMismatchError
+    comm = braid.init()
+    t = torch.ones(10 + rank)
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(t)
+        raised = None
+    except PeerMismatchError as e:
+        raised = str(e)
+    took = time.monotonic() - t0
+    t = torch.full((5,), float(rank + 1))
+    comm.all_reduce(t)             # the communicator stays usable
+    braid.close()
+    return raised, took, t.tolist()
+
+
+def test_a_disagreement_raises_on_every_rank():
+    for raised, took, after in run_world(_mismatch_worker, 2):
+        assert raised is not None and "different calls" in raised and "rank 1: all_reduce of 44 bytes" in raised
+        assert took < 5
+        assert after == [3.0] * 5
+
+
+def _dead_peer_worker(rank, w):
+    import braid
+    comm = braid.init()
+    comm.all_reduce(torch.ones(4))
+    if rank == 1:
+        os._exit(3)
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(4))
+        return "no error", 0.0
+    except Exception as e:       # noqa: BLE001  the type and the time are checked
+        return type(e).__name__, time.monotonic() - t0
+
+
+def test_a_dead_peer_raises_in_time():
+    res = run_world(_dead_peer_worker, 2, env={"BRAID_TIMEOUT_S": "20"}, allowed_exit={1: 3})
+    name, took = res[0]
+    assert name in ("LaneFailureError", "BraidTimeoutError"), name
+    assert took < 20
+
+
+def _lanes_worker(rank, w):
+    import braid
+    comm = braid.init()
+    out = []
+    t = torch.ones(1000)
+    comm.all_reduce(t)
+    out.append(comm.last_call[-1])
+    with comm.fixed_shares({"shm": 0.5, "gloo": 0.5}):
+        t = torch.ones(1000)
+        comm.all_reduce(t)
+        out.append(sorted(comm.last_handle.shares))
+    out.append(t[:3].tolist())
+    braid.close()
+    return out
+
+
+def test_explicit_shares_and_the_setting_keep_the_lanes():
+    for shares, fixed, vals in run_world(_lanes_worker, 2):
+        assert shares == "shm" and fixed == ["gloo", "shm"] and vals == [2.0] * 3
+    for path, fixed, vals in run_world(_lanes_worker, 2, env={"BRAID_CPU_SHM": "0"}):
+        assert path != "shm" and fixed == ["gloo", "shm"] and vals == [2.0] * 3
+
+
+def _backend_worker(rank, w):
+    import datetime
+    import torch.distributed as dist
+    import braid  # noqa: F401  registers the backend
+    dist.init_process_group("braid", rank=rank, world_size=w, timeout=datetime.timedelta(seconds=60))
+    bad = []
+    x = data(rank, 5003, torch.float32, 1)
+    xs = [data(r, 5003, torch.float32, 1) for r in range(w)]
+    comm = braid.init()             # the backend's communicator
+    t = x.clone()
+    for _ in range(3):              # repeats take the same path (no forwarding to gloo)
+        t = x.clone()
+        dist.all_reduce(t)
+        if comm.last_call[-1] != "shm":
+            bad.append(f"all_reduce ran {comm.last_call}")
+    if not close(t, reference(xs, "sum", 1.0), xs, "sum"):
+        bad.append("all_reduce")
+    out = torch.empty(5003 * w)
+    for _ in range(3):
+        dist.all_gather_into_tensor(out, x)
+        if comm.last_call[-1] != "shm":
+            bad.append(f"all_gather_into_tensor ran {comm.last_call}")
+    if not torch.equal(out, torch.cat(xs)):
+        bad.append("all_gather_into_tensor")
+    m = 5003 // w
+    rs = torch.empty(m)
+    dist.reduce_scatter_tensor(rs, x[: m * w].clone())
+    part = [y[rank * m:(rank + 1) * m] for y in xs]
+    if not close(rs, reference(part, "sum", 1.0), part, "sum"):
+        bad.append("reduce_scatter_tensor")
+    b = x.clone()
+    dist.broadcast(b, src=1)
+    if not torch.equal(b, xs[1]):
+        bad.append("broadcast")
+    work = dist.all_reduce(t, async_op=True)
+    work.wait()
+    dist.destroy_process_group()
+    return bad
+
+
+def test_under_the_braid_backend():
+    for bad in run_world(_backend_worker, 3, init_pg=False):
+        assert bad == []
