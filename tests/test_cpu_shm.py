@@ -82,8 +82,15 @@ def _ops_worker(rank, w):
             bad.append(what)
         if comm.last_call[-1] != "shm" or comm.last_handle.shares != {"shm": 1.0}:
             bad.append(f"{what}: did not run whole through the segment ({comm.last_handle})")
-        if not what.startswith("reduce_scatter"):     # each rank's own part: not alike across ranks
+        if not what.startswith("reduce"):     # reduce_scatter, reduce: not alike across ranks
             bits.append((what, t.contiguous().view(-1).view(torch.uint8).clone() if t.numel() else t))
+
+    def what_ok(what, ok):
+        if not ok:
+            bad.append(what)
+        if comm.last_call[-1] != "shm":
+            bad.append(f"{what}: did not run whole through the segment")
+        return ok
 
     for n in SIZES:
         for dt in RED_DTYPES:
@@ -103,7 +110,21 @@ def _ops_worker(rank, w):
                     comm.reduce_scatter_tensor(out, ins[rank].clone(), op=op)
                     part = [x[rank * m:(rank + 1) * m] for x in ins]
                     note(f"reduce_scatter {name} {dt} n={n}", close(out, reference(part, name, factor), part, name), out)
+        for dt in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
+            for root in {0, w - 1}:
+                for name in ("sum", "max"):
+                    xs = [data(r, n, dt, 55 + root) for r in range(w)]
+                    t = xs[rank].clone()
+                    comm.reduce(t, root, op=name)
+                    want = reference(xs, name, 1.0) if rank == root else xs[rank]
+                    note(f"reduce root {root} {name} {dt} n={n}", close(t, want, xs, name), t if rank == root else t[:0])
         for dt in MOVE_DTYPES:
+            xs = [data(r, n * w, dt, 77) for r in range(w)]
+            out = torch.empty(n * w, dtype=dt)
+            comm.all_to_all_single(out, xs[rank])
+            want = torch.cat([x.view(w, n)[rank] for x in xs])
+            if not what_ok(f"all_to_all n={n} {dt}", torch.equal(out, want)):
+                pass
             xs = [data(r, n, dt, 99) for r in range(w)]
             out = torch.empty(n * w, dtype=dt)
             comm.all_gather_into_tensor(out, xs[rank])
@@ -265,6 +286,10 @@ def _backend_worker(rank, w):
     dist.broadcast(b, src=1)
     if not torch.equal(b, xs[1]):
         bad.append("broadcast")
+    calls = comm.ncalls
+    dist.barrier()
+    if comm.ncalls != calls + 1 or comm.last_call[0] != "barrier":
+        bad.append(f"barrier ran {comm.last_call}")
     work = dist.all_reduce(t, async_op=True)
     work.wait()
     dist.destroy_process_group()

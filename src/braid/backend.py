@@ -33,6 +33,7 @@ from .collectives.reduce import REDUCE_DTYPES, PremulSum, check_reduce_dtype, di
 
 NAME = "braid"
 log = logging.getLogger("braid")
+_EMPTY = torch.empty(0, dtype=torch.uint8)      # the ledger's tensor of a barrier
 
 
 def _plain_op(op):
@@ -473,7 +474,7 @@ class BraidProcessGroup(dist.ProcessGroup):
         return self._forward("recv_anysource", tensors, tag)
 
     def barrier(self, opts=None):
-        """On the inner gloo group (CPU). With braid's GPU lanes the current stream is drained
+        """One round through the node segment on CPU ranks of one host, else on the inner gloo group. With braid's GPU lanes the current stream is drained
         first, so work queued before the barrier has finished, as after NCCL's barrier."""
         if profiler_on() and not self._recording:
             return self._recorded("barrier", (), self.barrier, opts)
@@ -481,6 +482,10 @@ class BraidProcessGroup(dist.ProcessGroup):
         comm = self._comm
         if comm is not None and getattr(comm, "cuda", False) and not comm.closed:
             torch.cuda.current_stream().synchronize()
+        if comm is not None and not comm.closed and getattr(comm, "_cpu", None) is not None:
+            # CPU ranks of one host: one round of stamps through the node segment
+            comm._cpu_call("barrier", _EMPTY, comm._cpu.barrier, False)
+            return _finished()
         bo = dist.BarrierOptions()
         timeout = getattr(opts, "timeout", None)
         if timeout is not None:

@@ -40,7 +40,8 @@ from ..errors import MisuseError, PeerMismatchError
 HEADER = 64                 # bytes before each half's data: the round's header
 SMALL_REDUCE = 256 << 10    # all_reduce chunks up to this size: one round, every rank reduces all
 YIELD_S = 0.05              # a wait spins (yielding the core) this long before it sleeps
-_OPS = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3, "broadcast": 4}
+_OPS = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3, "broadcast": 4, "reduce": 5,
+        "all_to_all_single": 6, "barrier": 7}
 _NAMES = {"sum": 1, "avg": 2, "product": 3, "min": 4, "max": 5, "band": 6, "bor": 7, "bxor": 8, "premul_sum": 9}
 _DTYPES: dict = {}
 _RED_T = type(dist.ReduceOp.SUM)
@@ -174,30 +175,54 @@ class CpuShm:
             _PLAIN[op] = red
         return red
 
-    def all_reduce(self, t: torch.Tensor, name: str, factor: float) -> None:
+    def all_reduce(self, t: torch.Tensor, name: str, factor: float, root: int | None = None) -> None:
+        """In place; with `root`, a reduce: only rank `root` writes the result (the others'
+        tensors stay as they were)."""
         flat = t.view(-1)
-        name = check_reduce_dtype(t.dtype, name, "all_reduce")
+        op = "all_reduce" if root is None else "reduce"
+        name = check_reduce_dtype(t.dtype, name, op)
         dt, n = t.dtype, flat.numel()
         esz = self.esz(dt)
         cap = self.data // esz
-        code = _NAMES[name]
+        code = _NAMES[name] + (0 if root is None else 100 * (root + 1))
+        lands = root is None or root == self.rank
         with _writing(t):
             for start in range(0, max(n, 1), cap):
                 c = min(cap, n - start)
                 p = (self.seq + 1) & 1
                 self._mine(p, dt, 0, c).copy_(flat[start: start + c])
-                self._round("all_reduce", n * esz, dt, code)
+                self._round(op, n * esz, dt, code)
                 if c * esz <= SMALL_REDUCE:
-                    reduce_slots(self._rows(p, dt, 0, c), self.world, name, flat[start: start + c], factor)
+                    if lands:
+                        reduce_slots(self._rows(p, dt, 0, c), self.world, name, flat[start: start + c], factor)
                     continue
                 bounds = [c * r // self.world for r in range(self.world + 1)]
                 lo, hi = bounds[self.rank], bounds[self.rank + 1]
                 reduce_slots(self._rows(p, dt, lo, hi - lo), self.world, name, self._mine(1 - p, dt, lo, hi - lo), factor)
-                q = self._round("all_reduce", n * esz, dt, code)
-                rows = self._rows(q, dt, 0, c)
-                for r in range(self.world):
-                    a, b = bounds[r], bounds[r + 1]
-                    flat[start + a: start + b].copy_(rows[r, a:b])
+                q = self._round(op, n * esz, dt, code)
+                if lands:
+                    rows = self._rows(q, dt, 0, c)
+                    for r in range(self.world):
+                        a, b = bounds[r], bounds[r + 1]
+                        flat[start + a: start + b].copy_(rows[r, a:b])
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """Balanced all_to_all_single: block d of every rank's input to rank d, in rounds that
+        move the next part of every block."""
+        w = self.world
+        src, dst = inp.view(-1).view(torch.uint8), out.view(-1).view(torch.uint8)
+        b = src.numel() // w                        # bytes per (source, destination) block
+        cap = self.data // w
+        with _writing(out):
+            for start in range(0, max(b, 1), cap):
+                c = min(cap, b - start)
+                p = (self.seq + 1) & 1
+                self._mine(p, torch.uint8, 0, w * c).view(w, c).copy_(src.view(w, b)[:, start: start + c])
+                self._round("all_to_all_single", src.numel(), inp.dtype, 0)
+                dst.view(w, b)[:, start: start + c].copy_(self._rows(p, torch.uint8, self.rank * c, c))
+
+    def barrier(self) -> None:
+        self._round("barrier", 0, torch.uint8, 0)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, name: str, factor: float) -> None:
         name = check_reduce_dtype(out.dtype, name, "reduce_scatter")

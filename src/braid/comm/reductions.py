@@ -159,6 +159,9 @@ class Reductions:
 
     def reduce(self, tensor: torch.Tensor, dst: int = 0, op=dist.ReduceOp.SUM, async_op: bool = False):
         """The reduction lands in `tensor` on rank dst; other ranks' tensors are left unchanged."""
+        if (self._cpu is not None and self._cpu_ok(tensor) and type(dst) is int and 0 <= dst < self.world_size
+                and (red := self._cpu_reduction(op, tensor.dtype))):
+            return self._cpu_call("reduce", tensor, lambda: self._cpu.all_reduce(tensor, *red, root=dst), async_op)
         if (self._fast_ok(tensor) and type(dst) is int and 0 <= dst < self.world_size
                 and self._fast_reduce_ok(op, tensor.dtype)
                 and self._native_for("reduce", tensor.numel() * tensor.element_size())):
@@ -167,7 +170,6 @@ class Reductions:
         check_rank(dst, self.world_size, "dst", "reduce")
         return self._reduction("reduce", tensor, tensor, op, dst, async_op)
 
-    @torch.no_grad()
     def _cpu_reduction(self, op, dtype) -> tuple[str, float] | None:
         """(name, factor) where the segment's whole call reduces this op and dtype; None: the
         full path (which also explains what braid cannot reduce)."""
@@ -180,6 +182,7 @@ class Reductions:
             return None
         return red
 
+    @torch.no_grad()
     def _reduction(self, opname: str, output, input, op, root, async_op, tkey=None):
         """Every reducing op's full path: check the call, then the native library whole or a
         split (_reduce_split)."""
