@@ -32,6 +32,9 @@ DEFAULT_WORKER_ENV = {
     "BRAID_TIMEOUT_S": "30",
     "BRAID_CALIBRATE": "off",
     "OMP_NUM_THREADS": "1",
+    # the CPU lanes are the tier's vehicle for braid's split machinery (planner, balancer, lanes,
+    # agreement): whole calls through the segment are on only where a test asks for them
+    "BRAID_CPU_SHM": "0",
 }
 
 WORLD_TIMEOUT_S = 120.0

@@ -8,7 +8,14 @@ import time
 import pytest
 import torch
 
-from conftest import run_world
+from conftest import run_world as _run_world
+
+ON = {"BRAID_CPU_SHM": "1"}
+
+
+def run_world(fn, w, *args, env=None, **kw):
+    """conftest's run_world with the path on (the tier runs with it off unless a test asks)."""
+    return _run_world(fn, w, *args, env=dict(ON, **(env or {})), **kw)
 
 RED_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
               torch.int32, torch.int64, torch.bool]
