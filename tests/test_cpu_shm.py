@@ -306,3 +306,50 @@ def _backend_worker(rank, w):
 def test_under_the_braid_backend():
     for bad in run_world(_backend_worker, 3, init_pg=False):
         assert bad == []
+
+
+def _a2av_worker(rank, w):
+    import braid
+    from braid.errors import PeerMismatchError
+    comm = braid.init()
+    bad = []
+    for case in range(12):
+        g = torch.Generator().manual_seed(case)
+        hi = 400_000 if case == 11 else 3000          # the last case does not fit a half: rounds
+        mat = torch.randint(0, hi, (w, w), generator=g)
+        mat[case % w, (case + 1) % w] = 0             # an empty pair
+        rows_in, rows_out = mat[rank].tolist(), mat[:, rank].tolist()
+        dt = [torch.float32, torch.int64, torch.bfloat16][case % 3]
+        xs = [data(r, int(mat[r].sum()) * 3, dt, case).view(-1, 3) for r in range(w)]
+        out = torch.empty(sum(rows_out), 3, dtype=dt)
+        comm.all_to_all_single(out, xs[rank], rows_out, rows_in)
+        pieces = []
+        for r in range(w):
+            start = int(mat[r, :rank].sum())
+            pieces.append(xs[r][start: start + int(mat[r, rank])])
+        if not torch.equal(out, torch.cat(pieces)):
+            bad.append(f"case {case}")
+        if comm.last_call[-1] != "shm":
+            bad.append(f"case {case} path {comm.last_call}")
+    # split sizes that do not match across ranks: an error on every rank, then usable again
+    ins = [2] * w
+    outs = [2] * w if rank else [3] + [2] * (w - 1)
+    try:
+        comm.all_to_all_single(torch.empty(sum(outs)), torch.ones(sum(ins)), outs, ins)
+        bad.append("no mismatch raised")
+    except PeerMismatchError as e:
+        if "split sizes" not in str(e):
+            bad.append(str(e))
+    t = torch.full((w,), float(rank))
+    out = torch.empty(w)
+    comm.all_to_all_single(out, t, [1] * w, [1] * w)
+    if out.tolist() != [float(r) for r in range(w)]:
+        bad.append(f"after the mismatch {out.tolist()}")
+    braid.close()
+    return bad
+
+
+@pytest.mark.parametrize("w", [2, 3])
+def test_uneven_all_to_all(w):
+    for bad in run_world(_a2av_worker, w, timeout=300):
+        assert bad == []

@@ -513,7 +513,7 @@ def run(comm, cfg, cuda: bool):
             row.update({k: v for k, v in info.items() if k not in row})
             rows.append(row)
             say(format_row(row))
-            if row.get("split_calls"):
+            if row.get("split_calls", {}).get("built") or row.get("split_calls", {}).get("hits"):
                 sc = row["split_calls"]
                 say("  " + " " * WIDTHS[0] + "braid's split calls (rank 0): "
                     + ", ".join(f"{k} {v}" for k, v in sc.items() if k != "round_us")

@@ -105,6 +105,11 @@ def run(comm, cfg: Config):
         common = {"world_size": comm.world_size, "dtype": cfg.dtype, "lanes": lanes, "iters": cfg.iters,
                   "warmup": cfg.warmup, "repeat": cfg.repeat, "calibration": comm.calib_digest,
                   "fixed_shares": cfg.shares, **info}
+        if not comm.cuda:
+            gbps = copy_ceiling(comm)
+            common["copy_ceiling_gbps"] = gbps
+            say(f"copy ceiling: {gbps:.1f} GB/s per rank (every rank copying 64 MiB at once, the slowest; "
+                f"a CPU collective moves each byte at least twice)")
         if cfg.hot_bytes is not None:
             common.update(hot_nbytes=cfg.hot_bytes, cold_nbytes=cfg.cold_bytes)
         with comm.fixed_shares(cfg.shares):
@@ -126,6 +131,23 @@ def run(comm, cfg: Config):
         if bad:
             sys.exit(WRONG_EXIT)
     return after
+
+
+def copy_ceiling(comm, nbytes: int = 64 << 20, reps: int = 3) -> float:
+    """GB/s of one memory copy of `nbytes` on every rank at once (the slowest rank's best of
+    `reps`): what a CPU collective's copies can reach on this machine with this many ranks."""
+    a = torch.ones(nbytes, dtype=torch.uint8)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    best = float("inf")
+    for _ in range(reps):
+        dist.barrier(group=comm.gloo_group)
+        t0 = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t0)
+    t = torch.tensor([best], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=comm.gloo_group)
+    return nbytes / float(t.item()) / 1e9
 
 
 def _check_fixed_shares(comm, cfg: Config, lanes: list[str]) -> None:

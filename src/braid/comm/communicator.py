@@ -292,9 +292,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
                 return False
         return True
 
-    def _cpu_call(self, op: str, x: torch.Tensor, run, async_op: bool):
-        """Run `run()` (a CpuShm op) as this communicator's call: open, pending sends/recvs and
-        the shm lane's earlier async calls first (they share the segment), in the ledger."""
+    def _cpu_enter(self, op: str, x: torch.Tensor) -> None:
         self._check_open()
         if self._p2p_pending:
             self._flush_p2p()
@@ -302,6 +300,11 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
             if lane_run.thread is not None:
                 lane_run.thread.join()
         self._enter(op, x, "shm")
+
+    def _cpu_call(self, op: str, x: torch.Tensor, run, async_op: bool):
+        """Run `run()` (a CpuShm op) as this communicator's call: open, pending sends/recvs and
+        the shm lane's earlier async calls first (they share the segment), in the ledger."""
+        self._cpu_enter(op, x)
         run()
         self.last_handle = self._cpu_done
         return self._cpu_done if async_op else None

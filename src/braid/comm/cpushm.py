@@ -221,6 +221,59 @@ class CpuShm:
                 self._round("all_to_all_single", src.numel(), inp.dtype, 0)
                 dst.view(w, b)[:, start: start + c].copy_(self._rows(p, torch.uint8, self.rank * c, c))
 
+    def all_to_all_v(self, ob: torch.Tensor, ib: torch.Tensor, ins: list[int], outs: list[int], dtype) -> bool:
+        """Uneven all_to_all_single on byte views: a first round posts every rank's send and
+        receive sizes (every rank then checks every pair alike), a second moves the data where
+        every rank's input fits its half, else rounds of parts of every block. Returns True."""
+        w, me = self.world, self.rank
+        p = (self.seq + 1) & 1
+        self._mine(p, torch.int64, 0, 2 * w).copy_(torch.tensor(list(ins) + list(outs), dtype=torch.int64))
+        self._round("all_to_all_single", 0, dtype, 1)
+        table = self._rows(p, torch.int64, 0, 2 * w).tolist()
+        sends = [row[:w] for row in table]
+        wrong = [(r, d) for r in range(w) for d in range(w) if sends[r][d] != table[d][w + r]]
+        if wrong:
+            r, d = wrong[0]
+            raise PeerMismatchError(f"all_to_all_single: rank {r} sends {sends[r][d]} bytes to rank {d}, which "
+                                    f"expects {table[d][w + r]} ({len(wrong)} pairs disagree); the split sizes "
+                                    f"of every rank must match")
+        if max(sum(row) for row in sends) > self.data:
+            self._a2av_rounds(ob, ib, list(ins), list(outs), max(max(row) for row in sends), dtype)
+            return True
+        q = (self.seq + 1) & 1
+        self._mine(q, torch.uint8, 0, ib.numel()).copy_(ib)
+        self._round("all_to_all_single", 0, dtype, 2)
+        rows = self._rows(q, torch.uint8, 0, max(sum(row) for row in sends))
+        at = 0
+        for r in range(w):
+            off, n = sum(sends[r][:me]), sends[r][me]
+            ob[at: at + n].copy_(rows[r, off: off + n])
+            at += n
+        return True
+
+    def _a2av_rounds(self, ob, ib, ins: list[int], outs: list[int], biggest: int, dtype) -> None:
+        """An uneven all_to_all larger than a half: rounds that each move the next part (up to
+        a w-th of a half) of every (source, destination) block, as many as the biggest block needs
+        (the same count on every rank: it comes from the agreed table)."""
+        w, me = self.world, self.rank
+        cap = self.data // w
+        in_at = [sum(ins[:d]) for d in range(w)]
+        out_at = [sum(outs[:r]) for r in range(w)]
+        for k in range(-(-biggest // cap)):
+            lo = k * cap
+            p = (self.seq + 1) & 1
+            mine = self._mine(p, torch.uint8, 0, w * cap)
+            for d in range(w):
+                n = min(cap, ins[d] - lo)
+                if n > 0:
+                    mine[d * cap: d * cap + n].copy_(ib[in_at[d] + lo: in_at[d] + lo + n])
+            self._round("all_to_all_single", 0, dtype, 3)
+            rows = self._rows(p, torch.uint8, me * cap, cap)
+            for r in range(w):
+                n = min(cap, outs[r] - lo)
+                if n > 0:
+                    ob[out_at[r] + lo: out_at[r] + lo + n].copy_(rows[r, :n])
+
     def barrier(self) -> None:
         self._round("barrier", 0, torch.uint8, 0)
 

@@ -100,6 +100,13 @@ class Routing:
         ins = split_bytes(input_split_sizes, input, self.world_size, "input", op)
         outs = split_bytes(output_split_sizes, output, self.world_size, "output", op)
         balanced = not input_split_sizes and not output_split_sizes
+        if (self._cpu is not None and not balanced and not counted and self._cpu_ok(output, input)
+                and dev.type == "cpu"):
+            self._cpu_enter(op, input)
+            counted = True                 # in the ledger: the lanes' path below goes on from there
+            if self._cpu.all_to_all_v(ob, ib, ins, outs, input.dtype):
+                self.last_handle = self._cpu_done
+                return self._cpu_done if async_op else None
         if self.hier is not None:
             h = (self.hier.all_to_all_single(output, input, async_op) if balanced else
                  self.hier.all_to_all_v(output, input, output_split_sizes, input_split_sizes, async_op))
