@@ -237,18 +237,19 @@ class CpuShm:
             raise PeerMismatchError(f"all_to_all_single: rank {r} sends {sends[r][d]} bytes to rank {d}, which "
                                     f"expects {table[d][w + r]} ({len(wrong)} pairs disagree); the split sizes "
                                     f"of every rank must match")
-        if max(sum(row) for row in sends) > self.data:
-            self._a2av_rounds(ob, ib, list(ins), list(outs), max(max(row) for row in sends), dtype)
-            return True
-        q = (self.seq + 1) & 1
-        self._mine(q, torch.uint8, 0, ib.numel()).copy_(ib)
-        self._round("all_to_all_single", 0, dtype, 2)
-        rows = self._rows(q, torch.uint8, 0, max(sum(row) for row in sends))
-        at = 0
-        for r in range(w):
-            off, n = sum(sends[r][:me]), sends[r][me]
-            ob[at: at + n].copy_(rows[r, off: off + n])
-            at += n
+        with _writing(ob):
+            if max(sum(row) for row in sends) > self.data:
+                self._a2av_rounds(ob, ib, list(ins), list(outs), max(max(row) for row in sends), dtype)
+                return True
+            q = (self.seq + 1) & 1
+            self._mine(q, torch.uint8, 0, ib.numel()).copy_(ib)
+            self._round("all_to_all_single", 0, dtype, 2)
+            rows = self._rows(q, torch.uint8, 0, max(sum(row) for row in sends))
+            at = 0
+            for r in range(w):
+                off, n = sum(sends[r][:me]), sends[r][me]
+                ob[at: at + n].copy_(rows[r, off: off + n])
+                at += n
         return True
 
     def _a2av_rounds(self, ob, ib, ins: list[int], outs: list[int], biggest: int, dtype) -> None:
