@@ -101,7 +101,7 @@ class Routing:
         outs = split_bytes(output_split_sizes, output, self.world_size, "output", op)
         balanced = not input_split_sizes and not output_split_sizes
         if (self._cpu is not None and not balanced and not counted and self._cpu_ok(output, input)
-                and dev.type == "cpu"):
+                and dev.type == "cpu" and self.routing != "on"):      # BRAID_ROUTE=on: the router, as asked
             self._cpu_enter(op, input)
             counted = True                 # in the ledger: the lanes' path below goes on from there
             if self._cpu.all_to_all_v(ob, ib, ins, outs, input.dtype):
