@@ -27,7 +27,7 @@ raises on every rank (PeerMismatchError or BraidTimeoutError), as any disagreeme
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 WARM = 16           # split calls before timing (the prepared call is built in the first)
 PHASE = 48          # calls timed per side
@@ -42,8 +42,8 @@ class _Shape:
     start: int = 0              # call number where the current trial began
     whole: bool = False         # the verdict between trials
     last: float = 0.0           # this rank's clock at the previous call (0: none in this phase)
-    sums: tuple = (0.0, 0.0)    # seconds between calls, split phase and whole phase
-    counts: tuple = (0, 0)
+    sums: list = field(default_factory=lambda: [0.0, 0.0])   # seconds between calls: split, whole
+    counts: list = field(default_factory=lambda: [0, 0])
 
 
 class Arbiter:
@@ -76,10 +76,8 @@ class Arbiter:
             side = 0 if c < WARM + PHASE else 1
             now = self._clock()
             if st.last and c != WARM + PHASE:        # an interval inside one phase
-                sums, counts = list(st.sums), list(st.counts)
-                sums[side] += now - st.last
-                counts[side] += 1
-                st.sums, st.counts = tuple(sums), tuple(counts)
+                st.sums[side] += now - st.last
+                st.counts[side] += 1
             st.last = now
             return side == 1
         if c == WARM + 2 * PHASE:
@@ -88,6 +86,6 @@ class Arbiter:
             split_us, whole_us = (max(g[i] for g in got) / 10.0 for i in (0, 1))
             st.whole = not split_us < whole_us * (1.0 - MARGIN)
             self.decisions.append((key, split_us, whole_us, st.whole))
-            st.last, st.sums, st.counts = 0.0, (0.0, 0.0), (0, 0)
+            st.last, st.sums, st.counts = 0.0, [0.0, 0.0], [0, 0]
         return st.whole
 
