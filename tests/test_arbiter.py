@@ -1,11 +1,14 @@
 """The whole-or-split trial of a call shape inside a job (braid.comm.arbiter): its schedule, its
 agreed verdict (the slowest rank's pace decides), ties going to the native library, trials again
 later, and every rank answering alike at every call."""
+import math
+import random
 import threading
 
 import pytest
 
 from braid.comm import arbiter as A
+from braid.comm.callpath import CallPath
 
 
 class Clock:
@@ -18,9 +21,10 @@ class Clock:
         return self.t
 
 
-def run_job(split_us, whole_us, calls, peer=None, enabled=True, clock=None):
+def run_job(split_us, whole_us, calls, peer=None, enabled=True, clock=None, extra=None):
     """One rank's calls of one shape; the job spends split_us / whole_us between calls depending
-    on the mode of the call. Returns (answers, arbiter, exchanges)."""
+    on the mode of the call (extra(i) more seconds after call i). Returns (answers, arbiter,
+    exchanges)."""
     clock = clock or Clock()
     seen = []
 
@@ -29,19 +33,33 @@ def run_job(split_us, whole_us, calls, peer=None, enabled=True, clock=None):
         return [list(values)] + ([list(peer)] if peer is not None else [])
     arb = A.Arbiter(exchange, enabled=enabled, clock=clock)
     answers = []
-    for _ in range(calls):
+    for i in range(calls):
         whole = arb.whole(("ag", 1 << 20, "bf16"))
         answers.append(whole)
-        clock.t += (whole_us if whole else split_us) * 1e-6
+        clock.t += (whole_us if whole else split_us) * 1e-6 + (extra(i) if extra else 0.0)
     return answers, arb, seen
 
 
-def test_schedule_warm_split_whole_then_the_verdict():
-    trial = A.WARM + 2 * A.PHASE
-    got, arb, seen = run_job(100.0, 130.0, trial + 50)
-    assert got[:A.WARM + A.PHASE] == [False] * (A.WARM + A.PHASE)           # warm-up and split phase
-    assert got[A.WARM + A.PHASE:trial] == [True] * A.PHASE                  # whole phase
-    assert got[trial:] == [False] * 50                                      # split kept: faster
+FIRST = A.WARM + A.CHECK * 2 * A.BLOCK          # calls up to the first agreement
+
+
+def expected_modes(pairs):
+    """The trial's answers (True: whole) for its first `pairs` pairs, from ORDER."""
+    out = []
+    for p in range(pairs):
+        split_first = bool((A.ORDER >> p) & 1)
+        blocks = [False, True] if split_first else [True, False]
+        for whole in blocks:
+            out += [whole] * A.BLOCK
+    return out
+
+
+def test_schedule_warm_then_paired_blocks_then_the_verdict():
+    got, arb, seen = run_job(100.0, 130.0, FIRST + 50)
+    assert got[:A.WARM] == [False] * A.WARM                           # warm-up: split
+    assert got[A.WARM:FIRST] == expected_modes(A.CHECK)               # blocks in ORDER's order
+    assert sum(got[A.WARM:FIRST]) == A.CHECK * A.BLOCK                # as many whole calls as split
+    assert got[FIRST:] == [False] * 50                                # split kept: faster
     assert len(seen) == 1 and len(arb.decisions) == 1
     _, split_us, whole_us, whole = arb.decisions[0]
     assert split_us == pytest.approx(100.0, abs=0.2) and whole_us == pytest.approx(130.0, abs=0.2)
@@ -49,62 +67,68 @@ def test_schedule_warm_split_whole_then_the_verdict():
 
 
 def test_the_whole_call_wins_when_the_split_slows_the_job():
-    trial = A.WARM + 2 * A.PHASE
-    got, arb, _ = run_job(124.0, 100.0, trial + 10)
-    assert got[trial:] == [True] * 10 and arb.decisions[0][3] is True
+    got, arb, _ = run_job(124.0, 100.0, FIRST + 10)
+    assert got[FIRST:] == [True] * 10 and arb.decisions[0][3] is True
 
 
 def test_a_tie_or_a_gain_under_the_margin_goes_whole():
-    trial = A.WARM + 2 * A.PHASE
     for split in (100.0, 100.0 * (1 - A.MARGIN / 2)):
-        got, arb, _ = run_job(split, 100.0, trial + 1)
-        assert got[-1] is True, split
+        got, arb, _ = run_job(split, 100.0, FIRST + 1)
+        assert got[-1] is True and arb.decisions[0][3] is True, split
 
 
-def test_the_slowest_rank_decides():
-    """This rank saw the split faster; its peer saw it slower: the peer's pace (the max) rules."""
-    trial = A.WARM + 2 * A.PHASE
-    peer = [int(1e7 * 150e-6), int(1e7 * 110e-6)]      # peer: split 150 us, whole 110 us per call
-    got, arb, seen = run_job(90.0, 100.0, trial + 1, peer=peer)
+def test_every_rank_must_see_the_gain():
+    """This rank saw the split 10% faster; its peer saw it 10% slower: whole."""
+    peer = [A.CHECK, A._OFF + int(1e6 * math.log(0.9)), 0, int(1e7 * 110e-6), int(1e7 * 100e-6)]
+    got, arb, seen = run_job(90.0, 100.0, FIRST + 1, peer=peer)
     _, split_us, whole_us, whole = arb.decisions[0]
-    assert (split_us, whole_us) == (pytest.approx(150.0, abs=0.2), pytest.approx(110.0, abs=0.2))
+    assert (split_us, whole_us) == (pytest.approx(110.0, abs=0.2), pytest.approx(100.0, abs=0.2))
     assert whole is True and got[-1] is True
-    assert seen[0][0] == pytest.approx(900, abs=2)     # its own mean went out in 0.1 us units
+    assert seen[0][0] == A.CHECK and seen[0][3] == pytest.approx(900, abs=2)   # its own pace, 0.1 us
+
+
+def test_a_peer_with_too_few_pairs_delays_the_verdict():
+    peer = [1, A._OFF + int(1e6 * 0.2), 0, 900, 1000]         # the peer kept one pair only
+    got, arb, seen = run_job(90.0, 100.0, FIRST + 2 * A.BLOCK, peer=peer)
+    assert arb.decisions == [] and len(seen) == 1             # no verdict yet: the trial goes on
+
+
+def test_no_verdict_after_max_pairs_goes_whole():
+    peer = [1, A._OFF, 0, 1000, 1000]                         # a peer that never has enough pairs
+    calls = A.WARM + A.MAX_PAIRS * 2 * A.BLOCK
+    got, arb, seen = run_job(50.0, 100.0, calls + 5, peer=peer)
+    assert len(seen) == A.MAX_PAIRS // A.CHECK
+    assert arb.decisions[0][3] is True and got[calls:] == [True] * 5
 
 
 def test_trials_repeat_and_can_change_the_verdict():
-    trial = A.WARM + 2 * A.PHASE
     clock = Clock()
     pace = {"split": 90.0, "whole": 100.0}
-
-    def exchange(values):
-        return [list(values)]
-    arb = A.Arbiter(exchange, clock=clock)
+    arb = A.Arbiter(lambda values: [list(values)], clock=clock)
     answers = []
-    total = 2 * (trial + A.REPROBE) + 5
+    total = 2 * FIRST + A.REPROBE + 5
     for i in range(total):
-        if i == trial + A.REPROBE:          # the job changes: now the split slows it
+        if i == FIRST + A.REPROBE:          # the job changes: now the split slows it
             pace = {"split": 150.0, "whole": 100.0}
         w = arb.whole("k")
         answers.append(w)
         clock.t += pace["whole" if w else "split"] * 1e-6
     assert [d[3] for d in arb.decisions] == [False, True]
-    start = trial + A.REPROBE                # the second trial: warm-up keeps the old verdict
+    start = FIRST + A.REPROBE                # the second trial: warm-up splits, then the pairs again
     assert answers[start:start + A.WARM] == [False] * A.WARM
-    assert answers[start + A.WARM + A.PHASE:start + trial] == [True] * A.PHASE
+    assert answers[start + A.WARM:start + FIRST] == expected_modes(A.CHECK)
     assert answers[-1] is True
 
 
 def test_disabled_never_goes_whole_and_never_exchanges():
-    got, arb, seen = run_job(200.0, 100.0, A.WARM + 2 * A.PHASE + 20, enabled=False)
+    got, arb, seen = run_job(200.0, 100.0, FIRST + 20, enabled=False)
     assert not any(got) and seen == [] and arb.decisions == []
 
 
 def test_ranks_answer_alike_at_every_call():
     """Two ranks with different paces and a real exchange between threads: at every call both
     give the same answer (the verdict is taken at the same call from the same agreed numbers)."""
-    trial = A.WARM + 2 * A.PHASE
-    calls = trial + A.REPROBE + trial + 30
+    calls = FIRST + A.REPROBE + FIRST + 30
     board: dict = {}
     barrier = threading.Barrier(2)
     out: dict = {}
@@ -135,4 +159,71 @@ def test_ranks_answer_alike_at_every_call():
         t.join(30)
     assert out[0][0] == out[1][0]
     assert [d[1:] for d in out[0][1]] == [d[1:] for d in out[1][1]]
-    assert all(d[3] is True for d in out[0][1])          # rank 1's slower split pace rules
+    assert len(out[0][1]) == 2 and all(d[3] is True for d in out[0][1])   # rank 1 sees the split lose
+
+
+def test_a_pause_inside_a_block_does_not_decide_the_trial():
+    # the split is 10% faster per call, but one split block holds a pause (another model's
+    # window, an evaluation) of 400 ms: its pair is left out and the split still wins
+    pause_at = A.WARM + 3           # inside the first pair's split block (ORDER bit 0 is set)
+    assert A.ORDER & 1
+    got, arb, _ = run_job(1000.0, 1100.0, FIRST + A.BLOCK * 8 + 1, extra=lambda i: 0.4 if i == pause_at else 0.0)
+    key, split_us, whole_us, went_whole = arb.decisions[-1]
+    assert not went_whole and split_us == pytest.approx(1000, rel=1e-3) and whole_us == pytest.approx(1100, rel=1e-3)
+
+
+def _noisy_job(gain, seed, calls=A.WARM + A.MAX_PAIRS * 2 * A.BLOCK + 1, period=0):
+    """A job whose pace varies +-20% from call to call (and, with period, a step pattern of
+    `period` calls: half fast, half three times slower); the split changes the pace by `gain`."""
+    rng = random.Random(seed)
+    clock = Clock()
+    arb = A.Arbiter(lambda v: [list(v)], clock=clock)
+    for i in range(calls):
+        w = arb.whole("k")
+        base = 100.0 * (3.0 if period and (i % period) >= period // 2 else 1.0)
+        clock.t += base * (1.0 if w else 1.0 - gain) * rng.uniform(0.8, 1.2) * 1e-6
+    return arb.decisions
+
+
+def test_noise_without_a_gain_never_keeps_the_split():
+    for seed in range(20):
+        for period in (0, 2 * A.BLOCK, 18):
+            d = _noisy_job(0.0, seed, period=period)
+            assert d and d[0][3] is True, (seed, period)
+
+
+def test_a_clear_gain_in_noise_keeps_the_split():
+    kept = [(_noisy_job(0.15, seed) or [(0, 0, 0, True)])[0][3] is False for seed in range(20)]
+    assert all(kept)
+
+
+class _Path(CallPath):
+    """The part of a communicator that says whether its calls take part in trials."""
+
+    def __init__(self, enabled, check=False):
+        self._arbiter = A.Arbiter(lambda v: [v], enabled=enabled)
+        self._fixed, self.check, self._native_cache = None, check, {}
+        self.cleared = 0
+        self._prepared = type("P", (), {"clear": lambda _self: None})()
+        self._learn_update()
+
+    def _fast_clear(self):
+        self.cleared += 1
+
+
+def test_fixed_shares_check_mode_and_the_op_sweep_keep_the_calibrations_verdict():
+    p = _Path(enabled=True)
+    assert p._learn_split
+    with p.fixed_shares({"ce": 1.0}):
+        assert not p._learn_split              # the calibration and --shares time what they fix
+    assert p._learn_split
+    with p.fixed_shares(None), p.calibrated_verdict():
+        assert not p._learn_split and not p._arbiter.enabled
+    assert p._learn_split and p._arbiter.enabled
+    assert not _Path(enabled=True, check=True)._learn_split
+    q = _Path(enabled=False)                   # BRAID_LEARN_SPLIT=0: the block does not turn it on
+    with q.calibrated_verdict():
+        pass
+    assert not q._learn_split and not q._arbiter.enabled
+
+

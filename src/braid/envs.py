@@ -159,10 +159,10 @@ _define("BRAID_CPU_SHM", _bool, True,
         "(no gloo, no lanes); 0: the calibration's split over the shm and gloo lanes, or gloo whole. "
         "Explicit shares (fixed_shares, --shares) always run the lanes. Must be the same on every rank.")
 _define("BRAID_LEARN_SPLIT", _bool, True,
-        "1 (default): an asynchronous call (the backend's, DDP's, FSDP2's) of a shape the calibration "
-        "splits is tried in the job itself, split and whole by turns (48 calls each, again every "
-        "4096), and the shape keeps whichever kept the job's pace; synchronous calls keep the "
-        "calibration's verdict. 0: the calibration alone decides. Must be the same on every rank.")
+        "1 (default): a GPU call of a shape the calibration splits is tried in the job itself, split "
+        "and whole by turns (48 calls each, again every 4096), and the shape keeps whichever kept the "
+        "job's pace; fixed shares and the op rows of `braid bench` keep the calibration's verdict. "
+        "0: the calibration alone decides. Must be the same on every rank.")
 _define("BRAID_PREPARED_MAX", _positive_int, 64,
         "Prepared calls a communicator keeps (least recently used go first); each holds its agreed "
         "descriptors and plan, and on the copy engines alone a CUDA graph.")

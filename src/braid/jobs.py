@@ -431,7 +431,11 @@ def run_workload(ctx: Ctx, name: str) -> dict:
     start = _param_sum(braid.module)
     prep = getattr(ctx.comm, "_prepared", None)
     before = dict(prep.stats) if prep is not None else {}
+    arb = getattr(ctx.comm, "_arbiter", None)
+    tried = len(arb.decisions) if arb is not None else 0
     windows = time_replicas(ctx, reps)
+    # the whole-or-split trials the job ran (comm/arbiter.py): shape, pace split / whole (us), verdict
+    learned = [[str(k), s, w, "whole" if wh else "split"] for k, s, w, wh in arb.decisions[tried:]] if arb else []
     # braid's split calls over the run (warm-up and check steps too): built = agreed and planned
     # anew (a new shape or buffer), hits = taken from the prepared cache, replays = graph launches
     split_calls = {k: v - before.get(k, 0) for k, v in prep.stats.items()} if prep is not None else {}
@@ -452,7 +456,7 @@ def run_workload(ctx: Ctx, name: str) -> dict:
            "param_max_rel_diff": check["param_rel"], "loss_tolerance": check["tol"],
            "tensor_tolerance": check["tensor_tol"], "losses_cell": check["cell"],
            "params_moved": check["params_moved"], "losses": torch.stack(braid.losses).float().cpu().tolist(),
-           "windows": windows, "split_calls": split_calls}
+           "windows": windows, "split_calls": split_calls, "learned": learned}
     del reps, braid, base
     gc.collect()
     if ctx.cuda:
@@ -518,6 +522,12 @@ def run(comm, cfg, cuda: bool):
                 say("  " + " " * WIDTHS[0] + "braid's split calls (rank 0): "
                     + ", ".join(f"{k} {v}" for k, v in sc.items() if k != "round_us")
                     + (f", round of words {sc['round_us'] / sc['hits']:.1f} us per hit" if sc.get("hits") else ""))
+            if row.get("learned"):
+                kept = [x[3] for x in row["learned"]]
+                say("  " + " " * WIDTHS[0] + f"learned in the job ({len(kept)} verdicts, the same on every rank): "
+                    f"{kept.count('split')} kept split, {kept.count('whole')} went whole; pace split/whole us: "
+                    + ", ".join(f"{s:.0f}/{w:.0f}" for _, s, w, _ in row["learned"][:8])
+                    + (" ..." if len(kept) > 8 else ""))
             if r0 and cfg.json_path:
                 write_json(cfg.json_path, rows)
     bad = [r["workload"] for r in rows if r.get("losses_equal") is False]

@@ -112,7 +112,9 @@ def run(comm, cfg: Config):
                 f"a CPU collective moves each byte at least twice)")
         if cfg.hot_bytes is not None:
             common.update(hot_nbytes=cfg.hot_bytes, cold_nbytes=cfg.cold_bytes)
-        with comm.fixed_shares(cfg.shares):
+        # the op rows time the calibration's verdict: a job's trials of whole against split
+        # (comm/arbiter.py) measure the job's pace, which these alternating windows would break up
+        with comm.fixed_shares(cfg.shares), comm.calibrated_verdict():
             bad = _sweep(comm, cfg, plan, common, info, baseline, ui, results)
         if r0:
             ui.end_op()

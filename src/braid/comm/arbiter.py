@@ -11,39 +11,71 @@ So, for a call shape the calibration splits, the job itself decides, from its ow
 (op and arguments, as the op's fast path keys them), counted in calls that every rank makes alike:
 
 - the first WARM calls split (the prepared call is built);
-- the next PHASE calls split, the PHASE after them go to the native library whole, and this rank
-  sums the time between consecutive calls of the shape in each phase (the job's pace: the other
-  work of its steps is the same in both phases);
-- at the next call every rank posts its two means and all take the slowest rank's: the split is
-  kept only where its pace beat the whole call's by MARGIN, else the shape goes whole;
-- every REPROBE calls the phases run again (the job may change, the machine may drift).
+- then pairs of blocks of BLOCK calls, one block split and one whole, in an order fixed per pair
+  (ORDER) so that a job whose step holds 2 x BLOCK calls of the shape does not always put the same
+  part of its step in the same mode; each rank keeps each block's mean time between consecutive
+  calls (the job's pace) and, per pair, the log of the whole block's pace over the split one's. A
+  pair whose two paces differ more than PAIR_RATIO times holds a pause (an evaluation, another
+  model's window in `braid bench`) and is left out;
+- every CHECK pairs the ranks agree (one exchange of a few integers): the split is kept once every
+  rank's mean gain, less two standard errors, beats MARGIN; the shape goes whole once one rank's
+  gain, plus two standard errors, stays under MARGIN (the slowest rank sets the job's pace), or
+  after MAX_PAIRS pairs without a verdict (ties go to the native library);
+- REPROBE calls after a verdict the trial runs again (the job may change, the machine may drift).
 
-Only asynchronous calls take part (the backend's, and the frameworks': DDP, FSDP2); a synchronous
-call keeps the calibration's verdict. The counts advance on the op's fast path, which every rank
-takes for contiguous tensors on its own device; a rank whose call leaves that path (a
-non-contiguous tensor) while its peers stay would disagree with them, and the round of words then
-raises on every rank (PeerMismatchError or BraidTimeoutError), as any disagreement does.
+A step of a CPU-bound job (FSDP2's) varies 10-20% from one step to the next: one phase of each
+mode, as first built, could not tell a 5% difference from that noise, and kept a split that slowed
+FSDP2's steps by 14% on 2 x H100 (2026-11-25). Paired blocks see the same drift, and the test waits
+until the difference stands out of the noise.
+
+Every GPU call of the four ops' fast paths takes part, synchronous or not (FSDP2's all-gathers and
+reduce-scatters are synchronous calls on its own streams); fixed shares, check mode and the op
+sweep of `braid bench` keep the calibration's verdict (`CallPath.calibrated_verdict`). The counts
+advance on the op's fast path, which every rank takes for contiguous tensors on its own device; a
+rank whose call leaves that path (a non-contiguous tensor) while its peers stay would disagree with
+them, and the round of words then raises on every rank (PeerMismatchError or BraidTimeoutError), as
+any disagreement does.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
-WARM = 16           # split calls before timing (the prepared call is built in the first)
-PHASE = 48          # calls timed per side
+WARM = 16           # split calls before the trial (the prepared call is built in the first)
+BLOCK = 12          # calls per block
+ORDER = 0b1001_1010_1111_0001   # bit p: pair p runs its split block first
+CHECK = 4           # pairs between two agreements
+MIN_PAIRS = 4       # kept pairs each rank needs before a verdict
+MAX_PAIRS = 16      # pairs without a verdict: the shape goes whole
 MARGIN = 0.02       # the split must beat the whole call's pace by this fraction to be kept
-REPROBE = 4096      # calls between two trials of the same shape
+PAIR_RATIO = 3.0    # a pair whose two paces differ more holds a pause: left out
+REPROBE = 4096      # calls between a verdict and the next trial of the same shape
 MAX_SHAPES = 256    # shapes followed at once (the oldest is forgotten: it starts over)
+_OFF = 1 << 40      # signed values travel offset (the exchange carries non-negative integers)
 
 
 @dataclass
 class _Shape:
     n: int = 0                  # calls of this shape so far (the same on every rank)
-    start: int = 0              # call number where the current trial began
+    start: int = 0              # call number where the current trial (or verdict) began
+    trying: bool = True
     whole: bool = False         # the verdict between trials
-    last: float = 0.0           # this rank's clock at the previous call (0: none in this phase)
-    sums: list = field(default_factory=lambda: [0.0, 0.0])   # seconds between calls: split, whole
-    counts: list = field(default_factory=lambda: [0, 0])
+    last: float = 0.0           # this rank's clock at the previous call of the block
+    acc: float = 0.0            # this block's seconds between calls so far
+    pair: list = field(default_factory=lambda: [0.0, 0.0])   # this pair's paces: split, whole
+    logs: list = field(default_factory=list)                  # log(whole / split) of kept pairs
+    sums: list = field(default_factory=lambda: [0.0, 0.0])   # kept pairs' paces summed: split, whole
+
+
+def _stats(logs: list) -> tuple[float, float]:
+    """(mean, standard error) of the kept pairs' log ratios."""
+    n = len(logs)
+    mean = sum(logs) / n if n else 0.0
+    if n < 2:
+        return mean, 1.0
+    var = sum((x - mean) ** 2 for x in logs) / (n - 1)
+    return mean, math.sqrt(var / n)
 
 
 class Arbiter:
@@ -54,11 +86,11 @@ class Arbiter:
         self.enabled = enabled
         self._clock = clock
         self._shapes: dict = {}
-        self.decisions: list[tuple] = []    # (shape, split us, whole us, whole?) of each trial
+        self.decisions: list[tuple] = []    # (shape, split us, whole us, whole?) of each verdict
 
     def whole(self, key) -> bool:
-        """Call once per asynchronous call of a split shape, before it is posted: True when this
-        call goes to the native library whole."""
+        """Call once per call of a split shape, before it is posted: True when this call goes to
+        the native library whole."""
         if not self.enabled:
             return False
         st = self._shapes.get(key)
@@ -67,25 +99,54 @@ class Arbiter:
                 self._shapes.pop(next(iter(self._shapes)))
             st = self._shapes[key] = _Shape()
         c = st.n - st.start
-        if c >= WARM + 2 * PHASE + REPROBE:         # a new trial of the same shape
-            st.start, c = st.n, 0
         st.n += 1
+        if not st.trying:
+            if c < REPROBE:
+                return st.whole
+            st.start, st.trying, c = st.n - 1, True, 0      # a new trial of the same shape
         if c < WARM:
-            return st.whole
-        if c < WARM + 2 * PHASE:
-            side = 0 if c < WARM + PHASE else 1
-            now = self._clock()
-            if st.last and c != WARM + PHASE:        # an interval inside one phase
-                st.sums[side] += now - st.last
-                st.counts[side] += 1
-            st.last = now
-            return side == 1
-        if c == WARM + 2 * PHASE:
-            mine = [int(1e7 * s / max(k, 1)) for s, k in zip(st.sums, st.counts)]   # 0.1 us
-            got = self._exchange(mine)
-            split_us, whole_us = (max(g[i] for g in got) / 10.0 for i in (0, 1))
-            st.whole = not split_us < whole_us * (1.0 - MARGIN)
-            self.decisions.append((key, split_us, whole_us, st.whole))
-            st.last, st.sums, st.counts = 0.0, [0.0, 0.0], [0, 0]
-        return st.whole
+            return False
+        p, j = divmod(c - WARM, 2 * BLOCK)
+        split = (j < BLOCK) == bool((ORDER >> (p % 16)) & 1)
+        pos = j % BLOCK
+        now = self._clock()
+        if pos:
+            st.acc += now - st.last
+        st.last = now
+        if pos == BLOCK - 1:
+            st.pair[0 if split else 1] = st.acc / (BLOCK - 1)
+            st.acc = 0.0
+            if j == 2 * BLOCK - 1:
+                self._pair_done(st)
+                if (p + 1) % CHECK == 0:
+                    self._agree(key, st, p + 1)
+        return not split
 
+    @staticmethod
+    def _pair_done(st: _Shape) -> None:
+        s, w = st.pair
+        if s > 0 and w > 0 and max(s, w) <= PAIR_RATIO * min(s, w):
+            st.logs.append(math.log(w / s))
+            st.sums[0] += s
+            st.sums[1] += w
+
+    def _agree(self, key, st: _Shape, pairs: int) -> None:
+        n = len(st.logs)
+        mean, se = _stats(st.logs)
+        mine = [n, _OFF + int(1e6 * mean), int(1e6 * min(se, 1.0)),
+                int(1e7 * st.sums[0] / max(n, 1)), int(1e7 * st.sums[1] / max(n, 1))]
+        got = self._exchange(mine)
+        least = min(g[0] for g in got)
+        lows = [(g[1] - _OFF - 2 * g[2]) / 1e6 for g in got]
+        highs = [(g[1] - _OFF + 2 * g[2]) / 1e6 for g in got]
+        bar = math.log1p(MARGIN)
+        if least >= MIN_PAIRS and min(lows) > bar:
+            whole = False
+        elif (least >= MIN_PAIRS and min(highs) < bar) or pairs >= MAX_PAIRS:
+            whole = True
+        else:
+            return                                           # not clear yet: more pairs
+        split_us, whole_us = (max(g[i] for g in got) / 10.0 for i in (3, 4))
+        st.whole, st.trying, st.start = whole, False, st.n
+        st.logs, st.sums, st.acc, st.last = [], [0.0, 0.0], 0.0, 0.0
+        self.decisions.append((key, split_us, whole_us, whole))

@@ -90,12 +90,33 @@ class CallPath:
         self._native_cache.clear()
         self._fast_clear()
         self._prepared.clear()
+        self._learn_update()
         try:
             yield
         finally:
             self._fixed = old
             self._fast_clear()
             self._prepared.clear()
+            self._learn_update()
+
+    def _learn_update(self) -> None:
+        """Whole or split learned in the job (comm/arbiter.py) only where braid chooses the shares:
+        not under fixed shares (tests, the calibration, `--shares`) nor in check mode."""
+        self._learn_split = self._arbiter.enabled and self._fixed is None and not self.check
+
+    @contextlib.contextmanager
+    def calibrated_verdict(self) -> Iterator[None]:
+        """Inside the block every call of a shape the calibration splits is split, as the calibration
+        chose, without trials against the whole call (the op sweep of `braid bench`: its alternating
+        windows would fall inside a trial's intervals)."""
+        was = self._arbiter.enabled
+        self._arbiter.enabled = False
+        self._learn_update()
+        try:
+            yield
+        finally:
+            self._arbiter.enabled = was
+            self._learn_update()
 
     def shares_for(self, op: str, nbytes: int, lanes: list[str]) -> dict[str, float]:
         if not lanes:

@@ -79,6 +79,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         self._arbiter = Arbiter(lambda values: seg.exchange_values(values, "whole-or-split trial"),
                                 enabled=bool(envs.get("BRAID_LEARN_SPLIT")) and seg is not None
                                 and self.cuda and self.world_size > 1 and self.single_node)
+        self._learn_update()
         self._cpu = None            # whole CPU calls through the segment (comm/cpushm.py)
         self._cpu_done = _NativeDone("shm")
         if (not self.cuda and seg is not None and self.world_size > 1 and self.single_node
@@ -325,7 +326,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
                 ent = self._fast_put(self._fast_ag, n, (dt, output.numel()), dt is output.dtype
                                      and output.numel() == n * self.world_size
                                      and self._native_for(op, n * input.element_size()))
-            if ent[-1] or (async_op and self.cuda and dt is output.dtype and output.numel() == n * self.world_size
+            if ent[-1] or (self._learn_split and dt is output.dtype and output.numel() == n * self.world_size
                            and self._arbiter.whole(("ag", n, dt))):
                 return self._native_fast("_allgather_base", (output, input), "allgather", async_op, fallback=lambda a:
                                          dist.all_gather_into_tensor(output, input, group=self._fast_group, async_op=a))
@@ -384,7 +385,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
             if ent is None or ent[0] is not dt or ent[1] != src:
                 ent = self._fast_put(self._fast_bc, n, (dt, src), 0 <= src < self.world_size
                                      and self._native_for(op, n * tensor.element_size()))
-            if ent[-1] or (async_op and self.cuda and 0 <= src < self.world_size
+            if ent[-1] or (self._learn_split and 0 <= src < self.world_size
                            and self._arbiter.whole(("bc", n, dt, src))):
                 return self._native_fast("broadcast", ([tensor],), "broadcast", async_op, root=src, fallback=lambda a:
                                          dist.broadcast(tensor, group_src=src, group=self._fast_group, async_op=a))

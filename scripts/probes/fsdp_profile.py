@@ -1,0 +1,94 @@
+"""Where an FSDP2 step spends its host time under the `braid` backend against NCCL: the same
+replicas `braid bench --workload fsdp` trains, timed in alternating windows (wall and process CPU
+time per step), then profiled with cProfile on every rank (rank 0's tables are printed).
+
+    torchrun --nproc-per-node 2 scripts/probes/fsdp_profile.py [--steps 20] [--rounds 4] [--out DIR]
+"""
+import argparse
+import cProfile
+import gc
+import io
+import os
+import pstats
+import statistics
+import time
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+import braid  # noqa: F401  (registers the backend)
+from braid import jobs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--gc-off", action="store_true", help="no garbage collection inside the windows")
+    a = ap.parse_args()
+    gc_time = [0.0, 0, 0.0]          # seconds in collections, collections, start of the current one
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_time[2] = time.perf_counter()
+        else:
+            gc_time[0] += time.perf_counter() - gc_time[2]
+            gc_time[1] += 1
+    gc.callbacks.append(on_gc)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    dist.init_process_group("braid", device_id=dev)
+    s = jobs.settings(SimpleNamespace(dtype=None, warmup=None), True)
+    comm = SimpleNamespace(rank=rank, world_size=world, cuda=True, device=dev)
+    ctx = jobs.make_ctx(comm, s)
+    reps = {r.name: r for r in jobs.fsdp_replicas(ctx)}
+    for r in reps.values():
+        r.run(3)
+    wall = {k: [] for k in reps}
+    cpu = {k: [] for k in reps}
+    gcs = {k: [0.0, 0] for k in reps}
+    for k in range(a.rounds):
+        for name in (("baseline", "braid") if k % 2 == 0 else ("braid", "baseline")):
+            ctx.sync()
+            dist.barrier(group=ctx.timer)
+            if a.gc_off:
+                gc.disable()
+            g0, n0 = gc_time[0], gc_time[1]
+            t0, c0 = time.perf_counter(), time.process_time()
+            reps[name].run(a.steps)
+            ctx.sync()
+            gc.enable()
+            gcs[name][0] += (gc_time[0] - g0) * 1e3 / a.steps / a.rounds
+            gcs[name][1] += gc_time[1] - n0
+            wall[name].append((time.perf_counter() - t0) * 1e3 / a.steps)
+            cpu[name].append((time.process_time() - c0) * 1e3 / a.steps)
+    if rank == 0:
+        for name in reps:
+            print(f"{name:9s} wall ms/step {statistics.median(wall[name]):.2f} {[round(x, 2) for x in wall[name]]}  "
+                  f"process cpu ms/step {statistics.median(cpu[name]):.2f}  gc ms/step {gcs[name][0]:.2f} "
+                  f"({gcs[name][1]} collections)", flush=True)
+    for name in ("braid", "baseline"):
+        ctx.sync()
+        dist.barrier(group=ctx.timer)
+        prof = cProfile.Profile()
+        prof.enable()
+        reps[name].run(a.steps)
+        ctx.sync()
+        prof.disable()
+        if rank == 0:
+            buf = io.StringIO()
+            st = pstats.Stats(prof, stream=buf)
+            st.sort_stats("tottime").print_stats(30)
+            st.sort_stats("cumulative").print_stats(40)
+            path = os.path.join(a.out, f"fsdp_profile_{name}.txt")
+            with open(path, "w") as f:
+                f.write(buf.getvalue())
+            print(f"{name}: profile of {a.steps} steps in {path}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
