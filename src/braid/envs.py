@@ -160,9 +160,10 @@ _define("BRAID_CPU_SHM", _bool, True,
         "Explicit shares (fixed_shares, --shares) always run the lanes. Must be the same on every rank.")
 _define("BRAID_LEARN_SPLIT", _bool, True,
         "1 (default): a GPU call of a shape the calibration splits is tried in the job itself, split "
-        "and whole by turns (48 calls each, again every 4096), and the shape keeps whichever kept the "
-        "job's pace; fixed shares and the op rows of `braid bench` keep the calibration's verdict. "
-        "0: the calibration alone decides. Must be the same on every rank.")
+        "and whole by turns (paired blocks of 12 calls, until the difference stands out of the noise; "
+        "again 4096 calls after a verdict), and the shape keeps whichever kept the job's pace; fixed "
+        "shares and the op rows of `braid bench` keep the calibration's verdict. 0: the calibration "
+        "alone decides. Must be the same on every rank.")
 _define("BRAID_PREPARED_MAX", _positive_int, 64,
         "Prepared calls a communicator keeps (least recently used go first); each holds its agreed "
         "descriptors and plan, and on the copy engines alone a CUDA graph.")
