@@ -1,13 +1,15 @@
 """Shared helpers for braid's CPU tests.
 
-`run_world(fn, world_size, ...)` starts `world_size` fresh processes (spawn), each with a gloo
+`run_world(fn, world_size, ...)` starts `world_size` worker processes (see below), each with a gloo
 process group on a free local port, runs `fn(rank, world_size, *args)` in every one and returns
 their results (whatever `fn` returns, JSON-serialisable). A worker's exception comes back to the
 parent as `WorkerError` carrying the worker's traceback. A world that has not finished within
 `timeout` seconds is terminated and the test fails (no hung CI).
 
-Workers are spawned, not forked: every world imports torch afresh, so each test function runs
-many cases inside one world to amortise the start-up.
+Workers start from a fork server that imported torch once (a fresh interpreter per worker cost
+~2.5 s of CPU to import torch again, most of the tier's time on 2 cores); nothing of braid is
+imported before a worker applies its test's settings. BRAID_TEST_SPAWN=1 spawns every worker
+afresh instead.
 """
 from __future__ import annotations
 
@@ -38,6 +40,19 @@ DEFAULT_WORKER_ENV = {
 }
 
 WORLD_TIMEOUT_S = 120.0
+_CONTEXT = None
+
+
+def _context():
+    """The start method of the workers: a fork server with torch imported (see the top)."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        if os.environ.get("BRAID_TEST_SPAWN") == "1" or "forkserver" not in mp.get_all_start_methods():
+            _CONTEXT = mp.get_context("spawn")
+        else:
+            _CONTEXT = mp.get_context("forkserver")
+            _CONTEXT.set_forkserver_preload(["torch", "torch.distributed"])
+    return _CONTEXT
 
 
 class WorkerError(AssertionError):
@@ -96,7 +111,7 @@ def _entry(rank: int, fn, world_size: int, port: int, args: tuple, env: dict, ou
 
 def run_world(fn, world_size: int, *args, env: dict | None = None, timeout: float = WORLD_TIMEOUT_S,
               allowed_exit: dict[int, int] | None = None, init_pg: bool = True, info: dict | None = None) -> list:
-    """Run fn(rank, world_size, *args) in `world_size` spawned processes; return their results.
+    """Run fn(rank, world_size, *args) in `world_size` worker processes; return their results.
 
     `allowed_exit` maps rank -> the exit code that rank is expected to end with (a test that kills a
     worker on purpose); any other non-zero exit fails the test, terminates the rest of the world and
@@ -105,7 +120,7 @@ def run_world(fn, world_size: int, *args, env: dict | None = None, timeout: floa
     process ids under "pids" (rank order).
     """
     allowed_exit = dict(allowed_exit or {})
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = free_port()
     # the workers' calibration cache and their results live in folders removed afterwards
     with tempfile.TemporaryDirectory(prefix="braid-test-cache-", ignore_cleanup_errors=True) as cache_dir, \

@@ -264,6 +264,7 @@ class NodeSegment:
             except (PermissionError, OSError, IndexError):
                 pass
             if dead:
+                self.raise_if_peer_aborted()     # it aborted, then exited: its cause says more
                 raise LaneFailureError(f"rank {peer} (pid {pid}) has exited; braid cannot complete "
                                        f"the call on rank {self.rank}")
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d   # the options classes
 
 from .. import envs
-from ..errors import BraidTimeoutError, LaneFailureError, LaneUnavailableError
+from ..errors import BraidError, BraidTimeoutError, LaneFailureError, LaneUnavailableError
 from ..executor import Handle
 from ..planner.model import LaneCost, choose_with_native
 
@@ -349,6 +349,12 @@ class CallPath:
                 return
             except RuntimeError as exc:
                 if "timed out" not in str(exc).lower():
+                    # a peer that raised marked the segment before its exit closed gloo's
+                    # connections: its error says what went wrong, gloo's only that it left
+                    try:
+                        seg.raise_if_peer_aborted()
+                    except BraidError as peer:
+                        raise peer from exc
                     raise LaneFailureError(f"gloo failed on rank {self.rank}: {exc}") from exc
             seg.raise_if_peer_aborted()
             if self.watchdog is not None and self.watchdog.failed:
