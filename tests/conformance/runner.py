@@ -45,9 +45,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -272,11 +274,12 @@ def run_worker(backend: str, device: str, names: list[str], variant: str, timeou
 def run_in_subprocess(backend: str, device: str, names: list[str], variant: str = "default",
                       timeout: int = 120, total_timeout: float | None = None,
                       log_path: str | None = None, profiler_checks: bool | None = None,
-                      world: int = WORLD_SIZE) -> dict:
+                      world: int = WORLD_SIZE, progress: bool = False) -> dict:
     """Run a worker in a fresh interpreter (its own torch imports, its own BACKEND) and return
     its report. A worker that dies or runs past `total_timeout` makes every test it had not
     reported "failed". profiler_checks: apply torch's profiler-event checks to braid (None: on
-    CPU, see _profiler_checks)."""
+    CPU, see _profiler_checks). progress: print each test's outcome line as the worker reports it
+    (a run cut short by a machine's time limit still shows how far it got)."""
     profiler_checks = _profiler_checks(device, profiler_checks)
     with tempfile.TemporaryDirectory(prefix="braid-conformance-") as tmp:
         out = os.path.join(tmp, "report.json")
@@ -295,9 +298,12 @@ def run_in_subprocess(backend: str, device: str, names: list[str], variant: str 
                "--profiler-checks" if profiler_checks else "--no-profiler-checks"]
         log = open(log_path, "w") if log_path else subprocess.DEVNULL
         try:
-            proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                  timeout=total_timeout, cwd=tmp)
-            why = f"the worker exited with {proc.returncode}" if proc.returncode else ""
+            if progress:
+                why = _run_echoing(cmd, env, tmp, total_timeout, log if log_path else None)
+            else:
+                proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      timeout=total_timeout, cwd=tmp)
+                why = f"the worker exited with {proc.returncode}" if proc.returncode else ""
         except subprocess.TimeoutExpired:
             why = f"the worker ran past {total_timeout:.0f} s"
         finally:
@@ -310,6 +316,34 @@ def run_in_subprocess(backend: str, device: str, names: list[str], variant: str 
             report["results"].setdefault(name, {"outcome": "failed", "detail": why or "no report",
                                                 "seconds": 0.0})
         return report
+
+
+_OUTCOME_LINE = re.compile(r"\[\w+(/\w+)?\] \S+: \w+ \(")
+
+
+def _run_echoing(cmd, env, cwd, total_timeout, log) -> str:
+    """Run the worker, printing its per-test outcome lines as they come (the rest goes to `log`
+    when given). Returns why the worker failed, or ""."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=cwd,
+                            text=True, errors="replace")
+
+    def pump():
+        for line in proc.stdout:
+            if log is not None:
+                log.write(line)
+            if _OUTCOME_LINE.match(line):
+                print(line.rstrip(), flush=True)
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        code = proc.wait(timeout=total_timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        reader.join(5)
+        raise
+    reader.join(5)
+    return f"the worker exited with {code}" if code else ""
 
 
 def _why(detail: str) -> str:
@@ -338,7 +372,7 @@ def compare(pairs: list[tuple[str, str]], device: str, names: list[str], timeout
     for backend, variant in pairs:
         t0 = time.monotonic()
         rep = run_in_subprocess(backend, device, names, variant, timeout, profiler_checks=profiler_checks,
-                                world=world)
+                                world=world, progress=True)
         rep["wall"] = time.monotonic() - t0
         reports.append(rep)
     heads = [b if v == "default" else f"{b}/{v}" for b, v in pairs]
