@@ -18,8 +18,9 @@ So, for a call shape the calibration splits, the job itself decides, from its ow
   pair whose two paces differ more than PAIR_RATIO times holds a pause (an evaluation, another
   model's window in `braid bench`) and is left out;
 - every CHECK pairs the ranks agree (one exchange of a few integers): the split is kept once every
-  rank's mean gain, less two standard errors, beats MARGIN; the shape goes whole once one rank's
-  gain, plus two standard errors, stays under MARGIN (the slowest rank sets the job's pace), or
+  rank's mean gain, less its 95% margin of error (Student's t for its count of pairs times the
+  standard error), beats MARGIN; the shape goes whole once one rank's gain plus that margin stays
+  under MARGIN (the slowest rank sets the job's pace), or
   after MAX_PAIRS pairs without a verdict (ties go to the native library);
 - REPROBE calls after a verdict the trial runs again (the job may change, the machine may drift).
 
@@ -66,6 +67,15 @@ class _Shape:
     pair: list = field(default_factory=lambda: [0.0, 0.0])   # this pair's paces: split, whole
     logs: list = field(default_factory=list)                  # log(whole / split) of kept pairs
     sums: list = field(default_factory=lambda: [0.0, 0.0])   # kept pairs' paces summed: split, whole
+
+
+# Student's t, two-sided 95%, by degrees of freedom (pairs - 1); 2.0 beyond the table
+_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23,
+        11: 2.20, 12: 2.18, 13: 2.16, 14: 2.14, 15: 2.13}
+
+
+def _t95(pairs: int) -> float:
+    return _T95.get(pairs - 1, 12.71 if pairs < 2 else 2.0)
 
 
 def _stats(logs: list) -> tuple[float, float]:
@@ -137,8 +147,8 @@ class Arbiter:
                 int(1e7 * st.sums[0] / max(n, 1)), int(1e7 * st.sums[1] / max(n, 1))]
         got = self._exchange(mine)
         least = min(g[0] for g in got)
-        lows = [(g[1] - _OFF - 2 * g[2]) / 1e6 for g in got]
-        highs = [(g[1] - _OFF + 2 * g[2]) / 1e6 for g in got]
+        lows = [(g[1] - _OFF - _t95(g[0]) * g[2]) / 1e6 for g in got]
+        highs = [(g[1] - _OFF + _t95(g[0]) * g[2]) / 1e6 for g in got]
         bar = math.log1p(MARGIN)
         if least >= MIN_PAIRS and min(lows) > bar:
             whole = False
