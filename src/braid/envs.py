@@ -154,8 +154,8 @@ _define("BRAID_PREPARED", _bool, True,
         "same on every rank.")
 _define("BRAID_CPU_SHM", _bool, True,
         "1 (default): on a CPU communicator whose ranks share one host, all_reduce, reduce, reduce_scatter, "
-        "all_gather, broadcast and all_to_all_single of contiguous tensors and the backend's barrier run "
-        "whole through the node's shared memory "
+        "all_gather, broadcast and all_to_all_single of contiguous tensors, every untagged send/recv and "
+        "the backend's barrier run whole through the node's shared memory "
         "(no gloo, no lanes); 0: the calibration's split over the shm and gloo lanes, or gloo whole. "
         "Explicit shares (fixed_shares, --shares) always run the lanes. Must be the same on every rank.")
 _define("BRAID_LEARN_SPLIT", _bool, True,

@@ -93,7 +93,10 @@ class Layout:
                  ("flag_ready", n * n), ("flag_done", n * n), ("flag_piece", n * n * MAX_PIECES),
                  # rounds of the CPU communicators' whole calls through the segment (comm/cpushm.py)
                  ("cpu_ready", n),
-                 ("pid", n), ("abort", n)]
+                 ("pid", n), ("abort", n),
+                 # whole CPU send/recv (comm/cpup2p.py), bytes per ordered pair: after `abort`, so
+                 # that an abort, which pushes every counter before `pid`, never reads as data
+                 ("p2p_written", n * n), ("p2p_taken", n * n)]
         self.counter_base: dict[str, int] = {}
         idx = 0
         for name, count in names:
@@ -131,6 +134,15 @@ class Layout:
             for r in range(n):
                 self.relay_rings.append(RingGeometry(off, rslots, rslot))
                 off = _align(off + rslots * rslot)
+        # whole CPU send/recv: one byte ring per ordered pair (comm/cpup2p.py)
+        pairs = max(n * (n - 1), 1)
+        self.p2p_ring = max(64 << 10, min(4 << 20, host_buffer_bytes // 4, (32 << 20) // pairs) // PAGE * PAGE)
+        self.p2p_rings: dict[tuple[int, int], int] = {}
+        for s in range(n):
+            for d in range(n):
+                if s != d:
+                    self.p2p_rings[(s, d)] = off
+                    off = _align(off + self.p2p_ring)
         self.data_offset = self.mbox_coll_off
         self.total_bytes = off
 

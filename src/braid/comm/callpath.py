@@ -343,7 +343,10 @@ class CallPath:
             work.wait()
             return
         deadline = time.monotonic() + envs.get("BRAID_TIMEOUT_S")
+        p2p = getattr(self, "_p2p_shm", None)
         while True:
+            if p2p is not None and p2p.pending:
+                p2p.progress()          # a peer may wait in a recv for this rank's pending send
             try:
                 work.wait(GLOO_WAIT_STEP)
                 return

@@ -87,6 +87,13 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
             from .cpushm import CpuShm
             cpu = CpuShm(seg, self.layout, self.segment_tensor, self.rank, self.world_size)
             self._cpu = cpu if cpu.ok and cpu.data >= 4096 else None
+        self._p2p_shm = None        # whole CPU send/recv through the segment (comm/cpup2p.py)
+        if self._cpu is not None:
+            from .cpup2p import CpuP2P
+            me_ref = weakref.ref(self)
+            self._p2p_shm = self._cpu.p2p = CpuP2P(
+                seg, self.layout, self.segment_tensor, self.rank, self.world_size,
+                give_up=lambda exc: (c := me_ref()) is not None and c._give_up(exc))
         self.watchdog = None
         if self.segment is not None:
             me = weakref.ref(self)        # the segment and the watchdog must not keep self alive
@@ -456,6 +463,9 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         if self._cpu is not None:
             self._cpu.close()       # its views of the segment go before the segment does
             self._cpu = None
+        if getattr(self, "_p2p_shm", None) is not None:
+            self._p2p_shm.close()
+            self._p2p_shm = None
         for lane in self._lanes.values():
             lane.close()
         if self._ce_red is not None:

@@ -75,10 +75,11 @@ class CpuShm:
         self._esz: dict = {}
         self.seq = 0
         self.ready = [lay.counter("cpu_ready", r) for r in range(world)]
+        self.p2p = None             # the communicator's CpuP2P: pending sends/recvs move while we wait
 
     def close(self) -> None:
         """Drop every view of the segment (it can be unmapped only when none is left)."""
-        self.head = self.mem = None
+        self.head = self.mem = self.p2p = None
         self._typed.clear()
         self._views.clear()
 
@@ -145,13 +146,20 @@ class CpuShm:
         off = self.ready[r]
         u32, idx = self.seg.u32, off // 4
         end = time.perf_counter() + YIELD_S
+        p2p = self.p2p
         while True:
             for _ in range(16):
                 if ((int(u32[idx]) - s) & 0xFFFFFFFF) < 0x80000000:
                     return
+            if p2p is not None and p2p.pending:
+                p2p.progress()
             if time.perf_counter() > end:
                 break
             os.sched_yield()
+        if p2p is not None and p2p.pending:
+            # a peer may be waiting in a recv for this rank's pending send before it gets here
+            p2p.wait_while(lambda: ((int(u32[idx]) - s) & 0xFFFFFFFF) >= 0x80000000, r, op)
+            return
         self.seg.wait_geq(off, s, op, r, None)
 
     @staticmethod

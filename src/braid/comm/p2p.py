@@ -16,6 +16,7 @@ from ..collectives import check_rank, input_bytes, output_bytes
 from ..errors import BraidTimeoutError, LaneUnavailableError, MisuseError, PeerMismatchError
 from ..executor import Handle, as_handle, execute
 from ..planner.plan import p2p_movement
+from .cpushm import _dtype_code
 
 log = logging.getLogger("braid")
 
@@ -265,6 +266,20 @@ class PointToPoint:
 
     def _p2p(self, tensor, peer, sending: bool, async_op: bool):
         op = "send_recv"
+        if (self._p2p_shm is not None and self._fixed is None and not self.check and type(tensor) is torch.Tensor
+                and not tensor.is_cuda and tensor.layout is torch.strided and type(peer) is int
+                and 0 <= peer < self.world_size and peer != self.rank):
+            # every CPU send/recv of a communicator with the segment's path, whatever its size or
+            # layout: both ranks of a pair pick the same transport (comm/cpup2p.py)
+            self._check_open()
+            x = self._p2p_shm.post(tensor, peer, sending, _dtype_code(tensor.dtype))
+            handle = Handle(native=x)
+            handle.native_lane = "shm"
+            self.last_handle = handle
+            if async_op:
+                return handle
+            handle.wait()
+            return None
         if (not self._p2p_pending and self._fast_ok(tensor) and type(peer) is int and 0 <= peer < self.world_size
                 and peer != self.rank and self._native_for(op, tensor.numel() * tensor.element_size())):
             be = self._fast_be
