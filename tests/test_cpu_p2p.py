@@ -203,11 +203,28 @@ def _dead_sender(rank, w):
         return {"raised": type(exc).__name__, "msg": str(exc), "after_s": time.monotonic() - t0}
 
 
-def test_a_dead_peer_ends_a_waiting_recv():
+def _dies_mid_transfer(rank, w):
+    import braid
+    from braid.errors import BraidError
+    comm = braid.init()
+    n = 1_000_003                                # ~8x the ring: the sender must wait for room
+    if rank == 0:
+        comm.send(torch.ones(n), 1, async_op=True)   # the first ring-full goes now
+        os._exit(3)                              # killed with the rest unsent
+    t0 = time.monotonic()
+    try:
+        comm.recv(torch.empty(n), 0)
+        return {"raised": None}
+    except BraidError as exc:
+        return {"raised": type(exc).__name__, "msg": str(exc), "after_s": time.monotonic() - t0}
+
+
+def test_a_dead_peer_ends_a_waiting_recv_between_calls_and_mid_transfer():
     before = braid_shm_entries()
-    res = run_world(_dead_sender, 2, env={"BRAID_TIMEOUT_S": "30"}, allowed_exit={0: 3}, timeout=90)
-    r1 = res[1]
-    assert r1["raised"] == "LaneFailureError" and "has exited" in r1["msg"], r1
-    assert r1["after_s"] < 10, r1
+    for fn in (_dead_sender, _dies_mid_transfer):
+        res = run_world(fn, 2, env={"BRAID_TIMEOUT_S": "30"}, allowed_exit={0: 3}, timeout=90)
+        r1 = res[1]
+        assert r1["raised"] == "LaneFailureError" and "has exited" in r1["msg"], (fn.__name__, r1)
+        assert r1["after_s"] < 10, (fn.__name__, r1)
     time.sleep(0.5)
     assert braid_shm_entries() <= before
