@@ -227,3 +227,12 @@ def test_fixed_shares_check_mode_and_the_op_sweep_keep_the_calibrations_verdict(
     assert not q._learn_split and not q._arbiter.enabled
 
 
+
+
+def test_verdicts_kept_are_bounded_in_a_long_job():
+    arb = A.Arbiter(lambda v: [list(v)], clock=Clock())
+    for i in range(3 * A.KEPT + 5):
+        arb._agree(("k", i), A._Shape(logs=[0.5] * A.MIN_PAIRS), A.CHECK)
+    assert arb.count == 3 * A.KEPT + 5
+    assert A.KEPT <= len(arb.decisions) <= 2 * A.KEPT
+    assert arb.decisions[-1][0] == ("k", 3 * A.KEPT + 4)

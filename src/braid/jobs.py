@@ -432,10 +432,11 @@ def run_workload(ctx: Ctx, name: str) -> dict:
     prep = getattr(ctx.comm, "_prepared", None)
     before = dict(prep.stats) if prep is not None else {}
     arb = getattr(ctx.comm, "_arbiter", None)
-    tried = len(arb.decisions) if arb is not None else 0
+    tried = arb.count if arb is not None else 0
     windows = time_replicas(ctx, reps)
     # the whole-or-split trials the job ran (comm/arbiter.py): shape, pace split / whole (us), verdict
-    learned = [[str(k), s, w, "whole" if wh else "split"] for k, s, w, wh in arb.decisions[tried:]] if arb else []
+    new = arb.count - tried if arb is not None else 0
+    learned = [[str(k), s, w, "whole" if wh else "split"] for k, s, w, wh in arb.decisions[-new:]] if new else []
     # braid's split calls over the run (warm-up and check steps too): built = agreed and planned
     # anew (a new shape or buffer), hits = taken from the prepared cache, replays = graph launches
     split_calls = {k: v - before.get(k, 0) for k, v in prep.stats.items()} if prep is not None else {}

@@ -53,6 +53,7 @@ MARGIN = 0.02       # the split must beat the whole call's pace by this fraction
 PAIR_RATIO = 3.0    # a pair whose two paces differ more holds a pause: left out
 REPROBE = 4096      # calls between a verdict and the next trial of the same shape
 MAX_SHAPES = 256    # shapes followed at once (the oldest is forgotten: it starts over)
+KEPT = 256          # verdicts kept for the bench's report (Arbiter.decisions)
 _OFF = 1 << 40      # signed values travel offset (the exchange carries non-negative integers)
 
 
@@ -96,7 +97,8 @@ class Arbiter:
         self.enabled = enabled
         self._clock = clock
         self._shapes: dict = {}
-        self.decisions: list[tuple] = []    # (shape, split us, whole us, whole?) of each verdict
+        self.decisions: list[tuple] = []    # (shape, split us, whole us, whole?): the last KEPT verdicts
+        self.count = 0                      # verdicts so far
 
     def whole(self, key) -> bool:
         """Call once per call of a split shape, before it is posted: True when this call goes to
@@ -160,3 +162,6 @@ class Arbiter:
         st.whole, st.trying, st.start = whole, False, st.n
         st.logs, st.sums, st.acc, st.last = [], [0.0, 0.0], 0.0, 0.0
         self.decisions.append((key, split_us, whole_us, whole))
+        self.count += 1
+        if len(self.decisions) > 2 * KEPT:          # a long job: the list must not grow without end
+            del self.decisions[:-KEPT]
