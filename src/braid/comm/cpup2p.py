@@ -29,6 +29,7 @@ import torch
 
 from .. import envs
 from ..errors import BraidTimeoutError, LaneFailureError, PeerMismatchError
+from .cpushm import _dtype_code
 
 HEADER = 16
 PIECE = 256 << 10   # bytes copied between two counter writes: the peer copies one piece while
@@ -97,9 +98,9 @@ class CpuP2P:
         self.pending = 0
 
     # calls ------------------------------------------------------------------------------------
-    def post(self, t: torch.Tensor, peer: int, sending: bool, code: int) -> Transfer:
+    def post(self, t: torch.Tensor, peer: int, sending: bool) -> Transfer:
         """Start a send of `t` to peer, or a recv into `t` from peer; moves what it can now."""
-        after = None
+        after, code = None, _dtype_code(t.dtype)
         if sending:
             src = t.detach()
             if not src.is_contiguous():

@@ -16,7 +16,6 @@ from ..collectives import check_rank, input_bytes, output_bytes
 from ..errors import BraidTimeoutError, LaneUnavailableError, MisuseError, PeerMismatchError
 from ..executor import Handle, as_handle, execute
 from ..planner.plan import p2p_movement
-from .cpushm import _dtype_code
 
 log = logging.getLogger("braid")
 
@@ -272,7 +271,7 @@ class PointToPoint:
             # every CPU send/recv of a communicator with the segment's path, whatever its size or
             # layout: both ranks of a pair pick the same transport (comm/cpup2p.py)
             self._check_open()
-            x = self._p2p_shm.post(tensor, peer, sending, _dtype_code(tensor.dtype))
+            x = self._p2p_shm.post(tensor, peer, sending)
             handle = Handle(native=x)
             handle.native_lane = "shm"
             self.last_handle = handle
