@@ -48,6 +48,7 @@ COLL_SLOTS = 3
 _VALUE_FMT = [f"<I{n}Q" for n in range(9)]   # exchange_values' record: count, then the values
 P2P_MBOX_BYTES = 2048
 P2P_DEPTH = 4               # send/recv descriptors a direction may have posted and not yet read
+P2P_ROLES = 4               # mailboxes per ordered pair: (sender, receiver) x (channel 0, channel 1)
 PAGE = 4096
 MAGIC = 0x42524149         # "BRAI"
 # A rank's status record: its collective calls so far and the last one (published by the
@@ -84,13 +85,15 @@ class Layout:
         n = world_size
         self.world_size = n
         # abort() pushes every counter before `pid`; `pid` and the abort flags after it stay
-        names = [("mbox_coll", n), ("mbox_p2p", n * n * 2), ("mbox_p2p_ack", n * n * 2),
+        names = [("mbox_coll", n), ("mbox_p2p", n * n * P2P_ROLES), ("mbox_p2p_ack", n * n * P2P_ROLES),
                  ("ce_arrive", n), ("ce_finish", n), ("ce_red", n), ("ce_p2p_arrive", n * n), ("ce_p2p_finish", n * n),
                  ("coll_full", n), ("coll_done", n * n), ("pair_full", n * n), ("pair_done", n * n),
                  ("relay_arrive", n), ("relay_finish", n), ("relay_full", n), ("relay_done", n * n),
                  # replay-safe flags of prepared calls (lanes/signals.py): one per ordered pair of
                  # ranks (and piece, for the reductions' pieces); 0 at rest, the waiter resets
                  ("flag_ready", n * n), ("flag_done", n * n), ("flag_piece", n * n * MAX_PIECES),
+                 # the same for prepared send/recv on the copy engines, per direction (src, dst)
+                 ("flag_p2p_ready", n * n), ("flag_p2p_done", n * n),
                  # rounds of the CPU communicators' whole calls through the segment (comm/cpushm.py)
                  ("cpu_ready", n),
                  ("pid", n), ("abort", n),
@@ -109,7 +112,7 @@ class Layout:
         self.mbox_coll_off = off
         off = _align(off + n * COLL_SLOTS * COLL_MBOX_BYTES)
         self.mbox_p2p_off = off
-        off = _align(off + n * n * 2 * P2P_DEPTH * P2P_MBOX_BYTES)
+        off = _align(off + n * n * P2P_ROLES * P2P_DEPTH * P2P_MBOX_BYTES)
         # rings: per rank half the budget for the collective ring, half split over pair rings
         half = max(host_buffer_bytes // 2, 2 * PAGE)
         coll_chunk = max(PAGE, min(chunk_bytes, half // 2) // PAGE * PAGE)
@@ -446,31 +449,36 @@ class NodeSegment:
     # Point-to-point descriptors are matched per direction: rank a's k-th send to b meets b's k-th
     # recv from a, whatever else the two exchange in between (b's own sends to a use other
     # mailboxes). Mailbox (writer, reader, role): role 0 is written by the direction's sender,
-    # role 1 by its receiver, P2P_DEPTH slots each (seq % depth). The reader acknowledges each
-    # descriptor it read; a writer reuses a slot only once its previous occupant was acknowledged,
-    # so up to P2P_DEPTH calls per direction may be posted ahead of the peer.
+    # role 1 by its receiver, P2P_DEPTH slots each (seq % depth); roles 2 and 3 are the same for
+    # a second channel with sequence numbers of its own (prepared send/recv post their words on
+    # channel 0 and, when the pair's cache misses, their full descriptors on channel 1: the k-th
+    # miss of a direction meets the peer's k-th miss whenever each side posts it). The reader
+    # acknowledges each descriptor it read; a writer reuses a slot only once its previous occupant
+    # was acknowledged, so up to P2P_DEPTH calls per direction may be posted ahead of the peer.
     def _p2p_slot(self, writer: int, reader: int, role: int, seq: int) -> int:
         lay = self.layout
-        idx = ((writer * lay.world_size + reader) * 2 + role) * P2P_DEPTH + seq % P2P_DEPTH
+        idx = ((writer * lay.world_size + reader) * P2P_ROLES + role) * P2P_DEPTH + seq % P2P_DEPTH
         return lay.mbox_p2p_off + idx * P2P_MBOX_BYTES
 
     def _p2p_counter(self, writer: int, reader: int, role: int, name: str = "mbox_p2p") -> int:
-        return self.layout.counter(name, (writer * self.layout.world_size + reader) * 2 + role)
+        return self.layout.counter(name, (writer * self.layout.world_size + reader) * P2P_ROLES + role)
 
-    def post_pair(self, desc: dict, peer: int, sending: bool) -> tuple:
-        """Post this rank's descriptor for its next call in the direction (src, dst); returns the
-        token that `poll_pair`/`wait_pair` read the peer's matching descriptor with."""
+    def post_pair(self, desc: dict, peer: int, sending: bool, channel: int = 0) -> tuple:
+        """Post this rank's descriptor for its next call in the direction (src, dst) on `channel`
+        (0 or 1); returns the token that `poll_pair`/`wait_pair` read the peer's matching
+        descriptor with."""
         direction = (self.rank, peer) if sending else (peer, self.rank)
-        seq = self.p2p_seq.get(direction, 0) + 1
-        role = 0 if sending else 1
+        key = (direction, channel)
+        seq = self.p2p_seq.get(key, 0) + 1
+        role = (0 if sending else 1) + 2 * channel
         if seq > P2P_DEPTH:       # the slot's previous descriptor must have been read by the peer
             deadline = time.monotonic() + envs.get("BRAID_TIMEOUT_S")
             self.wait_geq(self._p2p_counter(self.rank, peer, role, "mbox_p2p_ack"), seq - P2P_DEPTH,
                           f"{desc.get('op')} #{seq - P2P_DEPTH} (posted {P2P_DEPTH} ahead)", peer, deadline)
-        self.p2p_seq[direction] = seq
+        self.p2p_seq[key] = seq
         self._write(self._p2p_slot(self.rank, peer, role, seq), P2P_MBOX_BYTES, desc)
         self.set(self._p2p_counter(self.rank, peer, role), seq)
-        return (peer, 1 - role, seq, desc.get("op"))
+        return (peer, (1 if sending else 0) + 2 * channel, seq, desc.get("op"))
 
     def _take(self, token: tuple) -> dict:
         peer, role, seq, _ = token

@@ -15,7 +15,11 @@ from .. import envs
 from ..collectives import check_rank, input_bytes, output_bytes
 from ..errors import BraidTimeoutError, LaneUnavailableError, MisuseError, PeerMismatchError
 from ..executor import Handle, as_handle, execute
+from ..lanes import _cuda
 from ..planner.plan import p2p_movement
+from .prepared import _RAW, not_capturable
+
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 
 log = logging.getLogger("braid")
 
@@ -129,6 +133,213 @@ class PendingP2P:
     @property
     def runs(self):
         return self.inner.runs if self.inner is not None else []
+
+
+class PairEntry:
+    """One prepared send/recv shape of a direction, as both of its ranks agreed it: the two
+    descriptors, the shares and the plan; for a receiver on the copy engines alone, its copies
+    (destination offset, mapped source address, bytes)."""
+
+    __slots__ = ("descs", "plan", "shares", "native", "copies")
+
+    def __init__(self, descs, plan, shares, native: bool, copies=None):
+        self.descs, self.plan, self.shares, self.native, self.copies = descs, plan, shares, native, copies
+
+
+class _RawStart:
+    """A raw CUDA event where torch's lanes expect a torch Event (they call stream.wait_event)."""
+
+    __slots__ = ("ev",)
+
+    def __init__(self, ev: int):
+        self.ev = ev
+
+    def wait(self, stream) -> None:
+        _cuda.stream_wait_event(stream.cuda_stream, self.ev)
+
+
+class _FlagRun:
+    """The handle of a prepared send/recv on the copy engines: wait() makes the caller's current
+    stream wait for the program's end (no CPU block)."""
+
+    __slots__ = ("prep", "end", "entry", "tensors", "_waited", "native", "runs")
+
+    def __init__(self, prep, end: int, entry: PairEntry, tensors: tuple):
+        self.prep, self.end, self.entry, self.tensors = prep, end, entry, tensors
+        self._waited = False
+        self.native, self.runs = None, []
+
+    def wait(self, timeout=None) -> bool:
+        if not self._waited:
+            self._waited = True
+            _cuda.stream_wait_event(_RAW(self.prep._dev_index), self.end)
+            self.prep.give_event(self.end)
+            self.tensors = ()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._waited or _cuda.event_query(self.end)
+
+    def lane_times_us(self) -> dict[str, float]:
+        return {}
+
+    @property
+    def shares(self) -> dict[str, float]:
+        return dict(self.entry.shares)
+
+    @property
+    def plan(self):
+        return self.entry.plan
+
+
+class PreparedP2P(PendingP2P):
+    """A split send/recv through the prepared-call cache (comm/prepared.py). At the call each side
+    posts one word on channel 0 of the direction's mailbox and returns; once both words are there,
+    the pair's key (sender's word, receiver's word) finds the entry both ranks built at the first
+    call of that shape, and the lanes start from it: no descriptor, no agreement, no plan. On the
+    copy engines alone the program is a handful of stream operations on replay-safe flags (the
+    same in a user's CUDA graph capture). A miss (a new size, buffer, allocation, share or
+    calibration on either side) makes both sides post their full descriptors on channel 1 and
+    build the entry as the unprepared path would."""
+
+    def __init__(self, comm, token, word: int, full_of, inp, outs, peer, n, src, dst, dev, start: int,
+                 async_op: bool):
+        super().__init__(comm, token, None, inp, outs, peer, n, src, dst, dev, None)
+        self.word, self.full_of, self.start, self.async_op = word, full_of, start, async_op
+        self.key = None
+        self.stage = 0          # 0: waiting for the peer's word; 1: for its full descriptor
+
+    def try_complete(self) -> bool:
+        if self.inner is not None:
+            return True
+        if self.error is not None:
+            raise self.error
+        comm = self.comm
+        for h in list(comm._p2p_pending):        # a direction's calls start in call order
+            if h is self:
+                break
+            if (h.src, h.dst) == (self.src, self.dst) and not h.try_complete():
+                return False
+        seg = comm.segment
+        theirs = seg.poll_pair(self.token)
+        if theirs is None:
+            return False
+        prep, me = comm._prepared, comm.rank
+        sending = self.src == me
+        if self.stage == 0:
+            w = theirs.get("w")
+            if w is None:
+                self._fail(PeerMismatchError(
+                    f"rank {me}: send/recv with rank {self.peer}: the peer's matching call did not take the "
+                    f"prepared path (BRAID_PREPARED must be the same on every rank)"))
+            self.key = (self.word, w) if sending else (w, self.word)
+            entry = prep.pair_get((self.src, self.dst), self.key)
+            if entry is not None:
+                self._go(entry)
+                return True
+            self.desc = self.full_of()
+            self.token = seg.post_pair(self.desc, self.peer, sending, channel=1)
+            self.stage = 1
+            theirs = seg.poll_pair(self.token)
+            if theirs is None:
+                return False
+        entry = self._build(theirs)
+        prep.pair_put((self.src, self.dst), self.key, entry)
+        self._go(entry)
+        return True
+
+    def _fail(self, exc: BaseException):
+        self.error = exc
+        self._drop()
+        self.comm._prepared.give_event(self.start) if self.start else None
+        self.start = 0
+        raise exc
+
+    def _build(self, theirs: dict) -> PairEntry:
+        """The full agreement of a shape not prepared yet (both sides at their k-th miss)."""
+        comm, me, src, dst, n = self.comm, self.comm.rank, self.src, self.dst, self.n
+        if "w" in theirs:
+            self._fail(PeerMismatchError(f"rank {me}: send/recv with rank {self.peer}: the ranks' caches of "
+                                         f"prepared calls disagree (one missed, the other did not)"))
+        descs: list = [None] * comm.world_size
+        descs[me], descs[self.peer] = self.desc, theirs
+        try:
+            comm._check_direction(self.desc, theirs, self.peer)
+            comm._agree("send_recv", descs, ("op", "dtype", "nbytes", "src", "dst", "calib"))
+        except PeerMismatchError as exc:
+            self._fail(exc)
+        shares = _pair_shares(descs[src], comm._agreed_lanes(descs))
+        if comm._native_ok(shares):
+            return PairEntry(descs, None, shares, native=True)
+        plan = comm._plan(("p2p", src, dst, n), lambda: p2p_movement(comm.world_size, src, dst, n), shares, n, self.dev)
+        copies = None
+        if self.dev.type == "cuda" and shares == {"ce": 1.0}:
+            copies = []
+            if dst == me:
+                transfers = plan.lanes.get("ce", [])
+                peers = comm._lanes["ce"].peer_ptrs(transfers, me, descs)
+                copies = [(off, peers[t.src] + t.src_off, t.nbytes)
+                          for t in transfers for d, _, off in t.dsts if d == me and t.nbytes]
+        return PairEntry(descs, plan, shares, native=False, copies=copies)
+
+    def _go(self, entry: PairEntry) -> None:
+        """Start this call's lanes from the entry."""
+        comm, me = self.comm, self.comm.rank
+        self._drop()
+        sending = self.src == me
+        start, self.start = self.start, 0
+        prep = comm._prepared
+        try:
+            if entry.native:
+                g = comm._native_group(entry.shares)
+                tb = self.inp if sending else self.outs[0]
+                work = dist.isend(tb, group_dst=self.peer, group=g) if sending else dist.irecv(tb, group_src=self.peer, group=g)
+                self.inner = as_handle(work, next(iter(entry.shares)))
+            elif entry.copies is not None:
+                self.inner = self._flags(entry, start, sending)
+            else:
+                if self.dev.type == "cuda" and _capturing():
+                    raise not_capturable("send_recv", entry.shares)
+                self.inner = execute(comm.lane_ctx, entry.plan, self.inp, self.outs, entry.descs, self.peer,
+                                     start_event=_RawStart(start) if start else None)
+        finally:
+            if start:
+                prep.give_event(start)      # every stream that waits on it has been told so
+
+    def _flags(self, entry: PairEntry, start: int, sending: bool) -> _FlagRun:
+        """The copy engines' program of this side: the sender sets `ready` and waits for `done`
+        (on the lane's send stream, so that its wait never holds up this rank's recvs); the
+        receiver waits for `ready`, pulls, sets `done`. Each waiter resets its flag (replay-safe,
+        lanes/signals.py)."""
+        comm = self.comm
+        prep, ce = comm._prepared, comm._lanes["ce"]
+        stream = ce.p2p_stream(sending)
+        sh = stream.cuda_stream
+        base, lay = comm.seg_dev_ptr, comm.layout
+        ready = base + lay.counter("flag_p2p_ready", self.src, self.dst)
+        done = base + lay.counter("flag_p2p_done", self.src, self.dst)
+        if start:
+            _cuda.stream_wait_event(sh, start)
+        if sending:
+            _cuda.write_value(sh, ready, 1)
+            _cuda.wait_value(sh, done, 1)
+            _cuda.write_value(sh, done, 0)
+        else:
+            _cuda.wait_value(sh, ready, 1)
+            _cuda.write_value(sh, ready, 0)
+            out = self.outs[0].data_ptr()
+            for off, src_ptr, nbytes in entry.copies:
+                _cuda.memcpy_async(out + off, src_ptr, nbytes, sh)
+            _cuda.write_value(sh, done, 1)
+        end = prep.take_event()
+        _cuda.event_record(end, sh)
+        tensors = (self.inp,) if sending else (self.outs[0],)
+        if self.async_op:
+            prep.dirty = True
+            for t in tensors:          # the caller may free them before waiting: the allocator must know
+                if t.numel():
+                    t.record_stream(stream)
+        return _FlagRun(prep, end, entry, tensors)
 
 
 def _pair_shares(sender: dict, agreed: list[str]) -> dict[str, float]:
@@ -332,10 +543,35 @@ class PointToPoint:
         # (at the latest in wait()). So isend + irecv on both ranks of a pair works, as in
         # torch.distributed: neither call blocks on the other rank. The sender's shares, chosen
         # now, are the pair's: the receiver's balancer and calibration may see it otherwise.
-        full = dict(desc, lanes=lanes, calib=self.calib_digest, rank=self.rank,
-                    shares=shares if sending else None)
-        if "ce" in lanes:
-            full.update(self._lanes["ce"].descriptor(inp))
+        calib = self.calib_digest        # as at the call (the descriptor may be built later)
+
+        def full_of() -> dict:
+            d = dict(desc, lanes=lanes, calib=calib, rank=self.rank, shares=shares if sending else None)
+            if "ce" in lanes:
+                d.update(self._lanes["ce"].descriptor(inp))
+            return d
+
+        prep = self._prepared
+        if prep.enabled:
+            word = prep.pair_word(desc, lanes, shares, calib, inp)
+            start = 0
+            if dev.type == "cuda":
+                start = prep.take_event()
+                _cuda.event_record(start, _RAW(dev.index))
+            token = self.segment.post_pair({"op": op, "w": word}, peer, sending)
+            handle = PreparedP2P(self, token, word, full_of, inp, outs, peer, n, src, dst, dev, start,
+                                 async_op and not (dev.type == "cuda" and _capturing()))
+            self._p2p_pending.append(handle)
+            if async_op and dev.type == "cuda" and _capturing():
+                handle.complete()       # started inside the capture, from its position there
+            else:
+                self._progress_p2p()
+            self.last_handle = handle
+            if async_op:
+                return handle
+            handle.wait()
+            return None
+        full = full_of()
         start_event = None
         if dev.type == "cuda":
             start_event = torch.cuda.Event()

@@ -128,6 +128,15 @@ class CeLane(GpuLaneMixin, Lane):
             return LaneRun(self.kind, start=start, end=self._end(s))
         return self._post_p2p(ctx, transfers)
 
+    def p2p_stream(self, sending: bool):
+        """The stream of a send's side (a stream of its own: its wait for the reader must not hold
+        up this rank's recvs) or of a recv's (the lane's stream)."""
+        if not sending:
+            return self.stream
+        if self.send_stream is None:
+            self.send_stream = torch.cuda.Stream(device=self.device)
+        return self.send_stream
+
     def _post_p2p(self, ctx: OpContext, transfers: list[Transfer]) -> LaneRun:
         """send/recv: counted per direction, and the sender's side (publish, then wait for the
         reader) on a stream of its own: a rank's send and recv with the same peer may be in
@@ -138,9 +147,7 @@ class CeLane(GpuLaneMixin, Lane):
         seq = self.pair_seq.get(key, 0) + 1
         self.pair_seq[key] = seq
         if key[0] == me:
-            if self.send_stream is None:
-                self.send_stream = torch.cuda.Stream(device=self.device)
-            s = self.send_stream
+            s = self.p2p_stream(True)
         sh = s.cuda_stream
         start = self._begin(ctx, s)
         arrive = lambda r, d: base + lay.counter("ce_p2p_arrive", r, d)     # noqa: E731

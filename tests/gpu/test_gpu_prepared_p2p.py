@@ -1,0 +1,160 @@
+"""GPU tier: prepared send/recv (comm/p2p.py, PreparedP2P).
+
+- 600 mixed send/recv on the copy engines alone, 2 and 4 ranks: blocking pairs and ring shifts of
+  isend + irecv (the recv posted first or last), several dtypes and odd sizes, buffers kept,
+  reallocated elsewhere and reallocated at the same address (the receiver must never read a new
+  allocation through an old mapping), async calls waited later; every message bitwise against data
+  both ranks derive from seeds; the calls really came from the cache (its counts);
+- the same shapes over other lane sets (ce + host, host alone): agreed from the cache, posted
+  eagerly, right;
+- a user's torch.cuda.graph capture of a ring shift on the copy engines, replayed with new data.
+Runs with any GPU (ranks share it where there are fewer GPUs than ranks: gpu_world.py).
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from gpu_world import needs, run
+
+ENV = {"BRAID_MIN_SPLIT_KB": "1"}
+DTYPES = (torch.bfloat16, torch.float32, torch.int32, torch.uint8)
+SIZES = (1, 4097, 65_539, 1_000_003)
+
+
+def _data(key, n, dtype, dev):
+    g = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:7], "little"))
+    if dtype.is_floating_point:
+        return (torch.randn(n, generator=g) * 2).to(dtype).to(dev)
+    return torch.randint(0, 200, (n,), generator=g).to(dtype).to(dev)
+
+
+def _same(a, b) -> bool:
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+class _Bufs:
+    """A shape's send and receive buffers on this rank."""
+
+    def __init__(self, n, dtype, dev):
+        self.n, self.dtype, self.dev = n, dtype, dev
+        self.alloc()
+
+    def alloc(self):
+        self.x = torch.empty(self.n, dtype=self.dtype, device=self.dev)
+        self.out = torch.empty(self.n, dtype=self.dtype, device=self.dev)
+
+
+def _mixed(rank, world, comm, dev, calls=600, seed=3):
+    g = torch.Generator().manual_seed(seed)              # the same sequence on every rank
+    pick = lambda seq: seq[int(torch.randint(len(seq), (1,), generator=g))]     # noqa: E731
+    pairs = [(s, d) for s in range(world) for d in range(world) if s != d]
+    bufs, wrong = {}, []
+    for i in range(calls):
+        n, dt = pick(SIZES), pick(DTYPES)
+        what = int(torch.randint(10, (1,), generator=g))
+        kind = int(torch.randint(3, (1,), generator=g))
+        b = bufs.get((n, dt))
+        if b is None:
+            b = bufs[(n, dt)] = _Bufs(n, dt, dev)
+        elif what == 0:                                  # new buffers (another address)
+            b.alloc()
+        elif what == 1:                                  # a new allocation, the same address wanted
+            b.x = b.out = None
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            b.alloc()
+        b.out.fill_(0)
+        if kind == 0:                                    # one blocking send/recv
+            src, dst = pick(pairs)
+            if rank == src:
+                b.x.copy_(_data(("p", seed, i), n, dt, dev))
+                comm.send(b.x, dst)
+            elif rank == dst:
+                comm.recv(b.out, src)
+                if not _same(b.out, _data(("p", seed, i), n, dt, dev)):
+                    wrong.append((i, "pair", src, dst, n, str(dt), what))
+            continue
+        shift = 1 + int(torch.randint(world - 1, (1,), generator=g))
+        nxt, prv = (rank + shift) % world, (rank - shift) % world
+        b.x.copy_(_data(("s", seed, i, rank), n, dt, dev))
+        if kind == 1:
+            hs = [comm.recv(b.out, prv, async_op=True), comm.send(b.x, nxt, async_op=True)]
+        else:
+            hs = [comm.send(b.x, nxt, async_op=True), comm.recv(b.out, prv, async_op=True)]
+        for h in hs:
+            h.wait()
+        if not _same(b.out, _data(("s", seed, i, prv), n, dt, dev)):
+            wrong.append((i, "shift", shift, n, str(dt), what))
+    torch.cuda.synchronize()
+    return wrong
+
+
+def _repeated(rank, world, comm, dev):
+    with comm.fixed_shares({"ce": 1.0}):
+        wrong = _mixed(rank, world, comm, dev)
+    assert not wrong, f"rank {rank}: {len(wrong)} messages wrong, first {wrong[:5]}"
+    st = comm._prepared.stats
+    assert st["p2p_hits"] > 100 and st["p2p_built"] > 0, st
+
+
+@needs(2)
+def test_mixed_send_recv_two_ranks(tmp_path):
+    run(2, tmp_path, _repeated, ENV)
+
+
+@needs(4)
+def test_mixed_send_recv_four_ranks(tmp_path):
+    run(4, tmp_path, _repeated, ENV)
+
+
+def _other_lanes(rank, world, comm, dev):
+    for k, shares in enumerate(({"ce": 0.5, "host": 0.5}, {"host": 1.0})):
+        with comm.fixed_shares(shares):
+            wrong = _mixed(rank, world, comm, dev, calls=60, seed=100 + k)
+        assert not wrong, (shares, wrong[:5])
+    assert comm._prepared.stats["p2p_hits"] > 0
+
+
+@needs(2)
+def test_send_recv_over_other_lane_sets(tmp_path):
+    run(2, tmp_path, _other_lanes, ENV)
+
+
+def _user_graph(rank, world, comm, dev):
+    n = 1_000_003
+    x = torch.empty(n, dtype=torch.float32, device=dev)
+    out = torch.zeros(n, dtype=torch.float32, device=dev)
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+
+    def shift():
+        hs = [comm.send(x, nxt, async_op=True), comm.recv(out, prv, async_op=True)]
+        for h in hs:
+            h.wait()
+
+    with comm.fixed_shares({"ce": 1.0}):
+        x.copy_(_data(("warm", rank), n, torch.float32, dev))
+        shift()                                          # prepared before the capture
+        assert _same(out, _data(("warm", prv), n, torch.float32, dev))
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            shift()
+        torch.cuda.synchronize()
+        dist.barrier()
+        for i in range(5):
+            x.copy_(_data(("replay", i, rank), n, torch.float32, dev))
+            out.fill_(0)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert _same(out, _data(("replay", i, prv), n, torch.float32, dev)), i
+        del graph
+    torch.cuda.synchronize()
+    dist.barrier()
+
+
+@needs(2)
+def test_user_cuda_graph_capture_of_send_recv(tmp_path):
+    run(2, tmp_path, _user_graph, ENV)

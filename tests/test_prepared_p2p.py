@@ -1,0 +1,206 @@
+"""Prepared send/recv (comm/p2p.py, PreparedP2P) on the CPU lanes in real 2- and 3-rank worlds.
+
+A split send/recv posts one word per side; the pair's key finds the entry both ranks built at
+the first call of that shape, and a miss makes both exchange full descriptors on the second
+channel of the direction's mailbox. These tests count each rank's builds and hits and check every
+message against data both ranks derive from seeds:
+- a repeat hits; a new size, dtype, share or calibration builds; each direction has its own cache;
+- 1,000 mixed calls (both directions, blocking and async, recv posted first or last, sizes that
+  change, a cache smaller than the shapes in use) arrive bitwise right, and the two ranks of a
+  direction keep the same entries;
+- a size or dtype mismatch raises PeerMismatchError on both ranks, and the pair goes on after it;
+- BRAID_PREPARED=0 builds nothing and delivers the same bytes.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from conftest import run_world
+
+ENV = {"BRAID_CALIBRATE": "off", "BRAID_LANES": "gloo,shm", "BRAID_CPU_SHM": "0"}
+SPLIT = {"gloo": 0.5, "shm": 0.5}
+
+
+def _seed(*key) -> int:
+    return int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:8], "little") >> 1
+
+
+def _data(key, numel: int, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(_seed(*key))
+    if dtype.is_floating_point:
+        return (torch.rand(numel, generator=g) * 4 - 2).to(dtype)
+    return torch.randint(-50, 50, (numel,), generator=g).to(dtype)
+
+
+def _one(comm, rank: int, src: int, dst: int, key, numel: int, dtype) -> bool | None:
+    """rank src sends to dst; True/False on the receiver (right or not), None elsewhere."""
+    if rank == src:
+        comm.send(_data(key, numel, dtype), dst)
+        return None
+    if rank == dst:
+        out = torch.full((numel,), 3, dtype=dtype)
+        comm.recv(out, src)
+        return torch.equal(out, _data(key, numel, dtype))
+    return None
+
+
+def _rules(rank: int, w: int) -> dict:
+    import braid
+    comm = braid.init()
+    st = comm._prepared.stats
+    steps, ok = [], []
+
+    def step(name, src=0, dst=1, numel=60_001, dtype=torch.float32):
+        b, h = st["p2p_built"], st["p2p_hits"]
+        r = _one(comm, rank, src, dst, (name, len(steps)), numel, dtype)
+        if r is not None:
+            ok.append(r)
+        steps.append((name, st["p2p_built"] - b, st["p2p_hits"] - h))
+
+    with comm.fixed_shares(SPLIT):
+        step("first")
+        step("repeat")
+        step("repeat again")
+        step("new size", numel=60_003)
+        step("back to the first size")
+        step("new dtype", dtype=torch.float64)
+        step("other direction", src=1, dst=0)
+        step("other direction again", src=1, dst=0)
+        step("first direction again")
+        comm.set_calibration({})               # a new calibration: every entry goes
+        step("after a new calibration")
+        step("after a new calibration, again")
+    with comm.fixed_shares({"gloo": 0.25, "shm": 0.75}):
+        step("other shares")
+        step("other shares again")
+    return {"steps": steps, "ok": ok, "pairs": {k: len(v) for k, v in comm._prepared.pairs.items()}}
+
+
+def test_send_recv_cache_hits_and_rebuilds():
+    res = run_world(_rules, 2, env=ENV)
+    assert res[0]["steps"] == res[1]["steps"]          # both ranks took the same branch every time
+    assert res[0]["ok"] + res[1]["ok"] and all(res[0]["ok"] + res[1]["ok"])
+    got = {name: (built, hits) for name, built, hits in res[0]["steps"]}
+    assert got["first"] == (1, 0)
+    assert got["repeat"] == (0, 1) and got["repeat again"] == (0, 1)
+    assert got["new size"] == (1, 0) and got["back to the first size"] == (0, 1)
+    assert got["new dtype"] == (1, 0)
+    assert got["other direction"] == (1, 0) and got["other direction again"] == (0, 1)
+    assert got["first direction again"] == (0, 1)
+    assert got["after a new calibration"] == (1, 0) and got["after a new calibration, again"] == (0, 1)
+    assert got["other shares"] == (1, 0) and got["other shares again"] == (0, 1)
+    assert res[0]["pairs"] == res[1]["pairs"]
+
+
+def _mixed(rank: int, w: int, calls: int, seed: int) -> dict:
+    import braid
+    comm = braid.init()
+    g = torch.Generator().manual_seed(seed)          # the same sequence on every rank
+    pick = lambda seq: seq[int(torch.randint(len(seq), (1,), generator=g))]     # noqa: E731
+    sizes = (1, 5, 4099, 65_537, 200_003)
+    dtypes = (torch.float32, torch.float64, torch.int32, torch.bfloat16, torch.uint8)
+    pairs = [(s, d) for s in range(w) for d in range(w) if s != d]
+    shapes = [(pick(sizes), pick(dtypes)) for _ in range(6)]
+    wrong, i = [], 0
+    with comm.fixed_shares(SPLIT):
+        while i < calls:
+            kind = int(torch.randint(3, (1,), generator=g))
+            numel, dtype = pick(shapes)
+            if kind == 0:                      # one blocking send/recv
+                src, dst = pick(pairs)
+                if _one(comm, rank, src, dst, ("m", seed, i), numel, dtype) is False:
+                    wrong.append((i, src, dst, numel, str(dtype)))
+                i += 1
+                continue
+            # a ring shift, isend and irecv on every rank, the recv posted first or last
+            shift = 1 + int(torch.randint(w - 1, (1,), generator=g))
+            recv_first = kind == 1
+            nxt, prv = (rank + shift) % w, (rank - shift) % w
+            x = _data(("m", seed, i, rank), numel, dtype)
+            out = torch.full((numel,), 9, dtype=dtype)
+            if recv_first:
+                hs = [comm.recv(out, prv, async_op=True), comm.send(x, nxt, async_op=True)]
+            else:
+                hs = [comm.send(x, nxt, async_op=True), comm.recv(out, prv, async_op=True)]
+            for h in hs:
+                h.wait()
+            if not torch.equal(out, _data(("m", seed, i, prv), numel, dtype)):
+                wrong.append((i, "shift", shift, numel, str(dtype)))
+            i += 1
+    prep = comm._prepared
+    return {"wrong": wrong, "stats": dict(prep.stats),
+            "keys": {k: list(v) for k, v in prep.pairs.items()}}
+
+
+def test_thousand_mixed_send_recv_bitwise_right():
+    res = run_world(_mixed, 2, 1000, 5, env=dict(ENV, BRAID_PREPARED_MAX="4"), timeout=600)
+    for r in res:
+        assert r["wrong"] == []
+    st = res[0]["stats"]
+    assert st["p2p_hits"] > 500                 # 6 shapes, 4 entries per direction: mostly repeats
+    assert st["p2p_built"] > 12                 # and evictions made some shapes build again
+    assert res[0]["stats"]["p2p_hits"] == res[1]["stats"]["p2p_hits"]
+    # both ranks of each direction keep the same keys, in the same order
+    assert res[0]["keys"] == res[1]["keys"]
+    assert all(len(v) <= 4 for v in res[0]["keys"].values())
+
+
+def test_three_ranks_mixed_send_recv():
+    res = run_world(_mixed, 3, 200, 13, env=ENV, timeout=300)
+    for r in res:
+        assert r["wrong"] == []
+    assert res[0]["stats"]["p2p_hits"] > 0
+    # a direction's cache is the same on its two ranks
+    for s in range(3):
+        for d in range(3):
+            if s != d:
+                assert res[s]["keys"].get(str((s, d)), res[s]["keys"].get((s, d))) == \
+                    res[d]["keys"].get(str((s, d)), res[d]["keys"].get((s, d)))
+
+
+def _disagree(rank: int, w: int) -> dict:
+    import braid
+    from braid.errors import PeerMismatchError
+    comm = braid.init()
+    msgs = []
+    with comm.fixed_shares(SPLIT):
+        for i in range(3):
+            assert _one(comm, rank, 0, 1, ("d", i), 50_000, torch.float32) in (None, True)
+        for numel, dtype in ((50_001, torch.float32), (50_000, torch.float64)):
+            # the cached shape on rank 0, another size (then dtype) on rank 1: both must raise
+            try:
+                if rank == 0:
+                    comm.send(torch.ones(50_000), 1)
+                else:
+                    comm.recv(torch.empty(numel, dtype=dtype), 0)
+            except PeerMismatchError as exc:
+                msgs.append(str(exc))
+            else:
+                msgs.append("")
+        ok = _one(comm, rank, 0, 1, ("d", 9), 50_000, torch.float32)       # the pair goes on
+    return {"msgs": msgs, "ok": ok}
+
+
+def test_a_mismatched_send_recv_raises_on_both_ranks():
+    res = run_world(_disagree, 2, env=ENV)
+    for r in res:
+        assert "nbytes" in r["msgs"][0], r
+        assert "dtype" in r["msgs"][1] or "nbytes" in r["msgs"][1], r
+    assert res[1]["ok"] is True
+
+
+def _off(rank: int, w: int) -> dict:
+    import braid
+    comm = braid.init()
+    with comm.fixed_shares(SPLIT):
+        ok = [_one(comm, rank, i % 2, 1 - i % 2, ("off", i), 20_011, torch.float32) for i in range(6)]
+    return {"ok": [o for o in ok if o is not None], "stats": dict(comm._prepared.stats)}
+
+
+def test_prepared_off_send_recv_builds_nothing():
+    res = run_world(_off, 2, env=dict(ENV, BRAID_PREPARED="0"))
+    for r in res:
+        assert r["ok"] and all(r["ok"])
+        assert r["stats"]["p2p_built"] == 0 and r["stats"]["p2p_hits"] == 0
