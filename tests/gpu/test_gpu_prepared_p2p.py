@@ -158,3 +158,52 @@ def _user_graph(rank, world, comm, dev):
 @needs(2)
 def test_user_cuda_graph_capture_of_send_recv(tmp_path):
     run(2, tmp_path, _user_graph, ENV)
+
+
+def _mismatch_ahead(rank, world, comm, dev):
+    """Rank 0's send runs ahead (a cached shape on the copy engines); rank 1 posts a recv of
+    another size: rank 1 raises in its call and drains rank 0's program (no GPU wait is left),
+    rank 0 raises at its next send to rank 1, and the pair goes on."""
+    from braid.errors import PeerMismatchError
+    n = 65_539
+    x = torch.empty(n, dtype=torch.float32, device=dev)
+    with comm.fixed_shares({"ce": 1.0}):
+        for i in range(3):
+            if rank == 0:
+                x.copy_(_data(("mm", i), n, torch.float32, dev))
+                comm.send(x, 1)
+            else:
+                out = torch.empty(n, dtype=torch.float32, device=dev)
+                comm.recv(out, 0)
+                assert _same(out, _data(("mm", i), n, torch.float32, dev))
+        if rank == 0:
+            comm.send(x, 1)                              # returns: the program runs ahead
+            torch.cuda.synchronize()                     # released by rank 1's drain
+            dist.barrier(group=comm.gloo_group)
+            try:
+                comm.send(x, 1)
+            except PeerMismatchError as exc:
+                assert "65540" in str(exc) or "262160" in str(exc), exc
+            else:
+                raise AssertionError("rank 0 did not report rank 1's refusal")
+            x.copy_(_data(("mm", 9), n, torch.float32, dev))
+            comm.send(x, 1)
+        else:
+            bad = torch.empty(n + 1, dtype=torch.float32, device=dev)
+            try:
+                comm.recv(bad, 0)
+            except PeerMismatchError as exc:
+                assert "262156 bytes" in str(exc), exc
+            else:
+                raise AssertionError("rank 1 did not raise")
+            torch.cuda.synchronize()
+            dist.barrier(group=comm.gloo_group)
+            out = torch.empty(n, dtype=torch.float32, device=dev)
+            comm.recv(out, 0)
+            assert _same(out, _data(("mm", 9), n, torch.float32, dev))
+    torch.cuda.synchronize()
+
+
+@needs(2)
+def test_a_mismatched_recv_releases_a_send_that_ran_ahead(tmp_path):
+    run(2, tmp_path, _mismatch_ahead, ENV)

@@ -27,7 +27,7 @@ from ..planner.model import LaneCost
 from ..planner.plan import CPU_LANES, GPU_LANES, LaneKind, all_gather_movement, broadcast_movement
 from ..planner.rings import COLL, PAIR, RingCursor, ring_id
 
-from .p2p import PendingP2P
+from .pairs import Pairs, PendingP2P
 
 log = logging.getLogger("braid")
 
@@ -73,6 +73,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         self._lanes = self.lane_ctx.lanes = self._make_lanes()
         from .prepared import PreparedCalls
         self._prepared = PreparedCalls(self.rank, self.world_size, self.device, self.cuda)
+        # prepared send/recv (comm/pairs.py): through the node segment, with prepared calls on
+        self._pairs = Pairs(self) if self.segment is not None and self._prepared.enabled else None
         from .arbiter import Arbiter
         seg = self.segment
         # the trials of whole against split are agreed through the node segment: one node only
@@ -460,6 +462,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self._prepared.close()
+        if getattr(self, "_pairs", None) is not None:
+            self._pairs.close()
         if self._cpu is not None:
             self._cpu.close()       # its views of the segment go before the segment does
             self._cpu = None

@@ -152,10 +152,6 @@ class PreparedCalls:
         self.max_entries = envs.get("BRAID_PREPARED_MAX")
         self.entries: OrderedDict = OrderedDict()
         self.tickets: dict = {}     # the op's own arguments -> Ticket (fast path of graph replays)
-        # send/recv: one cache per direction (src, dst), keyed by (sender's word, receiver's word);
-        # both ranks of the direction see the same keys in the same order, so they hold the same
-        self.pairs: dict[tuple[int, int], OrderedDict] = {}
-        self._free_events: list[int] = []      # raw events of prepared send/recv, free to record
         self.epoch = 0
         # True while braid work may be on the ce lane's stream (or another lane's) that the
         # caller's stream has not waited for: a synchronous replay then forks and joins instead of
@@ -232,46 +228,6 @@ class PreparedCalls:
         self.epoch += 1
         self.entries.clear()
         self.tickets.clear()
-        self.pairs.clear()
-
-    # send/recv ----------------------------------------------------------------------------------
-    def pair_word(self, desc: dict, lanes: list[str], shares: dict[str, float], calib: str, inp) -> int:
-        """One side's word for a send/recv: what it knows alone (op, dtype, size, direction,
-        lanes, shares, calibration, epoch) and, for the sender where the copy engines may read its
-        input, the input's address and allocation id (a receiver's cached mapping of an old
-        allocation is never read)."""
-        facts = (desc["dtype"], desc["nbytes"], desc["src"], desc["dst"], tuple(lanes), tuple(shares.items()),
-                 calib, self.epoch)
-        if self.cuda and inp is not None and inp.numel() and "ce" in lanes and inp.is_cuda:
-            ptr = inp.data_ptr()
-            facts += (ptr, _cuda.buffer_id(ptr))
-        return hash(facts) & MASK63
-
-    def pair_get(self, direction: tuple[int, int], key: tuple):
-        cache = self.pairs.get(direction)
-        entry = cache.get(key) if cache is not None else None
-        if entry is not None:
-            cache.move_to_end(key)
-            self.stats["p2p_hits"] += 1
-        return entry
-
-    def pair_put(self, direction: tuple[int, int], key: tuple, entry) -> None:
-        cache = self.pairs.setdefault(direction, OrderedDict())
-        cache[key] = entry
-        self.stats["p2p_built"] += 1
-        while len(cache) > self.max_entries:
-            cache.popitem(last=False)
-
-    def take_event(self) -> int:
-        """A raw event (ordering only) from the free list, or a new one."""
-        return self._free_events.pop() if self._free_events else _cuda.event_create()
-
-    def give_event(self, event: int) -> None:
-        """An event whose last record no stream will wait for again, back to the free list."""
-        if len(self._free_events) < 64:
-            self._free_events.append(event)
-        else:
-            _cuda.event_destroy(event)
 
     def ticket(self, tkey, base: int, bal: int, key: tuple, entry: Entry, op: str, ledger: tuple, lanes) -> None:
         if len(self.tickets) >= self.max_entries:
@@ -352,9 +308,7 @@ class PreparedCalls:
 
     def close(self) -> None:
         self.entries.clear()
-        self.pairs.clear()
-        free, self._free_events = self._free_events, []
-        for ev in ([self._ev_start] if self._ev_start else []) + self._ev_ring + free:
+        for ev in ([self._ev_start] if self._ev_start else []) + self._ev_ring:
             try:
                 _cuda.event_destroy(ev)
             except LaneFailureError as exc:

@@ -1,0 +1,593 @@
+"""Prepared send/recv: each direction's shapes agreed once, kept by the sender, replayed with one
+message and, on the copy engines, without waiting for the peer.
+
+A direction (src, dst) has one sender and one receiver. The sender owns the direction's cache:
+its table maps the sender's word (what it knows alone: dtype, size, peer, lanes, shares,
+calibration, epoch, and where the copy engines read it, the input's address and allocation id)
+to an entry id; the receiver keeps the entries by id, as the sender tells it. Every call of the
+direction posts one message from the sender on channel 0 of the pair's mailbox (node.py), read by
+the receiver's matching call (the k-th send meets the k-th recv):
+
+    hit:   {"e": id}                   the receiver checks its own facts against the entry's
+    miss:  {"e": id, "d": descriptor}  the receiver builds entry id from both descriptors and
+                                       replies on channel 1 with its own (or a refusal)
+
+Replies go back on channel 1, tagged with the call's number k. On a hit of an entry on the copy
+engines alone the sender does not wait for anything: its program (set `ready`, wait for `done`,
+reset it; replay-safe flags per direction, lanes/signals.py) goes on the stream at once, and the
+sender's call returns. The receiver's program (wait for `ready`, reset it, pull, set `done`) goes on
+when it reads the message. Other entries (the host lane, NCCL's share, mixed) wait for the
+receiver's reply ("ok") before posting their lanes, as a miss does.
+
+A receiver whose call does not match a run-ahead send (another size, dtype, calibration) cannot
+stop the sender's program: it posts a drain (wait for `ready`, reset, set `done`: no copy), raises
+PeerMismatchError, and replies with a refusal; the sender raises it at its next send to that rank
+(as NCCL reports an asynchronous error at a later call). A miss or a refused non-run-ahead call
+raises on both ranks in the call. Either way the pair goes on.
+
+Synchronous calls with nothing of the direction still on a lane stream run their program on the
+caller's stream itself (no events); asynchronous ones fork onto the lane's stream (the sender's
+own send stream, so that its wait never holds up this rank's recvs) and join on wait().
+
+Rejected: both sides posting a word and keying the entry by both (the sender then waits for the
+receiver's word at every call: 110 us of host time a send, 2 ranks on one H200, 2026-11-26, against
+NCCL's 56); caches that each side evicts on its own rules (the sender alone decides, so the two
+sides can never disagree on what an id means).
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+
+from .. import envs
+from ..errors import BraidTimeoutError, LaneUnavailableError, PeerMismatchError
+from ..executor import Handle, as_handle, execute
+from ..lanes import _cuda
+from ..planner.plan import p2p_movement
+from .prepared import MASK63, _RAW, not_capturable
+
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+OP = "send_recv"
+
+
+class PendingP2P:
+    """A send or recv whose descriptor is posted and whose lanes start once the peer's matching
+    call (same direction, same position in that direction's order) is posted. Quacks like Handle."""
+
+    def __init__(self, comm, token, desc, inp, outs, peer, n, src, dst, dev, start_event, native=None, lane=None):
+        self.comm, self.token, self.desc = comm, token, desc
+        self.inp, self.outs, self.peer, self.n = inp, outs, peer, n
+        self.src, self.dst, self.dev, self.start_event = src, dst, dev, start_event
+        self.inner: Handle | None = None
+        self.error: BaseException | None = None
+        # a call the native library takes whole, queued behind an earlier split call of its
+        # direction: it posts no descriptor and starts once the calls before it have
+        self._whole, self._lane = native, lane
+
+    def try_complete(self) -> bool:
+        if self.inner is not None:
+            return True
+        if self.error is not None:
+            raise self.error
+        for h in list(self.comm._p2p_pending):        # a direction's calls start in call order
+            if h is self:
+                break
+            if (h.src, h.dst) == (self.src, self.dst) and not h.try_complete():
+                return False
+        if self._whole is not None:
+            self._drop()
+            self.inner = as_handle(self._whole(), self._lane)
+            return True
+        theirs = self.comm.segment.poll_pair(self.token)
+        if theirs is None:
+            return False
+        self._start(theirs)
+        return True
+
+    def complete(self) -> None:
+        """Block until the peer's side is posted (other pending calls progress meanwhile)."""
+        if self.try_complete():
+            return
+        seg = self.comm.segment
+        deadline = time.monotonic() + envs.get("BRAID_TIMEOUT_S")
+        spins = 0
+        while not self.try_complete():
+            self.comm._progress_p2p()
+            spins += 1
+            if spins > 200:
+                time.sleep(0.0002)
+                if spins % 2000 == 0:
+                    seg.check_alive(self.peer)
+                if time.monotonic() > deadline:
+                    what = "send to" if self.src == self.comm.rank else "recv from"
+                    self.error = BraidTimeoutError(
+                        f"rank {self.comm.rank}: {what} rank {self.peer} waited {envs.get('BRAID_TIMEOUT_S'):.0f} s "
+                        f"for rank {self.peer}'s matching {'recv' if self.src == self.comm.rank else 'send'}")
+                    self._drop()
+                    raise self.error
+
+    def _drop(self) -> None:
+        if self in self.comm._p2p_pending:
+            self.comm._p2p_pending.remove(self)
+
+    def _start(self, theirs: dict) -> None:
+        comm, me = self.comm, self.comm.rank
+        self._drop()
+        descs: list = [None] * comm.world_size
+        descs[me], descs[self.peer] = self.desc, theirs
+        try:
+            comm._agree("send_recv", descs, ("op", "dtype", "nbytes", "src", "dst", "calib"))
+        except PeerMismatchError as exc:
+            self.error = exc
+            raise
+        shares = _pair_shares(descs[self.src], comm._agreed_lanes(descs))
+        if comm._native_ok(shares):
+            g = comm._native_group(shares)
+            tb = self.inp if self.src == me else self.outs[0]
+            work = dist.isend(tb, group_dst=self.peer, group=g) if self.src == me else dist.irecv(tb, group_src=self.peer, group=g)
+            self.inner = as_handle(work, next(iter(shares)))
+            return
+        src, dst, n = self.src, self.dst, self.n
+        plan = comm._plan(("p2p", src, dst, n), lambda: p2p_movement(comm.world_size, src, dst, n), shares, n, self.dev)
+        self.inner = execute(comm.lane_ctx, plan, self.inp, self.outs, descs, self.peer, start_event=self.start_event)
+
+    def wait(self, timeout=None) -> bool:
+        self.complete()
+        self.comm._progress_p2p()          # start whatever else is ready before blocking on lanes
+        return self.inner.wait()
+
+    def is_completed(self) -> bool:
+        return self.try_complete() and self.inner.is_completed()
+
+    def lane_times_us(self) -> dict[str, float]:
+        self.complete()
+        return self.inner.lane_times_us()
+
+    @property
+    def shares(self) -> dict[str, float]:
+        self.complete()
+        return self.inner.shares
+
+    @property
+    def plan(self):
+        return self.inner.plan if self.inner is not None else None
+
+    @property
+    def native(self):
+        return self.inner.native if self.inner is not None else None
+
+    @property
+    def runs(self):
+        return self.inner.runs if self.inner is not None else []
+
+
+
+def _pair_shares(sender: dict, agreed: list[str]) -> dict[str, float]:
+    """A split send/recv's shares, the same on both ranks: the sender's, as it chose them when it
+    posted the call, over the lanes both sides have (renormalised); with none of those left, the
+    native library's lane alone where both have it, else the first lane both have."""
+    proposed = {k: v for k, v in (sender.get("shares") or {}).items() if k in agreed and v > 0}
+    total = sum(proposed.values())
+    if total > 0:
+        return {k: v / total for k, v in proposed.items()}
+    if not agreed:
+        raise LaneUnavailableError("send/recv: the pair has no lane in common")
+    native = [k for k in ("nccl", "gloo") if k in agreed]
+    return {(native or agreed)[0]: 1.0}
+
+
+class PairEntry:
+    """One agreed shape of a direction: both descriptors, the shares and the plan; `flags`: on
+    the copy engines alone (GPU), run with the pair flags; `copies` (receiver): (destination
+    offset, mapped source address, bytes); `rw`: the receiver's facts when it was built."""
+
+    __slots__ = ("descs", "plan", "shares", "native", "flags", "copies", "rw")
+
+    def __init__(self, descs, plan, shares, native: bool, flags: bool = False, copies=(), rw: int = 0):
+        self.descs, self.plan, self.shares, self.native = descs, plan, shares, native
+        self.flags, self.copies, self.rw = flags, copies, rw
+
+
+class _Send:
+    """This rank's side of a direction where it sends: the cache (word -> [id, entry or None
+    while the receiver's reply is out]), the replies read, errors to report."""
+
+    __slots__ = ("table", "read", "replies", "errors", "open")
+
+    def __init__(self):
+        self.table: OrderedDict = OrderedDict()
+        self.read = 0                   # channel-1 messages read
+        self.replies: dict[int, dict] = {}
+        self.errors: list[BaseException] = []
+        self.open = 0                   # async programs on the lane stream not waited yet
+
+
+class _Recv:
+    __slots__ = ("slots", "seq", "open")
+
+    def __init__(self):
+        self.slots: dict[int, PairEntry] = {}
+        self.seq = 0                    # channel-0 messages read
+        self.open = 0
+
+
+class _FlagRun:
+    """A program of the pair flags: synchronous ones are already in the caller's stream; an
+    async one's wait() makes the caller's current stream wait for its end (no CPU block)."""
+
+    __slots__ = ("pairs", "side", "end", "entry", "tensors", "_waited", "native", "runs")
+
+    def __init__(self, pairs, side, end: int, entry: PairEntry, tensors: tuple):
+        self.pairs, self.side, self.end, self.entry, self.tensors = pairs, side, end, entry, tensors
+        self._waited = not end
+        self.native, self.runs = None, []
+
+    def wait(self, timeout=None) -> bool:
+        if not self._waited:
+            self._waited = True
+            _cuda.stream_wait_event(_RAW(self.pairs.dev_index), self.end)
+            self.pairs.give_event(self.end)
+            self.side.open -= 1
+            self.tensors = ()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._waited or _cuda.event_query(self.end)
+
+    def lane_times_us(self) -> dict[str, float]:
+        return {}
+
+    @property
+    def shares(self) -> dict[str, float]:
+        return dict(self.entry.shares)
+
+    @property
+    def plan(self):
+        return self.entry.plan
+
+
+class _RawStart:
+    """A raw CUDA event where torch's lanes expect a torch Event (they call stream.wait_event)."""
+
+    __slots__ = ("ev",)
+
+    def __init__(self, ev: int):
+        self.ev = ev
+
+    def wait(self, stream) -> None:
+        _cuda.stream_wait_event(stream.cuda_stream, self.ev)
+
+
+class Pairs:
+    """The communicator's prepared send/recv (see the module docstring)."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.sends: dict[int, _Send] = {}
+        self.recvs: dict[int, _Recv] = {}
+        self.free_events: list[int] = []
+        self.dev_index = comm.device.index if comm.cuda else -1
+
+    # events ---------------------------------------------------------------------------------
+    def take_event(self) -> int:
+        return self.free_events.pop() if self.free_events else _cuda.event_create()
+
+    def give_event(self, ev: int) -> None:
+        if len(self.free_events) < 64:
+            self.free_events.append(ev)
+        else:
+            _cuda.event_destroy(ev)
+
+    def close(self) -> None:
+        self.sends.clear()
+        self.recvs.clear()
+        free, self.free_events = self.free_events, []
+        for ev in free:
+            try:
+                _cuda.event_destroy(ev)
+            except Exception:   # noqa: BLE001  closing: nothing more to do with it
+                pass
+
+    # the call -------------------------------------------------------------------------------
+    def call(self, sending: bool, peer: int, desc: dict, lanes, shares, calib: str, inp, outs, n: int, dev,
+             full_of, async_op: bool):
+        comm = self.comm
+        cuda = dev.type == "cuda"
+        start = 0
+        if async_op and cuda:           # where on the caller's stream this call was made
+            start = self.take_event()
+            _cuda.event_record(start, _RAW(dev.index))
+        if sending:
+            return self._send(peer, desc, lanes, shares, calib, inp, n, dev, full_of, async_op, start)
+        side = self.recvs.setdefault(peer, _Recv())
+        side.seq += 1
+        rw = hash((desc["dtype"], n, tuple(lanes), calib)) & MASK63
+        h = _RecvCall(comm, self, side, side.seq, rw, full_of, outs, peer, n, dev, start, async_op)
+        comm._p2p_pending.append(h)
+        comm._progress_p2p()
+        return h
+
+    def _send(self, peer, desc, lanes, shares, calib, inp, n, dev, full_of, async_op, start):
+        comm, prep = self.comm, self.comm._prepared
+        side = self.sends.setdefault(peer, _Send())
+        self.pump(peer, side)
+        if side.errors:
+            if start:
+                self.give_event(start)
+            raise side.errors.pop(0)
+        facts = (desc["dtype"], n, peer, tuple(lanes), tuple(shares.items()), calib, prep.epoch)
+        if comm.cuda and inp.is_cuda and inp.numel() and "ce" in lanes:
+            ptr = inp.data_ptr()
+            facts += (ptr, _cuda.buffer_id(ptr))
+        sw = hash(facts) & MASK63
+        got = side.table.get(sw)
+        seg = comm.segment
+        me = comm.rank
+        if got is not None:
+            side.table.move_to_end(sw)
+            prep.stats["p2p_hits"] += 1
+            eid, entry = got
+            token = seg.post_pair({"op": OP, "e": eid}, peer, True)
+            k = token[2]
+            if (entry is not None and entry.flags and not self._queued(me, peer)):
+                return self._flags(entry, True, me, peer, inp, start, async_op, side)
+            h = _SendCall(comm, self, side, k, sw, eid, entry, None, inp, peer, n, dev, start, async_op)
+        else:
+            if len(side.table) >= prep.max_entries:
+                _, (eid, _) = side.table.popitem(last=False)
+            else:
+                used = {v[0] for v in side.table.values()}
+                eid = next(i for i in range(len(side.table) + 1) if i not in used)
+            side.table[sw] = [eid, None]
+            prep.stats["p2p_built"] += 1
+            mine = full_of()
+            token = seg.post_pair({"op": OP, "e": eid, "d": mine}, peer, True)
+            h = _SendCall(comm, self, side, token[2], sw, eid, None, mine, inp, peer, n, dev, start, async_op)
+        comm._p2p_pending.append(h)
+        comm._progress_p2p()
+        return h
+
+    def _queued(self, src: int, dst: int) -> bool:
+        return any((h.src, h.dst) == (src, dst) for h in self.comm._p2p_pending)
+
+    def pump(self, peer: int, side: _Send) -> None:
+        """Read every reply the receiver `peer` has posted on channel 1 (in order)."""
+        seg = self.comm.segment
+        while True:
+            msg = seg.poll_pair((peer, 3, side.read + 1, OP))
+            if msg is None:
+                return
+            side.read += 1
+            k = msg.get("k")
+            if msg.get("ahead"):             # a refusal of a run-ahead call: reported at the next send
+                side.errors.append(PeerMismatchError(msg["nack"]))
+            else:
+                side.replies[k] = msg
+
+    # building an entry ------------------------------------------------------------------------
+    def build(self, descs: list, src: int, dst: int, n: int, dev, rw: int) -> PairEntry:
+        """The entry of a new shape from both descriptors (the same on both ranks)."""
+        comm, me = self.comm, self.comm.rank
+        shares = _pair_shares(descs[src], comm._agreed_lanes(descs))
+        if comm._native_ok(shares):
+            return PairEntry(descs, None, shares, native=True, rw=rw)
+        plan = comm._plan(("p2p", src, dst, n), lambda: p2p_movement(comm.world_size, src, dst, n), shares, n, dev)
+        flags = dev.type == "cuda" and shares == {"ce": 1.0}
+        copies = ()
+        if flags and dst == me:
+            transfers = plan.lanes.get("ce", [])
+            peers = comm._lanes["ce"].peer_ptrs(transfers, me, descs)
+            copies = tuple((off, peers[t.src] + t.src_off, t.nbytes)
+                           for t in transfers for d, _, off in t.dsts if d == me and t.nbytes)
+        return PairEntry(descs, plan, shares, native=False, flags=flags, copies=copies, rw=rw)
+
+    # running an entry -------------------------------------------------------------------------
+    def run(self, entry: PairEntry, sending: bool, src: int, dst: int, inp, outs, dev, start: int, async_op: bool,
+            drain: bool = False):
+        comm = self.comm
+        peer = dst if sending else src
+        side = self.sends[peer] if sending else self.recvs[peer]
+        if entry.flags:
+            return self._flags(entry, sending, src, dst, inp if sending else outs[0], start, async_op, side, drain)
+        try:
+            if entry.native:
+                g = comm._native_group(entry.shares)
+                work = (dist.isend(inp, group_dst=peer, group=g) if sending
+                        else dist.irecv(outs[0], group_src=peer, group=g))
+                return as_handle(work, next(iter(entry.shares)))
+            if dev.type == "cuda" and _capturing():
+                raise not_capturable(OP, entry.shares)
+            if comm.cuda:
+                comm._prepared.dirty = True
+            return execute(comm.lane_ctx, entry.plan, inp, outs, entry.descs, peer,
+                           start_event=_RawStart(start) if start else None)
+        finally:
+            if start:
+                self.give_event(start)
+
+    def _flags(self, entry, sending: bool, src: int, dst: int, t, start: int, async_op: bool, side,
+               drain: bool = False):
+        """This side's program on the pair flags (see the module docstring)."""
+        comm = self.comm
+        base, lay = comm.seg_dev_ptr, comm.layout
+        ready = base + lay.counter("flag_p2p_ready", src, dst)
+        done = base + lay.counter("flag_p2p_done", src, dst)
+        caller = _RAW(self.dev_index)
+        lane = None
+        if async_op or side.open or start:
+            lane = comm._lanes["ce"].p2p_stream(sending)
+            sh = lane.cuda_stream
+            if start:
+                _cuda.stream_wait_event(sh, start)
+                self.give_event(start)
+            else:
+                ev = self.take_event()
+                _cuda.event_record(ev, caller)
+                _cuda.stream_wait_event(sh, ev)
+                self.give_event(ev)
+        else:
+            sh = caller
+        if sending:
+            _cuda.write_value(sh, ready, 1)
+            _cuda.wait_value(sh, done, 1)
+            _cuda.write_value(sh, done, 0)
+        else:
+            _cuda.wait_value(sh, ready, 1)
+            _cuda.write_value(sh, ready, 0)
+            if not drain:
+                out = t.data_ptr()
+                for off, src_ptr, nbytes in entry.copies:
+                    _cuda.memcpy_async(out + off, src_ptr, nbytes, sh)
+            _cuda.write_value(sh, done, 1)
+        if lane is None:
+            return _FlagRun(self, side, 0, entry, ())
+        end = self.take_event()
+        _cuda.event_record(end, sh)
+        side.open += 1
+        if async_op:
+            if t.numel():
+                t.record_stream(lane)      # the caller may free it before waiting
+            return _FlagRun(self, side, end, entry, (t,))
+        run = _FlagRun(self, side, end, entry, ())
+        run.wait()
+        return run
+
+
+class _Call(PendingP2P):
+    """A prepared send or recv not started yet (quacks like PendingP2P: the communicator's
+    pending list progresses it; a direction's calls start in call order)."""
+
+    def _earlier_first(self) -> bool:
+        for h in list(self.comm._p2p_pending):
+            if h is self:
+                return True
+            if (h.src, h.dst) == (self.src, self.dst) and not h.try_complete():
+                return False
+        return True
+
+    def _fail(self, exc: BaseException):
+        self.error = exc
+        self._drop()
+        if self.start:
+            self.pairs.give_event(self.start)
+            self.start = 0
+        raise exc
+
+
+class _SendCall(_Call):
+    def __init__(self, comm, pairs, side, k, sw, eid, entry, mine, inp, peer, n, dev, start, async_op):
+        me = comm.rank
+        super().__init__(comm, None, mine, inp, [], peer, n, me, peer, dev, None)
+        self.pairs, self.side, self.k, self.sw, self.eid = pairs, side, k, sw, eid
+        self.entry, self.start, self.async_op = entry, start, async_op
+
+    def try_complete(self) -> bool:
+        if self.inner is not None:
+            return True
+        if self.error is not None:
+            raise self.error
+        if not self._earlier_first():
+            return False
+        pairs, side = self.pairs, self.side
+        got = side.table.get(self.sw)
+        entry = self.entry or (got[1] if got is not None and got[0] == self.eid else None)
+        if entry is not None and entry.flags and self.desc is None:
+            # a hit queued behind earlier calls of the direction: runs ahead now, as it would have
+            self._drop()
+            self.inner = pairs.run(entry, True, self.src, self.dst, self.inp, [], self.dev, self.start,
+                                   self.async_op)
+            self.start = 0
+            return True
+        pairs.pump(self.peer, side)
+        reply = side.replies.pop(self.k, None)
+        if reply is None:
+            return False
+        if "nack" in reply:
+            if self.desc is not None and got is not None and got[0] == self.eid:
+                side.table.pop(self.sw, None)       # the receiver built nothing under this id
+            self._fail(PeerMismatchError(reply["nack"]))
+        if self.desc is not None:                    # a miss: build from both descriptors
+            descs: list = [None] * self.comm.world_size
+            descs[self.src], descs[self.dst] = self.desc, reply["d"]
+            entry = pairs.build(descs, self.src, self.dst, self.n, self.dev, 0)
+            if got is not None and got[0] == self.eid:
+                got[1] = entry
+        if entry is None:
+            self._fail(PeerMismatchError(f"rank {self.comm.rank}: send to rank {self.peer}: entry {self.eid} "
+                                         f"is not built on this rank"))
+        self._drop()
+        self.inner = pairs.run(entry, True, self.src, self.dst, self.inp, [], self.dev, self.start, self.async_op)
+        self.start = 0
+        return True
+
+
+class _RecvCall(_Call):
+    def __init__(self, comm, pairs, side, k, rw, full_of, outs, peer, n, dev, start, async_op):
+        me = comm.rank
+        super().__init__(comm, None, None, None, outs, peer, n, peer, me, dev, None)
+        self.pairs, self.side, self.k, self.rw, self.full_of = pairs, side, k, rw, full_of
+        self.start, self.async_op = start, async_op
+
+    def _refuse(self, why: str, ahead: bool, entry: PairEntry | None = None):
+        """Tell the sender (channel 1), drain a run-ahead program, raise here."""
+        comm = self.comm
+        comm.segment.post_pair({"op": OP, "k": self.k, "nack": why, "ahead": ahead}, self.peer, False, channel=1)
+        if ahead and entry is not None and entry.flags:
+            self._drop()
+            self.pairs.run(entry, False, self.src, self.dst, None, self.outs, self.dev, self.start, False, drain=True)
+            self.start = 0
+        self._fail(PeerMismatchError(why))
+
+    def try_complete(self) -> bool:
+        if self.inner is not None:
+            return True
+        if self.error is not None:
+            raise self.error
+        if not self._earlier_first():
+            return False
+        comm, pairs = self.comm, self.pairs
+        msg = comm.segment.poll_pair((self.peer, 0, self.k, OP))
+        if msg is None:
+            return False
+        me, eid = comm.rank, msg.get("e")
+        if eid is None:
+            self._refuse(f"rank {me}: recv from rank {self.peer}: the peer's matching send did not take the prepared "
+                         f"path (BRAID_PREPARED must be the same on every rank)", False)
+        if "d" in msg:                                   # a new shape: agree, build, reply
+            mine = self.full_of()
+            theirs = msg["d"]
+            descs: list = [None] * comm.world_size
+            descs[me], descs[self.peer] = mine, theirs
+            try:
+                comm._check_direction(mine, theirs, self.peer)
+                comm._agree(OP, descs, ("op", "dtype", "nbytes", "src", "dst", "calib"))
+            except PeerMismatchError as exc:
+                self.side.slots.pop(eid, None)      # later calls naming this id are refused too
+                self._refuse(str(exc), False)
+            entry = pairs.build(descs, self.src, self.dst, self.n, self.dev, self.rw)
+            self.side.slots[eid] = entry
+            comm._prepared.stats["p2p_built"] += 1
+            comm.segment.post_pair({"op": OP, "k": self.k, "d": mine}, self.peer, False, channel=1)
+        else:
+            entry = self.side.slots.get(eid)
+            comm._prepared.stats["p2p_hits"] += 1
+            ahead = entry is not None and entry.flags
+            if entry is None or entry.rw != self.rw:
+                d = (entry.descs[self.src] if entry is not None else {}) or {}
+                mine = self.full_of()
+                what = (f"{mine['nbytes']} bytes of {mine['dtype']}" if entry is None or
+                        (d.get("nbytes"), d.get("dtype")) != (mine["nbytes"], mine["dtype"])
+                        else f"lanes {mine['lanes']} and calibration {mine['calib']}")
+                self._refuse(
+                    f"send_recv: rank {self.peer} sent {d.get('nbytes', '?')} bytes of {d.get('dtype', '?')} "
+                    f"and rank {me}'s matching recv expects {what}. Every send must meet a recv of the same size "
+                    f"and dtype.", ahead, entry)
+            if not ahead:
+                comm.segment.post_pair({"op": OP, "k": self.k, "ok": 1}, self.peer, False, channel=1)
+        self._drop()
+        self.inner = pairs.run(entry, False, self.src, self.dst, None, self.outs, self.dev, self.start, self.async_op)
+        self.start = 0
+        return True
