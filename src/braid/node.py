@@ -48,6 +48,7 @@ COLL_SLOTS = 3
 _VALUE_FMT = [f"<I{n}Q" for n in range(9)]   # exchange_values' record: count, then the values
 P2P_MBOX_BYTES = 2048
 P2P_DEPTH = 4               # send/recv descriptors a direction may have posted and not yet read
+WORD_MARK = 0xFFFFFFFF      # a mailbox slot holding a word (post_pair(int)), not JSON
 P2P_ROLES = 4               # mailboxes per ordered pair: (sender, receiver) x (channel 0, channel 1)
 PAGE = 4096
 MAGIC = 0x42524149         # "BRAI"
@@ -195,6 +196,7 @@ class NodeSegment:
         self.set(layout.counter("pid", rank), os.getpid())
         self.coll_seq = 0
         self.p2p_seq: dict[tuple[int, int], int] = {}
+        self._p2p_offs: dict[tuple, int] = {}        # mailbox counter offsets, computed once each
         self.closed = False
         # hooks of the communicator that owns this segment: called while a wait lasts (every
         # ~35 ms) and when it times out, with (peer, what); each may raise a better error
@@ -461,9 +463,13 @@ class NodeSegment:
         return lay.mbox_p2p_off + idx * P2P_MBOX_BYTES
 
     def _p2p_counter(self, writer: int, reader: int, role: int, name: str = "mbox_p2p") -> int:
-        return self.layout.counter(name, (writer * self.layout.world_size + reader) * P2P_ROLES + role)
+        key = (writer, reader, role, name)
+        off = self._p2p_offs.get(key)
+        if off is None:
+            off = self._p2p_offs[key] = self.layout.counter(name, (writer * self.layout.world_size + reader) * P2P_ROLES + role)
+        return off
 
-    def post_pair(self, desc: dict, peer: int, sending: bool, channel: int = 0) -> tuple:
+    def post_pair(self, desc: dict | int, peer: int, sending: bool, channel: int = 0) -> tuple:
         """Post this rank's descriptor for its next call in the direction (src, dst) on `channel`
         (0 or 1); returns the token that `poll_pair`/`wait_pair` read the peer's matching
         descriptor with."""
@@ -474,11 +480,16 @@ class NodeSegment:
         if seq > P2P_DEPTH:       # the slot's previous descriptor must have been read by the peer
             deadline = time.monotonic() + envs.get("BRAID_TIMEOUT_S")
             self.wait_geq(self._p2p_counter(self.rank, peer, role, "mbox_p2p_ack"), seq - P2P_DEPTH,
-                          f"{desc.get('op')} #{seq - P2P_DEPTH} (posted {P2P_DEPTH} ahead)", peer, deadline)
+                          f"{'send_recv' if isinstance(desc, int) else desc.get('op')} #{seq - P2P_DEPTH} "
+                          f"(posted {P2P_DEPTH} ahead)", peer, deadline)
         self.p2p_seq[key] = seq
-        self._write(self._p2p_slot(self.rank, peer, role, seq), P2P_MBOX_BYTES, desc)
+        off = self._p2p_slot(self.rank, peer, role, seq)
+        if isinstance(desc, int):       # a word (prepared send/recv): 12 bytes, no JSON
+            struct.pack_into("<Iq", self.mm, off, WORD_MARK, desc)
+        else:
+            self._write(off, P2P_MBOX_BYTES, desc)
         self.set(self._p2p_counter(self.rank, peer, role), seq)
-        return (peer, (1 if sending else 0) + 2 * channel, seq, desc.get("op"))
+        return (peer, (1 if sending else 0) + 2 * channel, seq, "send_recv" if isinstance(desc, int) else desc.get("op"))
 
     def _take(self, token: tuple) -> dict:
         peer, role, seq, _ = token
@@ -512,6 +523,8 @@ class NodeSegment:
 
     def _read(self, off: int) -> dict:
         (n,) = struct.unpack_from("<I", self.mm, off)
+        if n == WORD_MARK:
+            return {"e": struct.unpack_from("<q", self.mm, off + 4)[0]}
         return json.loads(bytes(self.mm[off + 4: off + 4 + n]))
 
     def close(self) -> None:

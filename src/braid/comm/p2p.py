@@ -153,6 +153,20 @@ class PointToPoint:
                 return handle
             handle.wait()
             return None
+        pairs = self._pairs
+        if pairs is not None and pairs.tickets and type(tensor) is torch.Tensor and type(peer) is int:
+            # a repeat of a send/recv on the copy engines (comm/pairs.py, _Ticket)
+            tkey = (sending, peer, tensor.data_ptr(), tensor.numel(), tensor.dtype)
+            tk = pairs.tickets.get(tkey)
+            if (tk is not None and self._fast_ok(tensor) and not self.aborted
+                    and not (self.watchdog is not None and self.watchdog.failed)):
+                handle = pairs.send_fast(tk, tensor, async_op) if sending else pairs.recv_fast(tk, tensor, async_op)
+                if handle is not None:
+                    self.last_handle = handle
+                    if async_op:
+                        return handle
+                    handle.wait()
+                    return None
         if (not self._p2p_pending and self._fast_ok(tensor) and type(peer) is int and 0 <= peer < self.world_size
                 and peer != self.rank and self._native_for(op, tensor.numel() * tensor.element_size())):
             be = self._fast_be
@@ -215,7 +229,10 @@ class PointToPoint:
             return d
 
         if self._pairs is not None:
-            handle = self._pairs.call(sending, peer, desc, lanes, shares, calib, inp, outs, n, dev, full_of, async_op)
+            tkey = ((sending, peer, tensor.data_ptr(), tensor.numel(), tensor.dtype)
+                    if dev.type == "cuda" and tensor.is_contiguous() else None)
+            handle = self._pairs.call(sending, peer, desc, lanes, shares, calib, inp, outs, n, dev, full_of, async_op,
+                                      tkey)
             self.last_handle = handle
             if async_op:
                 return handle

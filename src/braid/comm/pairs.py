@@ -206,12 +206,27 @@ class _Send:
 
 
 class _Recv:
-    __slots__ = ("slots", "seq", "open")
+    __slots__ = ("slots", "seq", "open", "held")
 
     def __init__(self):
         self.slots: dict[int, PairEntry] = {}
         self.seq = 0                    # channel-0 messages read
         self.open = 0
+        self.held = None                # (k, message): read by the fast path, left to the full one
+
+
+class _Ticket:
+    """A repeated call on the copy engines alone, keyed by the tensor's own facts (direction,
+    address, count, dtype): the next such call skips the lanes, shares, descriptor and word and
+    goes from the op's entry to the message and the program (Pairs.send_fast / recv_fast). Valid
+    while the cache's epoch (calibration, fixed shares) is the one it was made under and, for a
+    sender, while its input is the same allocation and its entry is still in the table."""
+
+    __slots__ = ("epoch", "peer", "side", "entry", "sw", "bid", "rw")
+
+    def __init__(self, epoch, peer, side, entry, sw=0, bid=0, rw=0):
+        self.epoch, self.peer, self.side, self.entry = epoch, peer, side, entry
+        self.sw, self.bid, self.rw = sw, bid, rw
 
 
 class _FlagRun:
@@ -270,6 +285,12 @@ class Pairs:
         self.recvs: dict[int, _Recv] = {}
         self.free_events: list[int] = []
         self.dev_index = comm.device.index if comm.cuda else -1
+        self.tickets: dict[tuple, _Ticket] = {}
+
+    def ticket(self, key, tk: _Ticket) -> None:
+        if len(self.tickets) >= 256:
+            self.tickets.clear()
+        self.tickets[key] = tk
 
     # events ---------------------------------------------------------------------------------
     def take_event(self) -> int:
@@ -284,6 +305,7 @@ class Pairs:
     def close(self) -> None:
         self.sends.clear()
         self.recvs.clear()
+        self.tickets.clear()
         free, self.free_events = self.free_events, []
         for ev in free:
             try:
@@ -293,7 +315,7 @@ class Pairs:
 
     # the call -------------------------------------------------------------------------------
     def call(self, sending: bool, peer: int, desc: dict, lanes, shares, calib: str, inp, outs, n: int, dev,
-             full_of, async_op: bool):
+             full_of, async_op: bool, tkey=None):
         comm = self.comm
         cuda = dev.type == "cuda"
         start = 0
@@ -301,16 +323,17 @@ class Pairs:
             start = self.take_event()
             _cuda.event_record(start, _RAW(dev.index))
         if sending:
-            return self._send(peer, desc, lanes, shares, calib, inp, n, dev, full_of, async_op, start)
+            return self._send(peer, desc, lanes, shares, calib, inp, n, dev, full_of, async_op, start, tkey)
         side = self.recvs.setdefault(peer, _Recv())
         side.seq += 1
         rw = hash((desc["dtype"], n, tuple(lanes), calib)) & MASK63
         h = _RecvCall(comm, self, side, side.seq, rw, full_of, outs, peer, n, dev, start, async_op)
+        h.tkey = tkey
         comm._p2p_pending.append(h)
         comm._progress_p2p()
         return h
 
-    def _send(self, peer, desc, lanes, shares, calib, inp, n, dev, full_of, async_op, start):
+    def _send(self, peer, desc, lanes, shares, calib, inp, n, dev, full_of, async_op, start, tkey=None):
         comm, prep = self.comm, self.comm._prepared
         side = self.sends.setdefault(peer, _Send())
         self.pump(peer, side)
@@ -319,9 +342,11 @@ class Pairs:
                 self.give_event(start)
             raise side.errors.pop(0)
         facts = (desc["dtype"], n, peer, tuple(lanes), tuple(shares.items()), calib, prep.epoch)
+        bid = 0
         if comm.cuda and inp.is_cuda and inp.numel() and "ce" in lanes:
             ptr = inp.data_ptr()
-            facts += (ptr, _cuda.buffer_id(ptr))
+            bid = _cuda.buffer_id(ptr)
+            facts += (ptr, bid)
         sw = hash(facts) & MASK63
         got = side.table.get(sw)
         seg = comm.segment
@@ -330,9 +355,11 @@ class Pairs:
             side.table.move_to_end(sw)
             prep.stats["p2p_hits"] += 1
             eid, entry = got
-            token = seg.post_pair({"op": OP, "e": eid}, peer, True)
+            token = seg.post_pair(eid, peer, True)
             k = token[2]
             if (entry is not None and entry.flags and not self._queued(me, peer)):
+                if tkey is not None and bid:
+                    self.ticket(tkey, _Ticket(prep.epoch, peer, side, entry, sw=sw, bid=bid))
                 return self._flags(entry, True, me, peer, inp, start, async_op, side)
             h = _SendCall(comm, self, side, k, sw, eid, entry, None, inp, peer, n, dev, start, async_op)
         else:
@@ -352,6 +379,57 @@ class Pairs:
 
     def _queued(self, src: int, dst: int) -> bool:
         return any((h.src, h.dst) == (src, dst) for h in self.comm._p2p_pending)
+
+    def send_fast(self, tk: _Ticket, t, async_op: bool):
+        """A send under a ticket (see _Ticket); None: not this way (nothing was posted)."""
+        comm = self.comm
+        side = tk.side
+        if tk.epoch != comm._prepared.epoch or comm._p2p_pending or _cuda.buffer_id(t.data_ptr()) != tk.bid:
+            return None
+        got = side.table.get(tk.sw)
+        if got is None or got[1] is not tk.entry:
+            return None
+        self.pump(tk.peer, side)
+        if side.errors:
+            raise side.errors.pop(0)
+        side.table.move_to_end(tk.sw)
+        comm._prepared.stats["p2p_hits"] += 1
+        comm.segment.post_pair(got[0], tk.peer, True)
+        start = 0
+        if async_op:
+            start = self.take_event()
+            _cuda.event_record(start, _RAW(self.dev_index))
+        return self._flags(tk.entry, True, comm.rank, tk.peer, t, start, async_op, side)
+
+    def recv_fast(self, tk: _Ticket, t, async_op: bool):
+        """A recv under a ticket whose sender's message is there and names an entry on the copy
+        engines that fits this call; None: not this way (a message read is left to the full path)."""
+        comm = self.comm
+        side = tk.side
+        if tk.epoch != comm._prepared.epoch or comm._p2p_pending or side.held is not None:
+            return None
+        k = side.seq + 1
+        msg = comm.segment.poll_pair((tk.peer, 0, k, OP))
+        if msg is None:
+            return None
+        entry = side.slots.get(msg.get("e"))
+        if "d" in msg or entry is None or not entry.flags or entry.rw != tk.rw:
+            side.held = (k, msg)
+            return None
+        side.seq = k
+        comm._prepared.stats["p2p_hits"] += 1
+        start = 0
+        if async_op:
+            start = self.take_event()
+            _cuda.event_record(start, _RAW(self.dev_index))
+        return self._flags(entry, False, tk.peer, comm.rank, t, start, async_op, side)
+
+    def read(self, side: _Recv, peer: int, k: int):
+        """The sender's k-th message (or None): the one the fast path read, or from the mailbox."""
+        if side.held is not None and side.held[0] == k:
+            msg, side.held = side.held[1], None
+            return msg
+        return self.comm.segment.poll_pair((peer, 0, k, OP))
 
     def pump(self, peer: int, side: _Send) -> None:
         """Read every reply the receiver `peer` has posted on channel 1 (in order)."""
@@ -530,6 +608,7 @@ class _RecvCall(_Call):
         super().__init__(comm, None, None, None, outs, peer, n, peer, me, dev, None)
         self.pairs, self.side, self.k, self.rw, self.full_of = pairs, side, k, rw, full_of
         self.start, self.async_op = start, async_op
+        self.tkey = None
 
     def _refuse(self, why: str, ahead: bool, entry: PairEntry | None = None):
         """Tell the sender (channel 1), drain a run-ahead program, raise here."""
@@ -549,7 +628,7 @@ class _RecvCall(_Call):
         if not self._earlier_first():
             return False
         comm, pairs = self.comm, self.pairs
-        msg = comm.segment.poll_pair((self.peer, 0, self.k, OP))
+        msg = pairs.read(self.side, self.peer, self.k)
         if msg is None:
             return False
         me, eid = comm.rank, msg.get("e")
@@ -587,6 +666,8 @@ class _RecvCall(_Call):
                     f"and dtype.", ahead, entry)
             if not ahead:
                 comm.segment.post_pair({"op": OP, "k": self.k, "ok": 1}, self.peer, False, channel=1)
+            elif self.tkey is not None:
+                pairs.ticket(self.tkey, _Ticket(comm._prepared.epoch, self.peer, self.side, None, rw=self.rw))
         self._drop()
         self.inner = pairs.run(entry, False, self.src, self.dst, None, self.outs, self.dev, self.start, self.async_op)
         self.start = 0
