@@ -149,9 +149,10 @@ _define("BRAID_SHARED_GPU", _bool, False,
         "of one host on one GPU are an error.")
 _define("BRAID_PREPARED", _bool, True,
         "1 (default): a repeated split collective is agreed and built once and replayed (one round of "
-        "a few words between ranks; on the copy engines alone, one CUDA graph launch); 0: every split "
-        "call exchanges descriptors and posts its lanes from scratch (for comparison). Must be the "
-        "same on every rank.")
+        "a few words between ranks; on the copy engines alone, one CUDA graph launch), and a repeated "
+        "split send/recv is named by its sender in one message (on the copy engines alone the send "
+        "does not wait for its receiver); 0: every split call exchanges descriptors and posts its "
+        "lanes from scratch (for comparison). Must be the same on every rank.")
 _define("BRAID_CPU_SHM", _bool, True,
         "1 (default): on a CPU communicator whose ranks share one host, all_reduce, reduce, reduce_scatter, "
         "all_gather, broadcast and all_to_all_single of contiguous tensors, every untagged send/recv and "
@@ -165,8 +166,9 @@ _define("BRAID_LEARN_SPLIT", _bool, True,
         "shares and the op rows of `braid bench` keep the calibration's verdict. 0: the calibration "
         "alone decides. Must be the same on every rank.")
 _define("BRAID_PREPARED_MAX", _positive_int, 64,
-        "Prepared calls a communicator keeps (least recently used go first); each holds its agreed "
-        "descriptors and plan, and on the copy engines alone a CUDA graph.")
+        "Prepared calls a communicator keeps (least recently used go first), and prepared send/recv "
+        "shapes per direction; each holds its agreed descriptors and plan, and a prepared collective "
+        "on the copy engines alone a CUDA graph.")
 _define("BRAID_LOG_LEVEL", str, "WARNING", "Log level of the 'braid' logger (debug: one line per "
         "skewed all_to_all routing decision, with its corrections and trial state).")
 

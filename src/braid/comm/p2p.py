@@ -1,7 +1,8 @@
 """send/recv and batches of them. A split send/recv is matched per direction (a's k-th send to b
 with b's k-th recv from a), posted at once and started when the peer's side is posted, so isend
-and irecv never block on the other rank; the pair runs the sender's shares. A batch is one uneven
-all_to_all under the hood.
+and irecv never block on the other rank; the pair runs the sender's shares. With prepared calls
+on, a split send/recv goes through comm/pairs.py (the sender names the agreed entry in one message).
+A batch is one uneven all_to_all under the hood.
 """
 from __future__ import annotations
 
