@@ -29,6 +29,9 @@ Synchronous calls with nothing of the direction still on a lane stream run their
 caller's stream itself (no events); asynchronous ones fork onto the lane's stream (the sender's
 own send stream, so that its wait never holds up this rank's recvs) and join on wait().
 
+`PendingP2P` (below) is a send/recv whose lanes start once the peer's side is posted: the
+unprepared path (BRAID_PREPARED=0) and the base of the prepared calls' pending objects.
+
 Rejected: both sides posting a word and keying the entry by both (the sender then waits for the
 receiver's word at every call: 110 us of host time a send, 2 ranks on one H200, 2026-11-26, against
 NCCL's 56); caches that each side evicts on its own rules (the sender alone decides, so the two
@@ -162,7 +165,6 @@ class PendingP2P:
     @property
     def runs(self):
         return self.inner.runs if self.inner is not None else []
-
 
 
 def _pair_shares(sender: dict, agreed: list[str]) -> dict[str, float]:
