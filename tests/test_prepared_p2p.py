@@ -207,3 +207,34 @@ def test_prepared_off_send_recv_builds_nothing():
     for r in res:
         assert r["ok"] and all(r["ok"])
         assert r["stats"]["p2p_built"] == 0 and r["stats"]["p2p_hits"] == 0
+
+
+def _overdue(rank: int, w: int) -> dict:
+    """A send that ran ahead and that the receiver never reads (put in by hand: on CPU lanes no
+    send runs ahead): the watchdog gives up after BRAID_TIMEOUT_S, and both ranks' next calls
+    raise a braid error naming it."""
+    import time
+    import braid
+    from braid.errors import BraidError
+    comm = braid.init()
+    t = torch.ones(10)
+    comm.all_reduce(t)
+    if rank == 0:
+        comm._pairs.ahead[1] = 1_000_000
+    errors = []
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 20 and len(errors) < 1:
+        try:
+            comm.all_reduce(t)
+        except BraidError as exc:
+            errors.append(str(exc))
+        time.sleep(0.05)
+    return {"errors": errors, "after": time.monotonic() - t0}
+
+
+def test_a_send_nobody_receives_ends_in_an_error_on_every_rank():
+    res = run_world(_overdue, 2, env=dict(ENV, BRAID_TIMEOUT_S="2"), timeout=60)
+    for r in res:
+        assert r["errors"], r
+        assert "send #1 to rank 1" in r["errors"][0] and "did not post its matching recv" in r["errors"][0], r
+        assert r["after"] < 10, r

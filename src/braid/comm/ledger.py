@@ -28,12 +28,14 @@ class _Watchdog:
 
     PERIOD_S = 0.2
 
-    def __init__(self, segment: NodeSegment, rank: int, world_size: int, cuda: bool, status, on_peer_abort):
+    def __init__(self, segment: NodeSegment, rank: int, world_size: int, cuda: bool, status, on_peer_abort,
+                 overdue=None):
         import threading
         self.failed = ""
         self._stop = threading.Event()
         self._segment, self._rank, self._world, self._cuda = segment, rank, world_size, cuda
         self._status, self._on_peer_abort = status, on_peer_abort
+        self._overdue = overdue         # this rank's own reason to give up (a send nobody receives), or ""
         self._thread = threading.Thread(target=self._run, name="braid-watchdog", daemon=True)
         self._thread.start()
 
@@ -69,6 +71,10 @@ class _Watchdog:
         hit = self._segment.aborted()
         if hit is not None:
             return f"rank {hit[0]} aborted: {hit[2]}"
+        why = self._overdue() if self._overdue is not None else ""
+        if why:
+            self._segment.mark_aborted(2, f"BraidTimeoutError: {why}")     # the peers raise too
+            return why
         if ticks % 5 == 0:
             for peer in range(self._world):
                 if peer != self._rank:
@@ -110,6 +116,13 @@ class Ledger:
         self.last_call = (op, t.numel() * t.element_size(), t.dtype, path)
         if self.segment is not None:
             self._publish()
+
+    def _p2p_overdue(self) -> str:
+        """The watchdog's look at sends that ran ahead (comm/pairs.py): why to give up, or ""."""
+        pairs = getattr(self, "_pairs", None)
+        if pairs is None or not pairs.ahead:
+            return ""
+        return pairs.overdue(envs.get("BRAID_TIMEOUT_S"))
 
     def _status(self) -> tuple:
         """(calls, op, bytes, dtype, path) of the ledger, for the watchdog to publish."""

@@ -50,6 +50,7 @@ from ..errors import BraidTimeoutError, LaneUnavailableError, PeerMismatchError
 from ..executor import Handle, as_handle, execute
 from ..lanes import _cuda
 from ..planner.plan import p2p_movement
+from ..node import geq
 from .prepared import MASK63, _RAW, not_capturable
 
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
@@ -288,6 +289,32 @@ class Pairs:
         self.free_events: list[int] = []
         self.dev_index = comm.device.index if comm.cuda else -1
         self.tickets: dict[tuple, _Ticket] = {}
+        # the last send that ran ahead, per peer (the watchdog's `overdue`: a send nobody receives
+        # must not leave a GPU waiting forever), and where each peer's reading stood when last seen
+        self.ahead: dict[int, int] = {}
+        self._seen: dict[int, tuple[int, float]] = {}
+
+    def overdue(self, limit: float) -> str:
+        """Why this rank gives up, when a receiver has left a send that ran ahead unread and read
+        nothing more for `limit` seconds, else "". Called by the watchdog thread."""
+        seg, me = self.comm.segment, self.comm.rank
+        if seg is None or seg.closed:
+            return ""
+        now = time.monotonic()
+        for peer, k in list(self.ahead.items()):
+            read = seg.get(seg._p2p_counter(me, peer, 0, "mbox_p2p_ack"))
+            if geq(read, k):
+                self._seen.pop(peer, None)
+                continue
+            seen = self._seen.get(peer)
+            if seen is None or seen[0] != read:
+                self._seen[peer] = (read, now)
+            elif now - seen[1] > limit:
+                return (f"rank {me}: send #{read + 1} to rank {peer} ran ahead on the copy engines and rank {peer} "
+                        f"did not post its matching recv within {limit:.0f} s (a blocking send whose recv the peer "
+                        f"posts only after a later collective waits on the GPU for good: use isend); the GPU waits "
+                        f"are released and this communicator is broken")
+        return ""
 
     def ticket(self, key, tk: _Ticket) -> None:
         if len(self.tickets) >= 256:
@@ -362,6 +389,7 @@ class Pairs:
             if (entry is not None and entry.flags and not self._queued(me, peer)):
                 if tkey is not None and bid:
                     self.ticket(tkey, _Ticket(prep.epoch, peer, side, entry, sw=sw, bid=bid))
+                self.ahead[peer] = k
                 return self._flags(entry, True, me, peer, inp, start, async_op, side)
             h = _SendCall(comm, self, side, k, sw, eid, entry, None, inp, peer, n, dev, start, async_op)
         else:
@@ -396,7 +424,8 @@ class Pairs:
             raise side.errors.pop(0)
         side.table.move_to_end(tk.sw)
         comm._prepared.stats["p2p_hits"] += 1
-        comm.segment.post_pair(got[0], tk.peer, True)
+        k = comm.segment.post_pair(got[0], tk.peer, True)[2]
+        self.ahead[tk.peer] = k
         start = 0
         if async_op:
             start = self.take_event()
