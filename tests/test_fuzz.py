@@ -293,11 +293,15 @@ def _draw_op(rng: random.Random) -> str:
     return rng.choices([o for o, _ in OPS], weights=[wt for _, wt in OPS])[0]
 
 
-def _post(api, rank: int, w: int, seed: int, k: int, rng: random.Random, async_op: bool, op: str) -> _Call:
+def _post(api, rank: int, w: int, seed: int, k: int, rng: random.Random, async_op: bool, op: str,
+          dev=None) -> _Call:
+    """Post one drawn call; its tensors live on `dev` (None: CPU), its references on the CPU."""
     import torch.distributed as dist
     R = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
          "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}
     dtype = getattr(torch, rng.choice(DTYPES))
+    on = (lambda t: t) if dev is None else (lambda t: t.to(dev))      # noqa: E731
+    dev_kw = {} if dev is None else {"device": dev}
     esz = torch.empty((), dtype=dtype).element_size()
     n = _count(rng, esz)
     head = f"call {k} {op} {str(dtype)[6:]} n={n}" + (" async" if async_op else "")
@@ -306,7 +310,7 @@ def _post(api, rank: int, w: int, seed: int, k: int, rng: random.Random, async_o
         red = _draw_red(rng, dtype)
         root = rng.randrange(w)
         parts = [_red_data((seed, k, r), n, dtype, red) for r in range(w)]
-        t = parts[rank].clone()
+        t = on(parts[rank].clone())
         if op == "all_reduce":
             work = api.all_reduce(t, R[red], async_op)
         else:
@@ -316,40 +320,40 @@ def _post(api, rank: int, w: int, seed: int, k: int, rng: random.Random, async_o
 
         def check():
             if op == "reduce" and rank != root:
-                d = _diff(t, parts[rank])
+                d = _diff(t.cpu(), parts[rank])
                 return None if d is None else f"non-root tensor changed: {d}"
-            return _diff(t, _reduce_ref(parts, red), exact)
+            return _diff(t.cpu(), _reduce_ref(parts, red), exact)
         return _Call(what, [work], check)
 
     if op in ("reduce_scatter_tensor", "reduce_scatter"):
         red = _draw_red(rng, dtype)
         parts = [_red_data((seed, k, r), n * w, dtype, red) for r in range(w)]
-        out = torch.full((n,), 7, dtype=dtype)
+        out = torch.full((n,), 7, dtype=dtype, **dev_kw)
         if op == "reduce_scatter_tensor":
-            work = api.reduce_scatter_tensor(out, parts[rank].clone(), R[red], async_op)
+            work = api.reduce_scatter_tensor(out, on(parts[rank].clone()), R[red], async_op)
         else:
-            work = api.reduce_scatter(out, list(parts[rank].clone().chunk(w)) if n else
-                                      [torch.empty(0, dtype=dtype) for _ in range(w)], R[red], async_op)
+            work = api.reduce_scatter(out, list(on(parts[rank].clone()).chunk(w)) if n else
+                                      [torch.empty(0, dtype=dtype, **dev_kw) for _ in range(w)], R[red], async_op)
         exact = not (dtype.is_floating_point and red in ("avg", "product"))
         return _Call(f"{head} {red}", [work],
-                     lambda: _diff(out, _reduce_ref([p[rank * n:(rank + 1) * n] for p in parts], red), exact))
+                     lambda: _diff(out.cpu(), _reduce_ref([p[rank * n:(rank + 1) * n] for p in parts], red), exact))
 
     if op in ("all_gather_into_tensor", "all_gather"):
         parts = [_bytes_data((seed, k, r), n, dtype) for r in range(w)]
         strided = api.name == "direct" and op == "all_gather_into_tensor" and rng.random() < 0.1
-        x = parts[rank]
+        x = on(parts[rank])
         if strided:                   # a non-contiguous input (braid copies it first)
             x = torch.stack([x, torch.zeros_like(x)], 1)[:, 0]
         if op == "all_gather_into_tensor":
-            out = torch.empty(n * w, dtype=dtype)
+            out = torch.empty(n * w, dtype=dtype, **dev_kw)
             work = api.all_gather_into_tensor(out, x, async_op)
-            return _Call(head + (" strided" if strided else ""), [work], lambda: _diff(out, torch.cat(parts)))
-        outs = [torch.empty(n, dtype=dtype) for _ in range(w)]
+            return _Call(head + (" strided" if strided else ""), [work], lambda: _diff(out.cpu(), torch.cat(parts)))
+        outs = [torch.empty(n, dtype=dtype, **dev_kw) for _ in range(w)]
         work = api.all_gather(outs, x, async_op)
 
         def check():
             for r in range(w):
-                d = _diff(outs[r], parts[r])
+                d = _diff(outs[r].cpu(), parts[r])
                 if d is not None:
                     return f"output_list[{r}]: {d}"
             return None
@@ -358,9 +362,9 @@ def _post(api, rank: int, w: int, seed: int, k: int, rng: random.Random, async_o
     if op == "broadcast":
         root = rng.randrange(w)
         want = _bytes_data((seed, k, root), n, dtype)
-        t = want.clone() if rank == root else torch.zeros(n, dtype=dtype)
+        t = on(want.clone()) if rank == root else torch.zeros(n, dtype=dtype, **dev_kw)
         work = api.broadcast(t, root, async_op)
-        return _Call(f"{head} root={root}", [work], lambda: _diff(t, want))
+        return _Call(f"{head} root={root}", [work], lambda: _diff(t.cpu(), want))
 
     if op in ("a2a_even", "a2a_uneven"):
         cols = rng.choice([1, 1, 3])
@@ -378,13 +382,13 @@ def _post(api, rank: int, w: int, seed: int, k: int, rng: random.Random, async_o
                 for s in range(w):
                     rows[s][d] = 0
         ins = [_bytes_data((seed, k, s), sum(rows[s]) * cols, dtype).view(-1, cols) for s in range(w)]
-        out = torch.full((sum(rows[s][rank] for s in range(w)), cols), 7, dtype=dtype)
+        out = torch.full((sum(rows[s][rank] for s in range(w)), cols), 7, dtype=dtype, **dev_kw)
         if op == "a2a_even":
-            work = api.all_to_all_single(out, ins[rank], None, None, async_op)
+            work = api.all_to_all_single(out, on(ins[rank]), None, None, async_op)
         else:
-            work = api.all_to_all_single(out, ins[rank], [rows[s][rank] for s in range(w)], rows[rank], async_op)
+            work = api.all_to_all_single(out, on(ins[rank]), [rows[s][rank] for s in range(w)], rows[rank], async_op)
         want = torch.cat([ins[s].split(rows[s])[rank] for s in range(w)])
-        return _Call(f"{head} cols={cols} rows={rows}", [work], lambda: _diff(out, want))
+        return _Call(f"{head} cols={cols} rows={rows}", [work], lambda: _diff(out.cpu(), want))
 
     if op == "send_recv":
         a, b = rng.sample(range(w), 2)
@@ -395,10 +399,10 @@ def _post(api, rank: int, w: int, seed: int, k: int, rng: random.Random, async_o
         what = f"{head} {a}->{b}" + (f" and {b}->{a}" if both else "") + (" strided" if strided else "")
         if rank in (a, b):
             peer = b if rank == a else a
-            x = mk[rank]
+            x = on(mk[rank])
             if strided:
                 x = torch.stack([x, torch.zeros_like(x)], 1)[:, 0]
-            got = torch.full((n,), 7, dtype=dtype)
+            got = torch.full((n,), 7, dtype=dtype, **dev_kw)
             if both:              # both directions at once: must not block on each other
                 works = [api.send(x, peer, True), api.recv(got, peer, True)] if rank == a else \
                         [api.recv(got, peer, True), api.send(x, peer, True)]
@@ -409,21 +413,21 @@ def _post(api, rank: int, w: int, seed: int, k: int, rng: random.Random, async_o
 
         def check():
             if rank == b or (both and rank == a):
-                return _diff(got, mk[b if rank == a else a])
+                return _diff(got.cpu(), mk[b if rank == a else a])
             return None
         return _Call(what, works, check)
 
     if op == "ring":
         shift = rng.randint(1, w - 1)
         nxt, prv = (rank + shift) % w, (rank - shift) % w
-        x = _bytes_data((seed, k, rank), n, dtype)
-        got = torch.full((n,), 7, dtype=dtype)
+        x = on(_bytes_data((seed, k, rank), n, dtype))
+        got = torch.full((n,), 7, dtype=dtype, **dev_kw)
         ops = [dist.P2POp(dist.isend, x, nxt), dist.P2POp(dist.irecv, got, prv)]
         if rng.random() < 0.5:
             ops.reverse()
         works = api.ring(ops)
         return _Call(f"{head} shift={shift}", list(works),
-                     lambda: _diff(got, _bytes_data((seed, k, prv), n, dtype)))
+                     lambda: _diff(got.cpu(), _bytes_data((seed, k, prv), n, dtype)))
     raise ValueError(op)
 
 
@@ -442,8 +446,11 @@ def _lanes_of(comm) -> str:
     return next(iter(shares), "none")
 
 
-def _fuzz_worker(rank: int, w: int, mode: str, seed: int, n_ops: int) -> dict:
+def _fuzz_worker(rank: int, w: int, mode: str, seed: int, n_ops: int, dev=None, lanes=None) -> dict:
+    """One rank's fuzz sequence; `dev`: where the tensors live (None: CPU), `lanes`: the lane
+    costs of the calibrated blocks (default FAST_LANES, the CPU lanes')."""
     api = _Direct() if mode == "direct" else _Backend(rank, w)
+    lanes = lanes or FAST_LANES
     rng = random.Random(seed)
     pending: list[tuple[int, _Call]] = []      # (calls left before its wait, call)
     wrong: list[str] = []
@@ -478,10 +485,10 @@ def _fuzz_worker(rank: int, w: int, mode: str, seed: int, n_ops: int) -> dict:
                 comm = api.comm_now() if not calibrated and k == 0 else \
                     (api.comm if mode == "direct" else api.pg.ensure_communicator())
                 if comm is not None:
-                    comm.set_calibration({f"{op}/{w}": dict(FAST_LANES) for op in CAL_OPS} if calibrated else {})
+                    comm.set_calibration({f"{op}/{w}": dict(lanes) for op in CAL_OPS} if calibrated else {})
             async_op = rng.random() < 0.15
             op = _draw_op(rng)
-            call = _post(api, rank, w, seed, k, rng, async_op, op)
+            call = _post(api, rank, w, seed, k, rng, async_op, op, dev)
             if trace is not None:
                 trace.write(f"{call.what}\n")
                 trace.flush()
