@@ -140,6 +140,13 @@ def _ops_worker(rank, w):
                 t = xs[rank].clone()
                 comm.broadcast(t, root)
                 note(f"broadcast root {root} {dt} n={n}", torch.equal(t, xs[root]), t)
+    # broadcasts of several pieces (BCAST_CHUNK), the last one partial, from every root
+    for n in (5_000_011, 2 * 1_048_576 + 3):
+        for root in range(w):
+            xs = [data(r, n, torch.uint8, 131 + root) for r in range(w)]
+            t = xs[rank].clone()
+            comm.broadcast(t, root)
+            note(f"broadcast in pieces root {root} n={n}", torch.equal(t, xs[root]), t)
     # async calls return a finished handle; many calls back to back with changing sizes
     for i in range(200):
         n = (i * 7919) % 70_001
