@@ -20,6 +20,10 @@ only two rounds later, after every rank stamped the round in between, so nobody 
   rank order either way, so every rank gets the same bits, run after run.
 - reduce_scatter: per chunk, each rank writes its input's part for every destination, and reduces
   its own part over every rank in rank order.
+- Two ranks: each copies in only the part its peer reduces and reduces its own from its own tensor
+  and the peer's copy in one elementwise kernel (reduce_pair, the bits reduce_slots gives); the
+  all_reduce hands its reduced half over and copies the peer's in (2 cores, 2026-11-26: 64 MiB
+  45.6-47.9 -> 33.0-33.9 ms, 16 MiB 13.2-14.7 -> 8.6-8.8, 4 MiB 2.9-3.2 -> 1.5-1.7).
 - all_gather, broadcast: one round per chunk, then copies (broadcast in pieces of BCAST_CHUNK, so
   that the root's writing and the others' reading overlap).
 
@@ -35,7 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..collectives.reduce import _writing, check_reduce_dtype, op_name, reduce_factor, reduce_slots
+from ..collectives.reduce import _writing, check_reduce_dtype, op_name, reduce_factor, reduce_pair, reduce_slots
 from ..errors import MisuseError, PeerMismatchError
 
 HEADER = 64                 # bytes before each half's data: the round's header
@@ -200,11 +204,18 @@ class CpuShm:
         cap = self.data // esz
         code = _NAMES[name] + (0 if root is None else 100 * (root + 1))
         lands = root is None or root == self.rank
+        # two ranks, a chunk above SMALL_REDUCE: each copies in only the half its peer reduces
+        pair = self.world == 2
         with _writing(t):
             for start in range(0, max(n, 1), cap):
                 c = min(cap, n - start)
                 p = (self.seq + 1) & 1
-                self._mine(p, dt, 0, c).copy_(flat[start: start + c])
+                if pair and c * esz > SMALL_REDUCE:
+                    other = 1 - self.rank
+                    a, b = c * other // 2, c * (other + 1) // 2
+                    self._mine(p, dt, a, b - a).copy_(flat[start + a: start + b])
+                else:
+                    self._mine(p, dt, 0, c).copy_(flat[start: start + c])
                 self._round(op, n * esz, dt, code)
                 if c * esz <= SMALL_REDUCE:
                     if lands:
@@ -212,6 +223,13 @@ class CpuShm:
                     continue
                 bounds = [c * r // self.world for r in range(self.world + 1)]
                 lo, hi = bounds[self.rank], bounds[self.rank + 1]
+                if pair:
+                    self._pair_reduce(flat, start, p, bounds, name, factor, lands)
+                    q = self._round(op, n * esz, dt, code)
+                    if lands:               # the peer's reduced half
+                        a, b = bounds[1 - self.rank], bounds[2 - self.rank]
+                        flat[start + a: start + b].copy_(self._rows(q, dt, a, b - a)[1 - self.rank])
+                    continue
                 reduce_slots(self._rows(p, dt, lo, hi - lo), self.world, name, self._mine(1 - p, dt, lo, hi - lo), factor)
                 q = self._round(op, n * esz, dt, code)
                 if lands:
@@ -219,6 +237,24 @@ class CpuShm:
                     for r in range(self.world):
                         a, b = bounds[r], bounds[r + 1]
                         flat[start + a: start + b].copy_(rows[r, a:b])
+
+    def _pair_reduce(self, flat, start: int, p: int, bounds, name: str, factor: float, lands: bool) -> None:
+        """A two-rank chunk between its rounds: reduce this rank's half from its own tensor and
+        the peer's copy (rank order; reduce_pair gives the bits reduce_slots gives) and hand it to
+        the peer through the segment. With the peer's half copied in alone before and copied out
+        alone after, each byte of data costs 4.5 bytes of memory traffic against 5.5 when every
+        rank copies in and out the whole chunk."""
+        dt, me = flat.dtype, self.rank
+        lo, hi = bounds[me], bounds[me + 1]
+        mine = flat[start + lo: start + hi]
+        theirs = self._rows(p, dt, lo, hi - lo)[1 - me]
+        x0, x1 = (mine, theirs) if me == 0 else (theirs, mine)
+        handed = self._mine(1 - p, dt, lo, hi - lo)
+        if lands:                   # in place, then a copy for the peer
+            reduce_pair(x0, x1, name, mine, factor)
+            handed.copy_(mine)
+        else:                       # a reduce's other rank: its tensor stays as it was
+            reduce_pair(x0, x1, name, handed, factor)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """Balanced all_to_all_single: block d of every rank's input to rank d, in rounds that
@@ -304,10 +340,19 @@ class CpuShm:
                 c = min(cap, m - start)
                 p = (self.seq + 1) & 1
                 mine = self._mine(p, dt, 0, w * c).view(w, c)
-                mine.copy_(src.view(w, m)[:, start: start + c])
+                if w == 2:              # only the part the peer reduces; mine is read from `inp`
+                    peer = 1 - self.rank
+                    mine[peer].copy_(src.view(w, m)[peer, start: start + c])
+                else:
+                    mine.copy_(src.view(w, m)[:, start: start + c])
                 self._round("reduce_scatter", inp.numel() * esz, dt, code)
                 rows = self._rows(p, dt, self.rank * c, c)
-                reduce_slots(rows, w, name, dst[start: start + c], factor)
+                if w == 2:
+                    own = src.view(w, m)[self.rank, start: start + c]
+                    x0, x1 = (own, rows[1]) if self.rank == 0 else (rows[0], own)
+                    reduce_pair(x0, x1, name, dst[start: start + c], factor)
+                else:
+                    reduce_slots(rows, w, name, dst[start: start + c], factor)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         src = inp.view(-1).view(torch.uint8)
