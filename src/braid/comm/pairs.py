@@ -81,6 +81,11 @@ class PendingP2P:
                 break
             if (h.src, h.dst) == (self.src, self.dst) and not h.try_complete():
                 return False
+        return self._step()
+
+    def _step(self) -> bool:
+        """Go on from what the peer has posted (the calls before this one of its direction have
+        started); True once the lanes are started."""
         if self._whole is not None:
             self._drop()
             self.inner = as_handle(self._whole(), self._lane)
@@ -569,14 +574,6 @@ class _Call(PendingP2P):
     """A prepared send or recv not started yet (quacks like PendingP2P: the communicator's
     pending list progresses it; a direction's calls start in call order)."""
 
-    def _earlier_first(self) -> bool:
-        for h in list(self.comm._p2p_pending):
-            if h is self:
-                return True
-            if (h.src, h.dst) == (self.src, self.dst) and not h.try_complete():
-                return False
-        return True
-
     def _fail(self, exc: BaseException):
         self.error = exc
         self._drop()
@@ -593,13 +590,7 @@ class _SendCall(_Call):
         self.pairs, self.side, self.k, self.sw, self.eid = pairs, side, k, sw, eid
         self.entry, self.start, self.async_op = entry, start, async_op
 
-    def try_complete(self) -> bool:
-        if self.inner is not None:
-            return True
-        if self.error is not None:
-            raise self.error
-        if not self._earlier_first():
-            return False
+    def _step(self) -> bool:
         pairs, side = self.pairs, self.side
         got = side.table.get(self.sw)
         entry = self.entry or (got[1] if got is not None and got[0] == self.eid else None)
@@ -651,13 +642,7 @@ class _RecvCall(_Call):
             self.start = 0
         self._fail(PeerMismatchError(why))
 
-    def try_complete(self) -> bool:
-        if self.inner is not None:
-            return True
-        if self.error is not None:
-            raise self.error
-        if not self._earlier_first():
-            return False
+    def _step(self) -> bool:
         comm, pairs = self.comm, self.pairs
         msg = pairs.read(self.side, self.peer, self.k)
         if msg is None:
