@@ -13,25 +13,12 @@ message against data both ranks derive from seeds:
 """
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
 from conftest import run_world
+from test_prepared_cpu import SPLIT, _data      # seeded data every rank can rebuild
 
 ENV = {"BRAID_CALIBRATE": "off", "BRAID_LANES": "gloo,shm", "BRAID_CPU_SHM": "0"}
-SPLIT = {"gloo": 0.5, "shm": 0.5}
-
-
-def _seed(*key) -> int:
-    return int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:8], "little") >> 1
-
-
-def _data(key, numel: int, dtype=torch.float32) -> torch.Tensor:
-    g = torch.Generator().manual_seed(_seed(*key))
-    if dtype.is_floating_point:
-        return (torch.rand(numel, generator=g) * 4 - 2).to(dtype)
-    return torch.randint(-50, 50, (numel,), generator=g).to(dtype)
 
 
 def _one(comm, rank: int, src: int, dst: int, key, numel: int, dtype) -> bool | None:

@@ -214,6 +214,9 @@ class _Send:
 
 
 class _Recv:
+    """This rank's side of a direction where it receives: the sender's entries by id, the
+    messages read, async programs not waited yet, a message the fast path read and left."""
+
     __slots__ = ("slots", "seq", "open", "held")
 
     def __init__(self):
