@@ -452,9 +452,9 @@ class NodeSegment:
     # recv from a, whatever else the two exchange in between (b's own sends to a use other
     # mailboxes). Mailbox (writer, reader, role): role 0 is written by the direction's sender,
     # role 1 by its receiver, P2P_DEPTH slots each (seq % depth); roles 2 and 3 are the same for
-    # a second channel with sequence numbers of its own (prepared send/recv post their words on
-    # channel 0 and, when the pair's cache misses, their full descriptors on channel 1: the k-th
-    # miss of a direction meets the peer's k-th miss whenever each side posts it). The reader
+    # a second channel with sequence numbers of its own (a prepared send posts one message a call
+    # on channel 0, its receiver's replies come back on channel 1 in call order, comm/pairs.py:
+    # replies never take a place in the sequence of the sends). The reader
     # acknowledges each descriptor it read; a writer reuses a slot only once its previous occupant
     # was acknowledged, so up to P2P_DEPTH calls per direction may be posted ahead of the peer.
     def _p2p_slot(self, writer: int, reader: int, role: int, seq: int) -> int:
