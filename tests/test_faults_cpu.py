@@ -91,24 +91,27 @@ def _leave(comm) -> None:
         os._exit(0)
 
 
-def _call(comm, k: int, n: int, dtype, rank: int, w: int, async_op: bool = False):
+def _call(comm, k: int, n: int, dtype, rank: int, w: int, async_op: bool = False, dev=None):
     """Call k of the loop: all_reduce on even k, all_gather_into_tensor on odd k (inputs filled
-    with rank + 1). Returns (handle, check)."""
-    t = torch.full((n,), rank + 1, dtype=dtype)
+    with rank + 1, on `dev`: None is the CPU). Returns (handle, check)."""
+    t = torch.full((n,), rank + 1, dtype=dtype, device=dev)
     if k % 2 == 0:
         h = comm.all_reduce(t, async_op=async_op)
         return h, lambda: bool((t == w * (w + 1) // 2).all())
-    out = torch.empty(n * w, dtype=dtype)
+    out = torch.empty(n * w, dtype=dtype, device=dev)
     h = comm.all_gather_into_tensor(out, t, async_op=async_op)
-    return h, lambda: torch.equal(out, torch.arange(1, w + 1, dtype=dtype).repeat_interleave(n))
+    return h, lambda: torch.equal(out, torch.arange(1, w + 1, dtype=dtype, device=dev).repeat_interleave(n))
 
 
-def _fault_worker(rank: int, w: int, scenario: str, faulty: int, fault_at: int, survivors: list[int], folder: str):
+def _fault_worker(rank: int, w: int, scenario: str, faulty: int, fault_at: int, survivors: list[int], folder: str,
+                  dev=None, lanes=None):
+    """One rank of a fault scenario. `dev`: where the tensors live (None: CPU); `lanes`: a
+    calibration given to every scenario (GPU worlds), else FAST_LANES where a scenario needs one."""
     import braid
     from braid import envs
     comm = braid.init()
-    if scenario in ("dtype_whole", "boundary"):
-        table = {f"{op}/{w}": dict(FAST_LANES) for op in ("all_reduce", "all_gather")}
+    if scenario in ("dtype_whole", "boundary") or lanes is not None:
+        table = {f"{op}/{w}": dict(lanes or FAST_LANES) for op in ("all_reduce", "all_gather")}
         if scenario == "dtype_whole":
             with envs.override(BRAID_CHECK="1"):        # read when a communicator is made
                 comm = braid.Communicator()
@@ -116,22 +119,33 @@ def _fault_worker(rank: int, w: int, scenario: str, faulty: int, fault_at: int, 
     base = WHOLE_N if scenario == "dtype_whole" else SPLIT_N
 
     def size(k: int) -> int:          # differs per call: a skipped call shows as a mismatch
-        if scenario.startswith("kill") and k == fault_at:
+        if scenario.startswith(("kill", "abort")) and k == fault_at:
             return KILL_N             # long enough to be cut in the middle
         if scenario == "boundary" and k == fault_at:
             return BIG_N if rank == 0 else WHOLE_N
         return base + 64 * k
 
-    k, t_call = 0, time.time()
+    import faulthandler
+    stacks = open(os.path.join(folder, f"stacks{rank}.txt"), "w")
+    faulthandler.dump_traceback_later(WORLD_TIMEOUT_S - 8, file=stacks)   # what a hung rank waits in
+    k, t_call, wrong_at = 0, time.time(), None
     try:
         while k < CALLS:
             n, dtype = size(k), torch.float32
             if rank == faulty and k == fault_at:
                 if scenario.startswith("kill"):
-                    _call(comm, k, n, dtype, rank, w, async_op=True)      # in flight on both lanes
+                    _call(comm, k, n, dtype, rank, w, async_op=True, dev=dev)   # in flight on both lanes
                     _write(folder, "fault", {"t": time.time(), "rank": rank})
                     os.kill(os.getpid(), signal.SIGKILL)
                     time.sleep(60)
+                if scenario == "abort_async":      # this rank's own call in flight, then abort
+                    h, _ = _call(comm, k, n, dtype, rank, w, async_op=True, dev=dev)
+                    _write(folder, "fault", {"t": time.time(), "rank": rank})
+                    t_call = time.time()
+                    comm.abort("injected abort")
+                    h.wait()       # raises, or returns where the call had ended before the abort
+                    k += 1
+                    continue       # the next call must raise
                 _write(folder, "fault", {"t": time.time(), "rank": rank})
                 if scenario == "exit0":
                     os._exit(0)
@@ -140,12 +154,17 @@ def _fault_worker(rank: int, w: int, scenario: str, faulty: int, fault_at: int, 
                 if scenario == "skip":
                     k += 1
                     continue
-                if scenario in ("dtype", "dtype_whole"):
+                if scenario.startswith("dtype"):
                     dtype = torch.int32
             t_call = time.time()
-            _, check = _call(comm, k, n, dtype, rank, w)
-            assert check(), f"call {k}: wrong result"
+            _, check = _call(comm, k, n, dtype, rank, w, dev=dev)
+            if not check():
+                # on a GPU a call returns once queued: a fault cuts a call whose output the next
+                # call or wait then declares void by raising (NCCL's contract too)
+                assert dev is not None and wrong_at is None, f"call {k}: wrong result"
+                wrong_at = k
             k += 1
+        assert wrong_at is None, f"call {wrong_at}: wrong result, and no braid call raised after it"
     except Exception as exc:              # noqa: BLE001  the point of the test
         injected = isinstance(exc, RuntimeError) and str(exc).startswith("injected")
         t_raise = time.time()
@@ -153,7 +172,7 @@ def _fault_worker(rank: int, w: int, scenario: str, faulty: int, fault_at: int, 
             fault = _read(folder, "fault")
             _write(folder, f"rank{rank}", {
                 "raised": type(exc).__name__, "msg": (str(exc).splitlines() or [""])[0][:300],
-                "call": k, "after_fault_s": round(t_raise - fault["t"], 2) if fault else None,
+                "call": k, "wrong_before": wrong_at, "after_fault_s": round(t_raise - fault["t"], 2) if fault else None,
                 "after_call_start_s": round(t_raise - t_call, 2)})
         _hold(folder, survivors)
         _leave(comm)
@@ -182,32 +201,36 @@ SCENARIOS.update({
     "raise_nodes": (4, 2, 4, [0, 1, 3], {"LaneFailureError", "BraidTimeoutError", "PeerMismatchError"}, {}),
 })
 
-def _run(scenario: str) -> dict:
-    w, faulty, fault_at, survivors, _, allowed = SCENARIOS[scenario]
+def _run(scenario: str, worker=_fault_worker, env: dict | None = None, init_pg: bool = True,
+         scenarios: dict | None = None) -> dict:
+    w, faulty, fault_at, survivors, _, allowed = (scenarios or SCENARIOS)[scenario]
+    if env is None:
+        env = dict(ENV, **NODES_ENV) if scenario.endswith("_nodes") else ENV
     info: dict = {}
     with tempfile.TemporaryDirectory(prefix="braid-fault-") as folder:
         t0 = time.monotonic()
         hung = None
         try:
-            env = dict(ENV, **NODES_ENV) if scenario.endswith("_nodes") else ENV
-            run_world(_fault_worker, w, scenario, faulty, fault_at, survivors, folder, env=env, timeout=WORLD_TIMEOUT_S,
-                      allowed_exit=allowed, info=info)
+            run_world(worker, w, scenario, faulty, fault_at, survivors, folder, env=env, timeout=WORLD_TIMEOUT_S,
+                      allowed_exit=allowed, info=info, init_pg=init_pg)
         except WorkerError as exc:        # a hang: the reports written so far still say what happened
             hung = str(exc)[:3000]
         wall = time.monotonic() - t0
         reports = {r: _read(folder, f"rank{r}") for r in range(w)}
         fault = _read(folder, "fault")
+        if hung:
+            for r in range(w):
+                f = pathlib.Path(folder) / f"stacks{r}.txt"
+                if reports[r] is None and f.exists() and f.stat().st_size:
+                    hung += f"\n--- rank {r}'s threads before the world was terminated:\n" + f.read_text()[-6000:]
     left = {e for e in braid_shm_entries() if any(e.startswith(f"braid-{p}-") for p in info.get("pids", []))}
     return {"reports": reports, "fault": fault, "hung": hung, "wall": wall, "shm_left": left}
 
 
-@pytest.mark.parametrize("scenario", [
-    "kill", "exit0", "raise", "skip", "dtype", "dtype_whole", "kill_nodes", "raise_nodes",
-    "boundary",
-])
-def test_survivors_raise_in_time(scenario, capsys):
-    w, faulty, _, survivors, expected, _ = SCENARIOS[scenario]
-    res = _run(scenario)
+def check_survivors(scenario: str, res: dict, capsys, scenarios: dict | None = None, what: str = "fault") -> None:
+    """Print what every survivor raised and when; assert each raised an expected braid error
+    within BOUND_S of the fault, no world hung, nothing left in /dev/shm."""
+    w, faulty, _, survivors, expected, _ = (scenarios or SCENARIOS)[scenario]
     lines = []
     for r in survivors:
         rep = res["reports"][r]
@@ -217,7 +240,7 @@ def test_survivors_raise_in_time(scenario, capsys):
             lines.append(f"rank {r}: {rep.get('raised')} after {rep.get('after_fault_s')} s "
                          f"(call {rep.get('call')}): {rep.get('msg', '')[:160]}")
     with capsys.disabled():
-        print(f"\nfault {scenario} (world of {w}, rank {faulty} faulty, bound {BOUND_S:.0f} s, "
+        print(f"\n{what} {scenario} (world of {w}, rank {faulty} faulty, bound {BOUND_S:.0f} s, "
               f"world {res['wall']:.1f} s):\n  " + "\n  ".join(lines))
     assert res["fault"] is not None, res
     assert not res["shm_left"], res["shm_left"]
@@ -228,3 +251,11 @@ def test_survivors_raise_in_time(scenario, capsys):
         assert rep["after_fault_s"] is not None and rep["after_fault_s"] <= BOUND_S, \
             f"{scenario}: rank {r} took {rep['after_fault_s']} s (bound {BOUND_S} s)\n" + "\n".join(lines)
     assert res["hung"] is None, res["hung"]
+
+
+@pytest.mark.parametrize("scenario", [
+    "kill", "exit0", "raise", "skip", "dtype", "dtype_whole", "kill_nodes", "raise_nodes",
+    "boundary",
+])
+def test_survivors_raise_in_time(scenario, capsys):
+    check_survivors(scenario, _run(scenario), capsys)

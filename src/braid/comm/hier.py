@@ -27,8 +27,10 @@ for when a multi-node GPU machine can measure it.
 from __future__ import annotations
 
 import datetime
+import itertools
 import logging
 import math
+import threading
 
 import torch
 import torch.distributed as dist
@@ -45,6 +47,51 @@ _HIER_REDS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.
 
 
 _MAX_PIECES = 8      # all_reduce's pieces at most (BRAID_HIER_PIECE_KB sets their size)
+_WORLDS = itertools.count()     # multi-node worlds made by this process: every rank counts alike
+
+
+class _Beacon:
+    """Faults across nodes. A node's communicator learns of a peer that died, aborted or timed
+    out through its node segment, which the other nodes cannot see; their ranks may sit in a rail
+    step on NCCL or in GPU waits of their own node that nothing on their node will release. So a
+    thread per rank looks every PERIOD_S: once this rank's node has given up, it writes the cause
+    under the world's key in the process group's store (every rank of every node reaches it) and
+    aborts the world's rail and NCCL groups; once another rank wrote it, it aborts this rank's
+    node (its peers raise at once, its GPU waits are released) and the same groups. One store
+    look per PERIOD_S per rank; nothing on the calls' path."""
+
+    PERIOD_S = 1.0
+
+    def __init__(self, hier: "Hierarchy", store, key: str):
+        self._hier, self._store, self._key = hier, store, key
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="braid-beacon", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        hier = self._hier
+        while not self._stop.wait(self.PERIOD_S):
+            try:
+                node, world = hier.node, hier.world
+                why = node.aborted or (node.watchdog.failed if node.watchdog is not None else "")
+                if why:                      # this node gave up: tell the others
+                    self._store.set(self._key, f"rank {world.rank}: {why}")
+                    world._abort_native(why)
+                    return
+                if self._store.check([self._key]):
+                    cause = self._store.get(self._key).decode(errors="replace")
+                    why = f"a rank on another node gave up ({cause})"
+                    node.abort(why)
+                    world._abort_native(why)
+                    return
+            except Exception as exc:     # noqa: BLE001  the store or a communicator is gone: stop looking
+                log.debug("braid: the cross-node fault check stopped: %s", exc)
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2.0)
 
 
 def _merged(steps: list) -> list:
@@ -126,6 +173,12 @@ class Hierarchy:
         self.min_bytes = max(1, envs.get("BRAID_HIER_MIN_BYTES"))
         self.piece_bytes = envs.get("BRAID_HIER_PIECE_KB") << 10
         self._a2av = None                      # uneven all_to_all over every rail (hier_a2a.py)
+        key = f"braid/abort/{next(_WORLDS)}"
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:                      # noqa: BLE001  no store: faults stay within a node
+            store = None
+        self._beacon = _Beacon(self, store, key) if store is not None else None
 
     @classmethod
     def build(cls, world, hosts: list, make_node) -> "Hierarchy | None":
@@ -142,6 +195,8 @@ class Hierarchy:
         return cls(world, nodes, make_node)
 
     def close(self) -> None:
+        if self._beacon is not None:
+            self._beacon.stop()
         self.node.close()
 
     # the decision ---------------------------------------------------------------------------

@@ -51,7 +51,10 @@ class _Watchdog:
                 self.failed = why
                 log.warning("braid: %s; releasing this rank's pending waits", why)
                 if self._cuda:
+                    # the stream waits first: aborting NCCL frees device memory, which waits for
+                    # every stream of the device, one held by a wait on a flag included
                     self._segment.abort()
+                    self._segment.release_flags()
                 self._on_peer_abort(why)
                 # a replayed program resets the flags it waited on: keep them released while a
                 # second program queued behind the first may still wait (until close)
@@ -180,11 +183,16 @@ class Ledger:
         peer may be left waiting: a timeout, a lane failure, a mismatch seen in the call ledger.
         Not for a disagreement every rank found in the same exchange (each raised it and all
         stay in step: the communicator goes on working), nor for an error that repeats a peer's
-        abort or this communicator's broken state."""
+        abort or this communicator's broken state. A mismatch read after a peer aborted raises
+        that peer's abort instead (from `exc`)."""
         seg = self.segment
         text = str(exc)
         if seg is None or seg.closed or " aborted: " in text or "communicator is broken" in text:
             return
+        if isinstance(exc, PeerMismatchError):
+            # a peer's abort pushes its counters far ahead, which ends this rank's waits on them:
+            # what it then read was no call of the peer's, so the abort is the cause to report
+            seg.raise_if_peer_aborted()
         if isinstance(exc, PeerMismatchError) and not getattr(exc, "peers_left_waiting", False):
             return
         kind = 1 if isinstance(exc, PeerMismatchError) else 2 if isinstance(exc, BraidTimeoutError) else 3
