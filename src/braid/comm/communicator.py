@@ -103,7 +103,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
             self.segment.on_timeout = lambda *a: _call(me, "_on_timeout", *a)
             self.watchdog = _Watchdog(self.segment, self.rank, self.world_size, self.cuda,
                                       status=lambda: _call(me, "_status"),
-                                      on_peer_abort=lambda why: _call(me, "_abort_native", why),
+                                      on_peer_abort=lambda why: _call(me, "_abort_native", why, False),
                                       overdue=lambda: _call(me, "_p2p_overdue") or "")
         self._closer = weakref.finalize(self, _finalize, self.segment, self.seg_dev_ptr, self.watchdog)
         self.load_calibration()

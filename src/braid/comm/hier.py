@@ -76,13 +76,13 @@ class _Beacon:
                 why = node.aborted or (node.watchdog.failed if node.watchdog is not None else "")
                 if why:                      # this node gave up: tell the others
                     self._store.set(self._key, f"rank {world.rank}: {why}")
-                    world._abort_native(why)
+                    world._abort_native(why, False)
                     return
                 if self._store.check([self._key]):
                     cause = self._store.get(self._key).decode(errors="replace")
                     why = f"a rank on another node gave up ({cause})"
                     node.abort(why)
-                    world._abort_native(why)
+                    world._abort_native(why, False)
                     return
             except Exception as exc:     # noqa: BLE001  the store or a communicator is gone: stop looking
                 log.debug("braid: the cross-node fault check stopped: %s", exc)

@@ -211,14 +211,25 @@ class Ledger:
             groups.append(self.hier.rail_group)
         return list({id(g): g for g in groups}.values())
 
-    def _abort_native(self, why: str) -> None:
+    def _abort_native(self, why: str, wait: bool = True) -> None:
         """Abort the NCCL communicators of _native_groups (a call blocked in one of them then
-        fails instead of waiting forever). From the watchdog thread or abort()."""
+        fails instead of waiting forever). From the watchdog thread (wait=False: the aborts run
+        on a thread of their own, as NCCL's abort can take seconds or block on a peer that
+        died, and the watchdog must go on releasing stream waits) or abort()."""
         self.aborted = self.aborted or why
         self._fast_clear()  # the next call takes the full path, which refuses it
         if not self.cuda:
             return          # gloo has no abort that releases a blocked call; its timeout does
-        for g in self._native_groups():
+        groups = self._native_groups()
+        if not wait:
+            import threading
+            threading.Thread(target=self._abort_groups, args=(groups,), name="braid-nccl-abort",
+                             daemon=True).start()
+            return
+        self._abort_groups(groups)
+
+    def _abort_groups(self, groups: list) -> None:
+        for g in groups:
             try:
                 be = g._get_backend(self.device) if hasattr(g, "_get_backend") else g
                 fn = getattr(be, "abort", None) or getattr(be, "_abort", None)
