@@ -113,11 +113,12 @@ def run_world(fn, world_size: int, *args, env: dict | None = None, timeout: floa
               allowed_exit: dict[int, int] | None = None, init_pg: bool = True, info: dict | None = None) -> list:
     """Run fn(rank, world_size, *args) in `world_size` worker processes; return their results.
 
-    `allowed_exit` maps rank -> the exit code that rank is expected to end with (a test that kills a
-    worker on purpose); any other non-zero exit fails the test, terminates the rest of the world and
-    raises WorkerError with every worker's traceback. After `timeout` seconds everything left is
-    terminated and WorkerError says which ranks hung. `info`, if given, receives the workers'
-    process ids under "pids" (rank order).
+    `allowed_exit` maps rank -> the exit code (or set of codes) that rank is expected to end with
+    (a test that kills a worker on purpose); any other non-zero exit fails the test, terminates
+    the rest of the world and raises WorkerError with every worker's traceback. After `timeout`
+    seconds everything left is terminated and WorkerError says which ranks hung. `info`, if
+    given, receives the workers' process ids under "pids" (rank order), and each rank's exit code
+    and wall-clock time of exit under "exits" (rank -> (code, time.time())).
     """
     allowed_exit = dict(allowed_exit or {})
     ctx = _context()
@@ -147,7 +148,10 @@ def run_world(fn, world_size: int, *args, env: dict | None = None, timeout: floa
                 r = live.pop(sentinel)
                 procs[r].join()          # reap now: a dead peer must not linger as a zombie
                 code = procs[r].exitcode
-                if code != allowed_exit.get(r, 0):
+                if info is not None:
+                    info.setdefault("exits", {})[r] = (code, time.time())
+                ok = allowed_exit.get(r, 0)
+                if code not in (ok if isinstance(ok, (set, frozenset)) else {ok}):
                     failed.append(r)
             if failed:
                 break

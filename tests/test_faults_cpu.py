@@ -224,17 +224,28 @@ def _run(scenario: str, worker=_fault_worker, env: dict | None = None, init_pg: 
                 if reports[r] is None and f.exists() and f.stat().st_size:
                     hung += f"\n--- rank {r}'s threads before the world was terminated:\n" + f.read_text()[-6000:]
     left = {e for e in braid_shm_entries() if any(e.startswith(f"braid-{p}-") for p in info.get("pids", []))}
-    return {"reports": reports, "fault": fault, "hung": hung, "wall": wall, "shm_left": left}
+    return {"reports": reports, "fault": fault, "hung": hung, "wall": wall, "shm_left": left,
+            "exits": info.get("exits", {})}
 
 
-def check_survivors(scenario: str, res: dict, capsys, scenarios: dict | None = None, what: str = "fault") -> None:
+def check_survivors(scenario: str, res: dict, capsys, scenarios: dict | None = None, what: str = "fault",
+                    ended_by_braid: float | None = None) -> None:
     """Print what every survivor raised and when; assert each raised an expected braid error
-    within BOUND_S of the fault, no world hung, nothing left in /dev/shm."""
+    within BOUND_S of the fault, no world hung, nothing left in /dev/shm. `ended_by_braid`: a
+    survivor may instead have been ended by braid (exit code 70: its NCCL abort did not release
+    it) within BOUND_S + that many seconds."""
     w, faulty, _, survivors, expected, _ = (scenarios or SCENARIOS)[scenario]
+    fault_t = (res["fault"] or {}).get("t")
     lines = []
+    ended = {r for r in survivors if res["reports"][r] is None and ended_by_braid is not None
+             and res["exits"].get(r, (None,))[0] == 70 and fault_t is not None
+             and res["exits"][r][1] - fault_t <= BOUND_S + ended_by_braid}
     for r in survivors:
         rep = res["reports"][r]
-        if rep is None:
+        if r in ended:
+            lines.append(f"rank {r}: ended by braid (exit code 70) {res['exits'][r][1] - fault_t:.1f} s "
+                         f"after the fault: its NCCL abort did not release it")
+        elif rep is None:
             lines.append(f"rank {r}: no report (hung until the world was terminated)")
         else:
             lines.append(f"rank {r}: {rep.get('raised')} after {rep.get('after_fault_s')} s "
@@ -246,6 +257,8 @@ def check_survivors(scenario: str, res: dict, capsys, scenarios: dict | None = N
     assert not res["shm_left"], res["shm_left"]
     for r in survivors:
         rep = res["reports"][r]
+        if r in ended:
+            continue
         assert rep is not None, f"{scenario}: rank {r} never raised\n" + "\n".join(lines) + f"\n{res['hung']}"
         assert rep["raised"] in expected, f"{scenario}: rank {r}: " + "\n".join(lines)
         assert rep["after_fault_s"] is not None and rep["after_fault_s"] <= BOUND_S, \

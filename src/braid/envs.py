@@ -47,6 +47,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _nonneg_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise ValueError(f"expected 0 or a positive number, got {value}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if value <= 0:
@@ -79,6 +86,11 @@ _define("BRAID_CHECK", _bool, False,
         "would otherwise take NCCL's own path without an exchange.")
 _define("BRAID_TIMEOUT_S", _positive_float, 300.0,
         "Seconds a rank waits for its peers to reach the same call before raising BraidTimeoutError.")
+_define("BRAID_ABORT_EXIT_S", _nonneg_float, 30.0,
+        "After braid gives up on a GPU communicator (a peer died, aborted or timed out), seconds "
+        "it lets NCCL's abort take to release a call blocked in NCCL before it ends the process "
+        "itself (exit code 70, the cause on stderr), as torch ends a process after an NCCL error: "
+        "a rank stuck in an NCCL kernel cannot be given an exception. 0: never end it.")
 _define("BRAID_CACHE_DIR", str, os.path.join(os.path.expanduser("~"), ".cache", "braid"),
         "Where lane calibrations are cached (one JSON per machine/software key).")
 _define("BRAID_CALIBRATE", str, "auto",

@@ -81,8 +81,11 @@ class _Beacon:
                 if self._store.check([self._key]):
                     cause = self._store.get(self._key).decode(errors="replace")
                     why = f"a rank on another node gave up ({cause})"
-                    node.abort(why)
+                    node.abort(why, wait=False)
                     world._abort_native(why, False)
+                    if world.cuda and node.segment is not None:     # as a node's watchdog does
+                        from .ledger import keep_released
+                        keep_released(node.segment, self._stop, world.rank, why, self.PERIOD_S)
                     return
             except Exception as exc:     # noqa: BLE001  the store or a communicator is gone: stop looking
                 log.debug("braid: the cross-node fault check stopped: %s", exc)

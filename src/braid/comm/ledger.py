@@ -56,13 +56,8 @@ class _Watchdog:
                     self._segment.abort()
                     self._segment.release_flags()
                 self._on_peer_abort(why)
-                # a replayed program resets the flags it waited on: keep them released while a
-                # second program queued behind the first may still wait (until close)
-                while self._cuda and not self._stop.wait(self.PERIOD_S):
-                    try:
-                        self._segment.release_flags()
-                    except Exception:    # noqa: BLE001  segment closed under us
-                        return
+                if self._cuda:
+                    keep_released(self._segment, self._stop, self._rank, why, self.PERIOD_S)
                 return
 
     def _tick(self, ticks: int) -> str:
@@ -91,6 +86,45 @@ class _Watchdog:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2.0)
+
+
+
+def _nccl_abort_stuck() -> bool:
+    """Is an NCCL abort this process started still running (a call it should have released
+    may still sit in NCCL)?"""
+    import threading
+    return any(t.name == "braid-nccl-abort" and t.is_alive() for t in threading.enumerate())
+
+
+def keep_released(segment: NodeSegment, stop, rank: int, why: str, period: float) -> None:
+    """After a GPU communicator gave up: a replayed program resets the flags it waited on, so
+    keep them released while a second program queued behind the first may still wait (until
+    `stop` is set, at close); and end the process once NCCL's abort has not returned within
+    BRAID_ABORT_EXIT_S (_end_process)."""
+    limit = envs.get("BRAID_ABORT_EXIT_S")
+    t_end = time.monotonic() + limit
+    while not stop.wait(period):
+        try:
+            segment.release_flags()
+        except Exception:    # noqa: BLE001  segment closed under us
+            return
+        if limit and time.monotonic() > t_end and _nccl_abort_stuck():
+            _end_process(rank, why, limit)
+
+
+def _end_process(rank: int, why: str, limit: float) -> None:
+    """The last resort of a GPU rank whose NCCL abort did not return within BRAID_ABORT_EXIT_S:
+    a thread blocked inside NCCL (or on the stream of an NCCL kernel that waits for a dead peer)
+    cannot be given an exception, so end the process, as torch does after an NCCL error."""
+    import os
+    import sys
+    msg = (f"braid: rank {rank}: {why}; NCCL's abort has not released this rank's NCCL calls "
+           f"within BRAID_ABORT_EXIT_S={limit:g} s: ending the process (exit code 70)\n")
+    try:
+        sys.stderr.write(msg)
+        sys.stderr.flush()
+    finally:
+        os._exit(70)
 
 
 def _call(ref, name: str, *args):
@@ -238,12 +272,13 @@ class Ledger:
             except Exception as exc:     # noqa: BLE001  aborting is best effort, one group at a time
                 log.debug("braid: aborting an NCCL group failed: %s", exc)
 
-    def abort(self, reason: str = "abort() was called") -> None:
+    def abort(self, reason: str = "abort() was called", wait: bool = True) -> None:
         """Give up on this communicator on this rank, and tell the peers: they raise at once
         where they wait for this rank (LaneFailureError "rank r aborted: ..."), and their
         watchdogs abort the NCCL communicators braid uses, so no rank stays blocked in NCCL. GPU
         stream waits on braid's counters are released. Afterwards every call raises: make a new
-        process group and communicator (close() still releases memory). Not collective."""
+        process group and communicator (close() still releases memory). Not collective.
+        wait=False: NCCL's aborts run on a thread of their own (_abort_native)."""
         if self.closed or self.aborted:
             return
         seg = self.segment
@@ -252,6 +287,6 @@ class Ledger:
             if self.cuda:
                 seg.abort()
                 seg.release_flags()
-        self._abort_native(reason)
+        self._abort_native(reason, wait)
         if getattr(self, "hier", None) is not None:     # the node's communicator, and its peers
             self.hier.node.abort(reason)
