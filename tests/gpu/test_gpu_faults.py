@@ -52,7 +52,7 @@ def test_gpu_survivors_raise_in_time(scenario, capsys):
     if scenario == "dtype_nodes":       # node and rail steps on NCCL whole check under BRAID_CHECK only
         env = dict(env, BRAID_CHECK="1")
     w, _, _, survivors, _, allowed = GPU_SCENARIOS[scenario]
-    allowed = dict(allowed, **{r: set(ENDED) for r in survivors if r not in allowed})
+    allowed = {**allowed, **{r: set(ENDED) for r in survivors if r not in allowed}}
     res = _run(scenario, worker=_gpu_worker, env=env, init_pg=False,
                scenarios=dict(GPU_SCENARIOS, **{scenario: GPU_SCENARIOS[scenario][:5] + (allowed,)}))
     check_survivors(scenario, res, capsys, GPU_SCENARIOS, what="gpu fault", ended_by_braid=ABORT_EXIT_S + 2.0)

@@ -64,16 +64,23 @@ class _Beacon:
 
     def __init__(self, hier: "Hierarchy", store, key: str):
         self._hier, self._store, self._key = hier, store, key
+        self._posted = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="braid-beacon", daemon=True)
         self._thread.start()
+
+    def post(self, why: str) -> None:
+        """This rank gives up on the world (a node step failed here, which its node's peers
+        may have seen alike and gone on from, while the other nodes wait in a rail step): the
+        thread tells every node at its next look."""
+        self._posted = self._posted or why
 
     def _run(self) -> None:
         hier = self._hier
         while not self._stop.wait(self.PERIOD_S):
             try:
                 node, world = hier.node, hier.world
-                why = node.aborted or (node.watchdog.failed if node.watchdog is not None else "")
+                why = self._posted or node.aborted or (node.watchdog.failed if node.watchdog is not None else "")
                 if why:                      # this node gave up: tell the others
                     self._store.set(self._key, f"rank {world.rank}: {why}")
                     world._abort_native(why, False)
@@ -236,7 +243,10 @@ class Hierarchy:
         try:
             fn()
         except BraidError as exc:
-            raise self.in_node(name, exc) from exc
+            err = self.in_node(name, exc)
+            if self._beacon is not None:        # the other nodes wait for this one in a rail step
+                self._beacon.post(str(err))
+            raise err from exc
         h = self.node.last_handle
         steps.append((f"node {name}", (h.shares if h is not None else {}) or {"node": 1.0}, nbytes))
 
