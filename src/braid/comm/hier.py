@@ -27,6 +27,7 @@ for when a multi-node GPU machine can measure it.
 from __future__ import annotations
 
 import datetime
+import functools
 import itertools
 import logging
 import math
@@ -48,6 +49,18 @@ _HIER_REDS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.
 
 _MAX_PIECES = 8      # all_reduce's pieces at most (BRAID_HIER_PIECE_KB sets their size)
 _WORLDS = itertools.count()     # multi-node worlds made by this process: every rank counts alike
+
+
+def _counted(op):
+    """An op of the Hierarchy, counted in `in_call` while it runs."""
+    @functools.wraps(op)
+    def run(self, *args, **kwargs):
+        self.in_call += 1
+        try:
+            return op(self, *args, **kwargs)
+        finally:
+            self.in_call -= 1
+    return run
 
 
 class _Beacon:
@@ -77,26 +90,41 @@ class _Beacon:
 
     def _run(self) -> None:
         hier = self._hier
+        store_ok = True
         while not self._stop.wait(self.PERIOD_S):
             try:
                 node, world = hier.node, hier.world
                 why = self._posted or node.aborted or (node.watchdog.failed if node.watchdog is not None else "")
                 if why:                      # this node gave up: tell the others
-                    self._store.set(self._key, f"rank {world.rank}: {why}")
                     world._abort_native(why, False)
-                    return
-                if self._store.check([self._key]):
-                    cause = self._store.get(self._key).decode(errors="replace")
+                    self._tell(f"rank {world.rank}: {why}")
+                    break
+                try:
+                    cause = self._store.get(self._key).decode(errors="replace") \
+                        if store_ok and self._store.check([self._key]) else None
+                except Exception as exc:     # noqa: BLE001  the store's host is gone: local faults only
+                    log.debug("braid: the cross-node fault check lost the store: %s", exc)
+                    store_ok, cause = False, None
+                if cause is not None:
                     why = f"a rank on another node gave up ({cause})"
-                    node.abort(why, wait=False)
                     world._abort_native(why, False)
-                    if world.cuda and node.segment is not None:     # as a node's watchdog does
-                        from .ledger import keep_released
-                        keep_released(node.segment, self._stop, world.rank, why, self.PERIOD_S)
-                    return
-            except Exception as exc:     # noqa: BLE001  the store or a communicator is gone: stop looking
+                    node.abort(why, wait=False)
+                    break
+            except Exception as exc:     # noqa: BLE001  a communicator is gone: stop looking
                 log.debug("braid: the cross-node fault check stopped: %s", exc)
                 return
+        else:
+            return
+        if hier.world.cuda:               # as a node's watchdog does, and for the rail steps too
+            from .ledger import keep_released
+            keep_released(hier.node.segment, self._stop, hier.world.rank, why, self.PERIOD_S,
+                          busy=lambda: hier.in_call > 0)
+
+    def _tell(self, why: str) -> None:
+        try:
+            self._store.set(self._key, why)
+        except Exception as exc:         # noqa: BLE001  the store's host is gone: this node only
+            log.debug("braid: could not tell the other nodes: %s", exc)
 
     def stop(self) -> None:
         self._stop.set()
@@ -183,6 +211,7 @@ class Hierarchy:
         self.min_bytes = max(1, envs.get("BRAID_HIER_MIN_BYTES"))
         self.piece_bytes = envs.get("BRAID_HIER_PIECE_KB") << 10
         self._a2av = None                      # uneven all_to_all over every rail (hier_a2a.py)
+        self.in_call = 0                       # calls inside an op here (the beacon's last resort)
         key = f"braid/abort/{next(_WORLDS)}"
         try:
             store = dist.distributed_c10d._get_default_store()
@@ -298,6 +327,7 @@ class Hierarchy:
         return err(why)
 
     # the ops ----------------------------------------------------------------------------------
+    @_counted
     def all_reduce(self, tensor: torch.Tensor, op, async_op: bool):
         name = _HIER_REDS.get(op) if type(op) is type(dist.ReduceOp.SUM) else None
         if name is None or tensor.dtype not in REDUCE_DTYPES or tensor.dtype is torch.bool \
@@ -345,6 +375,7 @@ class Hierarchy:
         self._node_step("all_gather", lambda: self.node.all_gather_into_tensor(part, shards[p]),
                         counts[p] * g * es, steps)
 
+    @_counted
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, async_op: bool):
         n, N, G = input.numel(), self.num_nodes, self.per_node
         if input.dtype != output.dtype or output.numel() != n * N * G \
@@ -360,6 +391,7 @@ class Hierarchy:
             output.view(N, G, n).copy_(node.view(G, N, n).transpose(0, 1))
         return self._done("all_gather", steps, async_op)
 
+    @_counted
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op, async_op: bool):
         name = _HIER_REDS.get(op) if type(op) is type(dist.ReduceOp.SUM) else None
         n, N, G = output.numel(), self.num_nodes, self.per_node
@@ -381,6 +413,7 @@ class Hierarchy:
                 divide(output, self.world.world_size)
         return self._done("reduce_scatter", steps, async_op)
 
+    @_counted
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool):
         if not self._takes(tensor.numel() * tensor.element_size(), tensor):
             return None
@@ -393,6 +426,7 @@ class Hierarchy:
         self._node_step("broadcast", lambda: self.node.broadcast(flat, src=root_local), nb, steps)
         return self._done("broadcast", steps, async_op)
 
+    @_counted
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, async_op: bool):
         N, G = self.num_nodes, self.per_node
         w = N * G
@@ -410,6 +444,7 @@ class Hierarchy:
                                                                      group=self.rail_group), w * n * es, steps)
         return self._done("all_to_all_single", steps, async_op)
 
+    @_counted
     def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor, out_splits, in_splits, async_op: bool):
         """Uneven all_to_all over every rail (comm/hier_a2a.py) under BRAID_ROUTE=on; None (NCCL
         whole) otherwise, or where the tensors do not allow it."""

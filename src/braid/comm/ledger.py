@@ -96,19 +96,21 @@ def _nccl_abort_stuck() -> bool:
     return any(t.name == "braid-nccl-abort" and t.is_alive() for t in threading.enumerate())
 
 
-def keep_released(segment: NodeSegment, stop, rank: int, why: str, period: float) -> None:
+def keep_released(segment: NodeSegment | None, stop, rank: int, why: str, period: float,
+                  busy=None) -> None:
     """After a GPU communicator gave up: a replayed program resets the flags it waited on, so
     keep them released while a second program queued behind the first may still wait (until
-    `stop` is set, at close); and end the process once NCCL's abort has not returned within
-    BRAID_ABORT_EXIT_S (_end_process)."""
+    `stop` is set, at close); and end the process once, BRAID_ABORT_EXIT_S later, NCCL's abort
+    has still not returned or `busy()` says a call is still inside (_end_process)."""
     limit = envs.get("BRAID_ABORT_EXIT_S")
     t_end = time.monotonic() + limit
     while not stop.wait(period):
-        try:
-            segment.release_flags()
-        except Exception:    # noqa: BLE001  segment closed under us
-            return
-        if limit and time.monotonic() > t_end and _nccl_abort_stuck():
+        if segment is not None:
+            try:
+                segment.release_flags()
+            except Exception:    # noqa: BLE001  segment closed under us
+                return
+        if limit and time.monotonic() > t_end and (_nccl_abort_stuck() or (busy is not None and busy())):
             _end_process(rank, why, limit)
 
 
