@@ -417,3 +417,38 @@ def test_ddp_and_fsdp_train_through_the_steps(tmp_path):
     rows = json.loads(out.read_text())
     assert {r["workload"] for r in rows} == {"ddp", "fsdp"}
     assert all(r["losses_equal"] is True for r in rows), rows
+
+
+def _beacon_worker(rank, world):
+    import time
+
+    import braid
+    comm = braid.init()
+    assert comm.hier is not None
+    if rank == 3:                       # node 1 gives up, with no call in flight anywhere
+        comm.hier.node.abort("injected on rank 3")
+    t0 = time.monotonic()
+    while not comm.aborted and time.monotonic() - t0 < 15:
+        time.sleep(0.05)
+    took = time.monotonic() - t0
+    out = {"world": comm.aborted, "node": comm.hier.node.aborted or "", "took": took}
+    try:
+        braid.all_reduce(__import__("torch").ones(1 << 20))
+        out["next_call"] = "returned"
+    except braid.BraidError as exc:
+        out["next_call"] = type(exc).__name__
+    return out
+
+
+def test_a_node_that_gives_up_ends_the_world_on_every_node():
+    """Nodes do not share a segment: a node's abort reaches the other nodes through the process
+    group's store (comm/hier.py, _Beacon), within a few of its one-second looks; every rank's
+    world and node communicators are then aborted and refuse the next call."""
+    res = run_world(_beacon_worker, 4, env={"BRAID_FAKE_NODES": "2", "BRAID_HIER": "1"}, timeout=90)
+    for r, out in enumerate(res):
+        assert out["world"], (r, out)
+        assert out["took"] < 10, (r, out)
+        assert out["next_call"] == "LaneFailureError", (r, out)
+        if r < 2:                       # the other node learnt it from the store
+            assert "another node gave up" in out["world"] and "injected on rank 3" in out["world"], (r, out)
+            assert out["node"], (r, out)

@@ -88,7 +88,6 @@ class _Watchdog:
             self._thread.join(timeout=2.0)
 
 
-
 def _nccl_abort_stuck() -> bool:
     """Is an NCCL abort this process started still running (a call it should have released
     may still sit in NCCL)?"""
