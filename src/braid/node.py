@@ -489,7 +489,19 @@ class NodeSegment:
         else:
             self._write(off, P2P_MBOX_BYTES, desc)
         self.set(self._p2p_counter(self.rank, peer, role), seq)
-        return (peer, (1 if sending else 0) + 2 * channel, seq, "send_recv" if isinstance(desc, int) else desc.get("op"))
+        return self.pair_token(peer, not sending, channel, seq, "send_recv" if isinstance(desc, int) else desc.get("op"))
+
+    @staticmethod
+    def pair_token(peer: int, from_sender: bool, channel: int, seq: int, what: str = "send_recv") -> tuple:
+        """The token of message `seq` that `peer` posted to this rank on `channel` as the sender
+        (from_sender) or the receiver of the direction, for poll_pair/wait_pair (the same as
+        this rank's own post_pair of the other side returns)."""
+        return peer, (0 if from_sender else 1) + 2 * channel, seq, what
+
+    def pair_read(self, peer: int, sending: bool, channel: int = 0) -> int:
+        """How many of this rank's messages to `peer` on `channel` (as the direction's sender, or
+        its receiver) the peer has read."""
+        return self.get(self._p2p_counter(self.rank, peer, (0 if sending else 1) + 2 * channel, "mbox_p2p_ack"))
 
     def _take(self, token: tuple) -> dict:
         peer, role, seq, _ = token

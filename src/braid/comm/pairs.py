@@ -50,7 +50,7 @@ from ..errors import BraidTimeoutError, LaneUnavailableError, PeerMismatchError
 from ..executor import Handle, as_handle, execute
 from ..lanes import _cuda
 from ..planner.plan import p2p_movement
-from ..node import geq
+from ..node import NodeSegment, geq
 from .prepared import MASK63, _RAW, not_capturable
 
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
@@ -310,7 +310,7 @@ class Pairs:
             return ""
         now = time.monotonic()
         for peer, k in list(self.ahead.items()):
-            read = seg.get(seg._p2p_counter(me, peer, 0, "mbox_p2p_ack"))
+            read = seg.pair_read(peer, sending=True)
             if geq(read, k):
                 self._seen.pop(peer, None)
                 continue
@@ -468,13 +468,13 @@ class Pairs:
         if side.held is not None and side.held[0] == k:
             msg, side.held = side.held[1], None
             return msg
-        return self.comm.segment.poll_pair((peer, 0, k, OP))
+        return self.comm.segment.poll_pair(NodeSegment.pair_token(peer, True, 0, k, OP))
 
     def pump(self, peer: int, side: _Send) -> None:
         """Read every reply the receiver `peer` has posted on channel 1 (in order)."""
         seg = self.comm.segment
         while True:
-            msg = seg.poll_pair((peer, 3, side.read + 1, OP))
+            msg = seg.poll_pair(NodeSegment.pair_token(peer, False, 1, side.read + 1, OP))
             if msg is None:
                 return
             side.read += 1
