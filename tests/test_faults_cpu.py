@@ -202,8 +202,10 @@ SCENARIOS.update({
 })
 
 def _run(scenario: str, worker=_fault_worker, env: dict | None = None, init_pg: bool = True,
-         scenarios: dict | None = None) -> dict:
+         scenarios: dict | None = None, allowed_exit: dict | None = None) -> dict:
+    """Run a scenario's world; `allowed_exit`: exit codes beyond the scenario's own, per rank."""
     w, faulty, fault_at, survivors, _, allowed = (scenarios or SCENARIOS)[scenario]
+    allowed = {**(allowed_exit or {}), **allowed}
     if env is None:
         env = dict(ENV, **NODES_ENV) if scenario.endswith("_nodes") else ENV
     info: dict = {}

@@ -54,8 +54,7 @@ def test_gpu_survivors_raise_in_time(scenario, capsys):
     env = dict(ENV, **NODES_ENV) if scenario.endswith("_nodes") else ENV
     if scenario == "dtype_nodes":       # node and rail steps on NCCL whole check under BRAID_CHECK only
         env = dict(env, BRAID_CHECK="1")
-    w, _, _, survivors, _, allowed = GPU_SCENARIOS[scenario]
-    allowed = {**allowed, **{r: set(ENDED) for r in survivors if r not in allowed}}
-    res = _run(scenario, worker=_gpu_worker, env=env, init_pg=False,
-               scenarios=dict(GPU_SCENARIOS, **{scenario: GPU_SCENARIOS[scenario][:5] + (allowed,)}))
+    survivors = GPU_SCENARIOS[scenario][3]
+    res = _run(scenario, worker=_gpu_worker, env=env, init_pg=False, scenarios=GPU_SCENARIOS,
+               allowed_exit={r: ENDED for r in survivors})
     check_survivors(scenario, res, capsys, GPU_SCENARIOS, what="gpu fault", ended_by_braid=ABORT_EXIT_S + 2.0)

@@ -15,7 +15,7 @@ from ..collectives import check_rank, input_bytes, output_bytes
 from ..errors import MisuseError
 from ..executor import Handle, as_handle, execute
 from ..planner.plan import p2p_movement
-from .pairs import PendingP2P
+from .pairs import PendingP2P, ticket_key
 
 log = logging.getLogger("braid")
 
@@ -157,8 +157,7 @@ class PointToPoint:
         pairs = self._pairs
         if pairs is not None and pairs.tickets and type(tensor) is torch.Tensor and type(peer) is int:
             # a repeat of a send/recv on the copy engines (comm/pairs.py, _Ticket)
-            tkey = (sending, peer, tensor.data_ptr(), tensor.numel(), tensor.dtype)
-            tk = pairs.tickets.get(tkey)
+            tk = pairs.tickets.get(ticket_key(sending, peer, tensor))
             if (tk is not None and self._fast_ok(tensor) and not self.aborted
                     and not (self.watchdog is not None and self.watchdog.failed)):
                 handle = pairs.send_fast(tk, tensor, async_op) if sending else pairs.recv_fast(tk, tensor, async_op)
@@ -230,8 +229,7 @@ class PointToPoint:
             return d
 
         if self._pairs is not None:
-            tkey = ((sending, peer, tensor.data_ptr(), tensor.numel(), tensor.dtype)
-                    if dev.type == "cuda" and tensor.is_contiguous() else None)
+            tkey = ticket_key(sending, peer, tensor) if dev.type == "cuda" and tensor.is_contiguous() else None
             handle = self._pairs.call(sending, peer, desc, lanes, shares, calib, inp, outs, n, dev, full_of, async_op,
                                       tkey)
             self.last_handle = handle

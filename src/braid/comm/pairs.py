@@ -226,6 +226,11 @@ class _Recv:
         self.held = None                # (k, message): read by the fast path, left to the full one
 
 
+def ticket_key(sending: bool, peer: int, tensor) -> tuple:
+    """What a _Ticket is filed under: the direction and the tensor's own facts."""
+    return sending, peer, tensor.data_ptr(), tensor.numel(), tensor.dtype
+
+
 class _Ticket:
     """A repeated call on the copy engines alone, keyed by the tensor's own facts (direction,
     address, count, dtype): the next such call skips the lanes, shares, descriptor and word and
