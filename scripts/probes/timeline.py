@@ -108,6 +108,7 @@ def main():
     ap.add_argument("--op", default="all_reduce")
     ap.add_argument("--size", default="1G")
     ap.add_argument("--shares", default="ce=1")
+    ap.add_argument("--hot", type=float, default=None, help="all_to_all_single: this fraction of every rank's bytes to the last rank")
     ap.add_argument("--calls", type=int, default=4)
     ap.add_argument("--env", action="append", default=[], help="NAME=VALUE set in every rank")
     ap.add_argument("--out", default="")
