@@ -24,7 +24,7 @@ import torch.distributed as dist
 from gpu_world import needs, run
 
 ENV = {"BRAID_MIN_SPLIT_KB": "1"}
-OPS = ("all_gather", "all_gather_list", "broadcast", "all_reduce", "all_reduce_max", "reduce_scatter")
+OPS = ("all_gather", "all_gather_list", "broadcast", "all_reduce", "all_reduce_max", "reduce_scatter", "all_to_all")
 DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.int32, torch.uint8)
 SIZES = (1, 4097, 65_539, 1_000_003)
 
@@ -55,7 +55,7 @@ class _Case:
 
     def __init__(self, comm, op, n, dtype, rank, world, dev):
         self.comm, self.op, self.n, self.dtype, self.rank, self.world, self.dev = comm, op, n, dtype, rank, world, dev
-        if op == "reduce_scatter":
+        if op in ("reduce_scatter", "all_to_all"):
             self.n = n * world
         self.alloc()
 
@@ -68,6 +68,8 @@ class _Case:
             self.out = [torch.empty(n, dtype=dt, device=dev) for _ in range(w)]
         elif self.op == "reduce_scatter":
             self.out = torch.empty(n // w, dtype=dt, device=dev)
+        elif self.op == "all_to_all":
+            self.out = torch.empty(n, dtype=dt, device=dev)
         else:
             self.out = self.x
 
@@ -89,6 +91,8 @@ class _Case:
             return c.broadcast(self.x, self.world - 1, async_op=async_op)
         if op == "reduce_scatter":
             return c.reduce_scatter_tensor(self.out, self.x, async_op=async_op)
+        if op == "all_to_all":
+            return c.all_to_all_single(self.out, self.x, async_op=async_op)
         red = dist.ReduceOp.MAX if op == "all_reduce_max" else dist.ReduceOp.SUM
         return c.all_reduce(self.x, op=red, async_op=async_op)
 
@@ -103,6 +107,9 @@ class _Case:
         elif op == "reduce_scatter":
             m = self.n // self.world
             exp, got = _reduce(xs, "sum", self.dtype)[self.rank * m:(self.rank + 1) * m], self.out
+        elif op == "all_to_all":
+            m, r = self.n // self.world, self.rank
+            exp, got = torch.cat([x[r * m:(r + 1) * m] for x in xs]), self.out
         else:
             exp, got = _reduce(xs, "max" if op == "all_reduce_max" else "sum", self.dtype), self.x
         if self.world > 2 and self.dtype.is_floating_point and op in ("all_reduce", "reduce_scatter"):
@@ -252,7 +259,5 @@ def _abort_in_replay(rank, world, comm, dev):
 
 
 @needs(2)
-@pytest.mark.xfail(reason="did not finish within the time of its only run (one H100 shared by 2 ranks, "
-                          "2026-11-25); the rest of this file passed there", strict=False)
 def test_abort_during_a_replay_releases_every_rank(tmp_path):
     run(2, tmp_path, _abort_in_replay, ENV)
