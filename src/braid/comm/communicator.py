@@ -125,6 +125,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         self._fast_a2a: dict = {}
         self._fast_a2av: dict = {}   # uneven all_to_all: (in, out elements) -> shape facts, may agree fast
         self._small_run = 0          # uneven calls in a row agreed small (see _uneven_small)
+        self._a2av_ce = None         # uneven all_to_all on the copy engines alone (comm/a2av.py), made at first use
+        self._a2av_memo = None       # (what decides its shares, their stable hash): _a2av_agreement
         self._desc_memo: dict = {}   # every rank's descriptor digest -> those descriptors (recent full exchanges)
         self._round = None           # a prepared call's round already posted by the fast path (exchange.py)
         self._fast_bc: dict = {}
@@ -463,6 +465,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self._prepared.close()
+        if self._a2av_ce is not None:
+            self._a2av_ce.close()
         if getattr(self, "_pairs", None) is not None:
             self._pairs.close()
         if self._cpu is not None:

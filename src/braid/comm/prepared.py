@@ -284,18 +284,30 @@ class PreparedCalls:
             _cuda.graph_launch(entry.exec_ptr, caller)
             self.stats["replays"] += 1
             return _DONE
-        sh = stream.cuda_stream
-        _cuda.event_record(self._ev_start, caller)
-        _cuda.stream_wait_event(sh, self._ev_start)
+        self.fork(stream, caller)
         if entry.exec_ptr:
-            _cuda.graph_launch(entry.exec_ptr, sh)
+            _cuda.graph_launch(entry.exec_ptr, stream.cuda_stream)
         else:                       # a torch without the raw handle: replay on the lane stream
             with torch.cuda.stream(stream):
                 entry.graph.replay()
+        self.stats["replays"] += 1
+        return self.join(caller, stream, async_op, tensors, entry.plan)
+
+    def fork(self, stream, caller: int | None = None) -> int:
+        """`stream` (a lane's) waits for the caller's current stream to reach this call; returns
+        the caller's stream (raw)."""
+        if caller is None:
+            caller = _RAW(self._dev_index)
+        _cuda.event_record(self._ev_start, caller)
+        _cuda.stream_wait_event(stream.cuda_stream, self._ev_start)
+        return caller
+
+    def join(self, caller: int, stream, async_op: bool, tensors: tuple, plan=None):
+        """The end of a call posted on `stream` after fork(): synchronous, the caller's stream
+        waits for it; async, a handle whose wait() does that."""
         end = self._ev_ring[self._ev_next]
         self._ev_next = (self._ev_next + 1) % EVENT_RING
-        _cuda.event_record(end, sh)
-        self.stats["replays"] += 1
+        _cuda.event_record(end, stream.cuda_stream)
         if not async_op:
             _cuda.stream_wait_event(caller, end)
             self.dirty = False          # the caller's stream is now after everything braid posted
@@ -304,7 +316,7 @@ class PreparedCalls:
         for t in tensors:           # the caller may free them before waiting: the allocator must know
             if t is not None and t.numel():
                 t.record_stream(stream)
-        return PreparedHandle(end, entry.plan, tensors, dev)
+        return PreparedHandle(end, plan, tensors, self._dev_index)
 
     def close(self) -> None:
         self.entries.clear()

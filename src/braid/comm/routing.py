@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 
 import torch
 import torch.distributed as dist
 
 from ..collectives import input_bytes, output_bytes, same_dtype, split_bytes
-from ..errors import PeerMismatchError
+from ..errors import BraidTimeoutError, LaneFailureError, PeerMismatchError
 from ..planner.plan import all_to_all_movement
 
+from .a2av import UnevenCe, check_columns, matrix_of, word_of
 from .callpath import DEFAULT_COSTS
 
 log = logging.getLogger("braid")
@@ -90,8 +92,12 @@ class Routing:
         if input_split_sizes and output_split_sizes and type(input) is torch.Tensor \
                 and type(output) is torch.Tensor and input.is_cuda and output.is_cuda and input.dim() > 0 \
                 and output.dim() > 0 and input.is_contiguous() and output.is_contiguous():
-            agreed, small = self._a2av_agree(output, input, output_split_sizes, input_split_sizes)
+            agreed, small, got = self._a2av_agree(output, input, output_split_sizes, input_split_sizes)
             counted = agreed
+            if got is not None and not small:
+                taken, h = self._a2av_lean(output, input, output_split_sizes, input_split_sizes, got, async_op)
+                if taken:
+                    return h if async_op else None
             if small:
                 args = (output, input, list(output_split_sizes), list(input_split_sizes))
                 return self._native_fast("alltoall_base", args, "alltoall", async_op, counted=True,
@@ -154,10 +160,12 @@ class Routing:
                          always_exchange=not balanced and (len(self.lanes_for(dev)) > 1 or self.check),
                          route=None if prepared else route, counted=counted, ticket=tkey)
 
-    def _a2av_agree(self, output, input, output_split_sizes, input_split_sizes) -> tuple[bool, bool]:
-        """An uneven all_to_all of CUDA tensors with both split lists: (agreed, small). agreed:
-        the ranks took part in the cheap agreement (the call is in the ledger); small: no rank
-        has a demand over the routing threshold, so the call is NCCL's own, whole."""
+    def _a2av_agree(self, output, input, output_split_sizes, input_split_sizes) -> tuple[bool, bool, list | None]:
+        """An uneven all_to_all of CUDA tensors with both split lists: (agreed, small, got).
+        agreed: the ranks took part in the cheap agreement (the call is in the ledger); small: no
+        rank has a demand over the routing threshold, so the call is NCCL's own, whole; got:
+        where the copy engines may take the call alone (comm/a2av.py), every rank's values of
+        the round, the whole matrix among them (None otherwise, or when the round was deferred)."""
         op = "all_to_all_single"
         # uneven splits: each rank knows only its row and column of the matrix. The ranks agree
         # on one number first, the largest demand: when none exceeds the routing threshold
@@ -171,13 +179,17 @@ class Routing:
         dt, rin, rout = input.dtype, input.size(0), output.size(0)
         if ent is None or ent[0] is not dt or ent[1] != rin or ent[2] != rout:
             idx = self.device.index if self.cuda else None
-            ok = (dt is output.dtype and self.segment is not None and not self.check
-                  and self._fixed is None and self.routing != "on" and input.get_device() == idx
-                  and output.get_device() == idx and len(self.lanes_for(self.device)) > 1
-                  and "nccl" in self.lanes_for(self.device))
+            lanes = self.lanes_for(self.device)
+            base = (dt is output.dtype and self.segment is not None and not self.check
+                    and self.routing != "on" and input.get_device() == idx and output.get_device() == idx)
+            # the copy engines alone may take it (decided per call from the matrix): every rank
+            # posts the matrix's row in the round (the same width everywhere)
+            lean = (base and self.cuda and self.single_node and "ce" in lanes and self._prepared.enabled
+                    and self.world_size > 1)
+            ok = lean or (base and self._fixed is None and len(lanes) > 1 and "nccl" in lanes)
             esz = input.element_size()     # bytes per row; an empty side's splits are all 0
             ent = self._fast_put(self._fast_a2av, key, (dt, rin, rout, key[0] // max(rin, 1) * esz,
-                                                         key[1] // max(rout, 1) * esz), ok)
+                                                         key[1] // max(rout, 1) * esz, lean), ok)
         w = self.world_size
         if ent[-1] and len(input_split_sizes) == w and len(output_split_sizes) == w \
                 and sum(input_split_sizes) == rin and sum(output_split_sizes) == rout \
@@ -188,10 +200,74 @@ class Routing:
             big = max(max(a) * ent[3], max(b) * ent[4])
             self._check_open()
             self._enter(op, input, "agreeing")
-            return True, self._uneven_small(big, op)
-        return False, False
+            if not ent[5]:
+                return True, self._uneven_small(big, op), None
+            got = self._uneven_small(big, op, [word_of(input), self._a2av_agreement()]
+                                     + [x * ent[3] for x in input_split_sizes], read=True)
+            if got is None:                # the round was deferred: small by assumption
+                return True, True, None
+            small = self._fixed is None and max(g[0] for g in got) <= ROUTE_MIN_BYTES
+            return True, small, got
+        return False, False, None
 
-    def _uneven_small(self, big: int, op: str) -> bool:
+    def _a2av_lean(self, output, input, output_split_sizes, input_split_sizes, got, async_op):
+        """The uneven call after a round that carried the matrix: on the copy engines alone
+        (comm/a2av.py) when the shares for its size are theirs, NCCL's own call when they are
+        NCCL's alone. (taken, handle); not taken: the full path goes on (a split over several
+        lanes, or a routed plan)."""
+        op = "all_to_all_single"
+        w, me = self.world_size, self.rank
+        matrix = matrix_of(got, w)
+        recv = [x * self._fast_a2av[(input.numel(), output.numel())][4] for x in output_split_sizes]
+        if [r[me] for r in matrix] != recv:
+            try:
+                check_columns(matrix, me, recv, op)
+            except PeerMismatchError as exc:
+                self._give_up(exc)
+                raise
+        agree = got[0][2]
+        for g in got:
+            if g[2] != agree:
+                return False, None         # calibrations or shares differ: the full path says how
+        size = max(max(map(sum, matrix)), max(map(sum, zip(*matrix))))
+        lanes = self.lanes_for(self.device)
+        shares = self.shares_for(op, size, lanes)
+        if set(shares) != {"ce"}:
+            off = [matrix[a][b] for a in range(w) for b in range(w) if a != b]
+            # two ranks have no relays: the router could only move the hot pair's bytes between
+            # the lanes the shares already weigh, so their calls go by the shares
+            skewed = (self.routing != "off" and w > 2 and bool(off) and max(off) > ROUTE_MIN_BYTES
+                      and max(off) >= 1.5 * sum(off) / len(off))
+            if skewed or not self._native_ok(shares):
+                return False, None         # the router may plan it; or a split over several lanes
+            args = (output, input, list(output_split_sizes), list(input_split_sizes))
+            return True, self._native_fast("alltoall_base", args, "alltoall", async_op, counted=True,
+                                           fallback=lambda a: dist.all_to_all_single(
+                                               output, input, args[2], args[3], group=self.native_group, async_op=a))
+        if self._a2av_ce is None:
+            self._a2av_ce = UnevenCe(me, w, self.segment, self.seg_dev_ptr, self.layout, self._lanes["ce"],
+                                     self._prepared)
+        if self._p2p_pending:
+            self._flush_p2p()
+        try:
+            handle = self._a2av_ce.run(output, input, matrix, tuple(g[1] for g in got), async_op)
+        except (PeerMismatchError, BraidTimeoutError, LaneFailureError) as exc:
+            self._give_up(exc)
+            raise
+        self.last_handle = handle
+        return True, handle
+
+    def _a2av_agreement(self) -> int:
+        """What decides an uneven call's shares (calibration, balancer, fixed shares) as one
+        number that is the same on every rank that agrees: a stable hash (Python's own hash of
+        a string differs between processes), kept until one of them changes."""
+        key = (self.calib_digest, self.balancer.version, repr(self._fixed) if self._fixed else "")
+        memo = self._a2av_memo
+        if memo is None or memo[0] != key:
+            memo = self._a2av_memo = (key, zlib.crc32(repr(key).encode()))
+        return memo[1]
+
+    def _uneven_small(self, big: int, op: str, extra: list | None = None, read: bool = False):
         """The agreement before an uneven all_to_all on GPUs: does no rank have a demand (to or
         from another rank) over ROUTE_MIN_BYTES? Then the call is NCCL's own, whole.
 
@@ -204,21 +280,27 @@ class Routing:
         posted them by then). When those values show a large demand, that one call has already
         run as NCCL's whole (correct, only not routed) and the ranks go back to waiting from the
         next call. Every step depends only on values every rank read, so all ranks switch at the
-        same call."""
+        same call.
+
+        With `extra` values (read=True: the uneven call's matrix row and mapping word, comm/a2av.py)
+        the rank posts them after its demand and returns every rank's values once read (None when
+        the round was deferred), waiting also when its own demand decides; under fixed shares no
+        call is taken as small."""
         seg = self.segment
         last = seg.settle()
         if last is not None and max(last)[0] > ROUTE_MIN_BYTES:
             self._small_run = 0
-        token = seg.post_values([big])
-        if self._small_run >= SMALL_RUN:
+        token = seg.post_values([big] + (extra or []))
+        if self._small_run >= SMALL_RUN and (not read or self._fixed is None):
             seg.defer(token, op)
-            return True
-        if big > ROUTE_MIN_BYTES:
+            return None if read else True
+        if big > ROUTE_MIN_BYTES and not read:
             self._small_run = 0
             return False
-        small = max(seg.read_values(token, op))[0] <= ROUTE_MIN_BYTES
+        got = seg.read_values(token, op)
+        small = max(g[0] for g in got) <= ROUTE_MIN_BYTES and (not read or self._fixed is None)
         self._small_run = self._small_run + 1 if small else 0
-        return small
+        return got if read else small
 
     def _a2a_rules(self, op: str, dev: torch.device):
         """The uneven all_to_all's matrix check and routing decision, from the exchanged

@@ -1,0 +1,119 @@
+"""Uneven all_to_all on the copy engines: one round of words, then the pulls, per call.
+
+An MoE layer's dispatch and combine are uneven all_to_all calls whose split sizes change with
+every batch, so a program captured for one set of sizes would rarely run twice. What stays from
+call to call is the buffers. So each call:
+
+    round  every rank posts [its largest demand, word, agreement, the bytes it sends each rank]
+           through the node segment and reads every rank's: the whole matrix, on every rank
+    word   the input's address and the driver's id of its allocation (a new allocation at the
+           same address has another id: a peer never reads it through an old mapping)
+    maps   every rank's words in a tuple key the peers' mapped inputs; a new tuple exchanges the
+           IPC descriptors once (every rank sees the same tuple, so all exchange together)
+    post   on the copy-engine lane's stream, counters raised to the call's sequence number
+           (lanes/signals.py, Rising): ready, for each source that sends me bytes: wait for its
+           ready, pull its part for me into my output; done, wait for my readers' done. My own
+           part is copied on the caller's stream beside it.
+
+The round replaces the agreement on the largest demand that every uneven call makes anyway
+(comm/routing.py), so the matrix costs no second exchange. A call goes this way when the
+calibration (or fixed shares) gives the call's size to the copy engines alone; ce + host splits
+and routed plans take the full path with its descriptors.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from ..errors import PeerMismatchError
+from ..lanes import _cuda
+from ..lanes.signals import Rising
+from .prepared import MASK63
+
+MAX_MAPS = 64        # tuples of words kept (each holds the peers' mapped inputs, mapped once per allocation)
+
+
+def word_of(inp: torch.Tensor) -> int:
+    """This rank's input as one non-zero word: its address and the driver's id of its allocation
+    (not its length: an MoE layer's inputs are views of one buffer whose length changes with
+    every batch; what a peer may read of it, the matrix says)."""
+    ptr = inp.data_ptr()
+    bid = _cuda.buffer_id(ptr) if inp.numel() else 0
+    return (hash((ptr, bid)) & MASK63) | 1
+
+
+def matrix_of(got: list[list[int]], world: int) -> list[list[int]]:
+    """Bytes rank s sends rank d, from the round's values ([big, word, agree, row...])."""
+    return [list(g[3:3 + world]) for g in got]
+
+
+def check_columns(matrix: list[list[int]], me: int, recv: list[int], op: str) -> None:
+    """What each rank sends me must be what I expect from it."""
+    for s, row in enumerate(matrix):
+        if row[me] != recv[s]:
+            raise PeerMismatchError(
+                f"{op}: rank {s} sends {row[me]} bytes to rank {me}, but rank {me} expects {recv[s]} bytes "
+                f"from rank {s} (input/output split sizes disagree)")
+
+
+class UnevenCe:
+    """The peers' mapped inputs, kept per tuple of words, and the per-call program."""
+
+    def __init__(self, rank: int, world_size: int, segment, seg_dev_ptr: int, layout, ce, prepared):
+        self.rank, self.world_size = rank, world_size
+        self.segment, self.seg_dev_ptr, self.layout = segment, seg_dev_ptr, layout
+        self.ce, self.prepared = ce, prepared
+        self.maps: OrderedDict = OrderedDict()
+        self.stats = {"calls": 0, "mapped": 0}
+
+    def _peers(self, words: tuple, inp: torch.Tensor) -> dict[int, int]:
+        got = self.maps.get(words)
+        if got is not None:
+            self.maps.move_to_end(words)
+            return got
+        desc = {"op": "all_to_all_single", **self.ce.descriptor(inp)}
+        descs = self.segment.exchange_collective(desc, list(range(self.world_size)))
+        for r, d in enumerate(descs):
+            if d.get("op") != "all_to_all_single":
+                raise PeerMismatchError(f"all_to_all_single: rank {r} made a different call ({d.get('op')!r}) "
+                                        f"where every rank exchanges its input's mapping")
+        got = {p: self.ce._peer_ptr(p, descs[p]) for p in range(self.world_size)
+               if p != self.rank and descs[p].get("ce_h")}
+        self.maps[words] = got
+        self.stats["mapped"] += 1
+        while len(self.maps) > MAX_MAPS:
+            self.maps.popitem(last=False)
+        return got
+
+    def run(self, out: torch.Tensor, inp: torch.Tensor, matrix: list[list[int]], words: tuple, async_op: bool):
+        """This rank's part of the call: the round is done and the matrix agreed. Returns the
+        prepared calls' handle (async) or their done marker."""
+        me, w = self.rank, self.world_size
+        peers = self._peers(words, inp)
+        row = matrix[me]
+        col = [matrix[s][me] for s in range(w)]
+        out_at = [sum(col[:s]) for s in range(w)]
+        prep, ce = self.prepared, self.ce
+        stream = ce.stream
+        sh = stream.cuda_stream
+        caller = prep.fork(stream)
+        ce.coll_seq += 1
+        sig = Rising(self.seg_dev_ptr, self.layout, ce.coll_seq)
+        readers = [d for d in range(w) if d != me and row[d]]
+        sources = [(me + i) % w for i in range(1, w) if col[(me + i) % w]]
+        out_ptr = out.data_ptr()
+        sig.ready(sh, me, readers)
+        for s in sources:
+            sig.wait_ready(sh, s, me)
+            _cuda.memcpy_async(out_ptr + out_at[s], peers[s] + sum(matrix[s][:me]), col[s], sh)
+        sig.done(sh, me, sources)
+        for p in readers:
+            sig.wait_done(sh, p, me)
+        if row[me]:                     # my own part, on the caller's stream beside the pulls
+            _cuda.memcpy_async(out_ptr + out_at[me], inp.data_ptr() + sum(row[:me]), row[me], caller)
+        self.stats["calls"] += 1
+        return prep.join(caller, stream, async_op, (inp, out))
+
+    def close(self) -> None:
+        self.maps.clear()           # the mappings themselves belong to the ce lane (closed there)

@@ -1,0 +1,121 @@
+"""GPU tier: uneven all_to_all_single on the copy engines alone (comm/a2av.py).
+
+Split sizes that change at every call (as an MoE layer's do), zero rows, odd row widths, every
+dtype the copy engines move, buffers kept, reallocated elsewhere and reallocated at the same
+address, sync and async calls, bitwise against the matrix every rank draws from one seed; the
+calls really took the copy engines' per-call path (its counts), and mappings were made once per
+tuple of buffers. Split sizes that disagree raise PeerMismatchError on every rank. Runs with any
+GPU (ranks share it where there are fewer GPUs than ranks: gpu_world.py).
+"""
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from gpu_world import needs, run
+
+ENV = {"BRAID_MIN_SPLIT_KB": "1"}
+DTYPES = (torch.bfloat16, torch.float32, torch.int64, torch.uint8)
+
+
+def _gen(key) -> torch.Generator:
+    return torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:7], "little"))
+
+
+def _matrix(key, world: int, most: int) -> list[list[int]]:
+    """Rows rank s sends rank d, the same on every rank; some zero, one row hot."""
+    g = _gen(("m", key))
+    m = torch.randint(0, most + 1, (world, world), generator=g)
+    m[torch.rand(world, world, generator=g) < 0.2] = 0
+    hot = int(torch.randint(world, (1,), generator=g))
+    m[:, hot] *= 3
+    return m.tolist()
+
+
+def _rows(key, src: int, n: int, width: int, dtype, dev) -> torch.Tensor:
+    g = _gen(("x", key, src))
+    if dtype.is_floating_point:
+        return (torch.randn(n, width, generator=g) * 3).to(dtype).to(dev)
+    return torch.randint(0, 120, (n, width), generator=g).to(dtype).to(dev)
+
+
+def _uneven(rank, world, comm, dev, shares):
+    from contextlib import nullcontext
+    g = torch.Generator().manual_seed(11)
+    bufs = {}
+    wrong = []
+    calls = 0
+    ctx = comm.fixed_shares(shares) if shares else nullcontext()
+    with ctx:
+        for i in range(300):
+            dt = DTYPES[int(torch.randint(len(DTYPES), (1,), generator=g))]
+            width = (1, 7, 1031, 4096)[int(torch.randint(4, (1,), generator=g))]
+            mat = _matrix(i, world, 600)
+            ins = mat[rank]
+            outs = [mat[s][rank] for s in range(world)]
+            cap = 600 * 3 * world
+            what = int(torch.randint(8, (1,), generator=g))
+            key = (dt, width)
+            if key not in bufs or what == 0:             # (new) buffers at another address
+                bufs[key] = (torch.empty(cap * width, dtype=dt, device=dev),
+                             torch.empty(cap * width, dtype=dt, device=dev))
+            elif what == 1:                              # a new allocation, the same address wanted
+                bufs.pop(key)
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                bufs[key] = (torch.empty(cap * width, dtype=dt, device=dev),
+                             torch.empty(cap * width, dtype=dt, device=dev))
+            xb, yb = bufs[key]
+            x = xb[: sum(ins) * width].view(-1, width)
+            y = yb[: sum(outs) * width].view(-1, width)
+            parts = [_rows((i, rank, d), rank, ins[d], width, dt, dev) for d in range(world)]
+            x.copy_(torch.cat(parts))
+            if what == 2:
+                h = comm.all_to_all_single(y, x, outs, ins, async_op=True)
+                h.wait()
+            else:
+                comm.all_to_all_single(y, x, outs, ins)
+            exp = torch.cat([_rows((i, s, rank), s, outs[s], width, dt, dev) for s in range(world)])
+            calls += 1
+            if not torch.equal(y.reshape(-1).view(torch.uint8), exp.reshape(-1).view(torch.uint8)):
+                wrong.append((i, str(dt), width, what))
+    assert not wrong, f"rank {rank}: {len(wrong)} of {calls} calls wrong, first {wrong[:5]}"
+    lean = comm._a2av_ce
+    assert lean is not None and lean.stats["calls"] >= calls // 2, (lean and lean.stats)
+    # one mapping exchange per new tuple of buffers, not per call
+    assert lean.stats["mapped"] < calls // 2, lean.stats
+
+
+def _uneven_ce(rank, world, comm, dev):
+    _uneven(rank, world, comm, dev, {"ce": 1.0})
+
+
+@needs(2)
+def test_uneven_all_to_all_on_the_copy_engines_two_ranks(tmp_path):
+    run(2, tmp_path, _uneven_ce, ENV)
+
+
+@needs(4)
+def test_uneven_all_to_all_on_the_copy_engines_four_ranks(tmp_path):
+    run(4, tmp_path, _uneven_ce, ENV)
+
+
+def _mismatch(rank, world, comm, dev):
+    from braid.errors import BraidError
+    x = torch.arange(8 * 16, dtype=torch.float32, device=dev).view(8, 16)
+    y = torch.empty_like(x)
+    with comm.fixed_shares({"ce": 1.0}):
+        comm.all_to_all_single(y, x, [4, 4], [4, 4])          # agreed: every rank's x is the same
+        mine = x[4 * rank: 4 * rank + 4]
+        assert torch.equal(y[:4], mine) and torch.equal(y[4:], mine)
+        outs = [5, 3] if rank == 0 else [4, 4]               # rank 0 expects 5 rows from itself: wrong
+        ins = [5, 3] if rank == 0 else [4, 4]
+        with pytest.raises(BraidError, match="split sizes disagree|sends"):
+            comm.all_to_all_single(y, x, outs, ins)
+
+
+@needs(2)
+def test_uneven_split_sizes_that_disagree_raise_on_every_rank(tmp_path):
+    run(2, tmp_path, _mismatch, ENV)
