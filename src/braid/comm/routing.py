@@ -11,6 +11,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from .. import envs
 from ..collectives import input_bytes, output_bytes, same_dtype, split_bytes
 from ..errors import BraidTimeoutError, LaneFailureError, PeerMismatchError
 from ..planner.plan import all_to_all_movement
@@ -232,6 +233,9 @@ class Routing:
         size = max(max(map(sum, matrix)), max(map(sum, zip(*matrix))))
         lanes = self.lanes_for(self.device)
         shares = self.shares_for(op, size, lanes)
+        if (self._fixed is None and "nccl" in lanes and set(shares) == {"ce"}
+                and size < envs.get("BRAID_A2AV_CE_MIN_MB") << 20):
+            shares = {"nccl": 1.0}         # posted every call, the copy engines lose below this size
         if set(shares) != {"ce"}:
             off = [matrix[a][b] for a in range(w) for b in range(w) if a != b]
             # two ranks have no relays: the router could only move the hot pair's bytes between
