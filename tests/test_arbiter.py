@@ -236,3 +236,22 @@ def test_verdicts_kept_are_bounded_in_a_long_job():
     assert arb.count == 3 * A.KEPT + 5
     assert A.KEPT <= len(arb.decisions) <= 2 * A.KEPT
     assert arb.decisions[-1][0] == ("k", 3 * A.KEPT + 4)
+
+
+def test_trying_while_a_trial_has_no_verdict():
+    clock = Clock()
+    arb = A.Arbiter(lambda values: [list(values)], clock=clock)
+    assert not arb.trying()                                   # no shape yet
+    key = ("ag", 1 << 20, "bf16")
+    calls = 0
+    while arb.count == 0:
+        whole = arb.whole(key)
+        clock.t += (100.0 if whole else 130.0) * 1e-6
+        calls += 1
+        assert arb.trying() or arb.count == 1
+        assert calls < A.WARM + A.MAX_PAIRS * 2 * A.BLOCK + 1
+    assert not arb.trying()                                   # the verdict: whole
+    for _ in range(A.REPROBE + 1):
+        arb.whole(key)
+    assert arb.trying()                                       # the trial runs again
+    assert not A.Arbiter(lambda v: [list(v)], enabled=False).trying()

@@ -186,3 +186,42 @@ def test_bench_workload_end_to_end(tmp_path):
                 "params", "machine", "torch"} <= set(r)
         assert len(r["windows"]["braid"]) == 2
     assert rows[0]["params"] == 2 * 64 * 64 and rows[1]["hidden"] == 64
+
+
+def test_trial_steps_run_until_the_verdicts_and_the_baseline_keeps_pace(monkeypatch):
+    """braid's whole-or-split trials get warm-up steps of their own before the timed windows;
+    the baseline runs as many (its losses compare step by step), and a cap ends them."""
+    from types import SimpleNamespace
+
+    from braid import jobs
+
+    class Arb:
+        enabled, left = True, 7
+
+        def trying(self):
+            return self.left > 0
+
+    arb = Arb()
+    ran = {"braid": 0, "baseline": 0}
+
+    class Rep:
+        def __init__(self, name):
+            self.name = name
+
+        def run(self, k):
+            ran[self.name] += k
+            if self.name == "braid":
+                arb.left -= k
+
+    monkeypatch.setattr(jobs.dist, "all_reduce", lambda t, op=None, group=None: None)
+    ctx = SimpleNamespace(comm=SimpleNamespace(_arbiter=arb), timer=None, sync=lambda: None)
+    reps = {"braid": Rep("braid"), "baseline": Rep("baseline")}
+    steps, ms = jobs.settle_trials(ctx, reps)
+    assert steps == 7 and ran == {"braid": 7, "baseline": 7} and ms is not None and ms >= 0
+    assert jobs.settle_trials(ctx, reps) == (0, None)              # settled: nothing more
+    monkeypatch.setattr(jobs, "TRIAL_STEPS_MAX", 3)
+    arb.left = 100
+    assert jobs.settle_trials(ctx, reps)[0] == 3                  # the cap
+    assert ran == {"braid": 10, "baseline": 10}
+    arb.enabled = False
+    assert jobs.settle_trials(ctx, reps) == (0, None)              # no trials (CPU, or learning off)

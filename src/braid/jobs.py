@@ -285,12 +285,47 @@ def _window(ctx: Ctx, rep: Replica) -> float:
     return float(took.item()) * 1e3 / steps
 
 
-def time_replicas(ctx: Ctx, reps: list[Replica]) -> dict[str, list[float]]:
-    """Warm every replica up, then `repeat` rounds of one window each: baseline first in even
-    rounds, braid first in odd ones (the machine's drift hits both alike); the floor last."""
+TRIAL_STEPS_MAX = 500        # warm-up steps at most while braid's whole-or-split trials run
+TRIAL_SECONDS_MAX = 120.0
+
+
+def settle_trials(ctx: Ctx, by: dict) -> tuple[int, float | None]:
+    """Warm-up steps beyond `warmup` while braid's whole-or-split trials (comm/arbiter.py) have
+    no verdict yet: (steps, braid's ms per step in them). A job of thousands of steps spends its
+    first tens of steps in those trials (up to 400 calls of a shape, half of them split) and then
+    runs on the verdicts; the timed windows measure that steady state, and the trial's steps are
+    reported beside them. The baseline runs as many extra steps, so the losses compare step by
+    step. Every rank stops at the same step (their flags are reduced on the timer group)."""
+    arb = getattr(ctx.comm, "_arbiter", None)
+    if arb is None or not arb.enabled:
+        return 0, None
+    steps, t0 = 0, time.perf_counter()
+    rep = by["braid"]
+    while True:
+        over = steps >= TRIAL_STEPS_MAX or time.perf_counter() - t0 > TRIAL_SECONDS_MAX
+        flag = torch.tensor([2 if over else int(arb.trying())], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.timer)
+        if int(flag.item()) != 1:
+            break
+        rep.run(1)
+        steps += 1
+    ctx.sync()
+    took = (time.perf_counter() - t0) * 1e3 / steps if steps else None
+    by["baseline"].run(steps)
+    return steps, took
+
+
+def time_replicas(ctx: Ctx, reps: list[Replica], trial: list | None = None) -> dict[str, list[float]]:
+    """Warm every replica up (braid's longer while its whole-or-split trials run: settle_trials,
+    whose (steps, ms per step) go into `trial`), then `repeat` rounds of one window each: baseline
+    first in even rounds, braid first in odd ones (the machine's drift hits both alike); the floor
+    last."""
     by = {r.name: r for r in reps}
     for rep in reps:
         rep.run(ctx.s["warmup"])
+    got = settle_trials(ctx, by) if "braid" in by and "baseline" in by else (0, None)
+    if trial is not None:
+        trial[:] = got
     windows: dict[str, list[float]] = {r.name: [] for r in reps}
     for k in range(ctx.s["repeat"]):
         order = ["baseline", "braid"] if k % 2 == 0 else ["braid", "baseline"]
@@ -433,7 +468,8 @@ def run_workload(ctx: Ctx, name: str) -> dict:
     before = dict(prep.stats) if prep is not None else {}
     arb = getattr(ctx.comm, "_arbiter", None)
     tried = arb.count if arb is not None else 0
-    windows = time_replicas(ctx, reps)
+    trial: list = [0, None]
+    windows = time_replicas(ctx, reps, trial)
     # the whole-or-split trials the job ran (comm/arbiter.py): shape, pace split / whole (us), verdict
     new = arb.count - tried if arb is not None else 0
     learned = [[str(k), s, w, "whole" if wh else "split"] for k, s, w, wh in arb.decisions[-new:]] if new else []
@@ -457,7 +493,8 @@ def run_workload(ctx: Ctx, name: str) -> dict:
            "param_max_rel_diff": check["param_rel"], "loss_tolerance": check["tol"],
            "tensor_tolerance": check["tensor_tol"], "losses_cell": check["cell"],
            "params_moved": check["params_moved"], "losses": torch.stack(braid.losses).float().cpu().tolist(),
-           "windows": windows, "split_calls": split_calls, "learned": learned}
+           "windows": windows, "split_calls": split_calls, "learned": learned,
+           "trial_steps": trial[0], "trial_ms_per_step": trial[1]}
     del reps, braid, base
     gc.collect()
     if ctx.cuda:
@@ -529,6 +566,9 @@ def run(comm, cfg, cuda: bool):
                     f"{kept.count('split')} kept split, {kept.count('whole')} went whole; pace split/whole us: "
                     + ", ".join(f"{s:.0f}/{w:.0f}" for _, s, w, _ in row["learned"][:8])
                     + (" ..." if len(kept) > 8 else ""))
+            if row.get("trial_steps"):
+                say("  " + " " * WIDTHS[0] + f"the trials took {row['trial_steps']} warm-up steps before the timed "
+                    f"windows, at {row['trial_ms_per_step']:.2f} ms/step (braid)")
             if r0 and cfg.json_path:
                 write_json(cfg.json_path, rows)
     bad = [r["workload"] for r in rows if r.get("losses_equal") is False]

@@ -100,6 +100,10 @@ class Arbiter:
         self.decisions: list[tuple] = []    # (shape, split us, whole us, whole?): the last KEPT verdicts
         self.count = 0                      # verdicts so far
 
+    def trying(self) -> bool:
+        """True while some shape's trial (split against whole) has no verdict yet."""
+        return self.enabled and any(st.trying for st in self._shapes.values())
+
     def whole(self, key) -> bool:
         """Call once per call of a split shape, before it is posted: True when this call goes to
         the native library whole."""
