@@ -127,6 +127,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         self._small_run = 0          # uneven calls in a row agreed small (see _uneven_small)
         self._a2av_ce = None         # uneven all_to_all on the copy engines alone (comm/a2av.py), made at first use
         self._a2av_memo = None       # (what decides its shares, their stable hash): _a2av_agreement
+        self._a2av_recv = None       # bytes this rank expected from each rank in a round read one call late
         self._desc_memo: dict = {}   # every rank's descriptor digest -> those descriptors (recent full exchanges)
         self._round = None           # a prepared call's round already posted by the fast path (exchange.py)
         self._fast_bc: dict = {}

@@ -93,12 +93,11 @@ class Routing:
         if input_split_sizes and output_split_sizes and type(input) is torch.Tensor \
                 and type(output) is torch.Tensor and input.is_cuda and output.is_cuda and input.dim() > 0 \
                 and output.dim() > 0 and input.is_contiguous() and output.is_contiguous():
-            agreed, small, got = self._a2av_agree(output, input, output_split_sizes, input_split_sizes)
+            agreed, small, lean = self._a2av_agree(output, input, output_split_sizes, input_split_sizes)
             counted = agreed
-            if got is not None and not small:
-                taken, h = self._a2av_lean(output, input, output_split_sizes, input_split_sizes, got, async_op)
-                if taken:
-                    return h if async_op else None
+            if lean is not None:
+                h = self._a2av_lean(output, input, *lean, async_op)
+                return h if async_op else None
             if small:
                 args = (output, input, list(output_split_sizes), list(input_split_sizes))
                 return self._native_fast("alltoall_base", args, "alltoall", async_op, counted=True,
@@ -161,12 +160,12 @@ class Routing:
                          always_exchange=not balanced and (len(self.lanes_for(dev)) > 1 or self.check),
                          route=None if prepared else route, counted=counted, ticket=tkey)
 
-    def _a2av_agree(self, output, input, output_split_sizes, input_split_sizes) -> tuple[bool, bool, list | None]:
-        """An uneven all_to_all of CUDA tensors with both split lists: (agreed, small, got).
-        agreed: the ranks took part in the cheap agreement (the call is in the ledger); small: no
-        rank has a demand over the routing threshold, so the call is NCCL's own, whole; got:
-        where the copy engines may take the call alone (comm/a2av.py), every rank's values of
-        the round, the whole matrix among them (None otherwise, or when the round was deferred)."""
+    def _a2av_agree(self, output, input, output_split_sizes, input_split_sizes) -> tuple[bool, bool, tuple | None]:
+        """An uneven all_to_all of CUDA tensors with both split lists: (agreed, small, lean).
+        agreed: the ranks took part in the cheap agreement (the call is in the ledger); small:
+        the call is NCCL's own, whole (no rank has a demand over the routing threshold, or the
+        shares for its size are NCCL's); lean: (matrix, words) when the copy engines take it
+        alone (comm/a2av.py). Neither: the full path (routing, or a split over several lanes)."""
         op = "all_to_all_single"
         # uneven splits: each rank knows only its row and column of the matrix. The ranks agree
         # on one number first, the largest demand: when none exceeds the routing threshold
@@ -203,63 +202,93 @@ class Routing:
             self._enter(op, input, "agreeing")
             if not ent[5]:
                 return True, self._uneven_small(big, op), None
-            got = self._uneven_small(big, op, [word_of(input), self._a2av_agreement()]
-                                     + [x * ent[3] for x in input_split_sizes], read=True)
-            if got is None:                # the round was deferred: small by assumption
-                return True, True, None
-            small = self._fixed is None and max(g[0] for g in got) <= ROUTE_MIN_BYTES
-            return True, small, got
+            recv = [x * ent[4] for x in output_split_sizes]
+            return self._a2av_round(op, big, [word_of(input), self._a2av_agreement()]
+                                    + [x * ent[3] for x in input_split_sizes], recv)
         return False, False, None
 
-    def _a2av_lean(self, output, input, output_split_sizes, input_split_sizes, got, async_op):
-        """The uneven call after a round that carried the matrix: on the copy engines alone
-        (comm/a2av.py) when the shares for its size are theirs, NCCL's own call when they are
-        NCCL's alone. (taken, handle); not taken: the full path goes on (a split over several
-        lanes, or a routed plan)."""
-        op = "all_to_all_single"
-        w, me = self.world_size, self.rank
-        matrix = matrix_of(got, w)
-        recv = [x * self._fast_a2av[(input.numel(), output.numel())][4] for x in output_split_sizes]
-        if [r[me] for r in matrix] != recv:
-            try:
-                check_columns(matrix, me, recv, op)
-            except PeerMismatchError as exc:
-                self._give_up(exc)
-                raise
+    def _a2av_round(self, op: str, big: int, values: list[int], recv: list[int]) -> tuple[bool, bool, tuple | None]:
+        """The uneven call's round where the copy engines may take it: every rank posts its
+        largest demand, its input's word, the agreement value and its row of the matrix, and
+        reads every rank's; all decide alike (_a2av_verdict). As for small calls
+        (_uneven_small), after SMALL_RUN calls in a row that went to NCCL whole the ranks take
+        the next ones whole without waiting and read each call's values at the next call; values
+        that say otherwise (or split sizes that disagree: PeerMismatchError, one call late) end
+        that from the next call on."""
+        seg, me = self.segment, self.rank
+        last = seg.settle()
+        if last is not None:
+            if len(last[0]) != 3 + self.world_size:         # a round of the small-call agreement
+                if max(last)[0] > ROUTE_MIN_BYTES:
+                    self._small_run = 0
+            else:
+                if [g[3 + me] for g in last] != self._a2av_recv:
+                    self._a2av_mismatch(last, self._a2av_recv, op)
+                if self._a2av_verdict(last)[0] != "nccl":
+                    self._small_run = 0
+        token = seg.post_values([big] + values)
+        if self._small_run >= SMALL_RUN:
+            seg.defer(token, op)
+            self._a2av_recv = recv
+            return True, True, None
+        got = seg.read_values(token, op)
+        if [g[3 + me] for g in got] != recv:
+            self._a2av_mismatch(got, recv, op)
+        verdict, lean = self._a2av_verdict(got)
+        self._small_run = self._small_run + 1 if verdict == "nccl" else 0
+        return True, verdict == "nccl", lean
+
+    def _a2av_mismatch(self, got, recv, op) -> None:
+        try:
+            check_columns(matrix_of(got, self.world_size), self.rank, recv, op)
+        except PeerMismatchError as exc:
+            self._give_up(exc)
+            raise
+
+    def _a2av_verdict(self, got) -> tuple[str, tuple | None]:
+        """From every rank's values of the round, the same on every rank: ('nccl', None): NCCL
+        whole; ('ce', (matrix, words)): the copy engines alone; ('full', None): the full path
+        (the router may plan it, or a split over several lanes, or the ranks' calibrations or
+        shares differ and the full path says how)."""
+        op, w = "all_to_all_single", self.world_size
+        if self._fixed is None and max(g[0] for g in got) <= ROUTE_MIN_BYTES:
+            return "nccl", None
         agree = got[0][2]
         for g in got:
             if g[2] != agree:
-                return False, None         # calibrations or shares differ: the full path says how
+                return "full", None
+        matrix = matrix_of(got, w)
         size = max(max(map(sum, matrix)), max(map(sum, zip(*matrix))))
         lanes = self.lanes_for(self.device)
         shares = self.shares_for(op, size, lanes)
         if (self._fixed is None and "nccl" in lanes and set(shares) == {"ce"}
                 and size < envs.get("BRAID_A2AV_CE_MIN_MB") << 20):
             shares = {"nccl": 1.0}         # posted every call, the copy engines lose below this size
-        if set(shares) != {"ce"}:
-            off = [matrix[a][b] for a in range(w) for b in range(w) if a != b]
-            # two ranks have no relays: the router could only move the hot pair's bytes between
-            # the lanes the shares already weigh, so their calls go by the shares
-            skewed = (self.routing != "off" and w > 2 and bool(off) and max(off) > ROUTE_MIN_BYTES
-                      and max(off) >= 1.5 * sum(off) / len(off))
-            if skewed or not self._native_ok(shares):
-                return False, None         # the router may plan it; or a split over several lanes
-            args = (output, input, list(output_split_sizes), list(input_split_sizes))
-            return True, self._native_fast("alltoall_base", args, "alltoall", async_op, counted=True,
-                                           fallback=lambda a: dist.all_to_all_single(
-                                               output, input, args[2], args[3], group=self.native_group, async_op=a))
+        if set(shares) == {"ce"}:
+            return "ce", (matrix, tuple(g[1] for g in got))
+        off = [matrix[a][b] for a in range(w) for b in range(w) if a != b]
+        # two ranks have no relays: the router could only move the hot pair's bytes between the
+        # lanes the shares already weigh, so their calls go by the shares
+        skewed = (self.routing != "off" and w > 2 and bool(off) and max(off) > ROUTE_MIN_BYTES
+                  and max(off) >= 1.5 * sum(off) / len(off))
+        if skewed or not self._native_ok(shares):
+            return "full", None
+        return "nccl", None
+
+    def _a2av_lean(self, output, input, matrix, words, async_op):
+        """The uneven call on the copy engines alone (comm/a2av.py), after its round."""
         if self._a2av_ce is None:
-            self._a2av_ce = UnevenCe(me, w, self.segment, self.seg_dev_ptr, self.layout, self._lanes["ce"],
-                                     self._prepared)
+            self._a2av_ce = UnevenCe(self.rank, self.world_size, self.segment, self.seg_dev_ptr, self.layout,
+                                     self._lanes["ce"], self._prepared)
         if self._p2p_pending:
             self._flush_p2p()
         try:
-            handle = self._a2av_ce.run(output, input, matrix, tuple(g[1] for g in got), async_op)
+            handle = self._a2av_ce.run(output, input, matrix, words, async_op)
         except (PeerMismatchError, BraidTimeoutError, LaneFailureError) as exc:
             self._give_up(exc)
             raise
         self.last_handle = handle
-        return True, handle
+        return handle
 
     def _a2av_agreement(self) -> int:
         """What decides an uneven call's shares (calibration, balancer, fixed shares) as one
@@ -271,7 +300,7 @@ class Routing:
             memo = self._a2av_memo = (key, zlib.crc32(repr(key).encode()))
         return memo[1]
 
-    def _uneven_small(self, big: int, op: str, extra: list | None = None, read: bool = False):
+    def _uneven_small(self, big: int, op: str) -> bool:
         """The agreement before an uneven all_to_all on GPUs: does no rank have a demand (to or
         from another rank) over ROUTE_MIN_BYTES? Then the call is NCCL's own, whole.
 
@@ -284,27 +313,21 @@ class Routing:
         posted them by then). When those values show a large demand, that one call has already
         run as NCCL's whole (correct, only not routed) and the ranks go back to waiting from the
         next call. Every step depends only on values every rank read, so all ranks switch at the
-        same call.
-
-        With `extra` values (read=True: the uneven call's matrix row and mapping word, comm/a2av.py)
-        the rank posts them after its demand and returns every rank's values once read (None when
-        the round was deferred), waiting also when its own demand decides; under fixed shares no
-        call is taken as small."""
+        same call."""
         seg = self.segment
         last = seg.settle()
         if last is not None and max(last)[0] > ROUTE_MIN_BYTES:
             self._small_run = 0
-        token = seg.post_values([big] + (extra or []))
-        if self._small_run >= SMALL_RUN and (not read or self._fixed is None):
+        token = seg.post_values([big])
+        if self._small_run >= SMALL_RUN:
             seg.defer(token, op)
-            return None if read else True
-        if big > ROUTE_MIN_BYTES and not read:
+            return True
+        if big > ROUTE_MIN_BYTES:
             self._small_run = 0
             return False
-        got = seg.read_values(token, op)
-        small = max(g[0] for g in got) <= ROUTE_MIN_BYTES and (not read or self._fixed is None)
+        small = max(seg.read_values(token, op))[0] <= ROUTE_MIN_BYTES
         self._small_run = self._small_run + 1 if small else 0
-        return got if read else small
+        return small
 
     def _a2a_rules(self, op: str, dev: torch.device):
         """The uneven all_to_all's matrix check and routing decision, from the exchanged

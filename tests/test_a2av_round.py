@@ -1,0 +1,196 @@
+"""The uneven all_to_all's round on GPUs (comm/routing.py, _a2av_round / _a2av_verdict), run on
+fake ranks in threads over a fake node segment: every rank decides alike at every call; after
+SMALL_RUN calls in a row that went to NCCL whole the round is read one call late (no rank waits),
+a call that belongs to the copy engines ends that at the next call, split sizes that disagree
+raise PeerMismatchError on every rank (one call late when the round was deferred), and ranks
+whose calibrations differ take the full path. The GPU part (the copy engines' pulls) runs in
+tests/gpu/test_gpu_uneven_a2a.py."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from braid.comm import routing as R
+from braid.errors import PeerMismatchError
+
+MiB = 1 << 20
+
+
+class Board:
+    """The node segment's value rounds, shared by the fake ranks of one process."""
+
+    def __init__(self, world):
+        self.world, self.posts, self.cv = world, {}, threading.Condition()
+
+
+class Seg:
+    def __init__(self, board, rank):
+        self.b, self.rank, self.seq, self.deferred, self.reads, self.defers = board, rank, 0, None, 0, 0
+
+    def post_values(self, values):
+        self._settle()
+        self.seq += 1
+        with self.b.cv:
+            self.b.posts[(self.rank, self.seq)] = list(values)
+            self.b.cv.notify_all()
+        return self.seq
+
+    def read_values(self, token, what):
+        self.reads += 1
+        with self.b.cv:
+            ok = self.b.cv.wait_for(lambda: all((r, token) in self.b.posts for r in range(self.b.world)), 10)
+            assert ok, f"rank {self.rank} waited for round {token}"
+            return [list(self.b.posts[(r, token)]) for r in range(self.b.world)]
+
+    def defer(self, token, what):
+        self.deferred = token
+        self.defers += 1
+
+    def _settle(self):
+        if self.deferred is not None:
+            token, self.deferred = self.deferred, None
+            self.late = self.read_values(token, "late")
+
+    def settle(self):
+        self.late = None
+        self._settle()
+        return self.late
+
+
+class Rank(R.Routing):
+    """Just what the round needs of a communicator."""
+
+    def __init__(self, board, rank, agree_digest="calib"):
+        self.segment, self.rank, self.world_size = Seg(board, rank), rank, board.world
+        self._fixed, self._small_run, self._a2av_recv, self._a2av_memo = None, 0, None, None
+        self.calib_digest, self.routing, self.device = agree_digest, "auto", "cuda:0"
+        self.balancer = type("B", (), {"version": 0})()
+        self.gave_up = []
+
+    def lanes_for(self, dev):
+        return ["ce", "nccl", "host"]
+
+    def shares_for(self, op, size, lanes):
+        return {"ce": 1.0} if size >= 64 * MiB else {"nccl": 1.0}
+
+    def _native_ok(self, shares):
+        return set(shares) == {"nccl"}
+
+    def _give_up(self, exc):
+        self.gave_up.append(exc)
+
+    def call(self, matrix):
+        """One uneven call with this matrix (bytes; rows: senders): (small, lean?)."""
+        me, w = self.rank, self.world_size
+        row, recv = list(matrix[me]), [matrix[s][me] for s in range(w)]
+        big = max([v for d, v in enumerate(row) if d != me] + [v for s, v in enumerate(recv) if s != me])
+        _, small, lean = self._a2av_round("all_to_all_single", big, [1000 + me, self._a2av_agreement()] + row, recv)
+        return small, lean is not None
+
+
+def world(n, body, **kw):
+    board = Board(n)
+    ranks = [Rank(board, r, **kw) for r in range(n)]
+    out, errs = [None] * n, [None] * n
+
+    def run(r):
+        try:
+            out[r] = body(ranks[r])
+        except BaseException as exc:         # noqa: BLE001 - reported below
+            errs[r] = exc
+    ts = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    return ranks, out, errs
+
+
+def m2(a, b):
+    """Two ranks: rank 0 sends a bytes to rank 1, rank 1 sends b to rank 0 (and 1 MiB to itself)."""
+    return [[MiB, a], [b, MiB]]
+
+
+def test_nccl_calls_stop_waiting_after_a_run_and_a_copy_engine_call_ends_it():
+    seq = [m2(8 * MiB, 3 * MiB)] * 30 + [m2(80 * MiB, 70 * MiB)] + [m2(80 * MiB, 70 * MiB)] * 3
+
+    def body(rk):
+        return [rk.call(m) for m in seq], rk.segment.defers
+    ranks, out, errs = world(2, body)
+    assert errs == [None, None], errs
+    (a, defers0), (b, defers1) = out
+    assert a == b                                        # every rank decided alike at every call
+    assert all(small and not lean for small, lean in a[:R.SMALL_RUN]), a[:R.SMALL_RUN]
+    assert all(small for small, _ in a[R.SMALL_RUN:31])   # deferred: NCCL whole, the ce call too
+    assert a[31:] == [(False, True)] * 3                 # read late, then the copy engines again
+    # calls SMALL_RUN..30 did not wait for the peers' values: read at the next call
+    assert defers0 == defers1 == 31 - R.SMALL_RUN
+
+
+def test_split_sizes_that_disagree_raise_on_every_rank_also_one_call_late():
+    def body(rk):
+        for _ in range(R.SMALL_RUN + 2):
+            rk.call(m2(8 * MiB, 3 * MiB))
+        bad = m2(8 * MiB, 3 * MiB) if rk.rank == 0 else m2(9 * MiB, 4 * MiB)   # both sides disagree
+        rk.call(bad)                                     # deferred: NCCL's call already went
+        with pytest.raises(PeerMismatchError, match="split sizes disagree"):
+            rk.call(m2(8 * MiB, 3 * MiB))
+        return len(rk.gave_up)
+    _, out, errs = world(2, body)
+    assert errs == [None, None], errs
+    assert out == [1, 1]
+
+
+def test_split_sizes_that_disagree_raise_at_once_before_the_run():
+    def body(rk):
+        bad = m2(8 * MiB, 3 * MiB) if rk.rank == 0 else m2(9 * MiB, 4 * MiB)
+        with pytest.raises(PeerMismatchError):
+            rk.call(bad)
+        return len(rk.gave_up)
+    _, out, errs = world(2, body)
+    assert errs == [None, None] and out == [1, 1], errs
+
+
+def test_a_mismatch_one_side_sees_raises_there_and_gives_up():
+    """Rank 1 sends what rank 0 does not expect; rank 1's own column agrees. Rank 0 raises and
+    gives up (its abort mark is what ends rank 1's wait in a real world)."""
+    def body(rk):
+        bad = m2(8 * MiB, 3 * MiB) if rk.rank == 0 else m2(8 * MiB, 4 * MiB)
+        if rk.rank == 0:
+            with pytest.raises(PeerMismatchError, match="rank 1 sends 4194304 bytes to rank 0"):
+                rk.call(bad)
+        else:
+            rk.call(bad)
+        return len(rk.gave_up)
+    _, out, errs = world(2, body)
+    assert errs == [None, None] and out == [1, 0], errs
+
+
+def test_ranks_whose_calibrations_differ_take_the_full_path():
+    board = Board(2)
+    ranks = [Rank(board, 0, agree_digest="a"), Rank(board, 1, agree_digest="b")]
+    got = [None, None]
+
+    def run(r):
+        got[r] = ranks[r].call(m2(80 * MiB, 70 * MiB))
+    ts = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(10)
+    assert got == [(False, False), (False, False)]       # neither NCCL whole nor the copy engines
+
+
+def test_small_demands_and_four_ranks_decide_alike():
+    def body(rk):
+        res = []
+        for i in range(40):
+            n = 4
+            big = 80 * MiB if i % 7 == 3 else 2 * MiB
+            m = [[(big if (s + d + i) % 3 == 0 else MiB) for d in range(n)] for s in range(n)]
+            res.append(rk.call(m))
+        return res
+    _, out, errs = world(4, body)
+    assert errs == [None] * 4, errs
+    assert out[0] == out[1] == out[2] == out[3]
