@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One run on a GPU machine: environment, GPU tests, bench. Usage: bash scripts/device_run.sh STEP...
-# Steps: info | tests | bench2 | bench4 | work2 | work4 | hot4 | trace2 | trace4 | conformance | hier2 | pack
+# Steps: info | tests | bench2 | bench4 | work2 | work4 | hot4 | trace2 | trace4 | conformance | hier2 | moe2 | pack
 # Logs and JSON go to $LOGS (default $OUT); `pack` tars $LOGS into $OUT/run.tgz (one file to copy
 # back). bench: BENCH_OP, BENCH_SIZES, BENCH_FACTOR, BENCH_EXTRA (more flags),
 # BENCH_TAG (file-name suffix, default the op). work: WORK (default all), WORK_EXTRA, WORK_TAG.
@@ -32,6 +32,9 @@ for step in "$@"; do
     hier2) BRAID_FAKE_NODES=2 BRAID_HIER=1 timeout ${BENCH_TIMEOUT:-240} python3 -m braid bench --op ${BENCH_OP:-all_reduce} \
             --nproc 2 --sizes ${BENCH_SIZES:-1M:256M} --factor 4 --plain --json "$LOGS/bench_hier2_${BENCH_OP:-all_reduce}.json" \
             2>&1 | grep -v Warning | tee "$LOGS/hier2.log" ;;
+    moe2) timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/gpu/test_gpu_uneven_a2a.py -q 2>&1 | tee "$LOGS/gpu_uneven.log" | tail -3;
+          timeout ${BENCH_TIMEOUT:-240} python3 -m braid bench --op moe --nproc 2 --sizes ${BENCH_SIZES:-1M:256M} --factor 4 --repeat 3 --plain \
+            --json "$LOGS/bench_x2_moe.json" 2>&1 | grep -v Warning | tee "$LOGS/bench2_moe.log" ;;
     pack) [ "$LOGS" != "$OUT" ] && tar czf "$OUT/run.tgz" -C "$LOGS" . && ls -la "$OUT" ;;
     *) echo "unknown step $step" ;;
   esac
