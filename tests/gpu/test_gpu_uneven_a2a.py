@@ -4,7 +4,8 @@ Split sizes that change at every call (as an MoE layer's do), zero rows, odd row
 dtype the copy engines move, buffers kept, reallocated elsewhere and reallocated at the same
 address, sync and async calls, bitwise against the matrix every rank draws from one seed; the
 calls really took the copy engines' per-call path (its counts), and mappings were made once per
-tuple of buffers. Split sizes that disagree raise PeerMismatchError on every rank. Runs with any
+tuple of buffers. Split sizes that disagree raise PeerMismatchError on every rank. Calls whose
+shares are NCCL's go whole and, after a run of them, stop waiting for the round. Runs with any
 GPU (ranks share it where there are fewer GPUs than ranks: gpu_world.py).
 """
 from __future__ import annotations
@@ -100,6 +101,35 @@ def test_uneven_all_to_all_on_the_copy_engines_two_ranks(tmp_path):
 @needs(4)
 def test_uneven_all_to_all_on_the_copy_engines_four_ranks(tmp_path):
     run(4, tmp_path, _uneven_ce, ENV)
+
+
+def _nccl_whole(rank, world, comm, dev):
+    """Shares that give the calls to NCCL: whole, and after SMALL_RUN of them in a row without
+    waiting for the round (read one call late); right every call, the copy engines untouched."""
+    from braid.comm.routing import SMALL_RUN
+    g = torch.Generator().manual_seed(3)
+    x = torch.empty(600 * 3 * world * 1031, dtype=torch.float32, device=dev)
+    y = torch.empty_like(x)
+    with comm.fixed_shares({"nccl": 1.0}):
+        for i in range(SMALL_RUN * 3):
+            mat = _matrix(("n", i), world, 600)
+            ins, outs = mat[rank], [mat[s][rank] for s in range(world)]
+            xi = x[: sum(ins) * 1031].view(-1, 1031)
+            yi = y[: sum(outs) * 1031].view(-1, 1031)
+            xi.copy_(torch.cat([_rows((i, rank, d), rank, ins[d], 1031, torch.float32, dev) for d in range(world)]))
+            h = comm.all_to_all_single(yi, xi, outs, ins, async_op=bool(torch.randint(2, (1,), generator=g)))
+            if h is not None:
+                h.wait()
+            torch.cuda.current_stream().synchronize()
+            exp = torch.cat([_rows((i, s, rank), s, outs[s], 1031, torch.float32, dev) for s in range(world)])
+            assert torch.equal(yi, exp), i
+    assert comm._small_run >= SMALL_RUN                       # the round was read late at the end
+    assert comm._a2av_ce is None or comm._a2av_ce.stats["calls"] == 0
+
+
+@needs(2)
+def test_uneven_calls_nccl_takes_whole_stop_waiting_for_the_round(tmp_path):
+    run(2, tmp_path, _nccl_whole, ENV)
 
 
 def _mismatch(rank, world, comm, dev):
