@@ -194,3 +194,10 @@ def test_small_demands_and_four_ranks_decide_alike():
     _, out, errs = world(4, body)
     assert errs == [None] * 4, errs
     assert out[0] == out[1] == out[2] == out[3]
+
+
+def test_skewed_is_the_routers_rule():
+    assert R.skewed([[0, 3 * MiB, MiB], [MiB, 0, MiB], [MiB, MiB, 0]])            # 3 MiB >= 1.5 x 1.33 MiB
+    assert not R.skewed([[0, 2 * MiB, 2 * MiB], [2 * MiB, 0, 2 * MiB], [2 * MiB, 2 * MiB, 0]])  # balanced
+    assert not R.skewed([[0, MiB], [0, 0]])                                        # not over 1 MiB
+    assert not R.skewed([[5]])                                                     # one rank: no pairs

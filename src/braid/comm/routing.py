@@ -29,6 +29,19 @@ SMALL_RUN = 16               # agreed-small uneven calls in a row after which th
 _DECLINED = object()         # a skewed call's routing decision: the native collective, not a share split
 
 
+def skewed(matrix: list[list[int]]) -> bool:
+    """A matrix the router may plan (NIMBLE's rule): some pair carries more than ROUTE_MIN_BYTES
+    and at least 1.5x the mean of the pairs between different ranks."""
+    w = len(matrix)
+    off = [matrix[s][d] for s in range(w) for d in range(w) if s != d]
+    return bool(off) and max(off) > ROUTE_MIN_BYTES and max(off) >= 1.5 * sum(off) / len(off)
+
+
+def _a2a_ticket(input: torch.Tensor, output: torch.Tensor) -> tuple:
+    """A balanced all_to_all's prepared-call ticket: the op's own arguments."""
+    return ("a2a", input.data_ptr(), output.data_ptr(), input.numel(), output.numel(), input.dtype, output.dtype)
+
+
 class _Cycle:
     """The cycle of one skewed all_to_all call: from its start to the start of the next one, on
     the caller's stream (GPU: two timing events; CPU: the clock). In a loop this is what a call
@@ -86,8 +99,7 @@ class Routing:
                 return self._native_fast("alltoall_base", (output, input, [], []), "alltoall", async_op, fallback=lambda a:
                                          dist.all_to_all_single(output, input, group=self._fast_group, async_op=a))
             if self.cuda and self.routing != "on":
-                tkey = ("a2a", input.data_ptr(), output.data_ptr(), n, output.numel(), dt, output.dtype)
-                if (h := self._fast_prepared(tkey, input, (output,), async_op)) is not None:
+                if (h := self._fast_prepared(_a2a_ticket(input, output), input, (output,), async_op)) is not None:
                     return h if async_op else None
         agreed = counted = False           # counted: in the ledger already (see _enter)
         if input_split_sizes and output_split_sizes and type(input) is torch.Tensor \
@@ -146,8 +158,7 @@ class Routing:
                 "out": tuple(outs) if prepared else outs}
         if not prepared:
             desc.update(self._routed.report(self._routed_observation()))
-        tkey = (("a2a", input.data_ptr(), output.data_ptr(), input.numel(), output.numel(), input.dtype,
-                 output.dtype) if prepared and input.is_contiguous() and output.is_contiguous() else None)
+        tkey = _a2a_ticket(input, output) if prepared and input.is_contiguous() and output.is_contiguous() else None
 
         def native(g):
             return dist.all_to_all_single(ob, ib, list(outs), list(ins), group=g, async_op=True)
@@ -266,12 +277,9 @@ class Routing:
             shares = {"nccl": 1.0}         # posted every call, the copy engines lose below this size
         if set(shares) == {"ce"}:
             return "ce", (matrix, tuple(g[1] for g in got))
-        off = [matrix[a][b] for a in range(w) for b in range(w) if a != b]
         # two ranks have no relays: the router could only move the hot pair's bytes between the
         # lanes the shares already weigh, so their calls go by the shares
-        skewed = (self.routing != "off" and w > 2 and bool(off) and max(off) > ROUTE_MIN_BYTES
-                  and max(off) >= 1.5 * sum(off) / len(off))
-        if skewed or not self._native_ok(shares):
+        if (self.routing != "off" and w > 2 and skewed(matrix)) or not self._native_ok(shares):
             return "full", None
         return "nccl", None
 
@@ -364,8 +372,7 @@ class Routing:
             if not all(d.get("zc", True) for d in descs if d is not None):
                 return None      # a rank's bytes are not one buffer (batch_isend_irecv)
             matrix = [list(descs[s]["in"]) for s in range(w)]
-            off = [matrix[s][d] for s in range(w) for d in range(w) if s != d]
-            if mode == "auto" and (not off or max(off) <= ROUTE_MIN_BYTES or max(off) < 1.5 * sum(off) / len(off)):
+            if mode == "auto" and not skewed(matrix):
                 return None      # small or balanced: the share-based split (or NCCL) handles it
             table = self.calib.get(f"{op}/{w}", {})
             costs = {k: table.get(k, DEFAULT_COSTS[k]) for k in names.values()}
