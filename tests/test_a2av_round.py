@@ -201,3 +201,28 @@ def test_skewed_is_the_routers_rule():
     assert not R.skewed([[0, 2 * MiB, 2 * MiB], [2 * MiB, 0, 2 * MiB], [2 * MiB, 2 * MiB, 0]])  # balanced
     assert not R.skewed([[0, MiB], [0, 0]])                                        # not over 1 MiB
     assert not R.skewed([[5]])                                                     # one rank: no pairs
+
+
+def test_two_ranks_tell_alone_that_small_uneven_calls_are_nccls_and_still_check_every_so_often():
+    """Two ranks: what rank 0 sends is what rank 1 receives, so each can tell alone, alike, that a
+    call is NCCL's whole (no round); every PAIR_CHECK-th such call takes the round; a call that
+    may belong to the copy engines, or fixed shares, always does."""
+    board = Board(2)
+    ranks = [Rank(board, r) for r in range(2)]
+    for rk in ranks:
+        rk._pair_calls, rk._a2av_ce_min, rk.ncalls = 0, 32 * MiB, 0
+        rk._check_open = lambda: None
+    seq = [(3 * MiB, 7 * MiB), (15 * MiB, MiB), (16 * MiB, 0), (0, 40 * MiB)] * (R.PAIR_CHECK // 2)
+    said = [[], []]
+    for m01, m10 in seq:
+        for r, rk in enumerate(ranks):
+            sent, received = (m01, m10) if r == 0 else (m10, m01)
+            said[r].append(rk._pair_whole(sent, received))
+    assert said[0] == said[1]                                  # alike, with no word exchanged
+    small = [2 * max(p) < 32 * MiB for p in seq]
+    assert not any(w for w, s in zip(said[0], small) if not s)  # 16 MiB one way: not decided alone
+    n_small = sum(small)
+    assert said[0].count(True) == n_small - n_small // R.PAIR_CHECK   # every PAIR_CHECK-th: the round
+    assert ranks[0].ncalls == said[0].count(True)               # in the ledger
+    ranks[0]._fixed = {"nccl": 1.0}
+    assert not ranks[0]._pair_whole(MiB, MiB)                  # fixed shares: the round decides

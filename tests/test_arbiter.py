@@ -255,3 +255,47 @@ def test_trying_while_a_trial_has_no_verdict():
         arb.whole(key)
     assert arb.trying()                                       # the trial runs again
     assert not A.Arbiter(lambda v: [list(v)], enabled=False).trying()
+
+
+def test_the_backend_asks_first_each_call_counts_once_and_whole_calls_are_forwarded():
+    """Under init_process_group("braid") the backend asks (whole_all_gather) before the op's own
+    path: a whole answer forwards the call to NCCL's own; a split answer is the op path's answer
+    for the same call, not a second count. The answers match an arbiter asked once per call."""
+    import torch
+    clock, ref_clock = Clock(), Clock()
+
+    class P(_Path):
+        cuda, closed, aborted, world_size = False, False, False, 2
+
+        def __init__(self):
+            super().__init__(enabled=True)
+            self._arbiter = A.Arbiter(lambda v: [list(v)], clock=clock)
+            self._learn_update()
+            self._arb_split = None
+            self._fast_ag = {}
+
+    p = P()
+    ref = A.Arbiter(lambda v: [list(v)], clock=ref_clock)
+    inp, out = torch.zeros(8), torch.zeros(16)
+    assert not p.whole_all_gather(out, inp)            # a shape not seen yet: the op's path decides
+    p._fast_ag[8] = (torch.float32, 16, False)         # the calibration splits this shape
+    forwarded, said = 0, []
+    for _ in range(A.WARM + 2 * A.CHECK * 2 * A.BLOCK + 30):
+        if p.whole_all_gather(out, inp):
+            forwarded += 1
+            whole = True
+        else:
+            whole = p._arb_whole(("ag", 8, torch.float32))     # the op's own path, same call
+        want = ref.whole(("ag", 8, torch.float32))
+        said.append(whole)
+        assert whole == want
+        for c in (clock, ref_clock):
+            c.t += (150e-6 if not whole else 100e-6)            # split is slower in this job
+    assert forwarded == said.count(True) and forwarded > 0
+    assert p._arbiter._shapes[("ag", 8, torch.float32)].n == len(said)    # one count per call
+    assert ref.decisions and ref.decisions[-1][3] is True and said[-1] is True   # went whole
+    # another shape's pending answer is not taken for this one
+    p._arb_split = ("ag", 4, torch.float32)
+    n = p._arbiter._shapes[("ag", 8, torch.float32)].n
+    p._arb_whole(("ag", 8, torch.float32))
+    assert p._arbiter._shapes[("ag", 8, torch.float32)].n == n + 1 and p._arb_split is None

@@ -267,6 +267,8 @@ class BraidProcessGroup(dist.ProcessGroup):
                 comm.last_call = ("all_reduce", t.numel() * t.element_size(), t.dtype, "whole")
                 work = self._inner_allreduce(tensors, opts)
                 return work if work is not None else _finished()
+            if ent is not None and comm.whole_all_reduce(t, opts.reduceOp.op):   # a split shape's trial said whole
+                return self._whole("allreduce", (tensors,), opts, comm)
         op = _plain_op(opts.reduceOp)
         if len(tensors) == 1 and self._reducible(tensors[0], op):
             comm = self._braid_for(tensors)

@@ -132,6 +132,36 @@ def test_uneven_calls_nccl_takes_whole_stop_waiting_for_the_round(tmp_path):
     run(2, tmp_path, _nccl_whole, ENV)
 
 
+def _pair_alone(rank, world, comm, dev):
+    """Two ranks, braid's own shares: uneven calls whose cross traffic is below the copy engines'
+    size are NCCL's whole, decided by each rank alone (every PAIR_CHECK-th after a round);
+    right every call, with sizes and async changing."""
+    from braid.comm.routing import PAIR_CHECK
+    g = torch.Generator().manual_seed(5)
+    x = torch.empty(600 * 3 * world * 1031, dtype=torch.float32, device=dev)
+    y = torch.empty_like(x)
+    calls = 3 * PAIR_CHECK
+    for i in range(calls):
+        mat = _matrix(("p", i), world, 600)
+        ins, outs = mat[rank], [mat[s][rank] for s in range(world)]
+        xi = x[: sum(ins) * 1031].view(-1, 1031)
+        yi = y[: sum(outs) * 1031].view(-1, 1031)
+        xi.copy_(torch.cat([_rows((i, rank, d), rank, ins[d], 1031, torch.float32, dev) for d in range(world)]))
+        h = comm.all_to_all_single(yi, xi, outs, ins, async_op=bool(torch.randint(2, (1,), generator=g)))
+        if h is not None:
+            h.wait()
+        torch.cuda.current_stream().synchronize()
+        exp = torch.cat([_rows((i, s, rank), s, outs[s], 1031, torch.float32, dev) for s in range(world)])
+        assert torch.equal(yi, exp), i
+    assert comm._pair_calls == calls                      # every call was small enough
+    assert comm._a2av_ce is None or comm._a2av_ce.stats["calls"] == 0
+
+
+@needs(2)
+def test_two_ranks_decide_small_uneven_calls_alone(tmp_path):
+    run(2, tmp_path, _pair_alone, ENV)
+
+
 def _mismatch(rank, world, comm, dev):
     from braid.errors import BraidError
     x = torch.arange(8 * 16, dtype=torch.float32, device=dev).view(8, 16)

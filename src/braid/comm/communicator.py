@@ -81,6 +81,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         self._arbiter = Arbiter(lambda values: seg.exchange_values(values, "whole-or-split trial"),
                                 enabled=bool(envs.get("BRAID_LEARN_SPLIT")) and seg is not None
                                 and self.cuda and self.world_size > 1 and self.single_node)
+        self._arb_split = None      # a "split" the arbiter gave the backend for the call under way
         self._learn_update()
         self._cpu = None            # whole CPU calls through the segment (comm/cpushm.py)
         self._cpu_done = _NativeDone("shm")
@@ -124,6 +125,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         self._fast_ag: dict = {}
         self._fast_a2a: dict = {}
         self._fast_a2av: dict = {}   # uneven all_to_all: (in, out elements) -> shape facts, may agree fast
+        self._pair_calls = 0         # two ranks' uneven calls decided alone (see _pair_whole)
+        self._a2av_ce_min = envs.get("BRAID_A2AV_CE_MIN_MB") << 20
         self._small_run = 0          # uneven calls in a row agreed small (see _uneven_small)
         self._a2av_ce = None         # uneven all_to_all on the copy engines alone (comm/a2av.py), made at first use
         self._a2av_memo = None       # (what decides its shares, their stable hash): _a2av_agreement
@@ -340,7 +343,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
                                      and output.numel() == n * self.world_size
                                      and self._native_for(op, n * input.element_size()))
             if ent[-1] or (self._learn_split and dt is output.dtype and output.numel() == n * self.world_size
-                           and self._arbiter.whole(("ag", n, dt))):
+                           and self._arb_whole(("ag", n, dt))):
                 return self._native_fast("_allgather_base", (output, input), "allgather", async_op, fallback=lambda a:
                                          dist.all_gather_into_tensor(output, input, group=self._fast_group, async_op=a))
             if self.cuda:
@@ -399,7 +402,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
                 ent = self._fast_put(self._fast_bc, n, (dt, src), 0 <= src < self.world_size
                                      and self._native_for(op, n * tensor.element_size()))
             if ent[-1] or (self._learn_split and 0 <= src < self.world_size
-                           and self._arbiter.whole(("bc", n, dt, src))):
+                           and self._arb_whole(("bc", n, dt, src))):
                 return self._native_fast("broadcast", ([tensor],), "broadcast", async_op, root=src, fallback=lambda a:
                                          dist.broadcast(tensor, group_src=src, group=self._fast_group, async_op=a))
             if self.cuda:

@@ -100,7 +100,7 @@ class Reductions:
                 ent = self._fast_put(self._fast_ar, n, (dt, op), self._fast_reduce_ok(op, dt)
                                      and self._native_for("all_reduce", n * tensor.element_size()))
             if ent[-1] or (self._learn_split and self._fast_reduce_ok(op, dt)
-                           and self._arbiter.whole(("ar", n, dt, op))):
+                           and self._arb_whole(("ar", n, dt, op))):
                 return self._native_fast("allreduce", ([tensor],), "allreduce", async_op, op=op, fallback=lambda a:
                                          dist.all_reduce(tensor, op=op, group=self._fast_group, async_op=a))
             if self.cuda:
@@ -131,7 +131,7 @@ class Reductions:
                                      and n == output.numel() * self.world_size and self._fast_reduce_ok(op, dt)
                                      and self._native_for("reduce_scatter", n * input.element_size()))
             if ent[-1] or (self._learn_split and dt is output.dtype and n == output.numel() * self.world_size
-                           and self._fast_reduce_ok(op, dt) and self._arbiter.whole(("rs", n, dt, op))):
+                           and self._fast_reduce_ok(op, dt) and self._arb_whole(("rs", n, dt, op))):
                 return self._native_fast("_reduce_scatter_base", (output, input), "reducescatter", async_op, op=op,
                                          fallback=lambda a: dist.reduce_scatter_tensor(
                                              output, input, op=op, group=self._fast_group, async_op=a))

@@ -24,6 +24,7 @@ log = logging.getLogger("braid")
 
 ROUTE_MIN_BYTES = 1 << 20    # NIMBLE: multipath off at or below 1 MB
 
+PAIR_CHECK = 64              # two ranks: every PAIR_CHECK-th uneven call NCCL takes whole still agrees in a round
 SMALL_RUN = 16               # agreed-small uneven calls in a row after which their agreement is read one call late
 
 _DECLINED = object()         # a skewed call's routing decision: the native collective, not a share split
@@ -95,7 +96,7 @@ class Routing:
                                      and n == output.numel() and rows % self.world_size == 0
                                      and self._native_for(op, n * input.element_size()))
             if ent[-1] or (self._learn_split and dt is output.dtype and n == output.numel()
-                           and rows % self.world_size == 0 and self._arbiter.whole(("a2a", n, dt))):
+                           and rows % self.world_size == 0 and self._arb_whole(("a2a", n, dt))):
                 return self._native_fast("alltoall_base", (output, input, [], []), "alltoall", async_op, fallback=lambda a:
                                          dist.all_to_all_single(output, input, group=self._fast_group, async_op=a))
             if self.cuda and self.routing != "on":
@@ -206,6 +207,8 @@ class Routing:
                 and sum(input_split_sizes) == rin and sum(output_split_sizes) == rout \
                 and min(input_split_sizes) >= 0 and min(output_split_sizes) >= 0:
             me = self.rank
+            if w == 2 and self._pair_whole(input_split_sizes[1 - me] * ent[3], output_split_sizes[1 - me] * ent[4]):
+                return True, True, None
             a, b = list(input_split_sizes), list(output_split_sizes)
             a[me] = b[me] = 0
             big = max(max(a) * ent[3], max(b) * ent[4])
@@ -217,6 +220,25 @@ class Routing:
             return self._a2av_round(op, big, [word_of(input), self._a2av_agreement()]
                                     + [x * ent[3] for x in input_split_sizes], recv)
         return False, False, None
+
+    def _pair_whole(self, sent: int, received: int) -> bool:
+        """Two ranks: both know every byte that crosses between them (what this rank sends is what
+        its peer receives), so both can tell alone, alike, that an uneven call is NCCL's own, whole:
+        its larger direction is below half of BRAID_A2AV_CE_MIN_MB (a balanced call moving as
+        much is below the size from which the copy engines take uneven calls). Such a call costs
+        NCCL's call and a few Python steps: the round before it held each call in lockstep with
+        the peer and took 20-40 us of Python (2 x H200: the MoE exchange at 1-16 MiB ran at
+        0.46-0.86 of NCCL's speed with nothing but NCCL's own call after the round). Every
+        PAIR_CHECK-th such call still takes the round, which checks the split sizes across
+        ranks (those of the calls between are unchecked, as under NCCL's own backend)."""
+        if self._fixed is not None or 2 * max(sent, received) >= self._a2av_ce_min:
+            return False
+        self._pair_calls += 1
+        if self._pair_calls % PAIR_CHECK == 0:
+            return False
+        self._check_open()
+        self.ncalls += 1                   # in the ledger (the caller passes counted=True on)
+        return True
 
     def _a2av_round(self, op: str, big: int, values: list[int], recv: list[int]) -> tuple[bool, bool, tuple | None]:
         """The uneven call's round where the copy engines may take it: every rank posts its
