@@ -2,7 +2,7 @@
 replicas `braid bench --workload fsdp` trains, timed in alternating windows (wall and process CPU
 time per step), then profiled with cProfile on every rank (rank 0's tables are printed).
 
-    torchrun --nproc-per-node 2 scripts/probes/fsdp_profile.py [--steps 20] [--rounds 4] [--out DIR]
+    torchrun --nproc-per-node 2 scripts/probes/fsdp_profile.py [--steps 20] [--rounds 4] [--kernels] [--out DIR]
 """
 import argparse
 import cProfile
@@ -27,6 +27,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--gc-off", action="store_true", help="no garbage collection inside the windows")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also the GPU's side: time per step of each kernel kind (torch.profiler), per replica")
     a = ap.parse_args()
     gc_time = [0.0, 0, 0.0]          # seconds in collections, collections, start of the current one
 
@@ -70,6 +72,8 @@ def main() -> None:
             print(f"{name:9s} wall ms/step {statistics.median(wall[name]):.2f} {[round(x, 2) for x in wall[name]]}  "
                   f"process cpu ms/step {statistics.median(cpu[name]):.2f}  gc ms/step {gcs[name][0]:.2f} "
                   f"({gcs[name][1]} collections)", flush=True)
+    if a.kernels:
+        gpu_time(reps, ctx, a.steps, rank)
     for name in ("braid", "baseline"):
         ctx.sync()
         dist.barrier(group=ctx.timer)
@@ -88,6 +92,31 @@ def main() -> None:
                 f.write(buf.getvalue())
             print(f"{name}: profile of {a.steps} steps in {path}", flush=True)
     dist.destroy_process_group()
+
+
+def gpu_time(reps, ctx, steps: int, rank: int) -> None:
+    """Kernel and copy time per step on the GPU for each replica (torch.profiler, CUDA activity),
+    grouped by kind (NCCL's kernels by name, the rest as compute / memcpy / memset), and the GPU's
+    busy span: tells a slower GPU side (NCCL's kernels themselves) from a slower host."""
+    from torch.profiler import ProfilerActivity, profile
+    for name in ("braid", "baseline"):
+        ctx.sync()
+        dist.barrier(group=ctx.timer)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            reps[name].run(steps)
+            ctx.sync()
+        kinds: dict = {}
+        for ev in prof.events():
+            if ev.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            key = ev.name if "nccl" in ev.name.lower() else (
+                "memcpy" if "memcpy" in ev.name.lower() else "memset" if "memset" in ev.name.lower() else "other")
+            n, t = kinds.get(key, (0, 0.0))
+            kinds[key] = (n + 1, t + ev.time_range.elapsed_us())
+        if rank == 0:
+            rows = sorted(kinds.items(), key=lambda kv: -kv[1][1])
+            print(f"{name} GPU per step: " + "; ".join(f"{k[:60]} x{n / steps:.1f} {t / steps / 1e3:.2f} ms"
+                                                      for k, (n, t) in rows[:8]), flush=True)
 
 
 if __name__ == "__main__":
