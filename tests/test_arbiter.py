@@ -299,3 +299,61 @@ def test_the_backend_asks_first_each_call_counts_once_and_whole_calls_are_forwar
     n = p._arbiter._shapes[("ag", 8, torch.float32)].n
     p._arb_whole(("ag", 8, torch.float32))
     assert p._arbiter._shapes[("ag", 8, torch.float32)].n == n + 1 and p._arb_split is None
+
+
+def _trial_starts(answers_len_limit, pace):
+    """Call numbers where a trial began (its first warm-up split after a whole verdict), for a job
+    whose split is slower (pace: us per call by mode)."""
+    clock = Clock()
+    arb = A.Arbiter(lambda values: [list(values)], clock=clock)
+    starts, last_trying = [], True
+    for i in range(answers_len_limit):
+        trying_before = arb._shapes.get("k") is not None and arb._shapes["k"].trying
+        w = arb.whole("k")
+        if arb._shapes["k"].trying and not trying_before:
+            starts.append(i)
+        clock.t += pace["whole" if w else "split"] * 1e-6
+    return starts, arb
+
+
+def test_a_verdict_that_repeats_is_looked_at_less_often():
+    starts, arb = _trial_starts(60_000, {"split": 150.0, "whole": 100.0})
+    verdicts = [d[3] for d in arb.decisions]
+    assert verdicts and all(verdicts)                        # whole every time
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    # each gap: the trial's own calls plus the interval, which doubles after a repeated verdict
+    assert len(gaps) >= 3
+    assert gaps[1] - gaps[0] == A.REPROBE and gaps[2] - gaps[1] == 2 * A.REPROBE
+    assert arb._shapes["k"].reprobe <= A.REPROBE_MAX
+
+
+def test_a_changed_verdict_brings_the_first_interval_back():
+    clock = Clock()
+    arb = A.Arbiter(lambda values: [list(values)], clock=clock)
+    pace = {"split": 150.0, "whole": 100.0}
+    i = 0
+    while len(arb.decisions) < 3:
+        if len(arb.decisions) == 2:
+            pace = {"split": 60.0, "whole": 100.0}          # the job changed: the split wins now
+        w = arb.whole("k")
+        clock.t += pace["whole" if w else "split"] * 1e-6
+        i += 1
+        assert i < 100_000
+    assert [d[3] for d in arb.decisions] == [True, True, False]
+    assert arb._shapes["k"].reprobe == A.REPROBE
+
+
+def test_a_shape_not_called_any_more_is_not_a_trial_under_way():
+    clock = Clock()
+    arb = A.Arbiter(lambda values: [list(values)], clock=clock)
+    for _ in range(3):                      # a set-up call's shape: its trial never finishes
+        arb.whole("setup")
+    assert arb.trying()
+    key = "step"
+    for _ in range(A.STALE + 1):            # the job's own shape, settled quickly
+        w = arb.whole(key)
+        clock.t += (100.0 if w else 150.0) * 1e-6
+    assert arb._shapes["setup"].trying and arb.count >= 1
+    assert not arb.trying()                 # the set-up shape's trial is stale
+    arb.whole("setup")                      # called again: under way again
+    assert arb.trying()

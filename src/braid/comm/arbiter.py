@@ -22,7 +22,13 @@ So, for a call shape the calibration splits, the job itself decides, from its ow
   standard error), beats MARGIN; the shape goes whole once one rank's gain plus that margin stays
   under MARGIN (the slowest rank sets the job's pace), or
   after MAX_PAIRS pairs without a verdict (ties go to the native library);
-- REPROBE calls after a verdict the trial runs again (the job may change, the machine may drift).
+- REPROBE calls after a verdict the trial runs again (the job may change, the machine may drift);
+  each trial that repeats the shape's last verdict doubles that interval, up to REPROBE_MAX (a
+  trial runs up to ~400 calls, half of them in the losing mode: in FSDP2's steps, ~16 calls of a
+  shape each, trials every 4096 calls took ~10% of its calls).
+
+A trial whose shape has not been called for STALE calls of any shape (a shape of a job's set-up,
+DDP's first broadcast of its weights, say) does not count as under way (`trying`).
 
 A step of a CPU-bound job (FSDP2's) varies 10-20% from one step to the next: one phase of each
 mode, as first built, could not tell a 5% difference from that noise, and kept a split that slowed
@@ -51,7 +57,9 @@ MIN_PAIRS = 4       # kept pairs each rank needs before a verdict
 MAX_PAIRS = 16      # pairs without a verdict: the shape goes whole
 MARGIN = 0.02       # the split must beat the whole call's pace by this fraction to be kept
 PAIR_RATIO = 3.0    # a pair whose two paces differ more holds a pause: left out
-REPROBE = 4096      # calls between a verdict and the next trial of the same shape
+REPROBE = 4096      # calls between a verdict and the next trial of the same shape (at first)
+REPROBE_MAX = 1 << 16   # ... doubled by every trial that repeats the last verdict, up to this
+STALE = 4096        # calls of any shape after which a shape's unfinished trial is not under way
 MAX_SHAPES = 256    # shapes followed at once (the oldest is forgotten: it starts over)
 KEPT = 256          # verdicts kept for the bench's report (Arbiter.decisions)
 _OFF = 1 << 40      # signed values travel offset (the exchange carries non-negative integers)
@@ -68,6 +76,9 @@ class _Shape:
     pair: list = field(default_factory=lambda: [0.0, 0.0])   # this pair's paces: split, whole
     logs: list = field(default_factory=list)                  # log(whole / split) of kept pairs
     sums: list = field(default_factory=lambda: [0.0, 0.0])   # kept pairs' paces summed: split, whole
+    reprobe: int = REPROBE      # calls from a verdict to the next trial
+    verdicts: int = 0           # verdicts so far (the first one never doubles the interval)
+    seen: int = 0               # the arbiter's call count at this shape's last call
 
 
 # Student's t, two-sided 95%, by degrees of freedom (pairs - 1); 2.0 beyond the table
@@ -99,10 +110,12 @@ class Arbiter:
         self._shapes: dict = {}
         self.decisions: list[tuple] = []    # (shape, split us, whole us, whole?): the last KEPT verdicts
         self.count = 0                      # verdicts so far
+        self.calls = 0                      # calls of every shape so far
 
     def trying(self) -> bool:
-        """True while some shape's trial (split against whole) has no verdict yet."""
-        return self.enabled and any(st.trying for st in self._shapes.values())
+        """True while some shape's trial (split against whole) has no verdict yet, among the
+        shapes called in the last STALE calls."""
+        return self.enabled and any(st.trying and self.calls - st.seen <= STALE for st in self._shapes.values())
 
     def whole(self, key) -> bool:
         """Call once per call of a split shape, before it is posted: True when this call goes to
@@ -116,8 +129,10 @@ class Arbiter:
             st = self._shapes[key] = _Shape()
         c = st.n - st.start
         st.n += 1
+        self.calls += 1
+        st.seen = self.calls
         if not st.trying:
-            if c < REPROBE:
+            if c < st.reprobe:
                 return st.whole
             st.start, st.trying, c = st.n - 1, True, 0      # a new trial of the same shape
         if c < WARM:
@@ -163,6 +178,11 @@ class Arbiter:
         else:
             return                                           # not clear yet: more pairs
         split_us, whole_us = (max(g[i] for g in got) / 10.0 for i in (3, 4))
+        if st.verdicts and whole == st.whole:
+            st.reprobe = min(2 * st.reprobe, REPROBE_MAX)      # the same again: look less often
+        else:
+            st.reprobe = REPROBE
+        st.verdicts += 1
         st.whole, st.trying, st.start = whole, False, st.n
         st.logs, st.sums, st.acc, st.last = [], [0.0, 0.0], 0.0, 0.0
         self.decisions.append((key, split_us, whole_us, whole))
