@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One run on a GPU machine: environment, GPU tests, bench. Usage: bash scripts/device_run.sh STEP...
-# Steps: info | tests | bench2 | bench4 | work2 | work4 | hot4 | trace2 | trace4 | conformance | hier2 | moe2 | pack
+# Steps: info | tests | bench2 | bench4 | work2 | work4 | hot4 | trace2 | trace4 | conformance | hier2 | moe2 | fsdp2 | pack
 # Logs and JSON go to $LOGS (default $OUT); `pack` tars $LOGS into $OUT/run.tgz (one file to copy
 # back). bench: BENCH_OP, BENCH_SIZES, BENCH_FACTOR, BENCH_EXTRA (more flags),
 # BENCH_TAG (file-name suffix, default the op). work: WORK (default all), WORK_EXTRA, WORK_TAG.
@@ -35,6 +35,8 @@ for step in "$@"; do
     moe2) timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/gpu/test_gpu_uneven_a2a.py -q 2>&1 | tee "$LOGS/gpu_uneven.log" | tail -3;
           timeout ${BENCH_TIMEOUT:-240} python3 -m braid bench --op moe --nproc 2 --sizes ${BENCH_SIZES:-1M:256M} --factor 4 --repeat 3 --plain \
             --json "$LOGS/bench_x2_moe.json" 2>&1 | grep -v Warning | tee "$LOGS/bench2_moe.log" ;;
+    fsdp2) timeout ${FSDP_TIMEOUT:-200} torchrun --nproc-per-node 2 scripts/probes/fsdp_profile.py --rounds ${FSDP_ROUNDS:-8} --kernels \
+            --out "$LOGS" 2>&1 | grep -E "wall|GPU per step|profile" | tee "$LOGS/fsdp_profile.log" ;;
     pack) [ "$LOGS" != "$OUT" ] && tar czf "$OUT/run.tgz" -C "$LOGS" . && ls -la "$OUT" ;;
     *) echo "unknown step $step" ;;
   esac
