@@ -1,8 +1,8 @@
 """torch's own distributed tests as a conformance suite for backend "braid" (CPU, 2 ranks).
 
 The CI list of tests/conformance/torch_tests.py runs through tests/conformance/runner.py three
-times, each in a fresh interpreter: against gloo (the reference), braid, and braid with every call
-split over both CPU lanes (braid/split). A test gloo passes must pass on braid and braid/split,
+times at once, each in a fresh interpreter: against gloo (the reference), braid, and braid with
+every call split over both CPU lanes (braid/split). A test gloo passes must pass on braid and braid/split,
 except those in KNOWN_FAILURES, which must still fail (one that passes should leave the list).
 torch's profiler-event checks apply to braid as to gloo (one "braid:<op>" event per call, with the
 call's input shapes). torch's test modules are never imported into this process: they change global torch settings.
@@ -40,16 +40,31 @@ PER_RUN_S = 900             # one backend's whole run, start-up included
 RUNS = [("gloo", "default"), ("braid", "default"), ("braid", "split")]
 
 
+def _concurrently(jobs: dict) -> dict:
+    """{key: fn} -> {key: fn()}, the functions run at once in threads (each waits on its own
+    worker process: the three runs overlap their start-ups and waits; 2 cores, 2026-11-26: the
+    list's three runs took 110 s one after another)."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {k: pool.submit(fn) for k, fn in jobs.items()}
+        return {k: f.result() for k, f in futures.items()}
+
+
 @pytest.fixture(scope="module")
 def reports() -> dict[str, dict]:
     names = torch_tests.selected("cpu", full=torch_tests.full_requested())
     out = {}
     with tempfile.TemporaryDirectory(prefix="braid-conformance-logs-") as logs:
+        def run(backend, variant, log):
+            return lambda: runner.run_in_subprocess(backend, "cpu", names, variant, timeout=PER_TEST_S,
+                                                    total_timeout=PER_RUN_S, log_path=log, profiler_checks=True)
+        jobs, logs_of = {}, {}
         for backend, variant in RUNS:
             key = backend if variant == "default" else f"{backend}/{variant}"
-            log = os.path.join(logs, key.replace("/", "-") + ".log")
-            rep = runner.run_in_subprocess(backend, "cpu", names, variant, timeout=PER_TEST_S,
-                                           total_timeout=PER_RUN_S, log_path=log, profiler_checks=True)
+            logs_of[key] = os.path.join(logs, key.replace("/", "-") + ".log")
+            jobs[key] = run(backend, variant, logs_of[key])
+        for key, rep in _concurrently(jobs).items():
+            log = logs_of[key]
             if "torch" not in rep:          # the worker wrote no report: it died or ran too long
                 tail = open(log, errors="replace").read()[-3000:] if os.path.exists(log) else ""
                 pytest.fail(f"the {key} conformance worker produced no results; its log ends:\n{tail}")
@@ -117,11 +132,15 @@ def test_lists_cover_the_families():
 def group_reports() -> dict[str, dict]:
     """The subgroup tests (torch runs them from 8 ranks): gloo, braid, braid split."""
     names = torch_tests.group_tests()
+
+    def run(backend, variant):
+        return lambda: runner.run_in_subprocess(backend, "cpu", names, variant, timeout=PER_TEST_S,
+                                                total_timeout=PER_RUN_S, profiler_checks=True,
+                                                world=torch_tests.GROUP_WORLD)
+    reps = _concurrently({backend if variant == "default" else f"{backend}/{variant}": run(backend, variant)
+                          for backend, variant in RUNS})
     out = {}
-    for backend, variant in RUNS:
-        key = backend if variant == "default" else f"{backend}/{variant}"
-        rep = runner.run_in_subprocess(backend, "cpu", names, variant, timeout=PER_TEST_S, total_timeout=PER_RUN_S,
-                                       profiler_checks=True, world=torch_tests.GROUP_WORLD)
+    for key, rep in reps.items():
         assert "torch" in rep, f"the {key} worker of the subgroup tests produced no results"
         out[key] = rep["results"]
     return out
