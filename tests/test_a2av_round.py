@@ -64,6 +64,7 @@ class Rank(R.Routing):
     def __init__(self, board, rank, agree_digest="calib"):
         self.segment, self.rank, self.world_size = Seg(board, rank), rank, board.world
         self._fixed, self._small_run, self._a2av_recv, self._a2av_memo = None, 0, None, None
+        self._pair_hash = 0
         self.calib_digest, self.routing, self.device = agree_digest, "auto", "cuda:0"
         self.balancer = type("B", (), {"version": 0})()
         self.gave_up = []
@@ -226,3 +227,41 @@ def test_two_ranks_tell_alone_that_small_uneven_calls_are_nccls_and_still_check_
     assert ranks[0].ncalls == said[0].count(True)               # in the ledger
     ranks[0]._fixed = {"nccl": 1.0}
     assert not ranks[0]._pair_whole(MiB, MiB)                  # fixed shares: the round decides
+
+
+def _pair_world(views):
+    """Two fake ranks making uneven calls the way _a2av_agree does: alone when _pair_whole says
+    so, else the round. views[r][i]: (sent, received) of rank r's call i. Returns (errors, rounds)."""
+    def body(rk):
+        rk._pair_calls, rk._a2av_ce_min, rk.ncalls = 0, 32 * MiB, 0
+        rk._check_open = lambda: None
+        rounds = 0
+        for sent, received in views[rk.rank]:
+            if rk._pair_whole(sent, received):
+                continue
+            me = rk.rank
+            m = [[MiB, 0], [0, MiB]]
+            m[me][1 - me], m[1 - me][me] = sent, received
+            rk.call(m)
+            rounds += 1
+        return rounds
+    ranks, out, errs = world(2, body)
+    return errs, out, ranks
+
+
+def test_two_ranks_that_agreed_alone_pass_the_check():
+    calls = [(3 * MiB + i, 2 * MiB - i) for i in range(3 * R.PAIR_CHECK)]
+    views = [calls, [(b, a) for a, b in calls]]               # rank 1 sends what rank 0 receives
+    errs, rounds, _ = _pair_world(views)
+    assert errs == [None, None], errs
+    assert rounds == [3, 3]                                   # one round per PAIR_CHECK calls
+
+
+def test_split_sizes_that_disagreed_in_a_call_decided_alone_raise_at_the_check_on_both_ranks():
+    calls = [(3 * MiB + i, 2 * MiB - i) for i in range(2 * R.PAIR_CHECK)]
+    theirs = [(b, a) for a, b in calls]
+    theirs[10] = (theirs[10][0] + 4096, theirs[10][1])      # one call, one direction, off by a page
+    errs, _, ranks = _pair_world([calls, theirs])
+    assert all(isinstance(e, PeerMismatchError) for e in errs), errs
+    assert all("disagreed in one of the last" in str(e) for e in errs)
+    assert all(len(rk.gave_up) == 1 for rk in ranks)         # each gave up (its NCCL aborted)

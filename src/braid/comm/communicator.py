@@ -126,6 +126,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         self._fast_a2a: dict = {}
         self._fast_a2av: dict = {}   # uneven all_to_all: (in, out elements) -> shape facts, may agree fast
         self._pair_calls = 0         # two ranks' uneven calls decided alone (see _pair_whole)
+        self._pair_hash = 0          # ... and the running hash of their sizes since the last round
         self._a2av_ce_min = envs.get("BRAID_A2AV_CE_MIN_MB") << 20
         self._small_run = 0          # uneven calls in a row agreed small (see _uneven_small)
         self._a2av_ce = None         # uneven all_to_all on the copy engines alone (comm/a2av.py), made at first use

@@ -24,6 +24,8 @@ log = logging.getLogger("braid")
 
 ROUTE_MIN_BYTES = 1 << 20    # NIMBLE: multipath off at or below 1 MB
 
+PAIR_MUL = 1_000_003          # the running hash of two ranks' calls decided alone (_pair_whole)
+MASK61 = (1 << 61) - 1
 PAIR_CHECK = 64              # two ranks: every PAIR_CHECK-th uneven call NCCL takes whole still agrees in a round
 SMALL_RUN = 16               # agreed-small uneven calls in a row after which their agreement is read one call late
 
@@ -207,7 +209,8 @@ class Routing:
                 and sum(input_split_sizes) == rin and sum(output_split_sizes) == rout \
                 and min(input_split_sizes) >= 0 and min(output_split_sizes) >= 0:
             me = self.rank
-            if w == 2 and self._pair_whole(input_split_sizes[1 - me] * ent[3], output_split_sizes[1 - me] * ent[4]):
+            if w == 2 and ent[5] and self._pair_whole(input_split_sizes[1 - me] * ent[3],
+                                                      output_split_sizes[1 - me] * ent[4]):
                 return True, True, None
             a, b = list(input_split_sizes), list(output_split_sizes)
             a[me] = b[me] = 0
@@ -230,13 +233,18 @@ class Routing:
         the peer and took 20-40 us of Python (2 x H200: the MoE exchange at 1-16 MiB ran at
         0.46-0.86 of NCCL's speed with nothing but NCCL's own call after the round). Every
         PAIR_CHECK-th such call still takes the round, which checks the split sizes across
-        ranks (those of the calls between are unchecked, as under NCCL's own backend)."""
+        ranks, and a running hash of every call's two directions since the last check (the same
+        on both ranks when they agreed): split sizes that disagreed in any of those calls raise
+        PeerMismatchError on both ranks at the check (NCCL's own call with them may have hung
+        until then; the error aborts it)."""
         if self._fixed is not None or 2 * max(sent, received) >= self._a2av_ce_min:
             return False
         self._pair_calls += 1
         if self._pair_calls % PAIR_CHECK == 0:
             return False
         self._check_open()
+        a, b = (sent, received) if self.rank == 0 else (received, sent)     # rank 0's view on both
+        self._pair_hash = ((self._pair_hash * PAIR_MUL + a) * PAIR_MUL + b) & MASK61
         self.ncalls += 1                   # in the ledger (the caller passes counted=True on)
         return True
 
@@ -251,25 +259,39 @@ class Routing:
         seg, me = self.segment, self.rank
         last = seg.settle()
         if last is not None:
-            if len(last[0]) != 3 + self.world_size:         # a round of the small-call agreement
+            if len(last[0]) != 4 + self.world_size:         # a round of the small-call agreement
                 if max(last)[0] > ROUTE_MIN_BYTES:
                     self._small_run = 0
             else:
+                self._pair_check(last, op)
                 if [g[3 + me] for g in last] != self._a2av_recv:
                     self._a2av_mismatch(last, self._a2av_recv, op)
                 if self._a2av_verdict(last)[0] != "nccl":
                     self._small_run = 0
-        token = seg.post_values([big] + values)
+        # the values end with the hash of the calls two ranks decided alone since the last round
+        token = seg.post_values([big] + values + [self._pair_hash])
+        self._pair_hash = 0
         if self._small_run >= SMALL_RUN:
             seg.defer(token, op)
             self._a2av_recv = recv
             return True, True, None
         got = seg.read_values(token, op)
+        self._pair_check(got, op)
         if [g[3 + me] for g in got] != recv:
             self._a2av_mismatch(got, recv, op)
         verdict, lean = self._a2av_verdict(got)
         self._small_run = self._small_run + 1 if verdict == "nccl" else 0
         return True, verdict == "nccl", lean
+
+    def _pair_check(self, got, op) -> None:
+        """The round's hashes of the calls decided alone since the last one must be equal."""
+        if len({g[-1] for g in got}) > 1:
+            exc = PeerMismatchError(
+                f"{op}: the ranks' split sizes disagreed in one of the last {PAIR_CHECK} uneven calls "
+                f"(each rank's input split sizes toward the other must equal the other's output split "
+                f"sizes from it)")
+            self._give_up(exc)
+            raise exc
 
     def _a2av_mismatch(self, got, recv, op) -> None:
         try:
