@@ -179,3 +179,25 @@ def _mismatch(rank, world, comm, dev):
 @needs(2)
 def test_uneven_split_sizes_that_disagree_raise_on_every_rank(tmp_path):
     run(2, tmp_path, _mismatch, ENV)
+
+
+def _pair_mismatch(rank, world, comm, dev):
+    """Two ranks decide small uneven calls alone: split sizes that disagree in one such call (NCCL's
+    own call with them may hang on the GPU) raise on both ranks at the next check round, and the
+    error releases NCCL, so nothing waits past it."""
+    from braid.comm.routing import PAIR_CHECK
+    from braid.errors import BraidError
+    x = torch.randn(64, 1031, device=dev)
+    y = torch.empty_like(x)
+    with pytest.raises(BraidError, match="disagree"):
+        for i in range(2 * PAIR_CHECK + 1):
+            ins = outs = [32, 32]
+            if i == 5 and rank == 1:
+                outs = [31, 33]              # rank 1 expects 31 rows from rank 0, which sends 32
+            comm.all_to_all_single(y, x, outs, ins)
+    assert comm._pair_calls <= PAIR_CHECK + 1     # raised at the first check after the bad call
+
+
+@needs(2)
+def test_two_ranks_deciding_alone_still_catch_split_sizes_that_disagree(tmp_path):
+    run(2, tmp_path, _pair_mismatch, ENV)
