@@ -103,26 +103,32 @@ def test_uneven_all_to_all_on_the_copy_engines_four_ranks(tmp_path):
     run(4, tmp_path, _uneven_ce, ENV)
 
 
+def _changing_calls(rank, world, comm, dev, tag, calls: int, seed: int) -> None:
+    """`calls` uneven calls of up to 600 rows (of 1031 float32) per pair, matrix and async changing
+    every call, reading views of one buffer; each output checked against every source's rows."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.empty(600 * 3 * world * 1031, dtype=torch.float32, device=dev)
+    y = torch.empty_like(x)
+    for i in range(calls):
+        mat = _matrix((tag, i), world, 600)
+        ins, outs = mat[rank], [mat[s][rank] for s in range(world)]
+        xi = x[: sum(ins) * 1031].view(-1, 1031)
+        yi = y[: sum(outs) * 1031].view(-1, 1031)
+        xi.copy_(torch.cat([_rows((i, rank, d), rank, ins[d], 1031, torch.float32, dev) for d in range(world)]))
+        h = comm.all_to_all_single(yi, xi, outs, ins, async_op=bool(torch.randint(2, (1,), generator=g)))
+        if h is not None:
+            h.wait()
+        torch.cuda.current_stream().synchronize()
+        exp = torch.cat([_rows((i, s, rank), s, outs[s], 1031, torch.float32, dev) for s in range(world)])
+        assert torch.equal(yi, exp), i
+
+
 def _nccl_whole(rank, world, comm, dev):
     """Shares that give the calls to NCCL: whole, and after SMALL_RUN of them in a row without
     waiting for the round (read one call late); right every call, the copy engines untouched."""
     from braid.comm.routing import SMALL_RUN
-    g = torch.Generator().manual_seed(3)
-    x = torch.empty(600 * 3 * world * 1031, dtype=torch.float32, device=dev)
-    y = torch.empty_like(x)
     with comm.fixed_shares({"nccl": 1.0}):
-        for i in range(SMALL_RUN * 3):
-            mat = _matrix(("n", i), world, 600)
-            ins, outs = mat[rank], [mat[s][rank] for s in range(world)]
-            xi = x[: sum(ins) * 1031].view(-1, 1031)
-            yi = y[: sum(outs) * 1031].view(-1, 1031)
-            xi.copy_(torch.cat([_rows((i, rank, d), rank, ins[d], 1031, torch.float32, dev) for d in range(world)]))
-            h = comm.all_to_all_single(yi, xi, outs, ins, async_op=bool(torch.randint(2, (1,), generator=g)))
-            if h is not None:
-                h.wait()
-            torch.cuda.current_stream().synchronize()
-            exp = torch.cat([_rows((i, s, rank), s, outs[s], 1031, torch.float32, dev) for s in range(world)])
-            assert torch.equal(yi, exp), i
+        _changing_calls(rank, world, comm, dev, "n", SMALL_RUN * 3, 3)
     assert comm._small_run >= SMALL_RUN                       # the round was read late at the end
     assert comm._a2av_ce is None or comm._a2av_ce.stats["calls"] == 0
 
@@ -137,22 +143,8 @@ def _pair_alone(rank, world, comm, dev):
     size are NCCL's whole, decided by each rank alone (every PAIR_CHECK-th after a round);
     right every call, with sizes and async changing."""
     from braid.comm.routing import PAIR_CHECK
-    g = torch.Generator().manual_seed(5)
-    x = torch.empty(600 * 3 * world * 1031, dtype=torch.float32, device=dev)
-    y = torch.empty_like(x)
     calls = 3 * PAIR_CHECK
-    for i in range(calls):
-        mat = _matrix(("p", i), world, 600)
-        ins, outs = mat[rank], [mat[s][rank] for s in range(world)]
-        xi = x[: sum(ins) * 1031].view(-1, 1031)
-        yi = y[: sum(outs) * 1031].view(-1, 1031)
-        xi.copy_(torch.cat([_rows((i, rank, d), rank, ins[d], 1031, torch.float32, dev) for d in range(world)]))
-        h = comm.all_to_all_single(yi, xi, outs, ins, async_op=bool(torch.randint(2, (1,), generator=g)))
-        if h is not None:
-            h.wait()
-        torch.cuda.current_stream().synchronize()
-        exp = torch.cat([_rows((i, s, rank), s, outs[s], 1031, torch.float32, dev) for s in range(world)])
-        assert torch.equal(yi, exp), i
+    _changing_calls(rank, world, comm, dev, "p", calls, 5)
     assert comm._pair_calls == calls                      # every call was small enough
     assert comm._a2av_ce is None or comm._a2av_ce.stats["calls"] == 0
 
