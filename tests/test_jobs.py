@@ -142,7 +142,9 @@ def test_cli_workload_parsing():
         _parse(["--workload", "ddp", "--op", "all_reduce"])
     assert "--op" in str(exc.value) and "--workload" in str(exc.value)
     cfg = _parse(["--workload", "ddp"])
-    assert cfg.workloads == ("ddp",) and cfg.ops == () and cfg.repeat == 5   # the op sweep does not run
+    assert cfg.workloads == ("ddp",) and cfg.ops == () and cfg.repeat is None   # the op sweep does not run
+    from braid import jobs
+    assert jobs.settings(cfg, True)["repeat"] == 9 and jobs.settings(cfg, False)["repeat"] == 5
     cfg = _parse(["--workload", "all", "--width", "64", "--hidden", "128", "--steps", "3", "--repeat", "2"])
     assert cfg.workloads == ("ddp", "fsdp", "moe_layer") and cfg.width == 128 and cfg.steps == 3 and cfg.repeat == 2
     cfg = _parse(["--workload", "moe_layer,ddp", "--sizes", "1M:1M"])

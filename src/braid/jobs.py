@@ -37,7 +37,7 @@ LR = 1e-3
 SEED = 1234
 # defaults per machine kind: (GPU, CPU)
 DEFAULTS = {"width": (8192, 256), "depth": (8, 3), "batch": (16, 8), "bucket_mb": (25, 25),
-            "tokens": (8192, 64), "steps": (20, 5), "warmup": (3, 1), "repeat": (5, 5)}
+            "tokens": (8192, 64), "steps": (20, 5), "warmup": (3, 1), "repeat": (9, 5)}
 
 
 def parse_workloads(text: str) -> tuple[str, ...]:

@@ -160,7 +160,7 @@ def _add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=_positive_int, default=None,
                    help="baseline/braid measurements alternate this many times; the min of each is kept (default 2; "
                         "small calls whose call count was raised: at least 10 shorter windows, each side's median; "
-                        "with --workload: timed windows per side, the median is kept, default 5)")
+                        "with --workload: timed windows per side, the median is kept, default 9 on GPUs, 5 on CPUs)")
     p.add_argument("--shares", type=parse_shares, default=None, metavar="LANE=FRAC,...",
                    help="fixed shares, e.g. ce=0.9,host=0.1: bypass the model (and the calibration)")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
@@ -274,7 +274,7 @@ def _workload_config(args: argparse.Namespace) -> Config:
     ignored = [flag for flag, value in sweep.items() if value is not None]
     notes = [f"{', '.join(ignored)} only apply to the op sweep; ignored with --workload"] if ignored else []
     return Config("bench", ops=(), dtype=args.dtype, warmup=args.warmup,
-                  repeat=args.repeat if args.repeat is not None else 5, lanes=args.lanes, shares=args.shares,
+                  repeat=args.repeat, lanes=args.lanes, shares=args.shares,
                   calibrate=args.calibrate, json_path=args.json_path, plain=args.plain, cpu=args.cpu, notes=notes,
                   workloads=workloads, width=args.width, depth=args.depth, batch=args.batch,
                   bucket_mb=args.bucket_mb, tokens=args.tokens, steps=args.steps)
