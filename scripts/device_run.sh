@@ -35,7 +35,7 @@ for step in "$@"; do
     moe2) timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/gpu/test_gpu_uneven_a2a.py -q 2>&1 | tee "$LOGS/gpu_uneven.log" | tail -3;
           timeout ${BENCH_TIMEOUT:-240} python3 -m braid bench --op moe --nproc 2 --sizes ${BENCH_SIZES:-1M:256M} --factor 4 --repeat 3 --plain \
             --json "$LOGS/bench_x2_moe.json" 2>&1 | grep -v Warning | tee "$LOGS/bench2_moe.log" ;;
-    fsdp2) timeout ${FSDP_TIMEOUT:-200} torchrun --nproc-per-node 2 scripts/probes/fsdp_profile.py --rounds ${FSDP_ROUNDS:-8} --kernels \
+    fsdp2) timeout ${FSDP_TIMEOUT:-200} torchrun --nproc-per-node 2 scripts/probes/fsdp_profile.py --rounds ${FSDP_ROUNDS:-8} --kernels --second-nccl \
             --out "$LOGS" 2>&1 | grep -E "wall|GPU per step|profile" | tee "$LOGS/fsdp_profile.log" ;;
     pack) [ "$LOGS" != "$OUT" ] && tar czf "$OUT/run.tgz" -C "$LOGS" . && ls -la "$OUT" ;;
     *) echo "unknown step $step" ;;

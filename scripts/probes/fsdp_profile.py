@@ -2,7 +2,7 @@
 replicas `braid bench --workload fsdp` trains, timed in alternating windows (wall and process CPU
 time per step), then profiled with cProfile on every rank (rank 0's tables are printed).
 
-    torchrun --nproc-per-node 2 scripts/probes/fsdp_profile.py [--steps 20] [--rounds 4] [--kernels] [--out DIR]
+    torchrun --nproc-per-node 2 scripts/probes/fsdp_profile.py [--steps 20] [--rounds 4] [--kernels] [--second-nccl] [--out DIR]
 """
 import argparse
 import cProfile
@@ -27,6 +27,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--gc-off", action="store_true", help="no garbage collection inside the windows")
+    ap.add_argument("--second-nccl", action="store_true",
+                    help="a third replica on another NCCL group made like the baseline's (nccl2)")
     ap.add_argument("--kernels", action="store_true",
                     help="also the GPU's side: time per step of each kernel kind (torch.profiler), per replica")
     a = ap.parse_args()
@@ -47,13 +49,21 @@ def main() -> None:
     comm = SimpleNamespace(rank=rank, world_size=world, cuda=True, device=dev)
     ctx = jobs.make_ctx(comm, s)
     reps = {r.name: r for r in jobs.fsdp_replicas(ctx)}
+    if a.second_nccl:
+        # another NCCL group made as the baseline's was: under a default group bound to a device,
+        # torch makes both by splitting the default group's CUDA backend (braid's inner NCCL group)
+        import dataclasses
+        other = jobs.fsdp_replicas(dataclasses.replace(ctx, base=dist.new_group(backend="nccl")))[1]
+        other.name = "nccl2"
+        reps["nccl2"] = other
+    names = list(reps)
     for r in reps.values():
         r.run(3)
     wall = {k: [] for k in reps}
     cpu = {k: [] for k in reps}
     gcs = {k: [0.0, 0] for k in reps}
     for k in range(a.rounds):
-        for name in (("baseline", "braid") if k % 2 == 0 else ("braid", "baseline")):
+        for name in (names if k % 2 == 0 else names[::-1]):
             ctx.sync()
             dist.barrier(group=ctx.timer)
             if a.gc_off:
@@ -74,7 +84,7 @@ def main() -> None:
                   f"({gcs[name][1]} collections)", flush=True)
     if a.kernels:
         gpu_time(reps, ctx, a.steps, rank)
-    for name in ("braid", "baseline"):
+    for name in names:
         ctx.sync()
         dist.barrier(group=ctx.timer)
         prof = cProfile.Profile()
@@ -99,7 +109,7 @@ def gpu_time(reps, ctx, steps: int, rank: int) -> None:
     grouped by kind (NCCL's kernels by name, the rest as compute / memcpy / memset), and the GPU's
     busy span: tells a slower GPU side (NCCL's kernels themselves) from a slower host."""
     from torch.profiler import ProfilerActivity, profile
-    for name in ("braid", "baseline"):
+    for name in names:
         ctx.sync()
         dist.barrier(group=ctx.timer)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
