@@ -18,6 +18,7 @@ import json
 import os
 import pathlib
 import socket
+import threading
 import tempfile
 import time
 import traceback
@@ -59,10 +60,21 @@ class WorkerError(AssertionError):
     """One or more workers of a world failed (the message holds their tracebacks)."""
 
 
+_ISSUED: set[int] = set()
+_ISSUED_LOCK = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port, never one this process handed out before (worlds started at once from
+    threads must not meet on one port)."""
+    with _ISSUED_LOCK:
+        while True:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in _ISSUED:
+                _ISSUED.add(port)
+                return port
 
 
 def braid_shm_entries() -> set[str]:

@@ -376,16 +376,22 @@ _CACHE: dict = {}
 
 
 def _records(api: str) -> list:
-    """All records of one API (worlds of 2 and 3 ranks), computed once per session."""
+    """All records of one API (worlds of 2 and 3 ranks), computed once per session: the first
+    call runs every API's worlds at once (their processes overlap start-ups and waits)."""
     if api not in _CACHE:
-        recs = []
-        for w in WORLDS:
-            per_rank = run_world(_cells_worker, w, api, SEED, init_pg=(api == "direct"), env=ENV, timeout=300)
+        from concurrent.futures import ThreadPoolExecutor
+        jobs = [(a, w) for a in APIS if a not in _CACHE for w in WORLDS]
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            futures = [pool.submit(run_world, _cells_worker, w, a, SEED, init_pg=(a == "direct"), env=ENV,
+                                   timeout=300) for a, w in jobs]
+            done = [(a, f.result()) for (a, _), f in zip(jobs, futures)]
+        for a in dict.fromkeys(a for a, _ in jobs):
+            _CACHE[a] = []
+        for a, per_rank in done:
             for r, rows in enumerate(per_rank):
                 for row in rows:
                     row["rank"] = r
-                    recs.append(row)
-        _CACHE[api] = recs
+                    _CACHE[a].append(row)
         out = os.environ.get("BRAID_SEMANTICS_JSON")
         if out:
             _dump(out)
