@@ -60,6 +60,15 @@ class WorkerError(AssertionError):
     """One or more workers of a world failed (the message holds their tracebacks)."""
 
 
+def concurrently(jobs: dict) -> dict:
+    """{key: fn} -> {key: fn()}, the functions run at once in threads (each waiting on worker
+    processes of its own: their start-ups and waits overlap)."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max(len(jobs), 1)) as pool:
+        futures = {k: pool.submit(fn) for k, fn in jobs.items()}
+        return {k: f.result() for k, f in futures.items()}
+
+
 _ISSUED: set[int] = set()
 _ISSUED_LOCK = threading.Lock()
 

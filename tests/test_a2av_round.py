@@ -64,7 +64,7 @@ class Rank(R.Routing):
     def __init__(self, board, rank, agree_digest="calib"):
         self.segment, self.rank, self.world_size = Seg(board, rank), rank, board.world
         self._fixed, self._small_run, self._a2av_recv, self._a2av_memo = None, 0, None, None
-        self._pair_hash = 0
+        self._pair_hash, self._a2av_ce_min = 0, 32 * MiB
         self.calib_digest, self.routing, self.device = agree_digest, "auto", "cuda:0"
         self.balancer = type("B", (), {"version": 0})()
         self.gave_up = []

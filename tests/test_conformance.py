@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conformance")
 sys.path.insert(0, HERE)
+from conftest import concurrently  # noqa: E402
 import runner  # noqa: E402  (imports no torch test module; its workers run in subprocesses)
 import torch_tests  # noqa: E402
 
@@ -40,16 +41,6 @@ PER_RUN_S = 900             # one backend's whole run, start-up included
 RUNS = [("gloo", "default"), ("braid", "default"), ("braid", "split")]
 
 
-def _concurrently(jobs: dict) -> dict:
-    """{key: fn} -> {key: fn()}, the functions run at once in threads (each waits on its own
-    worker process: the three runs overlap their start-ups and waits; 2 cores, 2026-11-26: the
-    list's three runs took 110 s one after another)."""
-    from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        futures = {k: pool.submit(fn) for k, fn in jobs.items()}
-        return {k: f.result() for k, f in futures.items()}
-
-
 @pytest.fixture(scope="module")
 def reports() -> dict[str, dict]:
     names = torch_tests.selected("cpu", full=torch_tests.full_requested())
@@ -63,7 +54,7 @@ def reports() -> dict[str, dict]:
             key = backend if variant == "default" else f"{backend}/{variant}"
             logs_of[key] = os.path.join(logs, key.replace("/", "-") + ".log")
             jobs[key] = run(backend, variant, logs_of[key])
-        for key, rep in _concurrently(jobs).items():
+        for key, rep in concurrently(jobs).items():     # at once: 52 s on 2 cores, 109 s one after another
             log = logs_of[key]
             if "torch" not in rep:          # the worker wrote no report: it died or ran too long
                 tail = open(log, errors="replace").read()[-3000:] if os.path.exists(log) else ""
@@ -137,7 +128,7 @@ def group_reports() -> dict[str, dict]:
         return lambda: runner.run_in_subprocess(backend, "cpu", names, variant, timeout=PER_TEST_S,
                                                 total_timeout=PER_RUN_S, profiler_checks=True,
                                                 world=torch_tests.GROUP_WORLD)
-    reps = _concurrently({backend if variant == "default" else f"{backend}/{variant}": run(backend, variant)
+    reps = concurrently({backend if variant == "default" else f"{backend}/{variant}": run(backend, variant)
                           for backend, variant in RUNS})
     out = {}
     for key, rep in reps.items():

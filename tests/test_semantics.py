@@ -54,7 +54,7 @@ import traceback
 import pytest
 import torch
 
-from conftest import free_port, run_world
+from conftest import concurrently, free_port, run_world
 
 ENV = {"BRAID_MIN_SPLIT_KB": "1", "CUDA_VISIBLE_DEVICES": ""}
 
@@ -379,19 +379,15 @@ def _records(api: str) -> list:
     """All records of one API (worlds of 2 and 3 ranks), computed once per session: the first
     call runs every API's worlds at once (their processes overlap start-ups and waits)."""
     if api not in _CACHE:
-        from concurrent.futures import ThreadPoolExecutor
-        jobs = [(a, w) for a in APIS if a not in _CACHE for w in WORLDS]
-        with ThreadPoolExecutor(len(jobs)) as pool:
-            futures = [pool.submit(run_world, _cells_worker, w, a, SEED, init_pg=(a == "direct"), env=ENV,
-                                   timeout=300) for a, w in jobs]
-            done = [(a, f.result()) for (a, _), f in zip(jobs, futures)]
-        for a in dict.fromkeys(a for a, _ in jobs):
-            _CACHE[a] = []
-        for a, per_rank in done:
+        def world(a, w):
+            return lambda: run_world(_cells_worker, w, a, SEED, init_pg=(a == "direct"), env=ENV, timeout=300)
+        done = concurrently({(a, w): world(a, w) for a in APIS if a not in _CACHE for w in WORLDS})
+        for (a, _), per_rank in done.items():
+            recs = _CACHE.setdefault(a, [])
             for r, rows in enumerate(per_rank):
                 for row in rows:
                     row["rank"] = r
-                    _CACHE[a].append(row)
+                    recs.append(row)
         out = os.environ.get("BRAID_SEMANTICS_JSON")
         if out:
             _dump(out)

@@ -186,8 +186,9 @@ _define("BRAID_A2AV_CE_MIN_MB", _nonneg_int, 32,
         "from this size (the largest row or column of its matrix, MiB) and goes to NCCL whole below "
         "it: its copies are posted every call (its sizes change), which costs more host time than a "
         "graph replay (2 x H200, 2026-11-26: an MoE layer's exchange on the copy engines at "
-        "0.45-0.62 of NCCL at 4-16 MiB, 1.14-1.22 at 64-256 MiB). Fixed shares ignore it. Must be "
-        "the same on every rank.")
+        "0.45-0.62 of NCCL at 4-16 MiB, 1.14-1.22 at 64-256 MiB). On two ranks a call whose larger "
+        "direction is below half of it goes to NCCL without a round. Fixed shares ignore it. Read "
+        "when the communicator is made; must be the same on every rank.")
 _define("BRAID_LOG_LEVEL", str, "WARNING", "Log level of the 'braid' logger (debug: one line per "
         "skewed all_to_all routing decision, with its corrections and trial state).")
 

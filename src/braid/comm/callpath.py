@@ -285,55 +285,46 @@ class CallPath:
     # arbiter counts each call once: a "split" answer given here is kept for the op's own path,
     # which asks next (_arb_whole).
     def whole_reduce_scatter(self, out, inp, op) -> bool:
-        if not (self._takes(inp) and self._takes(out)):
+        if not (self._takes(inp) and self._takes(out)) or out.dtype is not inp.dtype:
             return False
         n, dt = inp.numel(), inp.dtype
-        ent = self._fast_rs.get(n)
-        if ent is None or ent[0] is not dt or ent[1] != op or ent[2] != out.numel() or out.dtype is not dt:
-            return False
-        return ent[-1] or (self._learn_split and n == out.numel() * self.world_size and self._fast_reduce_ok(op, dt)
-                           and self._arb_first(("rs", n, dt, op)))
+        return self._whole_answer(self._fast_rs.get(n), (dt, op, out.numel()), ("rs", n, dt, op),
+                                  n == out.numel() * self.world_size and self._fast_reduce_ok(op, dt))
 
     def whole_all_gather(self, out, inp) -> bool:
-        if not (self._takes(inp) and self._takes(out)):
+        if not (self._takes(inp) and self._takes(out)) or out.dtype is not inp.dtype:
             return False
         n, dt = inp.numel(), inp.dtype
-        ent = self._fast_ag.get(n)
-        if ent is None or ent[0] is not dt or ent[1] != out.numel() or out.dtype is not dt:
-            return False
-        return ent[-1] or (self._learn_split and out.numel() == n * self.world_size
-                           and self._arb_first(("ag", n, dt)))
+        return self._whole_answer(self._fast_ag.get(n), (dt, out.numel()), ("ag", n, dt),
+                                  out.numel() == n * self.world_size)
 
     def whole_broadcast(self, t, root: int) -> bool:
         if not self._takes(t):
             return False
         n, dt = t.numel(), t.dtype
-        ent = self._fast_bc.get(n)
-        if ent is None or ent[0] is not dt or ent[1] != root:
-            return False
-        return ent[-1] or (self._learn_split and 0 <= root < self.world_size
-                           and self._arb_first(("bc", n, dt, root)))
+        return self._whole_answer(self._fast_bc.get(n), (dt, root), ("bc", n, dt, root), 0 <= root < self.world_size)
 
     def whole_all_reduce(self, t, op) -> bool:
         if not self._takes(t):
             return False
         n, dt = t.numel(), t.dtype
-        ent = self._fast_ar.get(n)
-        if ent is None or ent[0] is not dt or ent[1] != op:
-            return False
-        return ent[-1] or (self._learn_split and self._fast_reduce_ok(op, dt) and self._arb_first(("ar", n, dt, op)))
+        return self._whole_answer(self._fast_ar.get(n), (dt, op), ("ar", n, dt, op), self._fast_reduce_ok(op, dt))
 
     def whole_all_to_all(self, out, inp) -> bool:
         """Balanced all_to_all_single (no split sizes) only: uneven calls agree per call."""
-        if not (self._takes(inp) and self._takes(out)) or inp.dim() == 0:
+        if not (self._takes(inp) and self._takes(out)) or inp.dim() == 0 or out.dtype is not inp.dtype:
             return False
         n, dt = inp.numel(), inp.dtype
-        ent = self._fast_a2a.get(n)
-        if (ent is None or ent[0] is not dt or ent[1] != inp.size(0) or ent[2] != out.numel()
-                or out.dtype is not dt):
+        return self._whole_answer(self._fast_a2a.get(n), (dt, inp.size(0), out.numel()), ("a2a", n, dt),
+                                  n == out.numel() and inp.size(0) % self.world_size == 0)
+
+    def _whole_answer(self, ent, sig: tuple, key, may_try: bool) -> bool:
+        """The fast path's answer for a call shape (ent: its entry, facts then the answer; sig:
+        this call's facts): whole when the entry says so, or when the shape is on trial and the
+        arbiter says whole now; False for a shape not seen yet (its first call fills the entry)."""
+        if ent is None or ent[:-1] != sig:
             return False
-        return ent[-1] or (self._learn_split and n == out.numel() and inp.size(0) % self.world_size == 0
-                           and self._arb_first(("a2a", n, dt)))
+        return ent[-1] or (self._learn_split and may_try and self._arb_first(key))
 
     def _arb_first(self, key) -> bool:
         """The arbiter's answer asked by the backend before the op's own path: True (whole) ends

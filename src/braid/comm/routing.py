@@ -11,7 +11,6 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from .. import envs
 from ..collectives import input_bytes, output_bytes, same_dtype, split_bytes
 from ..errors import BraidTimeoutError, LaneFailureError, PeerMismatchError
 from ..planner.plan import all_to_all_movement
@@ -317,7 +316,7 @@ class Routing:
         lanes = self.lanes_for(self.device)
         shares = self.shares_for(op, size, lanes)
         if (self._fixed is None and "nccl" in lanes and set(shares) == {"ce"}
-                and size < envs.get("BRAID_A2AV_CE_MIN_MB") << 20):
+                and size < self._a2av_ce_min):
             shares = {"nccl": 1.0}         # posted every call, the copy engines lose below this size
         if set(shares) == {"ce"}:
             return "ce", (matrix, tuple(g[1] for g in got))
