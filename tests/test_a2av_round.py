@@ -67,7 +67,7 @@ class Rank(R.Routing):
         self._pair_hash, self._a2av_ce_min = 0, 32 * MiB
         self.calib_digest, self.routing, self.device = agree_digest, "auto", "cuda:0"
         self.balancer = type("B", (), {"version": 0})()
-        self.gave_up = []
+        self.gave_up, self.aborted_native = [], []
 
     def lanes_for(self, dev):
         return ["ce", "nccl", "host"]
@@ -80,6 +80,9 @@ class Rank(R.Routing):
 
     def _give_up(self, exc):
         self.gave_up.append(exc)
+
+    def _abort_native(self, why, wait=True):
+        self.aborted_native.append(why)
 
     def call(self, matrix):
         """One uneven call with this matrix (bytes; rows: senders): (small, lean?)."""
@@ -264,4 +267,5 @@ def test_split_sizes_that_disagreed_in_a_call_decided_alone_raise_at_the_check_o
     errs, _, ranks = _pair_world([calls, theirs])
     assert all(isinstance(e, PeerMismatchError) for e in errs), errs
     assert all("disagreed in one of the last" in str(e) for e in errs)
-    assert all(len(rk.gave_up) == 1 for rk in ranks)         # each gave up (its NCCL aborted)
+    assert all(len(rk.gave_up) == 1 for rk in ranks)         # each gave up (the peer's watchdog aborts)
+    assert all(len(rk.aborted_native) == 1 for rk in ranks)  # and aborted its own NCCL calls

@@ -28,9 +28,11 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--gc-off", action="store_true", help="no garbage collection inside the windows")
     ap.add_argument("--second-nccl", action="store_true",
-                    help="a third replica on another NCCL group made like the baseline's (nccl2)")
+                    help="a third and fourth replica, braid's (braid2) and one on another NCCL group made like the baseline's (nccl2)")
     ap.add_argument("--kernels", action="store_true",
                     help="also the GPU's side: time per step of each kernel kind (torch.profiler), per replica")
+    ap.add_argument("--no-profile", action="store_true", help="windows only, no cProfile")
+    ap.add_argument("--trace", action="store_true", help="with --kernels: a chrome trace per replica and rank in --out")
     a = ap.parse_args()
     gc_time = [0.0, 0, 0.0]          # seconds in collections, collections, start of the current one
 
@@ -53,17 +55,19 @@ def main() -> None:
         # another NCCL group made as the baseline's was: under a default group bound to a device,
         # torch makes both by splitting the default group's CUDA backend (braid's inner NCCL group)
         import dataclasses
-        other = jobs.fsdp_replicas(dataclasses.replace(ctx, base=dist.new_group(backend="nccl")))[1]
-        other.name = "nccl2"
-        reps["nccl2"] = other
+        pair = jobs.fsdp_replicas(dataclasses.replace(ctx, base=dist.new_group(backend="nccl")))
+        pair[0].name, pair[1].name = "braid2", "nccl2"
+        reps["braid2"], reps["nccl2"] = pair     # built third and fourth: tells build order from backend
     names = list(reps)
     for r in reps.values():
         r.run(3)
     wall = {k: [] for k in reps}
     cpu = {k: [] for k in reps}
     gcs = {k: [0.0, 0] for k in reps}
+    tail = {k: [] for k in reps}     # ms the host waited for the GPU after queuing a window
     for k in range(a.rounds):
-        for name in (names if k % 2 == 0 else names[::-1]):
+        j = k % len(names)           # each replica in every position in turn
+        for name in names[j:] + names[:j]:
             ctx.sync()
             dist.barrier(group=ctx.timer)
             if a.gc_off:
@@ -71,7 +75,9 @@ def main() -> None:
             g0, n0 = gc_time[0], gc_time[1]
             t0, c0 = time.perf_counter(), time.process_time()
             reps[name].run(a.steps)
+            t1 = time.perf_counter()
             ctx.sync()
+            tail[name].append((time.perf_counter() - t1) * 1e3)
             gc.enable()
             gcs[name][0] += (gc_time[0] - g0) * 1e3 / a.steps / a.rounds
             gcs[name][1] += gc_time[1] - n0
@@ -81,10 +87,10 @@ def main() -> None:
         for name in reps:
             print(f"{name:9s} wall ms/step {statistics.median(wall[name]):.2f} {[round(x, 2) for x in wall[name]]}  "
                   f"process cpu ms/step {statistics.median(cpu[name]):.2f}  gc ms/step {gcs[name][0]:.2f} "
-                  f"({gcs[name][1]} collections)", flush=True)
+                  f"({gcs[name][1]} collections)  GPU tail after queuing ms {statistics.median(tail[name]):.2f}", flush=True)
     if a.kernels:
-        gpu_time(reps, ctx, a.steps, rank)
-    for name in names:
+        gpu_time(reps, ctx, a.steps, rank, a.out if a.trace else "")
+    for name in ([] if a.no_profile else names):
         ctx.sync()
         dist.barrier(group=ctx.timer)
         prof = cProfile.Profile()
@@ -104,17 +110,19 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def gpu_time(reps, ctx, steps: int, rank: int) -> None:
+def gpu_time(reps, ctx, steps: int, rank: int, out: str = "") -> None:
     """Kernel and copy time per step on the GPU for each replica (torch.profiler, CUDA activity),
     grouped by kind (NCCL's kernels by name, the rest as compute / memcpy / memset), and the GPU's
     busy span: tells a slower GPU side (NCCL's kernels themselves) from a slower host."""
     from torch.profiler import ProfilerActivity, profile
-    for name in names:
+    for name in reps:
         ctx.sync()
         dist.barrier(group=ctx.timer)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             reps[name].run(steps)
             ctx.sync()
+        if out:
+            prof.export_chrome_trace(os.path.join(out, f"trace_{name}_r{rank}.json"))
         kinds: dict = {}
         for ev in prof.events():
             if ev.device_type != torch.autograd.DeviceType.CUDA:

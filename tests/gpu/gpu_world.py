@@ -48,11 +48,16 @@ def _entry(rank, world, port, err_path, body, env):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **BASE_ENV, **env)
     import torch.distributed as dist
     import braid
+    import faulthandler
+    # a rank still running after GPU_WORLD_DUMP_S prints every thread's stack (pytest's timeout
+    # sees only its own process) and ends
+    faulthandler.dump_traceback_later(float(os.environ.get("GPU_WORLD_DUMP_S", "900")), exit=True)
     try:
         dev = start_rank(rank, world)
         dist.init_process_group("nccl", rank=rank, world_size=world)
         comm = braid.init()
         body(rank, world, comm, dev)
+        open(f"{err_path}.done.{rank}", "w").close()
         braid.close()
         dist.destroy_process_group()
     except BaseException:
@@ -61,13 +66,23 @@ def _entry(rank, world, port, err_path, body, env):
         raise
 
 
-def run(world: int, tmp_path, body, env: dict | None = None) -> None:
+ENDED_BY_BRAID = 70     # the exit code of a process braid ended after NCCL's abort did not return
+
+
+def run(world: int, tmp_path, body, env: dict | None = None, may_end: bool = False) -> None:
     """Run `body` on `world` ranks (sharing the GPUs if there are fewer); fail with every rank's
-    traceback."""
+    traceback. may_end: a body that leaves a call hung in NCCL on purpose; braid may end a rank's
+    process after the body returned (exit code 70, NCCL's abort did not return), which passes
+    when every rank's body had returned."""
     import torch.multiprocessing as mp
     err = str(tmp_path / "err")
     try:
         mp.spawn(_entry, args=(world, _port(), err, body, dict(env or {})), nprocs=world)
+    except mp.ProcessExitedException as exc:
+        done = all(os.path.exists(f"{err}.done.{r}") for r in range(world))
+        if not (may_end and done and exc.exit_code == ENDED_BY_BRAID):
+            msgs = [open(p).read() for p in (f"{err}.{r}" for r in range(world)) if os.path.exists(p)]
+            pytest.fail("\n".join(msgs) or f"worker failed: {exc}")
     except Exception:
         msgs = [open(p).read() for p in (f"{err}.{r}" for r in range(world)) if os.path.exists(p)]
         pytest.fail("\n".join(msgs) or "worker failed")

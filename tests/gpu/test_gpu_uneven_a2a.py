@@ -175,8 +175,8 @@ def test_uneven_split_sizes_that_disagree_raise_on_every_rank(tmp_path):
 
 def _pair_mismatch(rank, world, comm, dev):
     """Two ranks decide small uneven calls alone: split sizes that disagree in one such call (NCCL's
-    own call with them may hang on the GPU) raise on both ranks at the next check round, and the
-    error releases NCCL, so nothing waits past it."""
+    own call with them may hang on the GPU) raise on both ranks at the next check round, and NCCL
+    is aborted (or the process ended), so nothing waits past it."""
     from braid.comm.routing import PAIR_CHECK
     from braid.errors import BraidError
     x = torch.randn(64, 1031, device=dev)
@@ -192,4 +192,6 @@ def _pair_mismatch(rank, world, comm, dev):
 
 @needs(2)
 def test_two_ranks_deciding_alone_still_catch_split_sizes_that_disagree(tmp_path):
-    run(2, tmp_path, _pair_mismatch, ENV)
+    # NCCL's abort of the call that waits for the missing rows may not return (2 x H200, NCCL
+    # 2.28): braid then ends the process BRAID_ABORT_EXIT_S after the error, as for a dead peer
+    run(2, tmp_path, _pair_mismatch, dict(ENV, BRAID_ABORT_EXIT_S="3"), may_end=True)

@@ -289,6 +289,12 @@ class Routing:
                 f"{op}: the ranks' split sizes disagreed in one of the last {PAIR_CHECK} uneven calls "
                 f"(each rank's input split sizes toward the other must equal the other's output split "
                 f"sizes from it)")
+            # NCCL's own call with those sizes may still sit on the GPU, waiting for bytes that
+            # never come: abort NCCL on this rank (on a thread of its own: NCCL's abort of such a
+            # call may not return, and then the watchdog ends the process after
+            # BRAID_ABORT_EXIT_S, as for a dead peer), and mark the abort for the peer's watchdog
+            exc.peers_left_waiting = True
+            self._abort_native(str(exc), wait=False)
             self._give_up(exc)
             raise exc
 
