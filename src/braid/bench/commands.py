@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .config import GPU_ENV, Config
+from .config import GPU_ENV, Config, cores_text
 from .output import cpu_name, format_shares, header_line, human_bytes, machine_info
 
 
@@ -101,7 +101,7 @@ def topo(comm) -> None:
     if comm.rank != 0:
         return
     print(header_line("topo", machine_info(comm)))
-    print(f"CPU: {cpu_name()}, {os.cpu_count()} cores")
+    print(f"CPU: {cpu_name()}, {cores_text()}")
     try:
         free = shutil.disk_usage("/dev/shm").free
         print(f"/dev/shm: {free / (1 << 30):.1f} GiB free (node segment of the host/shm lanes)")

@@ -104,3 +104,18 @@ class Config:
                 out.append(size)
             n *= self.factor
         return out
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: taskset, cgroup cpusets), not the
+    machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):       # not Linux
+        return os.cpu_count() or 1
+
+
+def cores_text() -> str:
+    """'16 cores', or '16 of 32 cores' when this process may use only some."""
+    n, total = usable_cores(), os.cpu_count() or 1
+    return f"{n} cores" if n == total else f"{n} of {total} cores"

@@ -34,7 +34,7 @@ import braid   # also registers the "braid" backend (_init_rank with braid_backe
 
 from .. import envs
 from . import config
-from .config import CPU_LINE, NO_GPU_LINE, ONE_GPU_LINE, PIPE_EXIT, WRONG_EXIT, Config
+from .config import CPU_LINE, NO_GPU_LINE, ONE_GPU_LINE, PIPE_EXIT, WRONG_EXIT, Config, usable_cores
 
 
 def under_torchrun() -> bool:
@@ -187,7 +187,10 @@ def _init_rank(local_rank: int, world: int | None, port: int | None, cpu: bool =
     else:
         dist.init_process_group("braid" if braid_backend else "gloo", **kwargs)
         size = world or int(os.environ["WORLD_SIZE"])
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))   # ranks share the cores
+        # ranks share the cores this process may run on (taskset, cgroups: not os.cpu_count()):
+        # more intra-op threads than that, spinning after each parallel kernel, stalled 8 and 16
+        # ranks on 16 of 32 cores for 10-20 ms a call, gloo's calls too
+        torch.set_num_threads(max(1, usable_cores() // size))
     return cuda
 
 

@@ -18,7 +18,7 @@ import sys
 import torch
 
 from .. import envs
-from .config import shared_gpu_line
+from .config import cores_text, shared_gpu_line
 
 # ---------------------------------------------------------------------------------------------
 # the machine, and numbers as the tables print them
@@ -57,7 +57,7 @@ def machine_info(comm) -> dict:
         info["gpu"], info["gpus"], info["cuda"] = name, n, torch.version.cuda
         info["shared_gpu"] = bool(envs.get("BRAID_SHARED_GPU"))   # ranks may share GPUs: host-cost times
     else:
-        info["machine"] = f"CPU {cpu_name()} ({os.cpu_count()} cores)"
+        info["machine"] = f"CPU {cpu_name()} ({cores_text()})"
     return info
 
 
