@@ -117,7 +117,7 @@ def test_header_says_ranks_share_gpus(clean_env):
         info = machine_info(comm)
     assert info["shared_gpu"] is True
     first, second = header_line("bench", info).split("\n")
-    assert first.startswith("braid bench ")
+    assert first.startswith("braid bench ") and "| 1x NVIDIA H100 80GB HBM3 shared by 2 ranks |" in first
     assert second == config.shared_gpu_line(2, 1) == (
         "shared GPUs: 2 ranks on 1 GPU(s) (BRAID_SHARED_GPU=1, NCCL over its network transport): "
         "results are exact, times are host-cost figures, not link speeds")

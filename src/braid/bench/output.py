@@ -53,7 +53,10 @@ def machine_info(comm) -> dict:
     if comm.cuda:
         n = torch.cuda.device_count()
         name = torch.cuda.get_device_name(comm.device)
-        info["machine"] = f"{comm.world_size}x {name}" + (f" (of {n})" if n > comm.world_size else "")
+        if n < comm.world_size:         # ranks share the GPUs (BRAID_SHARED_GPU)
+            info["machine"] = f"{n}x {name} shared by {comm.world_size} ranks"
+        else:
+            info["machine"] = f"{comm.world_size}x {name}" + (f" (of {n})" if n > comm.world_size else "")
         info["gpu"], info["gpus"], info["cuda"] = name, n, torch.version.cuda
         info["shared_gpu"] = bool(envs.get("BRAID_SHARED_GPU"))   # ranks may share GPUs: host-cost times
     else:
