@@ -58,6 +58,9 @@ MAGIC = 0x42524149         # "BRAI"
 STATUS_BYTES = 1024
 _STATUS_FMT = "<IId48s16s16s"      # calls, sequence of the record, time, op, dtype, path
 _STATUS_HEAD = struct.calcsize(_STATUS_FMT) + 8     # + the element count (u64)
+_STATUS = struct.Struct(_STATUS_FMT + "Q")
+_U32 = struct.Struct("<I")
+_WORDS: dict = {}          # (op, dtype, path) -> their encoded fields of a status record
 ABORT_KINDS = {1: PeerMismatchError, 2: BraidTimeoutError, 3: LaneFailureError, 4: LaneFailureError}
 
 
@@ -310,13 +313,17 @@ class NodeSegment:
         and a sequence number (odd while writing) lets readers in other processes skip a record
         caught half written."""
         off = self.layout.status_off + self.rank * STATUS_BYTES
+        words = _WORDS.get((op, dtype, path))
+        if words is None:       # the encoded names, kept (a call publishes on every call)
+            if len(_WORDS) > 4096:
+                _WORDS.clear()
+            words = _WORDS[(op, dtype, path)] = (op.encode()[:48], dtype.encode()[:16], path.encode()[:16])
         with self._publish_lock:
             self._status_seq += 2
             seq = self._status_seq
-            struct.pack_into("<I", self.mm, off + 4, seq - 1)
-            struct.pack_into(_STATUS_FMT + "Q", self.mm, off, calls & 0xFFFFFFFF, seq - 1, time.time(),
-                             op.encode()[:48], dtype.encode()[:16], path.encode()[:16], max(int(nbytes), 0))
-            struct.pack_into("<I", self.mm, off + 4, seq)
+            _U32.pack_into(self.mm, off + 4, seq - 1)
+            _STATUS.pack_into(self.mm, off, calls & 0xFFFFFFFF, seq - 1, time.time(), *words, max(int(nbytes), 0))
+            _U32.pack_into(self.mm, off + 4, seq)
 
     def status(self, rank: int) -> dict | None:
         """What `rank` last published (None: nothing yet, or no whole record after a few tries)."""

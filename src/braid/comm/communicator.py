@@ -311,12 +311,15 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         return True
 
     def _cpu_enter(self, op: str, x: torch.Tensor) -> None:
-        self._check_open()
+        if self.closed or self.aborted or (self.watchdog is not None and self.watchdog.failed):
+            self._check_open()          # raises, saying why
         if self._p2p_pending:
             self._flush_p2p()
-        for lane_run in list(getattr(self._lanes.get("shm"), "_last", {}).values()):
-            if lane_run.thread is not None:
-                lane_run.thread.join()
+        last = getattr(self._lanes.get("shm"), "_last", None)
+        if last:                        # the shm lane's earlier async calls share the segment
+            for lane_run in list(last.values()):
+                if lane_run.thread is not None:
+                    lane_run.thread.join()
         self._enter(op, x, "shm")
 
     def _cpu_call(self, op: str, x: torch.Tensor, run, async_op: bool):

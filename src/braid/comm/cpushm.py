@@ -32,6 +32,7 @@ end them with a braid error on every rank.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -56,6 +57,9 @@ _NAMES = {"sum": 1, "avg": 2, "product": 3, "min": 4, "max": 5, "band": 6, "bor"
 _DTYPES: dict = {}
 _RED_T = type(dist.ReduceOp.SUM)
 _PLAIN: dict = {}
+# a result written into a tensor that needs no autograd guard (no grad, not an inference
+# tensor): torch.no_grad()'s enter and exit cost ~5 us of a 4 KiB call (2-core container)
+_PLAIN_WRITE = contextlib.nullcontext()
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
@@ -82,16 +86,24 @@ class CpuShm:
         self.head = np.frombuffer(seg.mm, dtype=np.int64, count=len(seg.mm) // 8)
         self._typed: dict = {}
         self._views: dict = {}      # (parity, dtype, start, m) -> [world, m] view (repeated calls)
+        self._rowv: dict = {}       # (parity, dtype, start, m, rank) -> that rank's row of it
+        self._accepted: dict = {}   # (dtype, reduction, op) -> the reduction braid runs
         self._esz: dict = {}
         self.seq = 0
         self.ready = [lay.counter("cpu_ready", r) for r in range(world)]
         self.p2p = None             # the communicator's CpuP2P: pending sends/recvs move while we wait
+        # the round's fixed places: each rank's stamp (a u32 index) and, per parity, the byte
+        # offsets of every rank's header (words 1-4 are compared as bytes: one slice each)
+        self._stamp = [off // 4 for off in self.ready]
+        self._others = [r for r in range(world) if r != rank]
+        self._hdr = [[self._off(r, q) for r in range(world)] for q in (0, 1)] if self.ok else []
 
     def close(self) -> None:
         """Drop every view of the segment (it can be unmapped only when none is left)."""
         self.head = self.mem = self.p2p = None
         self._typed.clear()
         self._views.clear()
+        self._rowv.clear()
 
     # areas -----------------------------------------------------------------------------------
     def _off(self, r: int, parity: int) -> int:
@@ -120,8 +132,26 @@ class CpuShm:
             e = self._esz[dtype] = torch.empty(0, dtype=dtype).element_size()
         return e
 
+    def _row(self, parity: int, dtype: torch.dtype, start: int, m: int, r: int) -> torch.Tensor:
+        """Rank r's row of _rows (kept: indexing a tensor costs microseconds of Python)."""
+        key = (parity, dtype, start, m, r)
+        v = self._rowv.get(key)
+        if v is None:
+            if len(self._rowv) > 512:
+                self._rowv.clear()
+            v = self._rowv[key] = self._rows(parity, dtype, start, m)[r]
+        return v
+
     def _mine(self, parity: int, dtype: torch.dtype, start: int, m: int) -> torch.Tensor:
-        return self._rows(parity, dtype, start, m)[self.rank]
+        return self._row(parity, dtype, start, m, self.rank)
+
+    def _checked(self, dtype: torch.dtype, name: str, op: str) -> str:
+        """check_reduce_dtype's answer, kept per (dtype, reduction, op) once it accepted."""
+        key = (dtype, name, op)
+        got = self._accepted.get(key)
+        if got is None:
+            got = self._accepted[key] = check_reduce_dtype(dtype, name, op)
+        return got
 
     # one round -------------------------------------------------------------------------------
     def _round(self, op: str, nbytes: int, dtype: torch.dtype, detail: int) -> int:
@@ -129,20 +159,27 @@ class CpuShm:
         compare the headers. Returns the round's parity (the half that was read)."""
         s = self.seq = self.seq + 1
         p = s & 1
-        mine = (s, _OPS[op], nbytes, _dtype_code(dtype), detail)
-        h = self._off(self.rank, p) // 8
-        self.head[h: h + 5] = mine
-        seg = self.seg
-        seg.set(self.ready[self.rank], s)
-        for r in range(self.world):
-            if r != self.rank:
+        hdr = self._hdr[p]
+        h = hdr[self.rank]
+        self.head[h // 8: h // 8 + 5] = (s, _OPS[op], nbytes, _dtype_code(dtype), detail)
+        u32, stamp = self.seg.u32, self._stamp
+        u32[stamp[self.rank]] = s & 0xFFFFFFFF
+        far = False
+        for r in self._others:
+            d = (int(u32[stamp[r]]) - s) & 0xFFFFFFFF
+            if d >= 0x80000000:                 # not there yet
                 self._wait(r, s, op)
-        seg.raise_if_peer_aborted()
-        head, step = self.head, self.stride // 8
-        first = self._off(0, p) // 8
-        if any(head[first + r * step + 1] != mine[1] or head[first + r * step + 2] != mine[2]
-               or head[first + r * step + 3] != mine[3] or head[first + r * step + 4] != mine[4]
-               for r in range(self.world)):
+                d = (int(u32[stamp[r]]) - s) & 0xFFFFFFFF
+            far = far or d > 1                  # a peer is at most one round ahead, unless aborted
+        if far:
+            # an abort pushes every counter far ahead (a GPU communicator's): the peer's data is
+            # not there, its abort is the error
+            self.seg.raise_if_peer_aborted()
+        mm = self.seg.mm
+        mine = mm[h + 8: h + 40]
+        if any(mm[o + 8: o + 40] != mine for o in hdr):
+            head, step = self.head, self.stride // 8
+            first = self._off(0, p) // 8
             heads = [tuple(int(v) for v in head[first + r * step: first + r * step + 5]) for r in range(self.world)]
             calls = "; ".join(f"rank {r}: {self._say(x)}" for r, x in enumerate(heads))
             raise PeerMismatchError(f"{op}: the ranks made different calls ({calls}); every rank must "
@@ -196,33 +233,33 @@ class CpuShm:
     def all_reduce(self, t: torch.Tensor, name: str, factor: float, root: int | None = None) -> None:
         """In place; with `root`, a reduce: only rank `root` writes the result (the others'
         tensors stay as they were)."""
-        flat = t.view(-1)
+        flat = t if t.dim() == 1 else t.view(-1)
         op = "all_reduce" if root is None else "reduce"
-        name = check_reduce_dtype(t.dtype, name, op)
         dt, n = t.dtype, flat.numel()
+        name = self._checked(dt, name, op)
         esz = self.esz(dt)
         cap = self.data // esz
         code = _NAMES[name] + (0 if root is None else 100 * (root + 1))
         lands = root is None or root == self.rank
         # two ranks, a chunk above SMALL_REDUCE: each copies in only the half its peer reduces
         pair = self.world == 2
-        with _writing(t):
+        with _writing(t) if t.requires_grad or t.is_inference() else _PLAIN_WRITE:
             for start in range(0, max(n, 1), cap):
                 c = min(cap, n - start)
                 p = (self.seq + 1) & 1
+                part = flat if c == n else flat[start: start + c]
                 if pair and c * esz > SMALL_REDUCE:
                     other = 1 - self.rank
                     a, b = c * other // 2, c * (other + 1) // 2
-                    self._mine(p, dt, a, b - a).copy_(flat[start + a: start + b])
+                    self._mine(p, dt, a, b - a).copy_(part[a: b])
                 else:
-                    self._mine(p, dt, 0, c).copy_(flat[start: start + c])
+                    self._mine(p, dt, 0, c).copy_(part)
                 self._round(op, n * esz, dt, code)
                 if c * esz <= SMALL_REDUCE:
                     if lands and pair:      # one elementwise kernel: torch.sum over 2 rows took 1.8x its time
-                        rows = self._rows(p, dt, 0, c)
-                        reduce_pair(rows[0], rows[1], name, flat[start: start + c], factor)
+                        reduce_pair(self._row(p, dt, 0, c, 0), self._row(p, dt, 0, c, 1), name, part, factor)
                     elif lands:
-                        reduce_slots(self._rows(p, dt, 0, c), self.world, name, flat[start: start + c], factor)
+                        reduce_slots(self._rows(p, dt, 0, c), self.world, name, part, factor)
                     continue
                 bounds = [c * r // self.world for r in range(self.world + 1)]
                 lo, hi = bounds[self.rank], bounds[self.rank + 1]

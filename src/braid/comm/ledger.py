@@ -15,6 +15,7 @@ from ..errors import BraidTimeoutError, LaneFailureError, MisuseError, PeerMisma
 from ..node import NodeSegment
 
 log = logging.getLogger("braid")
+_DTYPE_NAMES: dict = {}     # torch.float32 -> "float32" (published with every call)
 
 
 class _Watchdog:
@@ -165,7 +166,10 @@ class Ledger:
     def _status(self) -> tuple:
         """(calls, op, bytes, dtype, path) of the ledger, for the watchdog to publish."""
         op, nbytes, dtype, path = self.last_call
-        return self.ncalls, op, nbytes, str(dtype).replace("torch.", ""), path
+        name = _DTYPE_NAMES.get(dtype)
+        if name is None:
+            name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+        return self.ncalls, op, nbytes, name, path
 
     def _publish(self) -> None:
         seg = self.segment
