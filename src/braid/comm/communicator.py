@@ -335,7 +335,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         tkey = None
         if (self._cpu is not None and self._cpu_ok(output, input) and input.dtype is output.dtype
                 and output.numel() == input.numel() * self.world_size):
-            return self._cpu_call(op, input, lambda: self._cpu.all_gather(output, input.detach()), async_op)
+            src = input.detach() if input.requires_grad else input
+            return self._cpu_call(op, input, lambda: self._cpu.all_gather(output, src), async_op)
         if getattr(input, "requires_grad", False):
             input = input.detach()     # read only: the native library's copies of it stay out of autograd
         if (type(input) is torch.Tensor and type(output) is torch.Tensor and input.is_cuda is self.cuda

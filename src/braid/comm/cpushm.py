@@ -62,6 +62,12 @@ _PLAIN: dict = {}
 _PLAIN_WRITE = contextlib.nullcontext()
 
 
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, flat (no view where it already is one)."""
+    flat = t if t.dim() == 1 else t.view(-1)
+    return flat if flat.dtype is torch.uint8 else flat.view(torch.uint8)
+
+
 def _dtype_code(dtype: torch.dtype) -> int:
     code = _DTYPES.get(dtype)
     if code is None:
@@ -144,6 +150,15 @@ class CpuShm:
 
     def _mine(self, parity: int, dtype: torch.dtype, start: int, m: int) -> torch.Tensor:
         return self._row(parity, dtype, start, m, self.rank)
+
+    def _kept(self, key, make) -> torch.Tensor:
+        """A view of the segment kept under `key` (made by `make()` the first time)."""
+        v = self._rowv.get(key)
+        if v is None:
+            if len(self._rowv) > 512:
+                self._rowv.clear()
+            v = self._rowv[key] = make()
+        return v
 
     def _checked(self, dtype: torch.dtype, name: str, op: str) -> str:
         """check_reduce_dtype's answer, kept per (dtype, reduction, op) once it accepted."""
@@ -378,54 +393,60 @@ class CpuShm:
         self._round("barrier", 0, torch.uint8, 0)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, name: str, factor: float) -> None:
-        name = check_reduce_dtype(out.dtype, name, "reduce_scatter")
         dt, m, w = out.dtype, out.numel(), self.world
-        src, dst = inp.view(-1), out.view(-1)
-        esz = out.element_size()
+        name = self._checked(dt, name, "reduce_scatter")
+        src = inp.view(w, m)
+        dst = out if out.dim() == 1 else out.view(-1)
+        esz = self.esz(dt)
         cap = self.data // esz // w
         code = _NAMES[name]
-        with _writing(out):
+        me = self.rank
+        with _writing(out) if out.requires_grad or out.is_inference() else _PLAIN_WRITE:
             for start in range(0, max(m, 1), cap):
                 c = min(cap, m - start)
                 p = (self.seq + 1) & 1
-                mine = self._mine(p, dt, 0, w * c).view(w, c)
+                part = src if c == m else src[:, start: start + c]
                 if w == 2:              # only the part the peer reduces; mine is read from `inp`
-                    peer = 1 - self.rank
-                    mine[peer].copy_(src.view(w, m)[peer, start: start + c])
+                    peer = 1 - me
+                    parts = part.unbind(0)          # both rows in one call
+                    self._kept((p, dt, c, "rs", peer), lambda: self._mine(p, dt, 0, w * c).view(w, c)[peer]).copy_(
+                        parts[peer])
                 else:
-                    mine.copy_(src.view(w, m)[:, start: start + c])
+                    self._kept((p, dt, c, "rs"), lambda: self._mine(p, dt, 0, w * c).view(w, c)).copy_(part)
                 self._round("reduce_scatter", inp.numel() * esz, dt, code)
-                rows = self._rows(p, dt, self.rank * c, c)
+                into = dst if c == m else dst[start: start + c]
                 if w == 2:
-                    own = src.view(w, m)[self.rank, start: start + c]
-                    x0, x1 = (own, rows[1]) if self.rank == 0 else (rows[0], own)
-                    reduce_pair(x0, x1, name, dst[start: start + c], factor)
+                    own = parts[me]
+                    theirs = self._row(p, dt, me * c, c, 1 - me)
+                    x0, x1 = (own, theirs) if me == 0 else (theirs, own)
+                    reduce_pair(x0, x1, name, into, factor)
                 else:
-                    reduce_slots(rows, w, name, dst[start: start + c], factor)
+                    reduce_slots(self._rows(p, dt, me * c, c), w, name, into, factor)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        src = inp.view(-1).view(torch.uint8)
-        dst = out.view(-1).view(torch.uint8)
+        src = _as_bytes(inp)
         n = src.numel()
-        with _writing(out):
+        dst = _as_bytes(out).view(self.world, n)
+        with _writing(out) if out.requires_grad or out.is_inference() else _PLAIN_WRITE:
             for start in range(0, max(n, 1), self.data):
                 c = min(self.data, n - start)
                 p = (self.seq + 1) & 1
-                self._mine(p, torch.uint8, 0, c).copy_(src[start: start + c])
+                self._mine(p, torch.uint8, 0, c).copy_(src if c == n else src[start: start + c])
                 self._round("all_gather", n, inp.dtype, 0)
                 rows = self._rows(p, torch.uint8, 0, c)
-                dst.view(self.world, n)[:, start: start + c].copy_(rows)
+                (dst if c == n else dst[:, start: start + c]).copy_(rows)
 
     def broadcast(self, t: torch.Tensor, root: int) -> None:
-        flat = t.view(-1).view(torch.uint8)
+        flat = _as_bytes(t)
         n = flat.numel()
         step = min(self.data, BCAST_CHUNK)       # the root writes piece k+1 while the others copy piece k
-        with _writing(t):
+        with _writing(t) if t.requires_grad or t.is_inference() else _PLAIN_WRITE:
             for start in range(0, max(n, 1), step):
                 c = min(step, n - start)
                 p = (self.seq + 1) & 1
+                part = flat if c == n else flat[start: start + c]
                 if self.rank == root:
-                    self._mine(p, torch.uint8, 0, c).copy_(flat[start: start + c])
+                    self._mine(p, torch.uint8, 0, c).copy_(part)
                 self._round("broadcast", n, t.dtype, root)
                 if self.rank != root:
-                    flat[start: start + c].copy_(self._rows(p, torch.uint8, 0, c)[root])
+                    part.copy_(self._row(p, torch.uint8, 0, c, root))

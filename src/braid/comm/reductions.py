@@ -118,8 +118,8 @@ class Reductions:
         if (self._cpu is not None and self._cpu_ok(output, input) and input.dtype is output.dtype
                 and input.numel() == output.numel() * self.world_size
                 and (red := self._cpu_reduction(op, output.dtype))):
-            return self._cpu_call("reduce_scatter", input,
-                                  lambda: self._cpu.reduce_scatter(output, input.detach(), *red), async_op)
+            src = input.detach() if input.requires_grad else input
+            return self._cpu_call("reduce_scatter", input, lambda: self._cpu.reduce_scatter(output, src, *red), async_op)
         if getattr(input, "requires_grad", False):
             input = input.detach()     # read only: the native library's copies of it stay out of autograd
         if (type(op) is _RED_T and type(input) is torch.Tensor and type(output) is torch.Tensor and input.is_cuda is self.cuda
