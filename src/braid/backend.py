@@ -36,10 +36,19 @@ log = logging.getLogger("braid")
 _EMPTY = torch.empty(0, dtype=torch.uint8)      # the ledger's tensor of a barrier
 
 
+_PLAIN_TYPES = {getattr(dist.ReduceOp, n): getattr(dist.ReduceOp, n) for n in ("SUM", "AVG", "PRODUCT", "MIN", "MAX")}
+
+
 def _plain_op(op):
     """The op braid's Communicator reduces with: the ReduceOp (SUM/AVG/PRODUCT/MIN/MAX), braid's
     PremulSum for torch's premul-sum (its factor read from the op object), or None: bitwise ops
     (the inner group runs them, braid's checks first: _inner_reduction) and unknown ops."""
+    try:                        # torch's ReduceOp object of a plain op: its type names it
+        hit = _PLAIN_TYPES.get(op.op)
+        if hit is not None:
+            return hit
+    except (AttributeError, TypeError):
+        pass
     try:
         name = op_name(op)
     except Exception:
@@ -123,7 +132,7 @@ class BraidProcessGroup(dist.ProcessGroup):
             return None
         if kind not in ("cpu", "cuda"):
             return None
-        return self.ensure_communicator()
+        return self._comm if self._comm is not None else self.ensure_communicator()
 
     def _inner(self, tensors):
         for t in tensors:
