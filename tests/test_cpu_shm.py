@@ -243,6 +243,34 @@ def test_a_dead_peer_raises_in_time():
     assert took < 20
 
 
+def _pushed_worker(rank, w):
+    """Rank 1 gives up the way a GPU communicator does: its abort mark, then every counter of the
+    segment pushed far ahead (which also ends waits on its round stamp). Rank 0's next round must
+    raise that abort, not read the half rank 1 never wrote."""
+    import braid
+    comm = braid.init()
+    t = torch.full((5,), float(rank + 1))
+    comm.all_reduce(t)
+    torch.distributed.barrier()
+    if rank == 1:
+        comm.segment.mark_aborted(4, "rank 1: given up for the test")
+        comm.segment.abort()
+        torch.distributed.barrier()
+        return t.tolist(), None
+    torch.distributed.barrier()          # rank 1 has pushed the counters
+    try:
+        comm.all_reduce(torch.ones(5))
+        return t.tolist(), "no error"
+    except Exception as e:        # noqa: BLE001  the type and text are checked
+        return t.tolist(), f"{type(e).__name__}: {e}"
+
+
+def test_a_peer_whose_counters_jumped_ahead_is_an_abort_not_data():
+    res = run_world(_pushed_worker, 2)
+    assert res[0][0] == [3.0] * 5 and res[1][0] == [3.0] * 5
+    assert res[0][1] is not None and "rank 1 aborted" in res[0][1] and "given up for the test" in res[0][1], res[0][1]
+
+
 def _lanes_worker(rank, w):
     import braid
     comm = braid.init()

@@ -123,3 +123,24 @@ def test_header_says_ranks_share_gpus(clean_env):
         "results are exact, times are host-cost figures, not link speeds")
     cpu = machine_info(types.SimpleNamespace(world_size=2, cuda=False, device=torch.device("cpu")))
     assert "shared_gpu" not in cpu and "\n" not in header_line("bench", cpu)
+
+
+def test_cpu_ranks_share_the_cores_this_process_may_use(clean_env):
+    """A CPU rank's intra-op threads: the cores of the process's affinity (taskset, a cpuset) over
+    the ranks, not the machine's count; the header names both counts when they differ."""
+    import torch
+    import torch.distributed as dist
+
+    from braid import bench
+    from braid.bench.config import cores_text, usable_cores
+    got = {}
+    clean_env.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    clean_env.setattr(os, "cpu_count", lambda: 32)
+    clean_env.setattr(dist, "init_process_group", lambda backend, **kw: got.setdefault("backend", backend))
+    clean_env.setattr(torch, "set_num_threads", lambda n: got.setdefault("threads", n))
+    clean_env.setattr(bench.config, "set_gpu_env", lambda: None)
+    assert usable_cores() == 16 and cores_text() == "16 of 32 cores"
+    assert bench._init_rank(3, 8, 12345, cpu=True) is False
+    assert got == {"backend": "gloo", "threads": 2}
+    clean_env.setattr(os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
+    assert cores_text() == "32 cores"
