@@ -210,7 +210,8 @@ def _setup_logging(rank: int) -> None:
 def _worker(local_rank: int, cfg: Config, world: int | None, port: int | None) -> None:
     """One rank. On an exception it re-raises without tearing down (peers may sit in a collective;
     the launcher or torchrun ends them); the process exit releases the memory. A rank whose
-    stdout's reader went away (`braid topo | head -1`) exits with PIPE_EXIT, without a traceback."""
+    stdout's reader went away (`braid topo | head -1`) exits with PIPE_EXIT at once, without a
+    traceback."""
     try:
         _rank(local_rank, cfg, world, port)
         sys.stdout.flush()        # here, not at the interpreter's exit, so a closed pipe is seen below
@@ -218,9 +219,13 @@ def _worker(local_rank: int, cfg: Config, world: int | None, port: int | None) -
         if not _stdout_closed():
             raise
         # the reader has what it wanted; peers that wait for this rank are ended by the launcher
-        # (under torchrun, by its agent)
+        # (under torchrun, by its agent). Ended here, without the interpreter's exit: that
+        # destroyed gloo's groups under their running threads now and then (SIGABRT, "terminate
+        # called without an active exception": once in a CPU test run of `braid topo | head -1`),
+        # and nothing is left to release (the node segment was unlinked once every rank mapped it)
         _silence_stdout()
-        sys.exit(PIPE_EXIT)
+        sys.stderr.flush()
+        os._exit(PIPE_EXIT)
 
 
 def _rank(local_rank: int, cfg: Config, world: int | None, port: int | None) -> None:

@@ -29,12 +29,13 @@ import torch
 
 from .. import envs
 from ..errors import BraidTimeoutError, LaneFailureError, PeerMismatchError
-from .cpushm import _dtype_code
+from .cpushm import _as_bytes, _dtype_code
 
 HEADER = 16
 PIECE = 256 << 10   # bytes copied between two counter writes: the peer copies one piece while
                     # this rank copies the next (whole-ring steps ran 0.8x gloo from 4 MiB)
 _M = 0xFFFFFFFF
+_HEADS: dict = {}   # (bytes, dtype code) -> a send's header, never written after it is made
 
 
 class Transfer:
@@ -102,18 +103,23 @@ class CpuP2P:
         """Start a send of `t` to peer, or a recv into `t` from peer; moves what it can now."""
         after, code = None, _dtype_code(t.dtype)
         if sending:
-            src = t.detach()
+            src = t.detach() if t.requires_grad else t
             if not src.is_contiguous():
                 src = src.contiguous()      # a copy now: the caller may change t after the call
-            data = src.reshape(-1).view(torch.uint8)
-            head = torch.tensor([data.numel(), code], dtype=torch.int64).view(torch.uint8)
+            data = _as_bytes(src)
+            key = (data.numel(), code)
+            head = _HEADS.get(key)          # read only: one per message shape, kept
+            if head is None:
+                if len(_HEADS) > 1024:
+                    _HEADS.clear()
+                head = _HEADS[key] = torch.tensor(list(key), dtype=torch.int64).view(torch.uint8)
         else:
             dst = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype)
             if dst is not t:
                 def after(dst=dst, t=t):
                     with torch.no_grad():
                         t.copy_(dst)
-            data = dst.detach().reshape(-1).view(torch.uint8)
+            data = _as_bytes(dst.detach() if dst.requires_grad else dst)
             head = torch.empty(HEADER, dtype=torch.uint8)
         x = Transfer(self, sending, peer, [head, data], data.numel(), code, after)
         q = self.queues.get((sending, peer))
@@ -197,7 +203,7 @@ class CpuP2P:
                 continue
             pos = (wrote + moved) % size
             k = min(free, left, size - pos, PIECE)
-            ring[pos: pos + k].copy_(part[x.at: x.at + k])
+            ring[pos: pos + k].copy_(part if k == left == part.numel() else part[x.at: x.at + k])
             x.at += k
             moved += k
             free -= k
@@ -221,7 +227,7 @@ class CpuP2P:
             if left:
                 pos = (took + moved) % size
                 k = min(avail, left, size - pos, PIECE)
-                part[x.at: x.at + k].copy_(ring[pos: pos + k])
+                (part if k == left == part.numel() else part[x.at: x.at + k]).copy_(ring[pos: pos + k])
                 x.at += k
                 moved += k
                 avail -= k
