@@ -36,7 +36,7 @@ log = logging.getLogger("braid")
 _EMPTY = torch.empty(0, dtype=torch.uint8)      # the ledger's tensor of a barrier
 
 
-_PLAIN_TYPES = {getattr(dist.ReduceOp, n): getattr(dist.ReduceOp, n) for n in ("SUM", "AVG", "PRODUCT", "MIN", "MAX")}
+_PLAIN_TYPES = frozenset(getattr(dist.ReduceOp, n) for n in ("SUM", "AVG", "PRODUCT", "MIN", "MAX"))
 
 
 def _plain_op(op):
@@ -44,9 +44,8 @@ def _plain_op(op):
     PremulSum for torch's premul-sum (its factor read from the op object), or None: bitwise ops
     (the inner group runs them, braid's checks first: _inner_reduction) and unknown ops."""
     try:                        # torch's ReduceOp object of a plain op: its type names it
-        hit = _PLAIN_TYPES.get(op.op)
-        if hit is not None:
-            return hit
+        if op.op in _PLAIN_TYPES:
+            return op.op
     except (AttributeError, TypeError):
         pass
     try:

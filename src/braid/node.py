@@ -329,8 +329,8 @@ class NodeSegment:
         """What `rank` last published (None: nothing yet, or no whole record after a few tries)."""
         off = self.layout.status_off + rank * STATUS_BYTES
         for _ in range(8):
-            calls, seq, when, op, dtype, path, nbytes = struct.unpack_from(_STATUS_FMT + "Q", self.mm, off)
-            if seq % 2 == 0 and struct.unpack_from("<I", self.mm, off + 4)[0] == seq:
+            calls, seq, when, op, dtype, path, nbytes = _STATUS.unpack_from(self.mm, off)
+            if seq % 2 == 0 and _U32.unpack_from(self.mm, off + 4)[0] == seq:
                 break
         else:
             return None

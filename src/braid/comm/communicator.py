@@ -311,8 +311,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         return True
 
     def _cpu_enter(self, op: str, x: torch.Tensor) -> None:
-        if self.closed or self.aborted or (self.watchdog is not None and self.watchdog.failed):
-            self._check_open()          # raises, saying why
+        self._check_open()
         if self._p2p_pending:
             self._flush_p2p()
         last = getattr(self._lanes.get("shm"), "_last", None)

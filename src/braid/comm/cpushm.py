@@ -57,9 +57,15 @@ _NAMES = {"sum": 1, "avg": 2, "product": 3, "min": 4, "max": 5, "band": 6, "bor"
 _DTYPES: dict = {}
 _RED_T = type(dist.ReduceOp.SUM)
 _PLAIN: dict = {}
-# a result written into a tensor that needs no autograd guard (no grad, not an inference
-# tensor): torch.no_grad()'s enter and exit cost ~5 us of a 4 KiB call (2-core container)
 _PLAIN_WRITE = contextlib.nullcontext()
+
+
+def _guard(out: torch.Tensor):
+    """The mode in which a call here writes `out` (reduce._writing) where it needs one: a tensor
+    that requires grad or an inference tensor. Every other write needs none (what is read here is
+    the segment or a tensor without grad), and torch.no_grad()'s enter and exit cost ~5 us of a
+    4 KiB call (2-core container)."""
+    return _writing(out) if out.requires_grad or out.is_inference() else _PLAIN_WRITE
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -142,17 +148,14 @@ class CpuShm:
         """Rank r's row of _rows (kept: indexing a tensor costs microseconds of Python)."""
         key = (parity, dtype, start, m, r)
         v = self._rowv.get(key)
-        if v is None:
-            if len(self._rowv) > 512:
-                self._rowv.clear()
-            v = self._rowv[key] = self._rows(parity, dtype, start, m)[r]
-        return v
+        return v if v is not None else self._kept(key, lambda: self._rows(parity, dtype, start, m)[r])
 
     def _mine(self, parity: int, dtype: torch.dtype, start: int, m: int) -> torch.Tensor:
         return self._row(parity, dtype, start, m, self.rank)
 
-    def _kept(self, key, make) -> torch.Tensor:
-        """A view of the segment kept under `key` (made by `make()` the first time)."""
+    def _kept(self, key, make):
+        """A view of the segment (or a tuple of views) kept under `key`, made by `make()` the
+        first time (at most 512 kept: a new shape beyond that starts the cache over)."""
         v = self._rowv.get(key)
         if v is None:
             if len(self._rowv) > 512:
@@ -160,7 +163,7 @@ class CpuShm:
             v = self._rowv[key] = make()
         return v
 
-    def _checked(self, dtype: torch.dtype, name: str, op: str) -> str:
+    def checked(self, dtype: torch.dtype, name: str, op: str) -> str:
         """check_reduce_dtype's answer, kept per (dtype, reduction, op) once it accepted."""
         key = (dtype, name, op)
         got = self._accepted.get(key)
@@ -251,14 +254,14 @@ class CpuShm:
         flat = t if t.dim() == 1 else t.view(-1)
         op = "all_reduce" if root is None else "reduce"
         dt, n = t.dtype, flat.numel()
-        name = self._checked(dt, name, op)
+        name = self.checked(dt, name, op)
         esz = self.esz(dt)
         cap = self.data // esz
         code = _NAMES[name] + (0 if root is None else 100 * (root + 1))
         lands = root is None or root == self.rank
         # two ranks, a chunk above SMALL_REDUCE: each copies in only the half its peer reduces
         pair = self.world == 2
-        with _writing(t) if t.requires_grad or t.is_inference() else _PLAIN_WRITE:
+        with _guard(t):
             for start in range(0, max(n, 1), cap):
                 c = min(cap, n - start)
                 p = (self.seq + 1) & 1
@@ -323,7 +326,7 @@ class CpuShm:
         me = self.rank
         s2, d2 = src.view(w, b), dst.view(w, b)
         u8 = torch.uint8
-        with _writing(out) if out.requires_grad or out.is_inference() else _PLAIN_WRITE:
+        with _guard(out):
             for start in range(0, max(b, 1), cap):
                 c = min(cap, b - start)
                 p = (self.seq + 1) & 1
@@ -398,14 +401,14 @@ class CpuShm:
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, name: str, factor: float) -> None:
         dt, m, w = out.dtype, out.numel(), self.world
-        name = self._checked(dt, name, "reduce_scatter")
+        name = self.checked(dt, name, "reduce_scatter")
         src = inp.view(w, m)
         dst = out if out.dim() == 1 else out.view(-1)
         esz = self.esz(dt)
         cap = self.data // esz // w
         code = _NAMES[name]
         me = self.rank
-        with _writing(out) if out.requires_grad or out.is_inference() else _PLAIN_WRITE:
+        with _guard(out):
             for start in range(0, max(m, 1), cap):
                 c = min(cap, m - start)
                 p = (self.seq + 1) & 1
@@ -431,7 +434,7 @@ class CpuShm:
         src = _as_bytes(inp)
         n = src.numel()
         dst = _as_bytes(out).view(self.world, n)
-        with _writing(out) if out.requires_grad or out.is_inference() else _PLAIN_WRITE:
+        with _guard(out):
             for start in range(0, max(n, 1), self.data):
                 c = min(self.data, n - start)
                 p = (self.seq + 1) & 1
@@ -444,7 +447,7 @@ class CpuShm:
         flat = _as_bytes(t)
         n = flat.numel()
         step = min(self.data, BCAST_CHUNK)       # the root writes piece k+1 while the others copy piece k
-        with _writing(t) if t.requires_grad or t.is_inference() else _PLAIN_WRITE:
+        with _guard(t):
             for start in range(0, max(n, 1), step):
                 c = min(step, n - start)
                 p = (self.seq + 1) & 1

@@ -177,7 +177,7 @@ class Reductions:
         if red is None:
             return None
         try:
-            self._cpu._checked(dtype, red[0], "all_reduce")     # kept once accepted
+            self._cpu.checked(dtype, red[0], "all_reduce")     # kept once accepted
         except MisuseError:
             return None
         return red
