@@ -39,6 +39,9 @@ def _record(monkeypatch, world: int, plan, make_sig):
         ops: list = []
         monkeypatch.setattr(_cuda, "write_value", lambda sh, addr, v: ops.append(("write", addr, v)))
         monkeypatch.setattr(_cuda, "wait_value", lambda sh, addr, v: ops.append(("wait", addr, v)))
+        # a batch runs its operations in order, as the driver does (one graph node)
+        monkeypatch.setattr(_cuda, "memops", lambda sh, batch: ops.extend(
+            ("wait" if w else "write", addr, v) for w, addr, v in batch))
         lane = CeLane.__new__(CeLane)
         lane.lc = _Lc(me, world, layout)
         transfers = plan.lanes["ce"]
@@ -153,3 +156,86 @@ def test_abort_releases_a_rank_whose_peer_never_comes(monkeypatch):
     assert res["deadlock"]                               # without the abort: stuck for good
     res = _run(progs, calls=3, seed=1, absent=2, abort_at=5)
     assert not res["deadlock"] and res["call"][0] == 3 and res["call"][1] == 3
+
+
+class _FakeDriver:
+    """Stands in for libcuda: records every stream memory operation it is given."""
+
+    def __init__(self):
+        self.calls: list = []
+
+    def cuStreamBatchMemOp_v2(self, stream, count, arr, flags):
+        self.calls.append(("batch", stream, [(m.operation, m.address, m.value, m.flags) for m in arr[:count]], flags))
+        return 0
+
+    def cuStreamWaitValue32_v2(self, stream, addr, value, flags):
+        self.calls.append(("wait", stream, addr, value))
+        return 0
+
+    def cuStreamWriteValue32_v2(self, stream, addr, value, flags):
+        self.calls.append(("write", stream, addr, value))
+        return 0
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    fake = _FakeDriver()
+    monkeypatch.setattr(_cuda, "lib", lambda: fake)
+    monkeypatch.setattr(_cuda, "batched", lambda: True)
+    return fake
+
+
+def test_a_batch_packs_waits_and_writes_in_order(driver):
+    _cuda.memops(7, [(True, 0x1000, 1), (False, 0x1000, 0), (False, 0x2004, (1 << 32) + 5)])
+    assert driver.calls == [("batch", 7, [(_cuda.CU_STREAM_MEM_OP_WAIT_VALUE_32, 0x1000, 1, _cuda.CU_STREAM_WAIT_VALUE_GEQ),
+                                          (_cuda.CU_STREAM_MEM_OP_WRITE_VALUE_32, 0x1000, 0, 0),
+                                          (_cuda.CU_STREAM_MEM_OP_WRITE_VALUE_32, 0x2004, 5, 0)], 0)]
+
+
+def test_a_single_operation_and_long_batches(driver):
+    _cuda.memops(3, [(False, 0x40, 9)])
+    assert driver.calls == [("write", 3, 0x40, 9)]
+    driver.calls.clear()
+    ops = [(i % 2 == 0, 0x100 + 4 * i, i) for i in range(600)]
+    _cuda.memops(3, ops)
+    sizes = [len(c[2]) for c in driver.calls]
+    assert sizes == [255, 255, 90]                        # the driver takes fewer than 256 at once
+    flat = [op for c in driver.calls for op in c[2]]
+    assert [(a, v) for _, a, v, _ in flat] == [(a, v) for _, a, v in ops]
+
+
+def test_batching_off_posts_one_operation_at_a_time(driver, monkeypatch):
+    monkeypatch.setattr(_cuda, "batched", lambda: False)
+    _cuda.memops(3, [(True, 0x10, 1), (False, 0x10, 0)])
+    assert driver.calls == [("wait", 3, 0x10, 1), ("write", 3, 0x10, 0)]
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_each_step_of_a_replayed_program_is_one_batch(driver, world):
+    """The flags of every peer, and each wait with its reset, go in one batch (one graph node)."""
+    lay = Layout(world, 1 << 20, 64 << 10)
+    sig, me = Flags(0, lay), 1
+    peers = [p for p in range(world) if p != me]
+    write = _cuda.CU_STREAM_MEM_OP_WRITE_VALUE_32
+    for step in (lambda: sig.ready(5, me, peers), lambda: sig.done(5, me, peers),
+                 lambda: sig.piece(5, me, 2, peers)):
+        driver.calls.clear()
+        step()
+        assert len(driver.calls) == 1               # one node (a lone write: the plain call)
+        kind, _, *rest = driver.calls[0]
+        ops = rest[0] if kind == "batch" else [(write, rest[0], rest[1], 0)]
+        assert [(o[0], o[2]) for o in ops] == [(write, 1)] * len(peers)
+        assert len({o[1] for o in ops}) == len(peers)                    # a flag per reader
+    for step in (lambda: sig.wait_ready(5, peers, me), lambda: sig.wait_done(5, peers, me),
+                 lambda: sig.wait_piece(5, peers, me, 2)):
+        driver.calls.clear()
+        step()
+        assert len(driver.calls) == 1 and driver.calls[0][0] == "batch"
+        ops = driver.calls[0][2]
+        assert [(o[0], o[2]) for o in ops] == [(_cuda.CU_STREAM_MEM_OP_WAIT_VALUE_32, 1),
+                                               (_cuda.CU_STREAM_MEM_OP_WRITE_VALUE_32, 0)] * len(peers)
+        assert [o[1] for o in ops[0::2]] == [o[1] for o in ops[1::2]]     # each reset is of the flag waited for
+    driver.calls.clear()
+    sig.wait_done(5, [], me)
+    sig.ready(5, me, [])
+    assert driver.calls == []

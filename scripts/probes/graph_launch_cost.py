@@ -1,5 +1,5 @@
 """Host time of one cuGraphLaunch (ctypes) by what the graph holds: a copy, stream memory
-operations on pinned host memory, both; each launch after the GPU drained (no queue), and back
+operations on pinned host memory (one node each, or batched: cuStreamBatchMemOp), both; each launch after the GPU drained (no queue), and back
 to back. One process, one GPU.
 
     PYTHONPATH=src python3 scripts/probes/graph_launch_cost.py
@@ -27,12 +27,19 @@ def main():
             else:
                 _cuda.write_value(sh, fp + 4 * (1 + i), 1)
 
+    def batch(n):
+        return [(True, fp, 1) if i % 2 else (False, fp + 4 * (1 + i), 1) for i in range(n)]
+
     kinds = {
         "1 copy": lambda sh: _cuda.memcpy_async(y.data_ptr(), x.data_ptr(), x.numel() * 4, sh),
         "6 memops": lambda sh: memops(sh, 6),
         "6 memops + 2 copies": lambda sh: (memops(sh, 3), _cuda.memcpy_async(y.data_ptr(), x.data_ptr(), 4096, sh),
                                            memops(sh, 3), _cuda.memcpy_async(y.data_ptr(), x.data_ptr(), 4096, sh)),
         "12 memops": lambda sh: memops(sh, 12),
+        "12 memops, 1 batch": lambda sh: _cuda.memops(sh, batch(12)),
+        "12 memops, 6 batches": lambda sh: [_cuda.memops(sh, batch(12)[i: i + 2]) for i in range(0, 12, 2)],
+        "27 memops": lambda sh: memops(sh, 27),
+        "27 memops, 6 batches": lambda sh: [_cuda.memops(sh, batch(27)[i: i + 5]) for i in range(0, 27, 5)],
         "a kernel": lambda sh: torch.add(x, 1, out=y),
     }
     for name, body in kinds.items():

@@ -1,7 +1,7 @@
 """Where a prepared split call's host time goes: each step of the call path timed on its own
-(wrapped functions, nested times included in their callers), 2 ranks sharing one GPU.
+(wrapped functions, nested times included in their callers), ranks sharing one GPU (2, or --nproc).
 
-    PYTHONPATH=src python3 scripts/probes/prepared_profile.py [--op all_gather] [--nbytes 1048576]
+    PYTHONPATH=src python3 scripts/probes/prepared_profile.py [--op all_gather] [--nbytes 1048576] [--nproc 4] [--first]
 """
 import argparse
 import collections
@@ -52,6 +52,22 @@ def worker(rank, world, port, args):
         "broadcast": lambda: comm.broadcast(y, 0),
     }
     fn = calls[args.op]
+    if args.first:                  # the first call of the shape under cProfile (rank 0's top entries)
+        import cProfile
+        import pstats
+        with comm.fixed_shares({"ce": 1.0}):
+            dist.barrier()
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            t0 = time.perf_counter_ns()
+            prof.enable()
+            fn()
+            prof.disable()
+            t1 = time.perf_counter_ns()
+            torch.cuda.synchronize()
+        if rank == 0:
+            print(f"{args.op} {args.nbytes} B, {world} ranks: first call {(t1 - t0) / 1e6:.2f} ms of host time")
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(28)
     with comm.fixed_shares({"ce": 1.0}):
         for _ in range(10):
             fn()
@@ -104,5 +120,7 @@ if __name__ == "__main__":
     ap.add_argument("--nbytes", type=int, default=1 << 20)
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--sync-every", type=int, default=0)
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--first", action="store_true", help="profile the shape's first call (cProfile) before timing repeats")
     a = ap.parse_args()
-    mp.spawn(worker, args=(2, 29400 + os.getpid() % 500, a), nprocs=2)
+    mp.spawn(worker, args=(a.nproc, 29400 + os.getpid() % 500, a), nprocs=a.nproc)

@@ -108,6 +108,10 @@ def _nonneg_int(text: str) -> int:
 _define("BRAID_CE_PIECE_MB", _nonneg_int, 0,
         "Piece size of the copy engines' pipelined reduction in MiB (experiments); 0 = braid's "
         "rule (planner/pieces.py: every chunk in 4 pieces of 4 to 256 MiB).")
+_define("BRAID_CE_BATCH", _bool, True,
+        "Post the copy engines' flag operations of one step (a wait and its reset, the flags of "
+        "every peer) as one batch of stream memory operations, one node of a replayed graph; 0: "
+        "one operation at a time (a fallback for a driver that rejects batches).")
 _define("BRAID_CE_TAPER", _bool, True,
         "Taper the end of each chunk of the copy engines' pipelined reduction into smaller pieces "
         "(planner/pieces.py: pieces of 64 MiB and up). Must be the same on every rank.")

@@ -14,8 +14,8 @@ Rank r of w reduces chunk r of the region the `ce` lane was given (chunk d is a 
                                         out[chunk r, piece k] = x_0 (op) x_1 (op) ... x_{w-1}   (rank order)
                                         write red[r] = base + k + 1
     gather stream (copy engine, all_reduce only)
-                                 for k: for p != r: wait red[p] >= base + k + 1
-                                        pull p's out[chunk p, piece k] -> my out[chunk p, piece k]
+                                 for k: wait red[p] >= base + k + 1 for every p != r
+                                        for p != r: pull p's out[chunk p, piece k] -> my out[chunk p, piece k]
     then, on the pull stream: join the others; write finish[r]; wait finish[p] for every peer
     (nobody reads my buffers once the call is over).
 
@@ -134,8 +134,7 @@ class CeReduction:
         others = [(me + i) % w for i in range(1, w)]          # rotated: sources are read evenly
         psh = ps.cuda_stream
         sig.ready(psh, me, others)
-        for p in others:
-            sig.wait_ready(psh, p, me)
+        sig.wait_ready(psh, others, me)
         row = (lambda p: 0) if w == 2 else (lambda p: p)                # noqa: E731
         my_in = inp[my_off: my_off + my_len]
         my_out = out[out_offsets[me]: out_offsets[me] + my_len]
@@ -162,20 +161,19 @@ class CeReduction:
             theirs = {p: pieces(chunks[p][1], per, tail) for p in others}
             rounds = max((len(v) for v in theirs.values()), default=0)
             for k in range(rounds):
-                for p in others:
-                    if k >= len(theirs[p]):
-                        continue
+                # every peer's piece k waited for in one batch (one graph node), then pulled
+                have = [p for p in others if k < len(theirs[p])]
+                sig.wait_piece(gs.cuda_stream, have, me, k)
+                for p in have:
                     a, b = theirs[p][k]
                     at = (out_offsets[p] + a) * esz
-                    sig.wait_piece(gs.cuda_stream, p, me, k)
                     _cuda.memcpy_async(out_ptr + at, peers[p] + at, (b - a) * esz, gs.cuda_stream)
         for s in (rs, gs):
             ev = torch.cuda.Event()
             ev.record(s)
             ps.wait_event(ev)
         sig.done(psh, me, others)
-        for p in others:
-            sig.wait_done(psh, p, me)
+        sig.wait_done(psh, others, me)
 
     def _events(self, n: int) -> list:
         """Reused events (recording an event again is stream-ordered after its earlier waits)."""

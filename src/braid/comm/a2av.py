@@ -105,11 +105,10 @@ class UnevenCe:
         out_ptr = out.data_ptr()
         sig.ready(sh, me, readers)
         for s in sources:
-            sig.wait_ready(sh, s, me)
+            sig.wait_ready(sh, (s,), me)
             _cuda.memcpy_async(out_ptr + out_at[s], peers[s] + sum(matrix[s][:me]), col[s], sh)
         sig.done(sh, me, sources)
-        for p in readers:
-            sig.wait_done(sh, p, me)
+        sig.wait_done(sh, readers, me)
         if row[me]:                     # my own part, on the caller's stream beside the pulls
             _cuda.memcpy_async(out_ptr + out_at[me], inp.data_ptr() + sum(row[:me]), row[me], caller)
         self.stats["calls"] += 1

@@ -107,14 +107,13 @@ class CeLane(GpuLaneMixin, Lane):
             if not mine:
                 continue
             if t.src not in waited:
-                sig.wait_ready(sh, t.src, me)
+                sig.wait_ready(sh, (t.src,), me)
                 waited.add(t.src)
             src_ptr = peers[t.src] + t.src_off
             for b, off in mine:
                 _cuda.memcpy_async(out_ptrs[b] + off, src_ptr, t.nbytes, sh)
         sig.done(sh, me, sources)
-        for p in readers:
-            sig.wait_done(sh, p, me)
+        sig.wait_done(sh, readers, me)
 
     def post(self, ctx: OpContext, transfers: list[Transfer]) -> LaneRun:
         if not ctx.plan.p2p:

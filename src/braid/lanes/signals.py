@@ -4,12 +4,16 @@ Every GPU program of the `ce` lane and of the copy engines' reduction says four 
 peers, with stream memory operations on words of the pinned node segment:
 
     ready(me, readers)        my input may be read             (before the first pull of me)
-    wait_ready(src, me)       src's input may be read          (before I pull from src)
+    wait_ready(srcs, me)      each src's input may be read     (before I pull from them)
     done(me, sources)         I finished reading my sources    (after my last pull)
-    wait_done(reader, me)     reader finished reading me       (before my program ends)
+    wait_done(readers, me)    each reader finished reading me  (before my program ends)
 and the reductions add, per piece k:
     piece(me, k, readers)     my reduced piece k may be read
-    wait_piece(src, me, k)    src's reduced piece k may be read
+    wait_piece(srcs, me, k)   each src's reduced piece k may be read
+
+Each of these is one batch of stream memory operations (`_cuda.memops`): one node of a captured
+graph, whatever the number of peers (a graph launch costs ~1.1 us of host time per memory
+operation node, so a 4-rank all_reduce's 27 flag operations cost ~30 us as separate nodes).
 
 `Rising` is the scheme of calls posted one by one: a counter per rank that every call raises to
 its sequence number (waits are >= comparisons, cyclic in 32 bits). Posting costs one write per
@@ -42,23 +46,27 @@ class Rising:
     def __init__(self, seg_dev_ptr: int, layout, seq: int, piece_base: int = 0):
         self.base, self.lay, self.seq, self.piece_base = seg_dev_ptr, layout, seq, piece_base
 
-    def ready(self, sh: int, me: int, readers) -> None:
-        _cuda.write_value(sh, self.base + self.lay.counter("ce_arrive", me), self.seq)
+    def _counter(self, name: str, rank: int) -> int:
+        return self.base + self.lay.counter(name, rank)
 
-    def wait_ready(self, sh: int, src: int, me: int) -> None:
-        _cuda.wait_value(sh, self.base + self.lay.counter("ce_arrive", src), self.seq)
+    def ready(self, sh: int, me: int, readers) -> None:
+        _cuda.write_value(sh, self._counter("ce_arrive", me), self.seq)
+
+    def wait_ready(self, sh: int, srcs, me: int) -> None:
+        _cuda.memops(sh, [(True, self._counter("ce_arrive", s), self.seq) for s in srcs])
 
     def done(self, sh: int, me: int, sources) -> None:
-        _cuda.write_value(sh, self.base + self.lay.counter("ce_finish", me), self.seq)
+        _cuda.write_value(sh, self._counter("ce_finish", me), self.seq)
 
-    def wait_done(self, sh: int, reader: int, me: int) -> None:
-        _cuda.wait_value(sh, self.base + self.lay.counter("ce_finish", reader), self.seq)
+    def wait_done(self, sh: int, readers, me: int) -> None:
+        if readers:
+            _cuda.memops(sh, [(True, self._counter("ce_finish", p), self.seq) for p in readers])
 
     def piece(self, sh: int, me: int, k: int, readers) -> None:
-        _cuda.write_value(sh, self.base + self.lay.counter("ce_red", me), self.piece_base + k + 1)
+        _cuda.write_value(sh, self._counter("ce_red", me), self.piece_base + k + 1)
 
-    def wait_piece(self, sh: int, src: int, me: int, k: int) -> None:
-        _cuda.wait_value(sh, self.base + self.lay.counter("ce_red", src), self.piece_base + k + 1)
+    def wait_piece(self, sh: int, srcs, me: int, k: int) -> None:
+        _cuda.memops(sh, [(True, self._counter("ce_red", s), self.piece_base + k + 1) for s in srcs])
 
 
 class Flags:
@@ -72,27 +80,29 @@ class Flags:
     def _flag(self, name: str, *index: int) -> int:
         return self.base + self.lay.counter(name, *index)
 
-    def _take(self, sh: int, addr: int) -> None:
-        _cuda.wait_value(sh, addr, 1)
-        _cuda.write_value(sh, addr, 0)
+    def _set(self, sh: int, addrs) -> None:
+        if addrs:
+            _cuda.memops(sh, [(False, a, 1) for a in addrs])
+
+    def _take(self, sh: int, addrs) -> None:
+        """Wait for each flag and set it back to 0, in one batch (each wait before its reset)."""
+        if addrs:
+            _cuda.memops(sh, [op for a in addrs for op in ((True, a, 1), (False, a, 0))])
 
     def ready(self, sh: int, me: int, readers) -> None:
-        for p in readers:
-            _cuda.write_value(sh, self._flag("flag_ready", me, p), 1)
+        self._set(sh, [self._flag("flag_ready", me, p) for p in readers])
 
-    def wait_ready(self, sh: int, src: int, me: int) -> None:
-        self._take(sh, self._flag("flag_ready", src, me))
+    def wait_ready(self, sh: int, srcs, me: int) -> None:
+        self._take(sh, [self._flag("flag_ready", s, me) for s in srcs])
 
     def done(self, sh: int, me: int, sources) -> None:
-        for s in sources:
-            _cuda.write_value(sh, self._flag("flag_done", me, s), 1)
+        self._set(sh, [self._flag("flag_done", me, s) for s in sources])
 
-    def wait_done(self, sh: int, reader: int, me: int) -> None:
-        self._take(sh, self._flag("flag_done", reader, me))
+    def wait_done(self, sh: int, readers, me: int) -> None:
+        self._take(sh, [self._flag("flag_done", p, me) for p in readers])
 
     def piece(self, sh: int, me: int, k: int, readers) -> None:
-        for p in readers:
-            _cuda.write_value(sh, self._flag("flag_piece", me, p, k), 1)
+        self._set(sh, [self._flag("flag_piece", me, p, k) for p in readers])
 
-    def wait_piece(self, sh: int, src: int, me: int, k: int) -> None:
-        self._take(sh, self._flag("flag_piece", src, me, k))
+    def wait_piece(self, sh: int, srcs, me: int, k: int) -> None:
+        self._take(sh, [self._flag("flag_piece", s, me, k) for s in srcs])
