@@ -497,8 +497,14 @@ class _FakeNccl:
 def test_queued_gpu_sends_and_recvs_post_as_one_group_on_first_wait():
     import types
     from braid.backend import BraidProcessGroup, _QueuedWork
-    pg = types.SimpleNamespace(nccl=_FakeNccl(), _p2p_queue=[])
+    pg = types.SimpleNamespace(nccl=_FakeNccl(), _p2p_queue=[], _p2p_world=False)
     pg.flush_p2p = lambda: BraidProcessGroup.flush_p2p(pg)
+    # before the communicator of all ranks exists, one op alone goes as it is, without a group
+    w = _QueuedWork(pg, [_FakeTensor()])
+    pg._p2p_queue.append((False, [_FakeTensor()], 3, 0, w))
+    assert w.is_completed()
+    assert pg.nccl.log == [("recv", 3)]
+    pg.nccl.log.clear()
     works = []
     for sending, peer in ((True, 1), (False, 1), (True, 2)):
         w = _QueuedWork(pg, [_FakeTensor()])
@@ -510,12 +516,13 @@ def test_queued_gpu_sends_and_recvs_post_as_one_group_on_first_wait():
     assert pg._p2p_queue == []
     assert works[0].is_completed() and works[2].wait()
     assert pg.nccl.log.count("start") == 1          # posted once
-    # one op alone goes as it is, without a group
+    # the group made the communicator of all ranks: from now on one op alone is a group too
+    # (its peer may post the matching op inside a group: both must be on that communicator)
     pg.nccl.log.clear()
     w = _QueuedWork(pg, [_FakeTensor()])
     pg._p2p_queue.append((False, [_FakeTensor()], 3, 0, w))
     assert w.is_completed()
-    assert pg.nccl.log == [("recv", 3)]
+    assert pg.nccl.log == ["start", ("recv", 3), "end"]
 
 
 def test_coalescing_calls_pass_the_device_only_where_it_is_wanted():

@@ -33,6 +33,7 @@ from .collectives.reduce import REDUCE_DTYPES, PremulSum, check_reduce_dtype, di
 
 NAME = "braid"
 log = logging.getLogger("braid")
+_P2P_NAMES = frozenset(("send", "recv", "recv_anysource"))
 _EMPTY = torch.empty(0, dtype=torch.uint8)      # the ledger's tensor of a barrier
 
 
@@ -75,6 +76,8 @@ class BraidProcessGroup(dist.ProcessGroup):
         self.nccl = _make_nccl(dist.PrefixStore("braid/nccl/", store), rank, size, self._timeout)
         self._gpu = self.nccl is not None
         self._p2p_queue: list[tuple] = []    # GPU send/recv not yet posted (see _p2p)
+        # every rank knows the inner NCCL group's communicator of all ranks exists (see flush_p2p)
+        self._p2p_world = False
         try:
             self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self.gloo)
             if self.nccl is not None:
@@ -106,6 +109,8 @@ class BraidProcessGroup(dist.ProcessGroup):
                 comm = Communicator(lanes=lanes)
             comm._braid_backend_owned = True
             comm.backend_groups = [self.nccl] if self.nccl is not None else []   # aborted with braid's own
+            if comm.cuda and self.nccl is not None:
+                self._connect_world(comm.device)
             # the inner group's all_reduce, bound once (the forwarding path's hottest call)
             self._inner_allreduce = (self.nccl if comm.cuda else self.gloo).allreduce
             self._comm = comm
@@ -146,6 +151,8 @@ class BraidProcessGroup(dist.ProcessGroup):
         if any(t.requires_grad for t in tensors):
             args, kwargs = _detached(args), {k: _detached(v) for k, v in kwargs.items()}
         work = _method(inner, name)(*args, **kwargs)
+        if inner is self.nccl and name not in _P2P_NAMES:
+            self._p2p_world = True            # a collective: every rank made the communicator of all
         # a synchronous NCCL call may return no Work (it ran on the current stream)
         return work if work is not None else _done()
 
@@ -433,16 +440,26 @@ class BraidProcessGroup(dist.ProcessGroup):
         return self._forward("send" if sending else "recv", tensors, peer, tag)
 
     def flush_p2p(self) -> None:
-        """Post the queued GPU send/recv as one NCCL group (nothing to do when none is queued)."""
+        """Post the queued GPU send/recv as one NCCL group (nothing to do when none is queued).
+
+        NCCL matches a send to a recv on one communicator, and torch's NCCL group picks it by
+        how the op was posted: inside a group, the communicator of all ranks; alone, one of the
+        pair's own (unless the group was connected eagerly). What this queue holds when it is
+        posted differs from rank to rank (a rank's earlier isend rides with its next send; its
+        peer's recv may go alone), so a message could leave on one communicator and be awaited
+        on the other, and both ranks hung (4 ranks, NCCL 2.28). Once every rank knows the
+        communicator of all ranks exists (_connect_world, or a collective forwarded to NCCL),
+        every post is a group, even of one op: each message travels on that communicator."""
         if not self._p2p_queue:
             return
         queue, self._p2p_queue = self._p2p_queue, []
         dev = next(t.device for _, ts, _, _, _ in queue for t in ts if t.is_cuda)
         inner = self.nccl
-        if len(queue) == 1:
+        if len(queue) == 1 and not self._p2p_world:
             sending, ts, peer, tag, w = queue[0]
             w._posted(getattr(inner, "send" if sending else "recv")(ts, peer, tag))
             return
+        self._p2p_world = True       # a group needs the communicator of all ranks: it exists now
         _coalescing(inner._start_coalescing, dev)
         try:
             for sending, ts, peer, tag, _ in queue:
@@ -451,6 +468,30 @@ class BraidProcessGroup(dist.ProcessGroup):
             group_work = _coalescing(inner._end_coalescing, dev)
         for *_, w in queue:
             w._posted(group_work)
+
+    def _connect_world(self, device) -> None:
+        """Make the inner NCCL group's communicator of all ranks now, on `device` (every rank
+        calls this at the same call: braid's Communicator is made at the first collective), so
+        that every later queued send/recv can travel on it (flush_p2p). Where torch connected
+        it already (init_process_group's device_id), or a group of sends/recvs or a forwarded
+        collective made it, nothing to do."""
+        if self._p2p_world or getattr(self, "bound_device_id", None) is not None:
+            self._p2p_world = True
+            return
+        connect = getattr(self.nccl, "eager_connect_single_device", None)
+        try:
+            if connect is not None:
+                connect(device)
+            else:                       # an older torch: a one-element all_reduce makes it
+                t = torch.zeros(1, device=device)
+                work = self.nccl.allreduce([t], dist.AllreduceOptions())
+                if work is not None:
+                    work.wait()
+        except Exception as exc:    # NCCL's own error surfaces at the next call that needs it
+            log.warning("braid backend: connecting the inner NCCL group failed (%s); its sends and "
+                        "receives keep torch's choice of communicator", exc)
+            return
+        self._p2p_world = True
 
     def send(self, tensors, dstRank, tag=0):
         if profiler_on() and not self._recording:

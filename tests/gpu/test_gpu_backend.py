@@ -223,6 +223,34 @@ def _bound_cases(rank, w, dev, pg):
     yield "destroy", destroy
 
 
+def _four_cases(rank, w, dev, pg):
+    """Four ranks, queues that differ: rank 1's isend to 0 (not waited yet) is posted with its
+    next send, to 3, while 0 and 3 post their recvs alone. Both messages must travel on the
+    same NCCL communicator as their recvs (it hung for good when rank 1's pair went as a group
+    on the communicator of all ranks and the recvs alone on their pairs' own)."""
+    import torch.distributed as dist
+
+    def uneven_queues():
+        t = torch.ones(1, device=dev)
+        dist.all_reduce(t)                          # braid's Communicator: made at the first collective
+        comm = pg.ensure_communicator()
+        with comm.fixed_shares({"nccl": 1.0}):      # every send/recv is NCCL's (the backend's queue)
+            for it in range(4):
+                n = (4099, 1 << 20)[it % 2]
+                x0, x3 = _data(800 + it, n, torch.float32, dev), _data(810 + it, n, torch.float32, dev)
+                if rank == 1:
+                    h = dist.isend(x0, 0)
+                    dist.send(x3, 3)
+                    h.wait()
+                elif rank in (0, 3):
+                    got = torch.empty(n, device=dev)
+                    dist.recv(got, 1)
+                    _close(got, x0 if rank == 0 else x3, f"recv {it} from rank 1 on rank {rank}")
+                dist.barrier()
+        assert pg._p2p_world
+    yield "uneven_queues", uneven_queues
+
+
 def _entry(rank, world, port, out_dir, bound=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **BASE_ENV, BRAID_MIN_SPLIT_KB="1")
     import torch.distributed as dist
@@ -232,24 +260,29 @@ def _entry(rank, world, port, out_dir, bound=False):
                             **({"device_id": dev} if bound else {}))
     pg = dist.distributed_c10d._get_default_group()
     report = {}
-    for name, fn in (_bound_cases if bound else _cases)(rank, world, dev, pg):
+    import json
+    cases = _four_cases if world == 4 else _bound_cases if bound else _cases
+    for name, fn in cases(rank, world, dev, pg):
         try:
             fn()
             torch.cuda.synchronize()
             report[name] = "ok"
         except Exception:
             report[name] = traceback.format_exc()[-2500:]
-    import json
-    with open(os.path.join(out_dir, f"r{rank}.json"), "w") as f:
-        json.dump(report, f)
+        with open(os.path.join(out_dir, f"r{rank}.json"), "w") as f:     # after every case: a
+            json.dump(report, f)                  # rank that dies later still tells what ran
 
 
-def _spawn(tmp_path_factory, bound: bool):
+def _spawn(tmp_path_factory, bound: bool, world: int = 2):
     import json
     import torch.multiprocessing as mp
     out = tmp_path_factory.mktemp("backend")
-    mp.spawn(_entry, args=(2, _port(), str(out), bound), nprocs=2)
-    return [json.loads((out / f"r{r}.json").read_text()) for r in range(2)]
+    try:
+        mp.spawn(_entry, args=(world, _port(), str(out), bound), nprocs=world)
+    except mp.ProcessExitedException as exc:       # the cases each rank finished, then the end
+        done = [(out / f"r{r}.json").read_text() if (out / f"r{r}.json").exists() else "{}" for r in range(world)]
+        pytest.fail(f"a rank ended ({exc}); the cases' reports so far:\n" + "\n".join(done))
+    return [json.loads((out / f"r{r}.json").read_text()) for r in range(world)]
 
 
 @pytest.fixture(scope="module")
@@ -275,3 +308,10 @@ def test_gpu_backend(reports, case):
 def test_gpu_backend_with_device_id(bound_reports, case):
     bad = {r: rep.get(case, "not run") for r, rep in enumerate(bound_reports) if rep.get(case) != "ok"}
     assert not bad, f"{case}:\n" + "\n".join(f"rank {r}: {v}" for r, v in bad.items())
+
+
+@needs(4)
+def test_gpu_backend_four_ranks_queues_that_differ(tmp_path_factory):
+    reports = _spawn(tmp_path_factory, bound=False, world=4)
+    bad = {r: rep.get("uneven_queues", "not run") for r, rep in enumerate(reports) if rep.get("uneven_queues") != "ok"}
+    assert not bad, "\n".join(f"rank {r}: {v}" for r, v in bad.items())

@@ -60,11 +60,7 @@ def _fuzz(tmp_path, world: int, mode: str, n_ops: int) -> list[dict]:
     return [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(world)]
 
 
-WORLDS = [(2, "direct"), (2, "backend"), (4, "direct"),
-          pytest.param(4, "backend", marks=pytest.mark.xfail(strict=False, reason=(
-              "4 ranks sharing one H200 (2026-11-26): the backend's queued NCCL send/recv hung: rank 1's "
-              "coalesced group (an earlier isend and a blocking send) and rank 0's single recv both "
-              "timed out in NCCL after 60 s, rank 3 four NCCL calls behind; not yet explained")))]
+WORLDS = [(2, "direct"), (2, "backend"), (4, "direct"), (4, "backend")]
 
 
 @needs(2)

@@ -203,7 +203,8 @@ class Ledger:
         if posted():            # the peer posted after all (its report raced the post): no mismatch
             return
         msg = (f"ranks {self.rank} and {peer} made different calls: "
-               f"{self._describe(f'rank {self.rank}', *self._status())}; {self._peer_said(peer)}. "
+               f"{self._describe(f'rank {self.rank}', *self._status())} (waiting in {what}); "
+               f"{self._peer_said(peer)}. "
                f"Every rank must make the same collective calls in the same order with matching "
                f"sizes and dtypes.")
         exc = PeerMismatchError(msg)
