@@ -99,6 +99,16 @@ class CallPath:
             self._prepared.clear()
             self._learn_update()
 
+    def _trial_exchange(self, values: list[int]) -> list[list[int]]:
+        """The whole-or-split trials' agreement (comm/arbiter.py). A call asks the arbiter before
+        the ledger counts it; while this exchange waits the call is counted, so that a peer still
+        at the previous call, taken whole, reads as late, not as a different call (_on_wait)."""
+        self.ncalls += 1
+        try:
+            return self.segment.exchange_values(values, "whole-or-split trial")
+        finally:
+            self.ncalls -= 1
+
     def _learn_update(self) -> None:
         """Whole or split learned in the job (comm/arbiter.py) only where braid chooses the shares:
         not under fixed shares (tests, the calibration, `--shares`) nor in check mode."""

@@ -78,7 +78,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         from .arbiter import Arbiter
         seg = self.segment
         # the trials of whole against split are agreed through the node segment: one node only
-        self._arbiter = Arbiter(lambda values: seg.exchange_values(values, "whole-or-split trial"),
+        self._arbiter = Arbiter(self._trial_exchange,
                                 enabled=bool(envs.get("BRAID_LEARN_SPLIT")) and seg is not None
                                 and self.cuda and self.world_size > 1 and self.single_node)
         self._arb_split = None      # a "split" the arbiter gave the backend for the call under way

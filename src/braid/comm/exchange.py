@@ -271,6 +271,9 @@ class Exchange:
             return None         # queued send/recv go first, a balancer report rides the full path
         word = prep.finish_word(tk.base, inp, tk.lanes)
         seg = self.segment
+        # the round belongs to this call: counted while it waits, so that a peer still at the
+        # previous call (taken whole) reads as late, not as a different call (Ledger._on_wait)
+        self.ncalls += 1
         t0 = time.perf_counter()
         try:
             got = seg.read_values(seg.post_values([word, *NO_OBS]), tk.op)
@@ -283,12 +286,12 @@ class Exchange:
         # every rank's cache keeps the same keys whichever way its calls came in
         if (len(got) == len(tk.key) and all(g[0] == k for g, k in zip(got, tk.key))
                 and prep.get(tk.key) is tk.entry):
-            self.ncalls += 1
             self.last_call = tk.ledger
             handle = prep.launch(tk.entry, self._lanes["ce"].stream, async_op, (inp, *outs))
             self.last_handle = handle
             return handle
-        self._round = (word, got)        # a miss: the full path goes on from this round
+        self.ncalls -= 1                 # a miss: the full path counts the call
+        self._round = (word, got)        # and goes on from this round
         return None
 
     def _run_prepared(self, op: str, desc: dict, inp, outs, movement_of, native, agree_keys, lanes, shares,
