@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One run on a GPU machine: environment, GPU tests, bench. Usage: bash scripts/device_run.sh STEP...
-# Steps: info | tests | bench2 | bench4 | work2 | work4 | hot4 | trace2 | trace4 | conformance | hier2 | moe2 | fsdp2 | pack
+# Steps: info | tests | guard | bench2 | bench4 | work2 | work4 | hot4 | trace2 | trace4 | conformance | hier2 | moe2 | fsdp2 | pack
 # Logs and JSON go to $LOGS (default $OUT); `pack` tars $LOGS into $OUT/run.tgz (one file to copy
 # back). bench: BENCH_OP, BENCH_SIZES, BENCH_FACTOR, BENCH_EXTRA (more flags),
 # BENCH_TAG (file-name suffix, default the op). work: WORK (default all), WORK_EXTRA, WORK_TAG.
@@ -16,6 +16,12 @@ for step in "$@"; do
           python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())";
           df -h /dev/shm | tail -1 ;;
     tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/gpu -q -x ${TEST_ARGS:-} 2>&1 | tee "$LOGS/gpu_tests${TEST_TAG:-}.log" | tail -30 ;;
+    # the GPU tests that guard the hot path (prepared calls, the backend, collectives, uneven
+    # all_to_all, the fuzz at half its count), ~6-8 minutes on one H200 shared by 2-4 ranks
+    guard) BRAID_GPU_FUZZ_OPS=${BRAID_GPU_FUZZ_OPS:-1000} timeout ${TEST_TIMEOUT:-540} python3 -m pytest -q -rfEx --timeout 240 \
+            tests/gpu/test_gpu_prepared.py tests/gpu/test_gpu_prepared_p2p.py tests/gpu/test_gpu_backend.py \
+            tests/gpu/test_gpu_collectives.py tests/gpu/test_gpu_uneven_a2a.py tests/gpu/test_gpu_fuzz.py::test_gpu_fuzz \
+            2>&1 | tee "$LOGS/gpu_guard.log" | tail -30 ;;
     bench4|bench2) n=${step#bench}; op=${BENCH_OP:-all}; tag=${BENCH_TAG:-$op};
           timeout ${BENCH_TIMEOUT:-240} python3 -m braid bench --op $op --nproc $n --sizes ${BENCH_SIZES:-1M:1G} --factor ${BENCH_FACTOR:-4} --plain \
             ${BENCH_EXTRA:-} --json "$LOGS/bench_x${n}_$tag.json" 2>&1 | grep -v Warning | tee "$LOGS/bench${n}_$tag.log" ;;
