@@ -12,6 +12,10 @@ Checked for every world size, op and interleaving:
 - an abort (every flag set far above 1) releases ranks whose peer never comes.
 A negative control proves the checks can fail: the eager scheme's rising sequence number, frozen
 as a graph would capture it, lets the second replay read a peer's input before it is ready.
+The copy engines' reduction (three streams per rank) is checked by its flags' bookkeeping: every
+flag waited for is set once by another rank and reset right after the wait, for every world size,
+even and uneven chunks (ranks with different piece counts), all_reduce and reduce_scatter. The
+operations of one step go to the driver as one batch (_cuda.memops), checked against a stand-in.
 """
 from __future__ import annotations
 
@@ -239,3 +243,98 @@ def test_each_step_of_a_replayed_program_is_one_batch(driver, world):
     sig.wait_done(5, [], me)
     sig.ready(5, me, [])
     assert driver.calls == []
+
+
+# --- the copy engines' reduction (collectives/ce_reduce.py) under the replay-safe flags ----------
+class _Stream:
+    def __init__(self, sid):
+        self.cuda_stream = sid
+
+    def wait_event(self, ev):
+        pass
+
+
+class _Event:
+    def record(self, stream=None):
+        pass
+
+
+def _reduction_programs(monkeypatch, world: int, chunk_elems: list[int], gather: bool, per_mb: int):
+    """Each rank's flag operations (stream, kind, address, value) for one all_reduce (gather) or
+    reduce_scatter: chunk d of `chunk_elems[d]` bfloat16 elements, pieces of `per_mb` MiB."""
+    import contextlib
+
+    import torch
+
+    from braid.collectives import ce_reduce
+    from braid.collectives.ce_reduce import CeReduction
+    from braid.envs import override
+
+    layout = Layout(world, 1 << 20, 64 << 10)
+    offs = [sum(chunk_elems[:d]) for d in range(world)]
+    chunks = list(zip(offs, chunk_elems))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    progs = []
+    for me in range(world):
+        ops: list = []
+        monkeypatch.setattr(_cuda, "memops", lambda sh, batch: ops.extend(
+            (sh, "wait" if w else "write", addr, v) for w, addr, v in batch))
+        monkeypatch.setattr(_cuda, "write_value", lambda sh, addr, v: ops.append((sh, "write", addr, v)))
+        monkeypatch.setattr(_cuda, "wait_value", lambda sh, addr, v: ops.append((sh, "wait", addr, v)))
+        monkeypatch.setattr(_cuda, "memcpy_async", lambda dst, src, n, sh: ops.append((sh, "copy", src >> 40, n)))
+        monkeypatch.setattr(ce_reduce, "reduce_pair", lambda *a, **k: None)
+        monkeypatch.setattr(ce_reduce, "reduce_slots", lambda *a, **k: None)
+        red = CeReduction.__new__(CeReduction)
+        red.lc = _Lc(me, world, layout)
+        n = sum(chunk_elems)
+        inp = torch.zeros(n, dtype=torch.bfloat16)
+        my_len = chunk_elems[me]
+        slots = torch.zeros(1 if world == 2 else world, my_len, dtype=torch.bfloat16) if my_len else None
+        with override(BRAID_CE_PIECE_MB=per_mb):
+            k = red.num_pieces(chunks, 2)
+            red.emit(_Stream(1), _Stream(2), _Stream(3), inp=inp, out=inp, chunks=chunks, out_offsets=offs,
+                     gather=gather, peers={p: (p + 1) << 40 for p in range(world) if p != me}, name="sum",
+                     factor=1.0, sig=Flags(0, layout), slots=slots, events=[_Event() for _ in range(k)])
+        progs.append(ops)
+    return progs
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("gather", [True, False])
+@pytest.mark.parametrize("sizes", ["even", "uneven"])
+def test_a_replayed_reduction_sets_every_flag_it_waits_for_once(monkeypatch, world, gather, sizes):
+    """Per call, every flag a rank waits for is set once by one other rank, and each wait is
+    followed on the same stream by its reset: after the call every flag is 0 again (the program
+    can run again) and no wait is left without its write (a hang). Chunks of different lengths
+    give ranks different piece counts: the gather waits only for the pieces a peer has."""
+    mib = (1 << 20) // 2                                # bf16 elements per MiB
+    if sizes == "even":
+        elems = [3 * mib] * world
+    else:
+        elems = [(3 + (d % 3) * 2) * mib + 17 * d for d in range(world)]
+    progs = _reduction_programs(monkeypatch, world, elems, gather, per_mb=1)
+    sets, waits = {}, {}
+    for r, ops in enumerate(progs):
+        for i, (sh, kind, addr, v) in enumerate(ops):
+            if kind == "write" and v == 1:
+                sets.setdefault(addr, []).append(r)
+            elif kind == "wait":
+                waits.setdefault(addr, []).append(r)
+                nxt = ops[i + 1]
+                assert nxt[:3] == (sh, "write", addr) and nxt[3] == 0, (r, ops[i:i + 2])   # its reset
+    assert set(sets) == set(waits), (set(sets) ^ set(waits))
+    for addr in sets:
+        assert len(sets[addr]) == 1 and len(waits[addr]) == 1 and sets[addr] != waits[addr], addr
+    pieces = [sum(1 for sh, kind, _, _ in ops if sh == 3 and kind == "wait") for ops in progs]
+    if gather:                                          # every peer's every piece, once
+        from braid.collectives.ce_reduce import piece_elems
+        from braid.envs import override
+        from braid.planner.pieces import pieces as cut
+        offs = [sum(elems[:d]) for d in range(world)]
+        with override(BRAID_CE_PIECE_MB=1):
+            per = piece_elems(list(zip(offs, elems)), 2)
+        counts = [len(cut(n, per)) for n in elems]
+        assert pieces == [sum(c for p, c in enumerate(counts) if p != r) for r in range(world)]
+    else:
+        assert pieces == [0] * world
