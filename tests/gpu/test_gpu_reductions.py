@@ -85,11 +85,19 @@ def _worker(rank, world, comm, dev):
     # odd sizes long enough for the copy engines' pipeline to cut several pieces per chunk,
     # with a split point that is not a multiple of anything: float64 reference, bitwise
     # repeatable, the same on every rank
+    refs = {}           # the CPU references, made once per case (not once per lane set)
+
+    def ref(n, dtype, name, seed):
+        key = (n, dtype, name, seed)
+        if key not in refs:
+            xs = _inputs(n, dtype, world, seed=seed)
+            refs[key] = (xs, _expected(xs, name, dtype))
+        return refs[key]
+
     for shares in LANE_SETS:
         for dtype, n, name in ((torch.float32, 3_000_007, "sum"), (torch.bfloat16, 5_000_011, "max"),
                                (torch.float16, 4_000_037, "avg"), (torch.int32, 2_999_999, "sum")):
-            xs = _inputs(n, dtype, world, seed=n)
-            exp = _expected(xs, name, dtype)
+            xs, exp = ref(n, dtype, name, n)
             runs = []
             for _ in range(2):
                 t = xs[rank].to(dev)
@@ -106,8 +114,11 @@ def _worker(rank, world, comm, dev):
             out = torch.empty(m, dtype=dtype, device=dev)
             with comm.fixed_shares(shares):
                 comm.reduce_scatter_tensor(out, full, name)
-            exp_rs = _expected([x[:m] for x in xs], name, dtype)
+            if (m, n, dtype, name) not in refs:
+                refs[(m, n, dtype, name)] = _expected([x[:m] for x in xs], name, dtype)
+            exp_rs = refs[(m, n, dtype, name)]
             assert _close(out.cpu(), exp_rs, dtype, world), f"pipelined reduce_scatter {shares} {dtype} n={m}"
+    refs.clear()
     # the tapered cut and the even one reduce every element in the same order: bitwise the same
     # (the two-GPU run tapers pieces from 1 MiB, so both cuts differ there)
     from braid import envs
@@ -138,8 +149,7 @@ def _worker(rank, world, comm, dev):
                 if name == "product" and dtype.is_floating_point and dtype != torch.float32:
                     continue   # products of many half values under/overflow: covered in float32
                 op = PremulSum(0.5) if name == "premul" else name
-                xs = _inputs(n, dtype, world, seed=n * 31 + len(name))
-                exp = _expected(xs, name, dtype)
+                xs, exp = ref(n, dtype, name, n * 31 + len(name))
                 t = xs[rank].to(dev)
                 comm.all_reduce(t, op)
                 assert _close(t.cpu(), exp, dtype, world), f"all_reduce {shares} {dtype} n={n} {name}"
