@@ -493,6 +493,9 @@ class _FakeNccl:
         self.log.append(("recv", peer))
         return _FakeWork(self.log, f"recv{peer}")
 
+    def eager_connect_single_device(self, device):
+        self.log.append(("connect", device))
+
 
 def test_queued_gpu_sends_and_recvs_post_as_one_group_on_first_wait():
     import types
@@ -523,6 +526,60 @@ def test_queued_gpu_sends_and_recvs_post_as_one_group_on_first_wait():
     pg._p2p_queue.append((False, [_FakeTensor()], 3, 0, w))
     assert w.is_completed()
     assert pg.nccl.log == ["start", ("recv", 3), "end"]
+
+
+def _queue_pg(world_known: bool):
+    import types
+    from braid.backend import BraidProcessGroup
+    pg = types.SimpleNamespace(nccl=_FakeNccl(), _p2p_queue=[], _p2p_world=world_known, bound_device_id=None)
+    pg.flush_p2p = lambda: BraidProcessGroup.flush_p2p(pg)
+    pg.connect = lambda dev: BraidProcessGroup._connect_world(pg, dev)
+    return pg
+
+
+def test_a_lone_send_or_recv_is_a_group_once_the_communicator_of_all_ranks_exists():
+    """The hang's pattern (4 ranks): rank 1 posts [isend to 0, send to 3] together, rank 0 its
+    recv from 1 alone. torch's NCCL group sends a lone op over the pair's communicator and a
+    grouped one over that of all ranks: with every post a group, both travel on the latter."""
+    from braid.backend import _QueuedWork
+    for ops in ([(False, 1)], [(True, 2)], [(True, 0), (False, 0)]):
+        pg = _queue_pg(world_known=True)
+        works = []
+        for sending, peer in ops:
+            works.append(_QueuedWork(pg, [_FakeTensor()]))
+            pg._p2p_queue.append((sending, [_FakeTensor()], peer, 0, works[-1]))
+        pg.flush_p2p()
+        assert pg.nccl.log == ["start"] + [("send" if s else "recv", p) for s, p in ops] + ["end"]
+        assert all(w._inner.name == "group" for w in works)
+        pg.flush_p2p()                                  # nothing queued: nothing posted
+        assert pg.nccl.log.count("start") == 1
+
+
+def test_the_communicator_of_all_ranks_is_connected_once():
+    pg = _queue_pg(world_known=False)
+    pg.connect("cuda:1")
+    assert pg.nccl.log == [("connect", "cuda:1")] and pg._p2p_world
+    pg.connect("cuda:1")
+    assert pg.nccl.log == [("connect", "cuda:1")]                      # once
+    bound = _queue_pg(world_known=False)
+    bound.bound_device_id = "cuda:0"        # init_process_group(device_id=...): torch connected it
+    bound.connect("cuda:0")
+    assert bound.nccl.log == [] and bound._p2p_world
+
+
+def test_a_failed_connect_keeps_torchs_choice_of_communicator(caplog):
+    from braid.backend import _QueuedWork
+    pg = _queue_pg(world_known=False)
+
+    def refuse(device):
+        raise RuntimeError("NCCL error: unhandled system error")
+    pg.nccl.eager_connect_single_device = refuse
+    pg.connect("cuda:0")
+    assert not pg._p2p_world and "connecting the inner NCCL group failed" in caplog.text
+    w = _QueuedWork(pg, [_FakeTensor()])
+    pg._p2p_queue.append((True, [_FakeTensor()], 1, 0, w))
+    pg.flush_p2p()
+    assert pg.nccl.log == [("send", 1)]
 
 
 def test_coalescing_calls_pass_the_device_only_where_it_is_wanted():

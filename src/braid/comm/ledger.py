@@ -194,7 +194,10 @@ class Ledger:
         """Called while this rank waits for `peer` in a collective exchange: raise
         PeerMismatchError, naming both calls, once the peer has shown that it made a different
         call at this point: it reported a later call, or this very call taken whole by the native
-        library (which posts nothing here: the peer may then sit inside NCCL or gloo)."""
+        library (which posts nothing here: the peer may then sit inside NCCL or gloo). "This very
+        call" is `ncalls`: an exchange a call makes before its path counts it must count it while
+        it waits (Exchange._fast_prepared, CallPath._trial_exchange), else a peer still at the
+        previous call, taken whole, reads as a mismatch."""
         if not what.startswith("collective #") or self.segment is None:
             return
         st = self.segment.status(peer)
