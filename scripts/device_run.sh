@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One run on a GPU machine: environment, GPU tests, bench. Usage: bash scripts/device_run.sh STEP...
-# Steps: info | tests | guard | bench2 | bench4 | work2 | work4 | hot4 | trace2 | trace4 | conformance | hier2 | moe2 | fsdp2 | pack
+# Steps: info | tests | guard | bench2 | bench4 | work2 | work4 | hot4 | trace2 | trace4 | first2 | first4 | conformance |
+#        hier2 | moe2 | fsdp2 | pack
 # Logs and JSON go to $LOGS (default $OUT); `pack` tars $LOGS into $OUT/run.tgz (one file to copy
 # back). bench: BENCH_OP, BENCH_SIZES, BENCH_FACTOR, BENCH_EXTRA (more flags),
 # BENCH_TAG (file-name suffix, default the op). work: WORK (default all), WORK_EXTRA, WORK_TAG.
@@ -33,8 +34,13 @@ for step in "$@"; do
     trace4|trace2) n=${step#trace};
           timeout 200 python3 -m braid bench --op ${TRACE_OP:-all_gather} --nproc $n --sizes 1G:1G --trace 40 --slow ${TRACE_SLOW:-host=4@10:25} \
             --no-calibrate --json "$LOGS/trace_x${n}.json" --plot "$LOGS/trace_x${n}.png" 2>&1 | grep -v Warning | tee "$LOGS/trace$n.log" ;;
-    conformance) timeout ${CONF_TIMEOUT:-500} python3 tests/conformance/runner.py --compare --device cuda \
-            --pairs ${CONF_PAIRS:-nccl,braid} 2>&1 | tee "$LOGS/conformance_cuda.log" | tail -40 ;;
+    # the process's first split call, without and with the communicator's warm-up, in turn
+    first4|first2) n=${step#first}; for w in 0 1 0 1; do BRAID_WARM=$w timeout 150 python3 scripts/probes/prepared_profile.py \
+            --op ${FIRST_OP:-all_reduce} --nbytes ${FIRST_BYTES:-16777216} --nproc $n --first --first-only 2>&1 | grep -v Warning \
+            | tee -a "$LOGS/first$n.log" | grep "first call"; done ;;
+    # torch's CUDA list on NCCL and on braid at once; with fewer GPUs than ranks they share them
+    conformance) timeout ${CONF_TIMEOUT:-500} python3 tests/conformance/runner.py --compare --device cuda --parallel \
+            --pairs ${CONF_PAIRS:-nccl,braid} ${CONF_EXTRA:-} 2>&1 | tee "$LOGS/conformance_cuda.log" | tail -60 ;;
     hier2) BRAID_FAKE_NODES=2 BRAID_HIER=1 timeout ${BENCH_TIMEOUT:-240} python3 -m braid bench --op ${BENCH_OP:-all_reduce} \
             --nproc 2 --sizes ${BENCH_SIZES:-1M:256M} --factor 4 --plain --json "$LOGS/bench_hier2_${BENCH_OP:-all_reduce}.json" \
             2>&1 | grep -v Warning | tee "$LOGS/hier2.log" ;;

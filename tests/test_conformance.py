@@ -147,3 +147,42 @@ def test_braid_subgroups_pass_what_gloo_passes(group_reports, key):
     assert expected, "gloo passed none of the subgroup tests: nothing was compared"
     new = [n for n in expected if braid[n]["outcome"] != "passed"]
     assert not new, f"{key} fails {len(new)} subgroup test(s) that gloo passes:\n{_summary(braid, new)}"
+
+
+def test_shared_gpu_view_folds_ranks_onto_the_gpus_there_are():
+    """With fewer GPUs than ranks the harness's torch counts a GPU per rank and folds indices onto
+    the real ones; the rank-to-GPU map gives rank r GPU r % real; everything else is torch.cuda."""
+    calls = []
+
+    class FakeCuda:
+        def set_device(self, d):
+            calls.append(("set", d))
+
+        def device(self, d):
+            calls.append(("device", d))
+            return d
+
+        def is_available(self):
+            return True
+
+    class Mod:
+        pass
+
+    cd, dt = Mod(), Mod()
+    saved = dict(os.environ)
+    try:
+        os.environ["WORLD_SIZE"] = "4"
+        view = runner._CudaView(FakeCuda(), 1, 4)
+        assert view.device_count() == 4 and view.is_available()
+        view.set_device(3)
+        assert view.device(2) == 0 and calls == [("set", 0), ("device", 0)]
+        assert runner._CudaView(FakeCuda(), 2, 4).device_count() == 4
+        assert runner._CudaView(FakeCuda(), 8, 4).device_count() == 8
+        runner._pretend_gpus(cd, dt, 2)
+        assert cd.torch is dt.torch and cd.torch.cuda.device_count() == 4
+        assert cd.torch.float32 is torch.float32
+        assert dt.init_multigpu_helper(4, "nccl") == {0: [0], 1: [1], 2: [0], 3: [1]}
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert runner._shared_gpus("cpu") == 0

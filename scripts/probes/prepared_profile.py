@@ -1,7 +1,9 @@
 """Where a prepared split call's host time goes: each step of the call path timed on its own
 (wrapped functions, nested times included in their callers), ranks sharing one GPU (2, or --nproc).
 
-    PYTHONPATH=src python3 scripts/probes/prepared_profile.py [--op all_gather] [--nbytes 1048576] [--nproc 4] [--first]
+    PYTHONPATH=src python3 scripts/probes/prepared_profile.py [--op all_gather] [--nbytes 1048576] [--nproc 4] [--first [--first-only]]
+
+BRAID_WARM=0 leaves out the communicator's warm-up (see comm/prepared.py) for comparison.
 """
 import argparse
 import collections
@@ -12,6 +14,22 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+def _calls(comm, op, nbytes, world):
+    """The call of `op` on bfloat16 buffers of `nbytes` per rank, made once."""
+    n = nbytes // 2
+    x = torch.randn(n, device="cuda").to(torch.bfloat16)
+    out = torch.empty(n * world, device="cuda", dtype=torch.bfloat16)
+    y = x.clone()
+    rs_out = torch.empty(n // world, device="cuda", dtype=torch.bfloat16)
+    calls = {
+        "all_gather": lambda: comm.all_gather_into_tensor(out, x),
+        "all_reduce": lambda: comm.all_reduce(y),
+        "reduce_scatter": lambda: comm.reduce_scatter_tensor(rs_out, x),
+        "broadcast": lambda: comm.broadcast(y, 0),
+    }
+    return calls[op]
 
 
 def worker(rank, world, port, args):
@@ -40,18 +58,7 @@ def worker(rank, world, port, args):
                 cnt[label] += 1
         setattr(owner, name, timed)
 
-    n = args.nbytes // 2
-    x = torch.randn(n, device="cuda").to(torch.bfloat16)
-    out = torch.empty(n * world, device="cuda", dtype=torch.bfloat16)
-    y = x.clone()
-    rs_out = torch.empty(n // world, device="cuda", dtype=torch.bfloat16)
-    calls = {
-        "all_gather": lambda: comm.all_gather_into_tensor(out, x),
-        "all_reduce": lambda: comm.all_reduce(y),
-        "reduce_scatter": lambda: comm.reduce_scatter_tensor(rs_out, x),
-        "broadcast": lambda: comm.broadcast(y, 0),
-    }
-    fn = calls[args.op]
+    fn = _calls(comm, args.op, args.nbytes, world)
     if args.first:                  # the first call of the shape under cProfile (rank 0's top entries)
         import cProfile
         import pstats
@@ -65,9 +72,26 @@ def worker(rank, world, port, args):
             prof.disable()
             t1 = time.perf_counter_ns()
             torch.cuda.synchronize()
+        # a second shape's first call (half the size): what every later new shape costs
+        with comm.fixed_shares({"ce": 1.0}):
+            fn2 = _calls(comm, args.op, args.nbytes // 2, world)
+            dist.barrier()
+            torch.cuda.synchronize()
+            t2 = time.perf_counter_ns()
+            fn2()
+            t3 = time.perf_counter_ns()
+            torch.cuda.synchronize()
         if rank == 0:
-            print(f"{args.op} {args.nbytes} B, {world} ranks: first call {(t1 - t0) / 1e6:.2f} ms of host time")
+            warm = comm._prepared.stats.get("warm_ms")
+            print(f"{args.op} {args.nbytes} B, {world} ranks: first call {(t1 - t0) / 1e6:.2f} ms of host time, "
+                  f"a second shape's first call {(t3 - t2) / 1e6:.2f} ms; the communicator's warm-up "
+                  f"{'off' if warm is None else f'{warm:.1f} ms'}")
             pstats.Stats(prof).sort_stats("cumulative").print_stats(28)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+        if args.first_only:
+            braid.close()
+            dist.destroy_process_group()
+            return
     with comm.fixed_shares({"ce": 1.0}):
         for _ in range(10):
             fn()
@@ -122,5 +146,6 @@ if __name__ == "__main__":
     ap.add_argument("--sync-every", type=int, default=0)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--first", action="store_true", help="profile the shape's first call (cProfile) before timing repeats")
+    ap.add_argument("--first-only", action="store_true", help="with --first: stop after the first calls")
     a = ap.parse_args()
     mp.spawn(worker, args=(a.nproc, 29400 + os.getpid() % 500, a), nprocs=a.nproc)

@@ -181,6 +181,10 @@ _define("BRAID_LEARN_SPLIT", _bool, True,
         "again 4096 calls after a verdict), and the shape keeps whichever kept the job's pace; fixed "
         "shares and the op rows of `braid bench` keep the calibration's verdict. 0: the calibration "
         "alone decides. Must be the same on every rank.")
+_define("BRAID_WARM", _bool, True,
+        "1 (default): a GPU communicator, when made, captures and replays one small program (a copy, "
+        "flag operations, the float32 and bfloat16 sum kernels) so that the process's first split "
+        "call does not pay the kernels' first load and the first graph's setup; 0: skip it.")
 _define("BRAID_PREPARED_MAX", _positive_int, 64,
         "Prepared calls a communicator keeps (least recently used go first), and prepared send/recv "
         "shapes per direction; each holds its agreed descriptors and plan, and a prepared collective "

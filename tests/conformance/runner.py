@@ -133,10 +133,21 @@ def _load(backend: str, device: str, variant: str, profiler_checks: bool = False
                        dt.SEND_RECV_PROFILING_SUPPORTED_BACKENDS):
             listed.append(backend)
 
+    shared = _shared_gpus(device)
+    if shared:
+        _pretend_gpus(cd, dt, shared)
+
     class ConformanceCase(dt.TestDistBackend, dt.DistributedTest._DistTestBase):
         """torch's distributed tests, 2 ranks, on `backend` (see the module text)."""
 
         start_method = "fork" if device == "cpu" else "spawn"
+
+        @classmethod
+        def _run(cls, rank, test_name, file_name, pipe, **kwargs):
+            if shared:      # before NCCL starts in this rank: a host id of its own (braid.share_gpu)
+                from braid.envs import share_gpu
+                share_gpu(rank)
+            return super()._run(rank, test_name, file_name, pipe, **kwargs)
 
         def setUp(self):
             super().setUp()
@@ -159,6 +170,69 @@ def _load(backend: str, device: str, variant: str, profiler_checks: bool = False
     ConformanceCase.__module__ = __name__
     globals()["ConformanceCase"] = ConformanceCase      # ranks find it by name (pickled target)
     return ConformanceCase, dt, dist
+
+
+def _shared_gpus(device: str) -> int:
+    """The number of GPUs the ranks share (ranks sharing them, rank r on GPU r % n), or 0 where
+    every rank has a GPU of its own (or the run is on CPU)."""
+    if device != "cuda":
+        return 0
+    import torch
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    world = int(os.environ.get("WORLD_SIZE") or WORLD_SIZE)
+    return n if 0 < n < world else 0
+
+
+class _CudaView:
+    """torch.cuda as torch's test harness sees it with ranks sharing `real` GPUs: a GPU per rank
+    counted (device_count() = world), device indices folded onto the real ones (set_device,
+    device); everything else is torch.cuda itself."""
+
+    def __init__(self, cuda, real: int, world: int):
+        self._cuda, self._real, self._world = cuda, real, world
+
+    def device_count(self) -> int:
+        return max(self._real, self._world)
+
+    def _fold(self, d):
+        return d % self._real if isinstance(d, int) else d
+
+    def set_device(self, d):
+        return self._cuda.set_device(self._fold(d))
+
+    def device(self, d):
+        return self._cuda.device(self._fold(d))
+
+    def __getattr__(self, name):
+        return getattr(self._cuda, name)
+
+
+class _TorchView:
+    """The `torch` module of torch's test modules, with torch.cuda seen through _CudaView."""
+
+    def __init__(self, torch_mod, cuda_view):
+        self._torch, self.cuda = torch_mod, cuda_view
+
+    def __getattr__(self, name):
+        return getattr(self._torch, name)
+
+
+def _pretend_gpus(cd, dt, real: int) -> None:
+    """With fewer GPUs than ranks (ranks sharing them, each with its own NCCL host id), torch's
+    harness would skip every test that asks for a GPU per rank. Its modules `common_distributed`
+    and `distributed_test` see a torch whose device_count() is the world size and whose
+    set_device/device fold an index onto the GPUs there are; the rank-to-GPU map gives rank r
+    GPU r % real. Everything else (torch.device("cuda", r), tensors, NCCL, braid) is untouched, so
+    a test that names device r itself fails the same way for NCCL and for braid."""
+    import torch
+    world = int(os.environ["WORLD_SIZE"])
+    view = _TorchView(torch, _CudaView(torch.cuda, real, world))
+    cd.torch = view
+    dt.torch = view
+
+    def rank_to_gpu(world_size, backend):
+        return {r: [r % real] for r in range(world_size)}
+    cd.init_multigpu_helper = dt.init_multigpu_helper = rank_to_gpu
 
 
 # braid variants: shares fixed for every call braid takes, on a communicator made right after
@@ -367,14 +441,24 @@ def _mark(r: dict | None) -> str:
 
 
 def compare(pairs: list[tuple[str, str]], device: str, names: list[str], timeout: int,
-            profiler_checks: bool | None = None, world: int = WORLD_SIZE) -> int:
-    reports = []
-    for backend, variant in pairs:
+            profiler_checks: bool | None = None, world: int = WORLD_SIZE, parallel: bool = False) -> int:
+    reports: list = [None] * len(pairs)
+
+    def one(i, backend, variant):
         t0 = time.monotonic()
         rep = run_in_subprocess(backend, device, names, variant, timeout, profiler_checks=profiler_checks,
                                 world=world, progress=True)
         rep["wall"] = time.monotonic() - t0
-        reports.append(rep)
+        reports[i] = rep
+    if parallel:            # every backend's worker at once (their outcome lines interleave)
+        threads = [threading.Thread(target=one, args=(i, b, v)) for i, (b, v) in enumerate(pairs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    else:
+        for i, (b, v) in enumerate(pairs):
+            one(i, b, v)
     heads = [b if v == "default" else f"{b}/{v}" for b, v in pairs]
     width = max(len(n) for n in names) + 2
     print("\n" + "test".ljust(width) + "".join(h.ljust(12) for h in heads))
@@ -419,6 +503,9 @@ def main(argv=None) -> int:
     p.add_argument("--profiler-checks", action=argparse.BooleanOptionalAction, default=None,
                    help="apply torch's profiler-event checks to braid too (torch makes them only "
                         "for the backends it lists); default: on for --device cpu, off for cuda")
+    p.add_argument("--parallel", action="store_true",
+                   help="with --compare: run every backend's worker at the same time (a GPU shared "
+                        "by the ranks of both; half the wall time)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--list-names", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -441,7 +528,7 @@ def main(argv=None) -> int:
         bad = [f"{b}/{v}" for b, v in pairs if v != "default" and v not in VARIANTS]
         if bad:
             p.error(f"--pairs {spec!r}: unknown variant in {bad}; variants: {sorted(VARIANTS)}")
-        return compare(pairs, device, names, a.timeout, a.profiler_checks, a.world)
+        return compare(pairs, device, names, a.timeout, a.profiler_checks, a.world, a.parallel)
     rep = run_in_subprocess(a.backend, device, names, a.variant, a.timeout, profiler_checks=a.profiler_checks,
                             world=a.world)
     for n in names:
