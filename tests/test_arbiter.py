@@ -9,6 +9,7 @@ import pytest
 
 from braid.comm import arbiter as A
 from braid.comm.callpath import CallPath
+from braid.comm.shortcuts import Shortcuts
 
 
 class Clock:
@@ -205,10 +206,19 @@ class _Path(CallPath):
         self._fixed, self.check, self._native_cache = None, check, {}
         self.cleared = 0
         self._prepared = type("P", (), {"clear": lambda _self: None})()
+        path = self
+
+        class _Shortcuts:
+            learn = False
+
+            def clear(self):
+                path.cleared += 1
+        self.shortcuts = _Shortcuts()
         self._learn_update()
 
-    def _fast_clear(self):
-        self.cleared += 1
+    @property
+    def _learn_split(self):
+        return self.shortcuts.learn
 
 
 def test_fixed_shares_check_mode_and_the_op_sweep_keep_the_calibrations_verdict():
@@ -257,6 +267,12 @@ def test_trying_while_a_trial_has_no_verdict():
     assert not A.Arbiter(lambda v: [list(v)], enabled=False).trying()
 
 
+def op_asks(p, n):
+    """all_gather_into_tensor's own question (communicator.py) for a float32 input of n elements."""
+    import torch
+    return p.shortcuts.decide("ag", n, (torch.float32, 2 * n), True, "all_gather", 4 * n, ("ag", n, torch.float32))
+
+
 def test_the_backend_asks_first_each_call_counts_once_and_whole_calls_are_forwarded():
     """Under init_process_group("braid") the backend asks (whole_all_gather) before the op's own
     path: a whole answer forwards the call to NCCL's own; a split answer is the op path's answer
@@ -270,22 +286,21 @@ def test_the_backend_asks_first_each_call_counts_once_and_whole_calls_are_forwar
         def __init__(self):
             super().__init__(enabled=True)
             self._arbiter = A.Arbiter(lambda v: [list(v)], clock=clock)
+            self.shortcuts = Shortcuts(lambda name, nbytes: False, self._arbiter, lambda: True)
             self._learn_update()
-            self._arb_split = None
-            self._fast_ag = {}
 
     p = P()
     ref = A.Arbiter(lambda v: [list(v)], clock=ref_clock)
     inp, out = torch.zeros(8), torch.zeros(16)
     assert not p.whole_all_gather(out, inp)            # a shape not seen yet: the op's path decides
-    p._fast_ag[8] = (torch.float32, 16, False)         # the calibration splits this shape
+    p.shortcuts.ag[8] = (torch.float32, 16, False)     # the calibration splits this shape
     forwarded, said = 0, []
     for _ in range(A.WARM + 2 * A.CHECK * 2 * A.BLOCK + 30):
         if p.whole_all_gather(out, inp):
             forwarded += 1
             whole = True
         else:
-            whole = p._arb_whole(("ag", 8, torch.float32))     # the op's own path, same call
+            whole = op_asks(p, 8)                               # the op's own path, same call
         want = ref.whole(("ag", 8, torch.float32))
         said.append(whole)
         assert whole == want
@@ -295,10 +310,10 @@ def test_the_backend_asks_first_each_call_counts_once_and_whole_calls_are_forwar
     assert p._arbiter._shapes[("ag", 8, torch.float32)].n == len(said)    # one count per call
     assert ref.decisions and ref.decisions[-1][3] is True and said[-1] is True   # went whole
     # another shape's pending answer is not taken for this one
-    p._arb_split = ("ag", 4, torch.float32)
+    p.shortcuts.said = ("ag", 4, torch.float32)
     n = p._arbiter._shapes[("ag", 8, torch.float32)].n
-    p._arb_whole(("ag", 8, torch.float32))
-    assert p._arbiter._shapes[("ag", 8, torch.float32)].n == n + 1 and p._arb_split is None
+    op_asks(p, 8)
+    assert p._arbiter._shapes[("ag", 8, torch.float32)].n == n + 1 and p.shortcuts.said is None
 
 
 def _trial_starts(answers_len_limit, pace):

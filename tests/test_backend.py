@@ -500,8 +500,9 @@ class _FakeNccl:
 def test_queued_gpu_sends_and_recvs_post_as_one_group_on_first_wait():
     import types
     from braid.backend import BraidProcessGroup, _QueuedWork
-    pg = types.SimpleNamespace(nccl=_FakeNccl(), _p2p_queue=[], _p2p_world=False)
+    pg = types.SimpleNamespace(nccl=_FakeNccl(), _p2p_queue=[], _p2p_world=False, _braid_rank=7)
     pg.flush_p2p = lambda: BraidProcessGroup.flush_p2p(pg)
+    pg._copy_to_self = lambda q: BraidProcessGroup._copy_to_self(pg, q)
     # before the communicator of all ranks exists, one op alone goes as it is, without a group
     w = _QueuedWork(pg, [_FakeTensor()])
     pg._p2p_queue.append((False, [_FakeTensor()], 3, 0, w))
@@ -528,11 +529,13 @@ def test_queued_gpu_sends_and_recvs_post_as_one_group_on_first_wait():
     assert pg.nccl.log == ["start", ("recv", 3), "end"]
 
 
-def _queue_pg(world_known: bool):
+def _queue_pg(world_known: bool, rank: int = 7):
     import types
     from braid.backend import BraidProcessGroup
-    pg = types.SimpleNamespace(nccl=_FakeNccl(), _p2p_queue=[], _p2p_world=world_known, bound_device_id=None)
+    pg = types.SimpleNamespace(nccl=_FakeNccl(), _p2p_queue=[], _p2p_world=world_known, bound_device_id=None,
+                               _braid_rank=rank)
     pg.flush_p2p = lambda: BraidProcessGroup.flush_p2p(pg)
+    pg._copy_to_self = lambda q: BraidProcessGroup._copy_to_self(pg, q)
     pg.connect = lambda dev: BraidProcessGroup._connect_world(pg, dev)
     return pg
 
@@ -553,6 +556,36 @@ def test_a_lone_send_or_recv_is_a_group_once_the_communicator_of_all_ranks_exist
         assert all(w._inner.name == "group" for w in works)
         pg.flush_p2p()                                  # nothing queued: nothing posted
         assert pg.nccl.log.count("start") == 1
+
+
+def test_sends_to_itself_are_copies_and_need_no_other_rank():
+    """One rank's batch to itself (torch's test_batch_isend_irecv_self_nccl): each receive from
+    itself gets its own earlier-queued sends' data in order, as copies, with nothing posted to NCCL
+    (its batch would need the communicator of all ranks, which needs every rank); the rest of the
+    queue still goes to NCCL, in its order."""
+    import torch
+    from braid.backend import _QueuedWork
+    g = torch.Generator().manual_seed(5)
+    for world_known in (False, True):
+        pg = _queue_pg(world_known=world_known, rank=0)
+        a, b = torch.randn(7, generator=g), torch.randn(3, 4, generator=g)
+        ra, rb = torch.full((7,), -1.0), torch.full((12,), -1.0)
+        ops = [(False, [ra], 0), (True, [a], 0), (True, [_FakeTensor()], 1), (False, [rb], 0), (True, [b], 0)]
+        works = []
+        for sending, ts, peer in ops:
+            works.append(_QueuedWork(pg, ts))
+            pg._p2p_queue.append((sending, ts, peer, 0, works[-1]))
+        works[0].wait()
+        assert torch.equal(ra, a) and torch.equal(rb, b.view(-1))
+        assert pg.nccl.log[:3] == (["start", ("send", 1), "end"] if world_known else [("send", 1)])
+        assert all(w.is_completed() for w in works)
+    # a receive from itself with no send of its own in the queue goes to NCCL as before
+    pg = _queue_pg(world_known=True, rank=0)
+    r = torch.zeros(2)
+    w = _QueuedWork(pg, [r])
+    pg._p2p_queue.append((False, [_FakeTensor()], 0, 0, w))
+    pg.flush_p2p()
+    assert pg.nccl.log == ["start", ("recv", 0), "end"] and torch.equal(r, torch.zeros(2))
 
 
 def test_the_communicator_of_all_ranks_is_connected_once():

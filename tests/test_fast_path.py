@@ -18,32 +18,32 @@ def _worker(rank, w):
     t = x.clone()
     comm.all_reduce(t)
     assert torch.equal(t, x), "world of one all_reduce must leave the tensor unchanged"
-    assert comm._fast_ar[1000] == (torch.float32, dist.ReduceOp.SUM, True) and not comm._fast_ag
+    assert comm.shortcuts.ar[1000] == (torch.float32, dist.ReduceOp.SUM, True) and not comm.shortcuts.ag
     # an answer is stored with the call shape's facts (CPU communicators too: gloo's own call)
-    ent = comm._fast_put(comm._fast_ar, 1000, (torch.float32, dist.ReduceOp.SUM), True)
+    ent = comm.shortcuts.put("ar", 1000, (torch.float32, dist.ReduceOp.SUM), True)
     assert ent == (torch.float32, dist.ReduceOp.SUM, True)
     comm.cuda = True                      # pretend, to see what a GPU communicator would keep
-    ent = comm._fast_put(comm._fast_ar, 1000, (torch.float32, dist.ReduceOp.SUM), True)
-    assert ent[-1] is True and comm._fast_ar[1000] is ent
+    ent = comm.shortcuts.put("ar", 1000, (torch.float32, dist.ReduceOp.SUM), True)
+    assert ent[-1] is True and comm.shortcuts.ar[1000] is ent
     forgotten = []
     # fixed shares: forgotten on entry and on exit
     with comm.fixed_shares({"shm": 1.0}):
-        forgotten.append(not comm._fast_ar)
-        comm._fast_put(comm._fast_rs, 8, (torch.float32, dist.ReduceOp.SUM, 2), True)
-    forgotten.append(not comm._fast_rs)
+        forgotten.append(not comm.shortcuts.ar)
+        comm.shortcuts.put("rs", 8, (torch.float32, dist.ReduceOp.SUM, 2), True)
+    forgotten.append(not comm.shortcuts.rs)
     # a new calibration
-    comm._fast_put(comm._fast_ag, 8, (torch.float32, 8), True)
+    comm.shortcuts.put("ag", 8, (torch.float32, 8), True)
     comm.set_calibration({})
-    forgotten.append(not comm._fast_ag)
+    forgotten.append(not comm.shortcuts.ag)
     # the table is bounded
     for n in range(1100):
-        comm._fast_put(comm._fast_bc, n, (torch.float32, 0), True)
-    forgotten.append(len(comm._fast_bc) <= 1025)
+        comm.shortcuts.put("bc", n, (torch.float32, 0), True)
+    forgotten.append(len(comm.shortcuts.bc) <= 1025)
     comm.cuda = False
     braid.close()
-    forgotten.append(not comm._fast_bc)
+    forgotten.append(not comm.shortcuts.bc)
     # after close, nothing is answered True again
-    forgotten.append(comm._fast_put(comm._fast_a2a, 4, (torch.float32, 4, 4), True)[-1] is False)
+    forgotten.append(comm.shortcuts.put("a2a", 4, (torch.float32, 4, 4), True)[-1] is False)
     return forgotten
 
 
@@ -505,9 +505,9 @@ def _cpu_fast_worker(rank, w):
     ok.append(torch.allclose(out, sum(data)[rank * piece:(rank + 1) * piece], atol=1e-5))
     t = x.clone()
     comm.all_reduce(t, op=dist.ReduceOp.AVG)
-    ok.append(torch.allclose(t, sum(data) / w, atol=1e-5) and comm._fast_ar[n][-1] is False)
-    cached = [True, comm._fast_bc[n][-1], comm._fast_ag[n][-1], comm._fast_a2a[n][-1],
-              comm._fast_rs[n][-1]]
+    ok.append(torch.allclose(t, sum(data) / w, atol=1e-5) and comm.shortcuts.ar[n][-1] is False)
+    cached = [True, comm.shortcuts.bc[n][-1], comm.shortcuts.ag[n][-1], comm.shortcuts.a2a[n][-1],
+              comm.shortcuts.rs[n][-1]]
     # a ring of large async sends and receives posted before a fast collective: neither stalls
     # the other, and every byte arrives
     m = 1 << 20
@@ -516,7 +516,7 @@ def _cpu_fast_worker(rank, w):
     hs = [comm.send(src, (rank + 1) % w, async_op=True), comm.recv(got, (rank - 1) % w, async_op=True)]
     t = x.clone()
     comm.all_reduce(t)
-    ok.append(torch.allclose(t, sum(data), atol=1e-5) and comm._fast_ar[n][-1] is True)
+    ok.append(torch.allclose(t, sum(data), atol=1e-5) and comm.shortcuts.ar[n][-1] is True)
     for h in hs:
         if h is not None:
             h.wait()

@@ -105,6 +105,11 @@ def _nonneg_int(text: str) -> int:
     return value
 
 
+_define("BRAID_CPU_ROUND_KB", _nonneg_int, 0,
+        "CPU tensors through the node segment: data per rank in one round of all_reduce and "
+        "reduce_scatter, in KiB (smaller rounds keep a round's data in the CPU's caches between "
+        "the copy in and the reduction, at the cost of more rounds); 0: half the rank's "
+        "collective area (16 MiB with BRAID_HOST_BUFFER_MB=64).")
 _define("BRAID_CE_PIECE_MB", _nonneg_int, 0,
         "Piece size of the copy engines' pipelined reduction in MiB (experiments); 0 = braid's "
         "rule (planner/pieces.py: every chunk in 4 pieces of 4 to 256 MiB).")

@@ -330,8 +330,9 @@ def run_worker(backend: str, device: str, names: list[str], variant: str, timeou
         results[name] = {"outcome": outcome, "detail": detail[-6000:], "seconds": round(dt_s, 2)}
         if name in lifted:
             results[name]["lifted"] = lifted[name]
+        why = f": {_why(detail)}" if outcome == "failed" else ""
         print(f"[{backend}{'' if variant == 'default' else '/' + variant}] {name}: {outcome} "
-              f"({dt_s:.1f} s)", flush=True)
+              f"({dt_s:.1f} s){why}", flush=True)
     import torch
     report = {"backend": backend, "device": device, "variant": variant, "torch": torch.__version__,
               "profiler_checks": bool(profiler_checks), "results": results}

@@ -255,7 +255,10 @@ LIFTED: dict[str, str] = {
     **_each("""test_get_future test_accumulate_gradients_no_sync test_accumulate_gradients_no_sync_grad_is_view
         test_accumulate_gradients_no_sync_allreduce_hook test_accumulate_gradients_no_sync_allreduce_with_then_hook""",
             _GET_FUTURE),
-    # CUDA (not yet run): the checks that admit NCCL alone for CUDA tensors
+    # CUDA: the checks that admit NCCL alone (or gloo and NCCL) for CUDA tensors
+    **_each("test_all_reduce_sum_cuda test_all_reduce_sum_cuda_async test_all_reduce_sum_cuda_complex",
+            "BACKEND not in ('gloo', 'nccl') ('Only Gloo and NCCL backends will have CUDA allReduce tested')"),
+    "test_broadcast_cuda": "BACKEND not in ('gloo', 'nccl') ('Only Gloo and Nccl backends support CUDA allReduce')",
     **_each("""test_all_gather_cuda test_all_gather_cuda_complex""",
             "BACKEND != 'nccl' ('Only Nccl supports CUDA all gather')"),
     **_each("test_all_gather_into_cat_tensor_cuda test_all_gather_into_stack_tensor_cuda",

@@ -88,14 +88,14 @@ class CallPath:
         old = self._fixed
         self._fixed = None if shares is None else {**(old or {}), op: dict(shares)}
         self._native_cache.clear()
-        self._fast_clear()
+        self.shortcuts.clear()
         self._prepared.clear()
         self._learn_update()
         try:
             yield
         finally:
             self._fixed = old
-            self._fast_clear()
+            self.shortcuts.clear()
             self._prepared.clear()
             self._learn_update()
 
@@ -112,7 +112,7 @@ class CallPath:
     def _learn_update(self) -> None:
         """Whole or split learned in the job (comm/arbiter.py) only where braid chooses the shares:
         not under fixed shares (tests, the calibration, `--shares`) nor in check mode."""
-        self._learn_split = self._arbiter.enabled and self._fixed is None and not self.check
+        self.shortcuts.learn = self._arbiter.enabled and self._fixed is None and not self.check
 
     @contextlib.contextmanager
     def calibrated_verdict(self) -> Iterator[None]:
@@ -292,81 +292,61 @@ class CallPath:
     # A shape the calibration splits is still NCCL's whole while the job's trial says so
     # (comm/arbiter.py): these ask the arbiter too, so such a call is forwarded as well (through
     # braid's own op and Work it cost ~20-100 us more host time a call: 2 x H200, FSDP2). The
-    # arbiter counts each call once: a "split" answer given here is kept for the op's own path,
-    # which asks next (_arb_whole).
+    # decision and the hand-off of the arbiter's answer to the op's own path: comm/shortcuts.py.
     def whole_reduce_scatter(self, out, inp, op) -> bool:
         if not (self._takes(inp) and self._takes(out)) or out.dtype is not inp.dtype:
             return False
-        n, dt = inp.numel(), inp.dtype
-        return self._whole_answer(self._fast_rs.get(n), (dt, op, out.numel()), ("rs", n, dt, op),
-                                  n == out.numel() * self.world_size and self._fast_reduce_ok(op, dt))
+        n, facts, valid, key = self._facts_rs(out, inp, op)
+        return self.shortcuts.answer("rs", n, facts, valid, key)
 
     def whole_all_gather(self, out, inp) -> bool:
         if not (self._takes(inp) and self._takes(out)) or out.dtype is not inp.dtype:
             return False
-        n, dt = inp.numel(), inp.dtype
-        return self._whole_answer(self._fast_ag.get(n), (dt, out.numel()), ("ag", n, dt),
-                                  out.numel() == n * self.world_size)
+        n, facts, valid, key = self._facts_ag(out, inp)
+        return self.shortcuts.answer("ag", n, facts, valid, key)
 
     def whole_broadcast(self, t, root: int) -> bool:
         if not self._takes(t):
             return False
-        n, dt = t.numel(), t.dtype
-        return self._whole_answer(self._fast_bc.get(n), (dt, root), ("bc", n, dt, root), 0 <= root < self.world_size)
+        n, facts, valid, key = self._facts_bc(t, root)
+        return self.shortcuts.answer("bc", n, facts, valid, key)
 
     def whole_all_reduce(self, t, op) -> bool:
         if not self._takes(t):
             return False
-        n, dt = t.numel(), t.dtype
-        return self._whole_answer(self._fast_ar.get(n), (dt, op), ("ar", n, dt, op), self._fast_reduce_ok(op, dt))
+        n, facts, valid, key = self._facts_ar(t, op)
+        return self.shortcuts.answer("ar", n, facts, valid, key)
 
     def whole_all_to_all(self, out, inp) -> bool:
         """Balanced all_to_all_single (no split sizes) only: uneven calls agree per call."""
         if not (self._takes(inp) and self._takes(out)) or inp.dim() == 0 or out.dtype is not inp.dtype:
             return False
-        n, dt = inp.numel(), inp.dtype
-        return self._whole_answer(self._fast_a2a.get(n), (dt, inp.size(0), out.numel()), ("a2a", n, dt),
-                                  n == out.numel() and inp.size(0) % self.world_size == 0)
+        n, facts, valid, key = self._facts_a2a(out, inp)
+        return self.shortcuts.answer("a2a", n, facts, valid, key)
 
-    def _whole_answer(self, ent, sig: tuple, key, may_try: bool) -> bool:
-        """The fast path's answer for a call shape (ent: its entry, facts then the answer; sig:
-        this call's facts): whole when the entry says so, or when the shape is on trial and the
-        arbiter says whole now; False for a shape not seen yet (its first call fills the entry)."""
-        if ent is None or ent[:-1] != sig:
-            return False
-        return ent[-1] or (self._learn_split and may_try and self._arb_first(key))
+    # Each op's shape facts, for both questions (the op's own and the backend's): (element
+    # count, the facts its table entry must match, whether the native call can take the shape at
+    # all, the arbiter's key). Tensors are contiguous, on this communicator's kind of device.
+    def _facts_ar(self, t, op) -> tuple:
+        n, dt = t.numel(), t.dtype
+        return n, (dt, op), self._fast_reduce_ok(op, dt), ("ar", n, dt, op)
 
-    def _arb_first(self, key) -> bool:
-        """The arbiter's answer asked by the backend before the op's own path: True (whole) ends
-        the call there; False is kept for that path's own question."""
-        if self._arbiter.whole(key):
-            return True
-        self._arb_split = key
-        return False
+    def _facts_rs(self, out, inp, op) -> tuple:
+        n, dt, m = inp.numel(), inp.dtype, out.numel()
+        return (n, (dt, op, m), dt is out.dtype and n == m * self.world_size and self._fast_reduce_ok(op, dt),
+                ("rs", n, dt, op))
 
-    def _arb_whole(self, key) -> bool:
-        """The op's own path asks the arbiter: the backend's "split" for this call if it asked
-        first, else the arbiter (one count per call)."""
-        said, self._arb_split = self._arb_split, None
-        if said is not None and said == key:
-            return False
-        return self._arbiter.whole(key)
+    def _facts_ag(self, out, inp) -> tuple:
+        n, dt, m = inp.numel(), inp.dtype, out.numel()
+        return n, (dt, m), dt is out.dtype and m == n * self.world_size, ("ag", n, dt)
 
-    def _fast_put(self, table: dict, n: int, sig: tuple, hit: bool) -> tuple:
-        """The fast path (whole calls that the native library's own collective takes: NCCL for
-        CUDA tensors, gloo on a CPU communicator; e.g. every small message) costs a few Python
-        steps per call: the answer for a call shape
-        (element count -> dtype and the other shape facts, then the answer) is computed once
-        here, with the full checks, and kept until it may change (fixed shares, a new
-        calibration, close). NCCL (gloo) checks device and layout itself, with its own errors."""
-        if len(table) > 1024:
-            table.clear()
-        ent = table[n] = sig + (bool(hit) and not self.closed and not self.aborted,)
-        return ent
+    def _facts_bc(self, t, root) -> tuple:
+        n, dt = t.numel(), t.dtype
+        return n, (dt, root), 0 <= root < self.world_size, ("bc", n, dt, root)
 
-    def _fast_clear(self) -> None:
-        for t in (self._fast_ar, self._fast_rs, self._fast_ag, self._fast_a2a, self._fast_a2av, self._fast_bc):
-            t.clear()
+    def _facts_a2a(self, out, inp) -> tuple:
+        n, dt, rows, m = inp.numel(), inp.dtype, inp.size(0), out.numel()
+        return n, (dt, rows, m), dt is out.dtype and n == m and rows % self.world_size == 0, ("a2a", n, dt)
 
     def _finish(self, work, async_op: bool):
         handle = Handle(native=work)

@@ -38,6 +38,7 @@ from .ledger import Ledger, _Watchdog, _call
 from .p2p import PointToPoint
 from .reductions import Reductions
 from .routing import Routing
+from .shortcuts import Shortcuts
 
 
 OPS = ("send_recv", "broadcast", "all_gather", "all_to_all_single", "all_reduce", "reduce_scatter", "reduce")
@@ -81,7 +82,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         self._arbiter = Arbiter(self._trial_exchange,
                                 enabled=bool(envs.get("BRAID_LEARN_SPLIT")) and seg is not None
                                 and self.cuda and self.world_size > 1 and self.single_node)
-        self._arb_split = None      # a "split" the arbiter gave the backend for the call under way
+        # whole or split per call shape, the hot path's one decision (comm/shortcuts.py)
+        self.shortcuts = Shortcuts(self._native_for, self._arbiter, lambda: not self.closed and not self.aborted)
         self._learn_update()
         self._cpu = None            # whole CPU calls through the segment (comm/cpushm.py)
         self._cpu_done = _NativeDone("shm")
@@ -120,11 +122,6 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         self.calib_digest = "default"
         self._share_cache: dict = {}
         self._native_cache: dict = {}
-        self._fast_ar: dict = {}     # the fast path's answers per op (see _fast_put)
-        self._fast_rs: dict = {}
-        self._fast_ag: dict = {}
-        self._fast_a2a: dict = {}
-        self._fast_a2av: dict = {}   # uneven all_to_all: (in, out elements) -> shape facts, may agree fast
         self._pair_calls = 0         # two ranks' uneven calls decided alone (see _pair_whole)
         self._pair_hash = 0          # ... and the running hash of their sizes since the last round
         self._a2av_ce_min = envs.get("BRAID_A2AV_CE_MIN_MB") << 20
@@ -134,7 +131,6 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         self._a2av_recv = None       # bytes this rank expected from each rank in a round read one call late
         self._desc_memo: dict = {}   # every rank's descriptor digest -> those descriptors (recent full exchanges)
         self._round = None           # a prepared call's round already posted by the fast path (exchange.py)
-        self._fast_bc: dict = {}
         from ..planner.balancer import OnlineBalancer
         self.balancer = OnlineBalancer()
         self.adapt = True                    # stage 2 on; comm.adapt = False freezes the shares
@@ -340,14 +336,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
             input = input.detach()     # read only: the native library's copies of it stay out of autograd
         if (type(input) is torch.Tensor and type(output) is torch.Tensor and input.is_cuda is self.cuda
                 and output.is_cuda is self.cuda and input.is_contiguous() and output.is_contiguous()):
-            n, dt = input.numel(), input.dtype
-            ent = self._fast_ag.get(n)
-            if ent is None or ent[0] is not dt or ent[1] != output.numel():
-                ent = self._fast_put(self._fast_ag, n, (dt, output.numel()), dt is output.dtype
-                                     and output.numel() == n * self.world_size
-                                     and self._native_for(op, n * input.element_size()))
-            if ent[-1] or (self._learn_split and dt is output.dtype and output.numel() == n * self.world_size
-                           and self._arb_whole(("ag", n, dt))):
+            n, facts, valid, key = self._facts_ag(output, input)
+            if self.shortcuts.decide("ag", n, facts, valid, op, n * input.element_size(), key):
                 return self._native_fast("_allgather_base", (output, input), "allgather", async_op, fallback=lambda a:
                                          dist.all_gather_into_tensor(output, input, group=self._fast_group, async_op=a))
             if self.cuda:
@@ -400,13 +390,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         if self._cpu is not None and self._cpu_ok(tensor) and type(src) is int and 0 <= src < self.world_size:
             return self._cpu_call(op, tensor, lambda: self._cpu.broadcast(tensor, src), async_op)
         if type(tensor) is torch.Tensor and type(src) is int and tensor.is_cuda is self.cuda and tensor.is_contiguous():
-            n, dt = tensor.numel(), tensor.dtype
-            ent = self._fast_bc.get(n)
-            if ent is None or ent[0] is not dt or ent[1] != src:
-                ent = self._fast_put(self._fast_bc, n, (dt, src), 0 <= src < self.world_size
-                                     and self._native_for(op, n * tensor.element_size()))
-            if ent[-1] or (self._learn_split and 0 <= src < self.world_size
-                           and self._arb_whole(("bc", n, dt, src))):
+            n, facts, valid, key = self._facts_bc(tensor, src)
+            if self.shortcuts.decide("bc", n, facts, valid, op, n * tensor.element_size(), key):
                 return self._native_fast("broadcast", ([tensor],), "broadcast", async_op, root=src, fallback=lambda a:
                                          dist.broadcast(tensor, group_src=src, group=self._fast_group, async_op=a))
             if self.cuda:
@@ -455,8 +440,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
                            "pays": self.pays}, sort_keys=True)
         self.calib_digest = hashlib.sha1(text.encode()).hexdigest()[:12] if self.calib else "default"
         self._native_cache.clear()
-        if getattr(self, "_fast_ar", None) is not None:
-            self._fast_clear()
+        if getattr(self, "shortcuts", None) is not None:
+            self.shortcuts.clear()
         if getattr(self, "_prepared", None) is not None:
             self._prepared.clear()
         if getattr(self, "balancer", None) is not None:   # a new calibration restarts stage 2
@@ -469,7 +454,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         if self.closed:
             return
         self.closed = True
-        self._fast_clear()
+        self.shortcuts.clear()
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self._prepared.close()

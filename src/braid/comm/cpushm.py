@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .. import envs
 from ..collectives.reduce import _writing, check_reduce_dtype, op_name, reduce_factor, reduce_pair, reduce_slots
 from ..errors import MisuseError, PeerMismatchError
 
@@ -94,6 +95,9 @@ class CpuShm:
         self.base = offs[0]
         self.half = (cap // 2) // 4096 * 4096
         self.data = self.half - HEADER
+        # data per rank and round of all_reduce and reduce_scatter (BRAID_CPU_ROUND_KB; 0: a half)
+        kb = envs.get("BRAID_CPU_ROUND_KB")
+        self.round_bytes = min(self.data, kb << 10) if kb else self.data
         self.mem = mem
         self.head = np.frombuffer(seg.mm, dtype=np.int64, count=len(seg.mm) // 8)
         self._typed: dict = {}
@@ -256,7 +260,7 @@ class CpuShm:
         dt, n = t.dtype, flat.numel()
         name = self.checked(dt, name, op)
         esz = self.esz(dt)
-        cap = self.data // esz
+        cap = self.round_bytes // esz
         code = _NAMES[name] + (0 if root is None else 100 * (root + 1))
         lands = root is None or root == self.rank
         # two ranks, a chunk above SMALL_REDUCE: each copies in only the half its peer reduces
@@ -405,7 +409,7 @@ class CpuShm:
         src = inp.view(w, m)
         dst = out if out.dim() == 1 else out.view(-1)
         esz = self.esz(dt)
-        cap = self.data // esz // w
+        cap = self.round_bytes // esz // w
         code = _NAMES[name]
         me = self.rank
         with _guard(out):

@@ -260,7 +260,7 @@ class Ledger:
         on a thread of their own, as NCCL's abort can take seconds or block on a peer that
         died, and the watchdog must go on releasing stream waits) or abort()."""
         self.aborted = self.aborted or why
-        self._fast_clear()  # the next call takes the full path, which refuses it
+        self.shortcuts.clear()  # the next call takes the full path, which refuses it
         if not self.cuda:
             return          # gloo has no abort that releases a blocked call; its timeout does
         groups = self._native_groups()

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..collectives import check_rank, flat_bytes, input_bytes, output_bytes, same_dtype
 from ..errors import MisuseError
+from ..collectives.ce_reduce import CeReduction
 from ..collectives.reduce import REDUCE_DTYPES
 from ..executor import Handle, execute
 from ..lanes.base import LaneRun
@@ -94,13 +95,8 @@ class Reductions:
         if self._cpu is not None and self._cpu_ok(tensor) and (red := self._cpu_reduction(op, tensor.dtype)):
             return self._cpu_call("all_reduce", tensor, lambda: self._cpu.all_reduce(tensor, *red), async_op)
         if type(op) is _RED_T and type(tensor) is torch.Tensor and tensor.is_cuda is self.cuda and tensor.is_contiguous():
-            n, dt = tensor.numel(), tensor.dtype
-            ent = self._fast_ar.get(n)
-            if ent is None or ent[0] is not dt or ent[1] is not op:
-                ent = self._fast_put(self._fast_ar, n, (dt, op), self._fast_reduce_ok(op, dt)
-                                     and self._native_for("all_reduce", n * tensor.element_size()))
-            if ent[-1] or (self._learn_split and self._fast_reduce_ok(op, dt)
-                           and self._arb_whole(("ar", n, dt, op))):
+            n, facts, valid, key = self._facts_ar(tensor, op)
+            if self.shortcuts.decide("ar", n, facts, valid, "all_reduce", n * tensor.element_size(), key):
                 return self._native_fast("allreduce", ([tensor],), "allreduce", async_op, op=op, fallback=lambda a:
                                          dist.all_reduce(tensor, op=op, group=self._fast_group, async_op=a))
             if self.cuda:
@@ -124,14 +120,8 @@ class Reductions:
             input = input.detach()     # read only: the native library's copies of it stay out of autograd
         if (type(op) is _RED_T and type(input) is torch.Tensor and type(output) is torch.Tensor and input.is_cuda is self.cuda
                 and output.is_cuda is self.cuda and input.is_contiguous() and output.is_contiguous()):
-            n, dt = input.numel(), input.dtype
-            ent = self._fast_rs.get(n)
-            if ent is None or ent[0] is not dt or ent[1] is not op or ent[2] != output.numel():
-                ent = self._fast_put(self._fast_rs, n, (dt, op, output.numel()), dt is output.dtype
-                                     and n == output.numel() * self.world_size and self._fast_reduce_ok(op, dt)
-                                     and self._native_for("reduce_scatter", n * input.element_size()))
-            if ent[-1] or (self._learn_split and dt is output.dtype and n == output.numel() * self.world_size
-                           and self._fast_reduce_ok(op, dt) and self._arb_whole(("rs", n, dt, op))):
+            n, facts, valid, key = self._facts_rs(output, input, op)
+            if self.shortcuts.decide("rs", n, facts, valid, "reduce_scatter", n * input.element_size(), key):
                 return self._native_fast("_reduce_scatter_base", (output, input), "reducescatter", async_op, op=op,
                                          fallback=lambda a: dist.reduce_scatter_tensor(
                                              output, input, op=op, group=self._fast_group, async_op=a))
@@ -465,7 +455,6 @@ class Reductions:
 
     def _ce_reduction(self):
         if self._ce_red is None:
-            from ..collectives.ce_reduce import CeReduction
             self._ce_red = CeReduction(self._lanes["ce"], self.lane_ctx)
         return self._ce_red
 

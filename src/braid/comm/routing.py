@@ -90,14 +90,8 @@ class Routing:
         if (not input_split_sizes and not output_split_sizes and type(input) is torch.Tensor
                 and type(output) is torch.Tensor and input.is_cuda is self.cuda and output.is_cuda is self.cuda
                 and input.dim() > 0 and input.is_contiguous() and output.is_contiguous()):
-            n, dt, rows = input.numel(), input.dtype, input.size(0)
-            ent = self._fast_a2a.get(n)
-            if ent is None or ent[0] is not dt or ent[1] != rows or ent[2] != output.numel():
-                ent = self._fast_put(self._fast_a2a, n, (dt, rows, output.numel()), dt is output.dtype
-                                     and n == output.numel() and rows % self.world_size == 0
-                                     and self._native_for(op, n * input.element_size()))
-            if ent[-1] or (self._learn_split and dt is output.dtype and n == output.numel()
-                           and rows % self.world_size == 0 and self._arb_whole(("a2a", n, dt))):
+            n, facts, valid, key = self._facts_a2a(output, input)
+            if self.shortcuts.decide("a2a", n, facts, valid, op, n * input.element_size(), key):
                 return self._native_fast("alltoall_base", (output, input, [], []), "alltoall", async_op, fallback=lambda a:
                                          dist.all_to_all_single(output, input, group=self._fast_group, async_op=a))
             if self.cuda and self.routing != "on":
@@ -188,7 +182,7 @@ class Routing:
         # The shape facts, and whether this communicator agrees this way at all, are kept per
         # call shape, so a call costs a few Python steps besides NCCL's own.
         key = (input.numel(), output.numel())
-        ent = self._fast_a2av.get(key)
+        ent = self.shortcuts.a2av.get(key)
         dt, rin, rout = input.dtype, input.size(0), output.size(0)
         if ent is None or ent[0] is not dt or ent[1] != rin or ent[2] != rout:
             idx = self.device.index if self.cuda else None
@@ -201,7 +195,7 @@ class Routing:
                     and self.world_size > 1)
             ok = lean or (base and self._fixed is None and len(lanes) > 1 and "nccl" in lanes)
             esz = input.element_size()     # bytes per row; an empty side's splits are all 0
-            ent = self._fast_put(self._fast_a2av, key, (dt, rin, rout, key[0] // max(rin, 1) * esz,
+            ent = self.shortcuts.put("a2av", key, (dt, rin, rout, key[0] // max(rin, 1) * esz,
                                                          key[1] // max(rout, 1) * esz, lean), ok)
         w = self.world_size
         if ent[-1] and len(input_split_sizes) == w and len(output_split_sizes) == w \

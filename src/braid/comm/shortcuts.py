@@ -1,0 +1,88 @@
+"""Whole or split, per call shape: the one place the hot path decides it.
+
+Most calls of a job go to the native library whole (NCCL on GPUs, gloo on a CPU communicator):
+every small message, every size the calibration leaves to it, and each shape the job's own trial
+sent back (comm/arbiter.py). Such a call must cost a few Python steps besides that library's own
+call, so the answer is worked out once per call shape with the full checks and kept:
+
+    table[op][element count] = (the shape's other facts..., whole?)
+
+until it may change: fixed shares, a new calibration, close, an abort (clear()).
+
+Two callers ask about the same call. Under init_process_group("braid") the backend asks first
+(answer): "whole" forwards torch's call to the inner NCCL group with torch's own options and Work.
+Otherwise the op itself asks (decide), and fills the table for a shape not seen yet. A shape the
+calibration splits is on trial: the arbiter counts every call of it once, so a "split" the backend
+was told is handed to the op's own question (`said`) instead of being asked again.
+
+Each op states its shape facts once (Communicator._facts_*): the key into its table, the facts
+the entry must match, whether the shape is one the native call can take at all (`valid`), and the
+arbiter's key; both callers use them.
+"""
+from __future__ import annotations
+
+MAX_SHAPES = 1024       # entries per op before its table starts over
+
+
+class Shortcuts:
+    """The kept whole-or-split answers of a communicator, and the arbiter's hand-off."""
+
+    OPS = ("ar", "rs", "ag", "bc", "a2a", "a2av")
+
+    def __init__(self, native_for, arbiter, usable):
+        # native_for(op name, bytes): the calibration's answer (NCCL/gloo whole?);
+        # usable(): the communicator is neither closed nor aborted
+        self.native_for, self.arbiter, self.usable = native_for, arbiter, usable
+        self.ar: dict = {}
+        self.rs: dict = {}
+        self.ag: dict = {}
+        self.bc: dict = {}
+        self.a2a: dict = {}
+        self.a2av: dict = {}     # uneven all_to_all: (in, out elements) -> shape facts (comm/routing.py)
+        self.learn = False       # shapes the calibration splits go on trial (CallPath._learn_update)
+        self.said = None         # the arbiter's key of a "split" the backend was told for this call
+
+    def table(self, op: str) -> dict:
+        return getattr(self, op)
+
+    def put(self, op: str, n, facts: tuple, whole: bool) -> tuple:
+        """Keep the answer for a shape: `facts` then whole (never once closed or aborted)."""
+        table = getattr(self, op)
+        if len(table) >= MAX_SHAPES:
+            table.clear()
+        ent = table[n] = facts + (bool(whole) and self.usable(),)
+        return ent
+
+    def clear(self) -> None:
+        for op in self.OPS:
+            getattr(self, op).clear()
+
+    def decide(self, op: str, n: int, facts: tuple, valid: bool, name: str, nbytes: int, key) -> bool:
+        """The op's own question: True when this call goes to the native library whole. A shape
+        not seen yet is worked out now (valid and the calibration's answer)."""
+        ent = getattr(self, op).get(n)
+        if ent is None or ent[:-1] != facts:
+            ent = self.put(op, n, facts, valid and self.native_for(name, nbytes))
+        if ent[-1]:
+            return True
+        if not (self.learn and valid):
+            return False
+        said, self.said = self.said, None
+        if said is not None and said == key:
+            return False            # the backend asked for this call already: split
+        return self.arbiter.whole(key)
+
+    def answer(self, op: str, n: int, facts: tuple, valid: bool, key) -> bool:
+        """The backend's question, before the op's: True forwards the call whole. A shape not
+        seen yet answers False (the op's own path fills its entry in, the same on every rank)."""
+        ent = getattr(self, op).get(n)
+        if ent is None or ent[:-1] != facts:
+            return False
+        if ent[-1]:
+            return True
+        if not (self.learn and valid):
+            return False
+        if self.arbiter.whole(key):
+            return True
+        self.said = key
+        return False
