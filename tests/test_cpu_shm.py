@@ -388,3 +388,10 @@ def _a2av_worker(rank, w):
 def test_uneven_all_to_all(w):
     for bad in run_world(_a2av_worker, w, timeout=300):
         assert bad == []
+
+
+def test_rounds_smaller_than_the_call():
+    """BRAID_CPU_ROUND_KB cuts all_reduce and reduce_scatter into many rounds: every op, dtype and
+    reduction still right, and the same bits on every rank."""
+    for bad in run_world(_ops_worker, 3, env={"BRAID_CPU_ROUND_KB": "4"}, timeout=300):
+        assert bad == []
