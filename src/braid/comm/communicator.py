@@ -341,7 +341,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
                 return self._native_fast("_allgather_base", (output, input), "allgather", async_op, fallback=lambda a:
                                          dist.all_gather_into_tensor(output, input, group=self._fast_group, async_op=a))
             if self.cuda:
-                tkey = ("ag", input.data_ptr(), output.data_ptr(), n, output.numel(), dt, output.dtype)
+                tkey = ("ag", input.data_ptr(), output.data_ptr(), n, output.numel(), input.dtype, output.dtype)
                 if (h := self._fast_prepared(tkey, input, (output,), async_op)) is not None:
                     return h if async_op else None
         dev = self._device_for(input)
@@ -395,7 +395,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
                 return self._native_fast("broadcast", ([tensor],), "broadcast", async_op, root=src, fallback=lambda a:
                                          dist.broadcast(tensor, group_src=src, group=self._fast_group, async_op=a))
             if self.cuda:
-                tkey = ("bc", tensor.data_ptr(), n, dt, src)
+                tkey = ("bc", tensor.data_ptr(), n, tensor.dtype, src)
                 if (h := self._fast_prepared(tkey, tensor if self.rank == src else None, (tensor,), async_op)) is not None:
                     return h if async_op else None
         dev = self._device_for(tensor)
