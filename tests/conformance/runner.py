@@ -504,6 +504,9 @@ def main(argv=None) -> int:
     p.add_argument("--profiler-checks", action=argparse.BooleanOptionalAction, default=None,
                    help="apply torch's profiler-event checks to braid too (torch makes them only "
                         "for the backends it lists); default: on for --device cpu, off for cuda")
+    p.add_argument("--shard", default=None, metavar="I/N",
+                   help="only every N-th test of the list, from the I-th (0-based): N runs at once "
+                        "cover it in 1/N of the time")
     p.add_argument("--parallel", action="store_true",
                    help="with --compare: run every backend's worker at the same time (a GPU shared "
                         "by the ranks of both; half the wall time)")
@@ -518,6 +521,13 @@ def main(argv=None) -> int:
         names = [n.strip() for n in a.tests.split(",") if n.strip()]
     else:
         names = torch_tests.selected(device, full=a.full or torch_tests.full_requested())
+    if a.shard:
+        try:
+            i, k = (int(x) for x in a.shard.split("/"))
+            assert 0 <= i < k
+        except (ValueError, AssertionError):
+            p.error(f"--shard {a.shard!r}: want I/N with 0 <= I < N, e.g. 0/2")
+        names = names[i::k]
     if a.worker:
         run_worker(a.backend, device, names, a.variant, a.timeout, a.json,
                    _profiler_checks(device, a.profiler_checks))

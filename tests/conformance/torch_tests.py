@@ -11,8 +11,8 @@ point-to-point families (and every DDP test) with backend gloo and then braid, t
   included: on CPU torch's profiler-event checks apply to braid too, see runner.py); runs in CI
   (tests/test_conformance.py).
 - CPU_FULL: CPU_CI plus the process-group API tests (get_rank, destroy_group...), for `--full`.
-- CUDA: for `--device cuda` (NCCL reference, braid with its GPU lanes, 2 GPUs). Not yet run:
-  a first list, to be curated from its first run.
+- CUDA: for `--device cuda` (NCCL reference, braid with its GPU lanes; ranks share the GPUs where
+  there are fewer than ranks). Results on one shared GPU: docs/conformance.md.
 - EXCLUDED: every test of the collective/p2p/DDP families that is in no list, with the reason.
 - LIFTED: torch's name-based skips (decorators that compare BACKEND with "gloo", "nccl"...)
   that the runner removes, for the reference backend too, each with the check it overrides.
@@ -107,7 +107,7 @@ test_barrier_group test_barrier_timeout_group
 """.split()
 
 # ---------------------------------------------------------------------------------------------
-# CUDA: NCCL is the reference (2 GPUs; not yet run, see docs/conformance.md)
+# CUDA: NCCL is the reference (results in docs/conformance.md)
 # ---------------------------------------------------------------------------------------------
 
 CUDA = """
