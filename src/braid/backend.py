@@ -491,7 +491,7 @@ class BraidProcessGroup(dist.ProcessGroup):
                 break               # NCCL's own call says what is wrong with the pair
             with torch.no_grad():
                 for d, a in zip(dst, src):
-                    d.copy_(a.view_as(d))
+                    d.copy_(a.reshape(d.shape))
             served += [sends.pop(0), q]
         for q in served:
             q[4]._posted(_finished())
