@@ -1,0 +1,87 @@
+"""The whole-or-split answers kept per call shape (comm/shortcuts.py), without a communicator: what
+the op's question (decide) and the backend's (answer) return, when the calibration is asked, the
+arbiter's hand-off between the two questions of one call, and what clears or refuses an entry."""
+from __future__ import annotations
+
+from braid.comm.shortcuts import MAX_SHAPES, Shortcuts
+
+
+class _Arbiter:
+    """Says whole for the keys in `whole`, and counts every question per key."""
+
+    def __init__(self, whole=()):
+        self.whole_keys, self.asked = set(whole), {}
+
+    def whole(self, key):
+        self.asked[key] = self.asked.get(key, 0) + 1
+        return key in self.whole_keys
+
+
+def _make(native=True, whole=(), learn=False):
+    calls = []
+
+    def native_for(name, nbytes):
+        calls.append((name, nbytes))
+        return native
+    state = {"usable": True}
+    s = Shortcuts(native_for, _Arbiter(whole), lambda: state["usable"])
+    s.learn = learn
+    return s, calls, state
+
+
+def test_a_shape_is_worked_out_once_and_kept():
+    s, calls, _ = _make(native=True)
+    for _ in range(3):
+        assert s.decide("ar", 10, ("f32", "sum"), True, "all_reduce", 40, ("ar", 10))
+    assert calls == [("all_reduce", 40)] and s.ar[10] == ("f32", "sum", True)
+    # other facts for the same element count: worked out again
+    assert s.decide("ar", 10, ("bf16", "sum"), True, "all_reduce", 20, ("ar", 10)) and len(calls) == 2
+    # a shape the native call cannot take is never whole, and the calibration is not asked
+    s2, calls2, _ = _make(native=True)
+    assert not s2.decide("rs", 9, ("f32", "sum", 4), False, "reduce_scatter", 36, ("rs", 9))
+    assert calls2 == [] and s2.rs[9][-1] is False
+
+
+def test_the_backend_answers_only_for_shapes_the_op_has_seen():
+    s, _, _ = _make(native=True)
+    assert not s.answer("ag", 8, ("f32", 16), True, ("ag", 8))       # not seen: the op decides
+    s.decide("ag", 8, ("f32", 16), True, "all_gather", 32, ("ag", 8))
+    assert s.answer("ag", 8, ("f32", 16), True, ("ag", 8))
+    assert not s.answer("ag", 8, ("f32", 24), True, ("ag", 8))       # other facts
+
+
+def test_a_split_shape_on_trial_asks_the_arbiter_once_per_call():
+    key = ("bc", 5, "f32", 0)
+    s, _, _ = _make(native=False, learn=True)
+    assert not s.decide("bc", 5, ("f32", 0), True, "broadcast", 20, key)   # split, asked once
+    assert s.arbiter.asked[key] == 1
+    # the backend asks first and hears "split": the op's own question takes that answer
+    assert not s.answer("bc", 5, ("f32", 0), True, key) and s.said == key
+    assert not s.decide("bc", 5, ("f32", 0), True, "broadcast", 20, key)
+    assert s.arbiter.asked[key] == 2 and s.said is None
+    # a hand-off for another shape is dropped, and this call asks
+    s.said = ("bc", 6, "f32", 0)
+    s.decide("bc", 5, ("f32", 0), True, "broadcast", 20, key)
+    assert s.arbiter.asked[key] == 3 and s.said is None
+    # the arbiter says whole: both questions forward
+    s.arbiter.whole_keys.add(key)
+    assert s.answer("bc", 5, ("f32", 0), True, key) and s.decide("bc", 5, ("f32", 0), True, "broadcast", 20, key)
+    # without trials (fixed shares, check mode) the arbiter is never asked
+    s.learn = False
+    n = s.arbiter.asked[key]
+    assert not s.decide("bc", 5, ("f32", 0), True, "broadcast", 20, key)
+    assert not s.answer("bc", 5, ("f32", 0), True, key) and s.arbiter.asked[key] == n
+
+
+def test_cleared_bounded_and_never_whole_once_unusable():
+    s, calls, state = _make(native=True)
+    for op in Shortcuts.OPS:
+        s.put(op, 1, ("x",), True)
+    s.clear()
+    assert all(not s.table(op) for op in Shortcuts.OPS)
+    for n in range(MAX_SHAPES + 10):
+        s.put("a2a", n, ("x",), True)
+    assert len(s.a2a) <= MAX_SHAPES
+    state["usable"] = False                 # closed or aborted
+    assert not s.decide("ar", 3, ("f32", "sum"), True, "all_reduce", 12, ("ar", 3))
+    assert s.ar[3][-1] is False
