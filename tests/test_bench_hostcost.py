@@ -21,7 +21,8 @@ SUMMARY_KEYS = {"op", "baseline", "points", "host_ratio_median", "host_ratio_min
                 "baseline_first_call_us_median", "baseline_first_call_us_max"}
 LINE = re.compile(r"^# host per call: braid/gloo median (\d+\.\d\d)x \(min (\d+\.\d\d)x, max (\d+\.\d\d)x "
                   r"over (\d+) points\); median braid [\d.]+ us, gloo [\d.]+ us \| first call \(prepare\): "
-                  r"braid median [\d.]+ us, max [\d.]+ us; gloo median [\d.]+ us, max [\d.]+ us$", re.M)
+                  r"braid median [\d.]+ us, max [\d.]+ us; gloo median [\d.]+ us, max [\d.]+ us "
+                  r"\| at 256 KiB: braid's algbw \d+% of the copy ceiling, gloo's \d+%$", re.M)
 
 
 def test_bench_summary_line_and_first_calls_on_cpu_lanes(tmp_path):
@@ -87,6 +88,18 @@ def test_host_summary_and_line():
     assert output.summary_line(old) == ("host per call: braid/nccl median 2.00x (min 2.00x, max 2.00x over 1 point); "
                                         "median braid 8.0 us, nccl 4.0 us")
     assert output.host_summary([{"op": "x", "baseline": {"name": "nccl"}}]) is None
+
+
+def test_cpu_tables_say_how_close_the_largest_size_gets_to_the_copy_ceiling():
+    pts = [dict(_pt(n, 50.0, 100.0), copy_ceiling_gbps=10.0, algbw_gbps=bw) for n, bw in ((1 << 20, 2.0), (64 << 20, 4.0))]
+    for p, base_bw in zip(pts, (1.0, 2.5)):
+        p["baseline"]["algbw_gbps"] = base_bw
+    s = output.host_summary(pts)
+    assert s["ceiling_nbytes"] == 64 << 20 and s["ceiling_fraction"] == 0.4 and s["baseline_ceiling_fraction"] == 0.25
+    assert output.summary_line(s).endswith("| at 64 MiB: braid's algbw 40% of the copy ceiling, nccl's 25%")
+    gpu = output.host_summary([dict(_pt(1 << 20, 50.0, 100.0), algbw_gbps=3.0)])   # no ceiling: not said
+    assert "ceiling_fraction" not in gpu and "ceiling" not in output.summary_line(gpu)
+    assert output._size(3 << 30) == "3 GiB" and output._size(1000) == "1000 B"
 
 
 def test_plain_table_prints_the_summary_once_after_its_rows(capsys):

@@ -147,6 +147,14 @@ def host_summary(points: list[dict]) -> dict | None:
            "baseline_host_us_median": statistics.median(p["baseline"]["host_us"] for p in both)}
     if "hot_fraction" in points[-1]:
         out["hot_fraction"] = points[-1]["hot_fraction"]
+    top = max(points, key=lambda p: p.get("nbytes", 0))
+    ceiling = top.get("copy_ceiling_gbps")
+    if ceiling and top.get("algbw_gbps") is not None:
+        # CPU runs: how close the largest size's algorithm bandwidth gets to a plain copy's
+        out["ceiling_nbytes"] = top["nbytes"]
+        out["ceiling_fraction"] = top["algbw_gbps"] / ceiling
+        if top["baseline"].get("algbw_gbps") is not None:
+            out["baseline_ceiling_fraction"] = top["baseline"]["algbw_gbps"] / ceiling
     for key, get in (("first_call_us", lambda p: p.get("first_call_us")),
                      ("baseline_first_call_us", lambda p: p["baseline"].get("first_call_us"))):
         vals = [v for v in map(get, points) if v is not None]
@@ -173,7 +181,19 @@ def summary_line(s: dict) -> str:
         if "baseline_first_call_us_median" in s:
             line += (f"; {base} median {_us(s['baseline_first_call_us_median'])}, "
                      f"max {_us(s['baseline_first_call_us_max'])}")
+    if "ceiling_fraction" in s:
+        line += (f" | at {_size(s['ceiling_nbytes'])}: braid's algbw {100 * s['ceiling_fraction']:.0f}% of the "
+                 f"copy ceiling")
+        if "baseline_ceiling_fraction" in s:
+            line += f", {base}'s {100 * s['baseline_ceiling_fraction']:.0f}%"
     return line
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
 
 
 def _table_summary(p: dict | None) -> str | None:
