@@ -270,7 +270,7 @@ def test_trying_while_a_trial_has_no_verdict():
 def op_asks(p, n):
     """all_gather_into_tensor's own question (communicator.py) for a float32 input of n elements."""
     import torch
-    return p.shortcuts.decide("ag", n, (torch.float32, 2 * n), True, "all_gather", 4 * n, ("ag", n, torch.float32))
+    return p.shortcuts.decide("ag", n, (torch.float32, 2 * n), lambda: (True, "all_gather", 4 * n, ("ag", n, torch.float32)))
 
 
 def test_the_backend_asks_first_each_call_counts_once_and_whole_calls_are_forwarded():

@@ -17,6 +17,11 @@ class _Arbiter:
         return key in self.whole_keys
 
 
+def _r(*rest):
+    """An op's `rest`: (valid, its name, its bytes, the arbiter's key), as given."""
+    return rest
+
+
 def _make(native=True, whole=(), learn=False):
     calls = []
 
@@ -32,45 +37,49 @@ def _make(native=True, whole=(), learn=False):
 def test_a_shape_is_worked_out_once_and_kept():
     s, calls, _ = _make(native=True)
     for _ in range(3):
-        assert s.decide("ar", 10, ("f32", "sum"), True, "all_reduce", 40, ("ar", 10))
+        assert s.decide("ar", 10, ("f32", "sum"), _r, True, "all_reduce", 40, ("ar", 10))
     assert calls == [("all_reduce", 40)] and s.ar[10] == ("f32", "sum", True)
+    # a shape its entry says is whole is settled by the entry alone: `rest` is not asked
+    asked = []
+    assert s.decide("ar", 10, ("f32", "sum"), lambda: asked.append(1))
+    assert s.answer("ar", 10, ("f32", "sum"), lambda: asked.append(1)) and asked == []
     # other facts for the same element count: worked out again
-    assert s.decide("ar", 10, ("bf16", "sum"), True, "all_reduce", 20, ("ar", 10)) and len(calls) == 2
+    assert s.decide("ar", 10, ("bf16", "sum"), _r, True, "all_reduce", 20, ("ar", 10)) and len(calls) == 2
     # a shape the native call cannot take is never whole, and the calibration is not asked
     s2, calls2, _ = _make(native=True)
-    assert not s2.decide("rs", 9, ("f32", "sum", 4), False, "reduce_scatter", 36, ("rs", 9))
+    assert not s2.decide("rs", 9, ("f32", "sum", 4), _r, False, "reduce_scatter", 36, ("rs", 9))
     assert calls2 == [] and s2.rs[9][-1] is False
 
 
 def test_the_backend_answers_only_for_shapes_the_op_has_seen():
     s, _, _ = _make(native=True)
-    assert not s.answer("ag", 8, ("f32", 16), True, ("ag", 8))       # not seen: the op decides
-    s.decide("ag", 8, ("f32", 16), True, "all_gather", 32, ("ag", 8))
-    assert s.answer("ag", 8, ("f32", 16), True, ("ag", 8))
-    assert not s.answer("ag", 8, ("f32", 24), True, ("ag", 8))       # other facts
+    assert not s.answer("ag", 8, ("f32", 16), _r, True, "", 0, ("ag", 8))       # not seen: the op decides
+    s.decide("ag", 8, ("f32", 16), _r, True, "all_gather", 32, ("ag", 8))
+    assert s.answer("ag", 8, ("f32", 16), _r, True, "", 0, ("ag", 8))
+    assert not s.answer("ag", 8, ("f32", 24), _r, True, "", 0, ("ag", 8))       # other facts
 
 
 def test_a_split_shape_on_trial_asks_the_arbiter_once_per_call():
     key = ("bc", 5, "f32", 0)
     s, _, _ = _make(native=False, learn=True)
-    assert not s.decide("bc", 5, ("f32", 0), True, "broadcast", 20, key)   # split, asked once
+    assert not s.decide("bc", 5, ("f32", 0), _r, True, "broadcast", 20, key)   # split, asked once
     assert s.arbiter.asked[key] == 1
     # the backend asks first and hears "split": the op's own question takes that answer
-    assert not s.answer("bc", 5, ("f32", 0), True, key) and s.said == key
-    assert not s.decide("bc", 5, ("f32", 0), True, "broadcast", 20, key)
+    assert not s.answer("bc", 5, ("f32", 0), _r, True, "", 0, key) and s.said == key
+    assert not s.decide("bc", 5, ("f32", 0), _r, True, "broadcast", 20, key)
     assert s.arbiter.asked[key] == 2 and s.said is None
     # a hand-off for another shape is dropped, and this call asks
     s.said = ("bc", 6, "f32", 0)
-    s.decide("bc", 5, ("f32", 0), True, "broadcast", 20, key)
+    s.decide("bc", 5, ("f32", 0), _r, True, "broadcast", 20, key)
     assert s.arbiter.asked[key] == 3 and s.said is None
     # the arbiter says whole: both questions forward
     s.arbiter.whole_keys.add(key)
-    assert s.answer("bc", 5, ("f32", 0), True, key) and s.decide("bc", 5, ("f32", 0), True, "broadcast", 20, key)
+    assert s.answer("bc", 5, ("f32", 0), _r, True, "", 0, key) and s.decide("bc", 5, ("f32", 0), _r, True, "broadcast", 20, key)
     # without trials (fixed shares, check mode) the arbiter is never asked
     s.learn = False
     n = s.arbiter.asked[key]
-    assert not s.decide("bc", 5, ("f32", 0), True, "broadcast", 20, key)
-    assert not s.answer("bc", 5, ("f32", 0), True, key) and s.arbiter.asked[key] == n
+    assert not s.decide("bc", 5, ("f32", 0), _r, True, "broadcast", 20, key)
+    assert not s.answer("bc", 5, ("f32", 0), _r, True, "", 0, key) and s.arbiter.asked[key] == n
 
 
 def test_cleared_bounded_and_never_whole_once_unusable():
@@ -83,5 +92,5 @@ def test_cleared_bounded_and_never_whole_once_unusable():
         s.put("a2a", n, ("x",), True)
     assert len(s.a2a) <= MAX_SHAPES
     state["usable"] = False                 # closed or aborted
-    assert not s.decide("ar", 3, ("f32", "sum"), True, "all_reduce", 12, ("ar", 3))
+    assert not s.decide("ar", 3, ("f32", "sum"), _r, True, "all_reduce", 12, ("ar", 3))
     assert s.ar[3][-1] is False

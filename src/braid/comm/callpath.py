@@ -296,57 +296,57 @@ class CallPath:
     def whole_reduce_scatter(self, out, inp, op) -> bool:
         if not (self._takes(inp) and self._takes(out)) or out.dtype is not inp.dtype:
             return False
-        n, facts, valid, key = self._facts_rs(out, inp, op)
-        return self.shortcuts.answer("rs", n, facts, valid, key)
+        return self.shortcuts.answer("rs", inp.numel(), (inp.dtype, op, out.numel()), self._rest_rs, out, inp, op)
 
     def whole_all_gather(self, out, inp) -> bool:
         if not (self._takes(inp) and self._takes(out)) or out.dtype is not inp.dtype:
             return False
-        n, facts, valid, key = self._facts_ag(out, inp)
-        return self.shortcuts.answer("ag", n, facts, valid, key)
+        return self.shortcuts.answer("ag", inp.numel(), (inp.dtype, out.numel()), self._rest_ag, out, inp)
 
     def whole_broadcast(self, t, root: int) -> bool:
         if not self._takes(t):
             return False
-        n, facts, valid, key = self._facts_bc(t, root)
-        return self.shortcuts.answer("bc", n, facts, valid, key)
+        return self.shortcuts.answer("bc", t.numel(), (t.dtype, root), self._rest_bc, t, root)
 
     def whole_all_reduce(self, t, op) -> bool:
         if not self._takes(t):
             return False
-        n, facts, valid, key = self._facts_ar(t, op)
-        return self.shortcuts.answer("ar", n, facts, valid, key)
+        return self.shortcuts.answer("ar", t.numel(), (t.dtype, op), self._rest_ar, t, op)
 
     def whole_all_to_all(self, out, inp) -> bool:
         """Balanced all_to_all_single (no split sizes) only: uneven calls agree per call."""
         if not (self._takes(inp) and self._takes(out)) or inp.dim() == 0 or out.dtype is not inp.dtype:
             return False
-        n, facts, valid, key = self._facts_a2a(out, inp)
-        return self.shortcuts.answer("a2a", n, facts, valid, key)
+        return self.shortcuts.answer("a2a", inp.numel(), (inp.dtype, inp.size(0), out.numel()), self._rest_a2a,
+                                     out, inp)
 
-    # Each op's shape facts, for both questions (the op's own and the backend's): (element
-    # count, the facts its table entry must match, whether the native call can take the shape at
-    # all, the arbiter's key). Tensors are contiguous, on this communicator's kind of device.
-    def _facts_ar(self, t, op) -> tuple:
+    # Each op's shape for both questions (the op's own and the backend's, comm/shortcuts.py): the
+    # entry's key and facts are written at the two call sites, (element count, (dtype, the op's
+    # other facts)); what only a call the entry does not settle needs is here: whether the native
+    # call can take the shape at all, the op's name and bytes for the calibration, the arbiter's
+    # key. Tensors are contiguous, on this communicator's kind of device.
+    def _rest_ar(self, t, op) -> tuple:
         n, dt = t.numel(), t.dtype
-        return n, (dt, op), self._fast_reduce_ok(op, dt), ("ar", n, dt, op)
+        return self._fast_reduce_ok(op, dt), "all_reduce", n * t.element_size(), ("ar", n, dt, op)
 
-    def _facts_rs(self, out, inp, op) -> tuple:
-        n, dt, m = inp.numel(), inp.dtype, out.numel()
-        return (n, (dt, op, m), dt is out.dtype and n == m * self.world_size and self._fast_reduce_ok(op, dt),
-                ("rs", n, dt, op))
+    def _rest_rs(self, out, inp, op) -> tuple:
+        n, dt = inp.numel(), inp.dtype
+        return (dt is out.dtype and n == out.numel() * self.world_size and self._fast_reduce_ok(op, dt),
+                "reduce_scatter", n * inp.element_size(), ("rs", n, dt, op))
 
-    def _facts_ag(self, out, inp) -> tuple:
-        n, dt, m = inp.numel(), inp.dtype, out.numel()
-        return n, (dt, m), dt is out.dtype and m == n * self.world_size, ("ag", n, dt)
+    def _rest_ag(self, out, inp) -> tuple:
+        n, dt = inp.numel(), inp.dtype
+        return (dt is out.dtype and out.numel() == n * self.world_size, "all_gather", n * inp.element_size(),
+                ("ag", n, dt))
 
-    def _facts_bc(self, t, root) -> tuple:
+    def _rest_bc(self, t, root) -> tuple:
         n, dt = t.numel(), t.dtype
-        return n, (dt, root), 0 <= root < self.world_size, ("bc", n, dt, root)
+        return 0 <= root < self.world_size, "broadcast", n * t.element_size(), ("bc", n, dt, root)
 
-    def _facts_a2a(self, out, inp) -> tuple:
-        n, dt, rows, m = inp.numel(), inp.dtype, inp.size(0), out.numel()
-        return n, (dt, rows, m), dt is out.dtype and n == m and rows % self.world_size == 0, ("a2a", n, dt)
+    def _rest_a2a(self, out, inp) -> tuple:
+        n, dt = inp.numel(), inp.dtype
+        return (dt is out.dtype and n == out.numel() and inp.size(0) % self.world_size == 0, "all_to_all_single",
+                n * inp.element_size(), ("a2a", n, dt))
 
     def _finish(self, work, async_op: bool):
         handle = Handle(native=work)

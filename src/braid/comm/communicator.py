@@ -336,8 +336,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
             input = input.detach()     # read only: the native library's copies of it stay out of autograd
         if (type(input) is torch.Tensor and type(output) is torch.Tensor and input.is_cuda is self.cuda
                 and output.is_cuda is self.cuda and input.is_contiguous() and output.is_contiguous()):
-            n, facts, valid, key = self._facts_ag(output, input)
-            if self.shortcuts.decide("ag", n, facts, valid, op, n * input.element_size(), key):
+            n = input.numel()
+            if self.shortcuts.decide("ag", n, (input.dtype, output.numel()), self._rest_ag, output, input):
                 return self._native_fast("_allgather_base", (output, input), "allgather", async_op, fallback=lambda a:
                                          dist.all_gather_into_tensor(output, input, group=self._fast_group, async_op=a))
             if self.cuda:
@@ -390,8 +390,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         if self._cpu is not None and self._cpu_ok(tensor) and type(src) is int and 0 <= src < self.world_size:
             return self._cpu_call(op, tensor, lambda: self._cpu.broadcast(tensor, src), async_op)
         if type(tensor) is torch.Tensor and type(src) is int and tensor.is_cuda is self.cuda and tensor.is_contiguous():
-            n, facts, valid, key = self._facts_bc(tensor, src)
-            if self.shortcuts.decide("bc", n, facts, valid, op, n * tensor.element_size(), key):
+            n = tensor.numel()
+            if self.shortcuts.decide("bc", n, (tensor.dtype, src), self._rest_bc, tensor, src):
                 return self._native_fast("broadcast", ([tensor],), "broadcast", async_op, root=src, fallback=lambda a:
                                          dist.broadcast(tensor, group_src=src, group=self._fast_group, async_op=a))
             if self.cuda:

@@ -95,8 +95,8 @@ class Reductions:
         if self._cpu is not None and self._cpu_ok(tensor) and (red := self._cpu_reduction(op, tensor.dtype)):
             return self._cpu_call("all_reduce", tensor, lambda: self._cpu.all_reduce(tensor, *red), async_op)
         if type(op) is _RED_T and type(tensor) is torch.Tensor and tensor.is_cuda is self.cuda and tensor.is_contiguous():
-            n, facts, valid, key = self._facts_ar(tensor, op)
-            if self.shortcuts.decide("ar", n, facts, valid, "all_reduce", n * tensor.element_size(), key):
+            n = tensor.numel()
+            if self.shortcuts.decide("ar", n, (tensor.dtype, op), self._rest_ar, tensor, op):
                 return self._native_fast("allreduce", ([tensor],), "allreduce", async_op, op=op, fallback=lambda a:
                                          dist.all_reduce(tensor, op=op, group=self._fast_group, async_op=a))
             if self.cuda:
@@ -120,8 +120,8 @@ class Reductions:
             input = input.detach()     # read only: the native library's copies of it stay out of autograd
         if (type(op) is _RED_T and type(input) is torch.Tensor and type(output) is torch.Tensor and input.is_cuda is self.cuda
                 and output.is_cuda is self.cuda and input.is_contiguous() and output.is_contiguous()):
-            n, facts, valid, key = self._facts_rs(output, input, op)
-            if self.shortcuts.decide("rs", n, facts, valid, "reduce_scatter", n * input.element_size(), key):
+            n = input.numel()
+            if self.shortcuts.decide("rs", n, (input.dtype, op, output.numel()), self._rest_rs, output, input, op):
                 return self._native_fast("_reduce_scatter_base", (output, input), "reducescatter", async_op, op=op,
                                          fallback=lambda a: dist.reduce_scatter_tensor(
                                              output, input, op=op, group=self._fast_group, async_op=a))

@@ -90,8 +90,9 @@ class Routing:
         if (not input_split_sizes and not output_split_sizes and type(input) is torch.Tensor
                 and type(output) is torch.Tensor and input.is_cuda is self.cuda and output.is_cuda is self.cuda
                 and input.dim() > 0 and input.is_contiguous() and output.is_contiguous()):
-            n, facts, valid, key = self._facts_a2a(output, input)
-            if self.shortcuts.decide("a2a", n, facts, valid, op, n * input.element_size(), key):
+            n = input.numel()
+            if self.shortcuts.decide("a2a", n, (input.dtype, input.size(0), output.numel()), self._rest_a2a,
+                                     output, input):
                 return self._native_fast("alltoall_base", (output, input, [], []), "alltoall", async_op, fallback=lambda a:
                                          dist.all_to_all_single(output, input, group=self._fast_group, async_op=a))
             if self.cuda and self.routing != "on":

@@ -15,9 +15,10 @@ Otherwise the op itself asks (decide), and fills the table for a shape not seen 
 calibration splits is on trial: the arbiter counts every call of it once, so a "split" the backend
 was told is handed to the op's own question (`said`) instead of being asked again.
 
-Each op states its shape facts once (Communicator._facts_*): the key into its table, the facts
-the entry must match, whether the shape is one the native call can take at all (`valid`), and the
-arbiter's key; both callers use them.
+Each op states its shape once, for both callers (CallPath._shape_* and _rest_*): the key into its
+table and the facts the entry must match (every call), and, only where the entry does not settle
+the call, whether the native call can take the shape at all (`valid`), the op's name and bytes for
+the calibration, and the arbiter's key. A shape the entry says is whole costs one lookup.
 """
 from __future__ import annotations
 
@@ -57,14 +58,19 @@ class Shortcuts:
         for op in self.OPS:
             getattr(self, op).clear()
 
-    def decide(self, op: str, n: int, facts: tuple, valid: bool, name: str, nbytes: int, key) -> bool:
+    def decide(self, op: str, n: int, facts: tuple, rest, *args) -> bool:
         """The op's own question: True when this call goes to the native library whole. A shape
-        not seen yet is worked out now (valid and the calibration's answer)."""
+        whose entry says whole costs one lookup; otherwise `rest(*args)` gives (valid, the op's
+        name, its bytes, the arbiter's key), and a shape not seen yet is worked out from them
+        (valid and the calibration's answer)."""
         ent = getattr(self, op).get(n)
+        if ent is not None and ent[-1] and ent[:-1] == facts:
+            return True
+        valid, name, nbytes, key = rest(*args)
         if ent is None or ent[:-1] != facts:
             ent = self.put(op, n, facts, valid and self.native_for(name, nbytes))
-        if ent[-1]:
-            return True
+            if ent[-1]:
+                return True
         if not (self.learn and valid):
             return False
         said, self.said = self.said, None
@@ -72,7 +78,7 @@ class Shortcuts:
             return False            # the backend asked for this call already: split
         return self.arbiter.whole(key)
 
-    def answer(self, op: str, n: int, facts: tuple, valid: bool, key) -> bool:
+    def answer(self, op: str, n: int, facts: tuple, rest, *args) -> bool:
         """The backend's question, before the op's: True forwards the call whole. A shape not
         seen yet answers False (the op's own path fills its entry in, the same on every rank)."""
         ent = getattr(self, op).get(n)
@@ -80,7 +86,10 @@ class Shortcuts:
             return False
         if ent[-1]:
             return True
-        if not (self.learn and valid):
+        if not self.learn:
+            return False
+        valid, _, _, key = rest(*args)
+        if not valid:
             return False
         if self.arbiter.whole(key):
             return True
