@@ -295,7 +295,7 @@ def _reduction_programs(monkeypatch, world: int, chunk_elems: list[int], gather:
             k = red.num_pieces(chunks, 2)
             red.emit(_Stream(1), _Stream(2), _Stream(3), inp=inp, out=inp, chunks=chunks, out_offsets=offs,
                      gather=gather, peers={p: (p + 1) << 40 for p in range(world) if p != me}, name="sum",
-                     factor=1.0, sig=Flags(0, layout), slots=slots, events=[_Event() for _ in range(k)])
+                     factor=1.0, sig=Flags(0, layout), slots=slots, events=[_Event() for _ in range(2 * k)])
         progs.append(ops)
     return progs
 
@@ -338,3 +338,243 @@ def test_a_replayed_reduction_sets_every_flag_it_waits_for_once(monkeypatch, wor
         assert pieces == [sum(c for p, c in enumerate(counts) if p != r) for r in range(world)]
     else:
         assert pieces == [0] * world
+
+
+# --- the reduction's programs run by an interpreter of three streams per rank ---------------------
+# Each rank's program (stream memory operations, copies, event records and waits, reductions) is
+# recorded as CeReduction.emit issues it, then run call after call by an interpreter standing in
+# for the GPUs: three streams per rank move at random, a wait moves once its flag is reached and an
+# event wait once the event's record ran. What it checks, per region (a piece of a chunk) of every
+# rank's buffer: a peer reads my input only while I am inside the same call and before the region
+# was overwritten; a reduced piece is written into a peer only while it is inside the call; every
+# region holds its reduced value when a rank's call ends (then the "user" writes new input into
+# all of it, as the next call's caller may). A reduction reads slots pulled in the same call.
+class _RecStream:
+    def __init__(self, sid, log):
+        self.cuda_stream, self.log = sid, log
+
+    def wait_event(self, ev):
+        self.log.append(("ewait", self.cuda_stream, id(ev)))
+
+
+def _reduction_runs(monkeypatch, world, elems, gather, per_mb, scheme, calls, push, cut=None):
+    """Per rank, per call: the list of operations emit issued. `scheme`: "flags" (one program
+    replayed) or "rising" (a program per call, counters raised by its sequence number); `cut`:
+    names of the signal methods to leave out (negative controls)."""
+    import contextlib
+
+    import torch
+
+    from braid.collectives import ce_reduce
+    from braid.collectives.ce_reduce import CeReduction
+    from braid.envs import override
+    from braid.planner.pieces import MAX_PIECES
+
+    layout = Layout(world, 1 << 20, 64 << 10)
+    offs = [sum(elems[:d]) for d in range(world)]
+    chunks = list(zip(offs, elems))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(ce_reduce, "_PUSH", push)
+    runs, metas = [], []
+    for me in range(world):
+        n = sum(elems)
+        inp = torch.zeros(n, dtype=torch.bfloat16)
+        my_len = elems[me]
+        slots = torch.zeros(1 if world == 2 else world, my_len, dtype=torch.bfloat16) if my_len else None
+        metas.append({"base": inp.data_ptr(), "nbytes": n * 2, "slot": slots.data_ptr() if slots is not None else -1,
+                      "slot_bytes": slots.numel() * 2 if slots is not None else 0})
+        per_call = []
+        for c in range(calls if scheme == "rising" else 1):
+            ops: list = []
+
+            class Ev:
+                def record(self, stream=None):
+                    ops.append(("rec", stream.cuda_stream, id(self)))
+
+            monkeypatch.setattr(torch.cuda, "Event", Ev)
+            monkeypatch.setattr(_cuda, "memops", lambda sh, batch: ops.extend(
+                ("wait" if w else "write", sh, addr, v) for w, addr, v in batch))
+            monkeypatch.setattr(_cuda, "write_value", lambda sh, addr, v: ops.append(("write", sh, addr, v)))
+            monkeypatch.setattr(_cuda, "wait_value", lambda sh, addr, v: ops.append(("wait", sh, addr, v)))
+            monkeypatch.setattr(_cuda, "memcpy_async", lambda dst, src, nb, sh: ops.append(("copy", sh, dst, src, nb)))
+
+            def red(*args, **kw):
+                out = args[3] if len(args) > 3 else args[2]
+                ops.append(("reduce", 2, out.data_ptr(), out.numel()))
+            monkeypatch.setattr(ce_reduce, "reduce_pair", lambda x0, x1, name, out, f: red(x0, x1, name, out))
+            monkeypatch.setattr(ce_reduce, "reduce_slots", lambda s, w, name, out, f: red(s, w, out))
+            if scheme == "flags":
+                sig = Flags(0, layout)
+            else:
+                sig = Rising(0, layout, c + 1, ((c + 1) * MAX_PIECES) & 0xFFFFFFFF)
+            for name in cut or ():
+                setattr(sig, name, lambda *a, **k: None)
+            red_ = CeReduction.__new__(CeReduction)
+            red_.lc = _Lc(me, world, layout)
+            with override(BRAID_CE_PIECE_MB=per_mb):
+                k = red_.num_pieces(chunks, 2)
+                red_.emit(_RecStream(1, ops), _RecStream(2, ops), _RecStream(3, ops), inp=inp, out=inp, chunks=chunks,
+                          out_offsets=offs, gather=gather, peers={p: (p + 1) << 40 for p in range(world) if p != me},
+                          name="sum", factor=1.0, sig=sig, slots=slots, events=[Ev() for _ in range(2 * k)])
+            per_call.append(ops)
+        runs.append(per_call)
+    return runs, metas, chunks
+
+
+def _run_reduction(runs, metas, chunks, calls, seed, per_elems, gather):
+    """Run every rank's calls interleaved at random; returns (deadlock, bad, flags)."""
+    from braid.planner.pieces import pieces
+
+    rng = random.Random(seed)
+    world = len(runs)
+    esz = 2
+    regions = {d: [off + a for a, _ in pieces(n, per_elems)] for d, (off, n) in enumerate(chunks)}
+    state = {(r, e): ("in", 0) for r in range(world) for d in range(world) for e in regions[d]}
+    slotw: dict = {}
+    mem: dict = {}
+    call = [0] * world
+    bad: list = []
+
+    def prog(r):
+        p = runs[r]
+        return p[call[r]] if len(p) > 1 else p[0]
+
+    def prepare(ops):
+        last, deps, streams = {}, {}, {}
+        for i, op in enumerate(ops):
+            if op[0] == "rec":
+                last[op[2]] = i
+            elif op[0] == "ewait":
+                deps[i] = last[op[2]]
+            streams.setdefault(op[1], []).append(i)
+        return deps, streams
+
+    cur = [prepare(prog(r)) for r in range(world)]
+    pos = [{s: 0 for s in cur[r][1]} for r in range(world)]
+    done = [set() for _ in range(world)]
+
+    def where(r, addr):
+        m = metas[r]
+        if m["base"] <= addr < m["base"] + m["nbytes"]:
+            return ("mine", (addr - m["base"]) // esz)
+        if m["slot"] <= addr < m["slot"] + m["slot_bytes"]:
+            return ("slot", addr - m["slot"])
+        q = (addr >> 40) - 1
+        return ("peer", q, (addr - ((q + 1) << 40)) // esz)
+
+    def inside(q, r):
+        return call[q] == call[r] and bool(done[q])
+
+    while any(c < calls for c in call):
+        movable = []
+        for r in range(world):
+            if call[r] >= calls:
+                continue
+            deps, streams = cur[r]
+            ops = prog(r)
+            for s, idx in streams.items():
+                if pos[r][s] >= len(idx):
+                    continue
+                i = idx[pos[r][s]]
+                op = ops[i]
+                if op[0] == "wait" and not _geq(mem.get(op[2], 0), op[3]):
+                    continue
+                if op[0] == "ewait" and deps[i] not in done[r]:
+                    continue
+                movable.append((r, s, i))
+        if not movable:
+            return True, bad, mem
+        r, s, i = rng.choice(movable)
+        op = prog(r)[i]
+        c = call[r]
+        if op[0] == "write":
+            mem[op[2]] = op[3]
+        elif op[0] == "copy":
+            dst, src = where(r, op[2]), where(r, op[3])
+            if src[0] == "peer" and dst[0] == "slot":                  # a pull of my chunk from q
+                q, e = src[1], src[2]
+                if not inside(q, r) or state[(q, e)] != ("in", c):
+                    bad.append(("pull", r, q, e, c, call[q], state[(q, e)]))
+                slotw[(r, dst[1])] = c
+            elif src[0] == "mine" and dst[0] == "peer":                # a push of my reduced piece
+                q, e = dst[1], dst[2]
+                if not inside(q, r) or state[(q, e)] != ("in", c) or state[(r, src[1])] != ("out", c):
+                    bad.append(("push", r, q, e, c, call[q], state[(q, e)]))
+                state[(q, e)] = ("out", c)
+            elif src[0] == "peer" and dst[0] == "mine":                # a gather pulling q's piece
+                q, e = src[1], src[2]
+                if not inside(q, r) or state[(q, e)] != ("out", c):
+                    bad.append(("gather", r, q, e, c, call[q], state[(q, e)]))
+                state[(r, dst[1])] = ("out", c)
+        elif op[0] == "reduce":
+            e = (op[2] - metas[r]["base"]) // esz
+            my_off, my_len = chunks[r]
+            a = e - my_off
+            rows = [0] if world == 2 else [p for p in range(world) if p != r]
+            for row in rows:
+                if slotw.get((r, row * my_len * esz + a * esz)) != c:
+                    bad.append(("slot", r, e, c))
+            if state[(r, e)] != ("in", c):
+                bad.append(("reduce", r, e, c, state[(r, e)]))
+            state[(r, e)] = ("out", c)
+        done[r].add(i)
+        pos[r][s] += 1
+        if all(pos[r][t] >= len(idx) for t, idx in cur[r][1].items()):     # the call is over
+            keys = [(r, e) for d in range(world) for e in regions[d]] if gather else \
+                [(r, e) for e in regions[r]]
+            for key in keys:
+                if state[key] != ("out", c):
+                    bad.append(("unfinished", key, c, state[key]))
+            for d in range(world):                                      # the caller writes anew
+                for e in regions[d]:
+                    state[(r, e)] = ("in", c + 1)
+            call[r] += 1
+            done[r] = set()
+            if call[r] < calls:
+                cur[r] = prepare(prog(r))
+                pos[r] = {t: 0 for t in cur[r][1]}
+    return False, bad, mem
+
+
+def _reduction_case(monkeypatch, world, sizes, gather, scheme, push, cut=None, calls=4, seeds=12):
+    mib = (1 << 20) // 2
+    if sizes == "even":
+        elems = [2 * mib] * world
+    else:
+        elems = [(1 + (d % 3)) * mib + 4096 * d for d in range(world)]
+    from braid.collectives.ce_reduce import piece_elems
+    from braid.envs import override
+    runs, metas, chunks = _reduction_runs(monkeypatch, world, elems, gather, 1, scheme, calls, push, cut)
+    with override(BRAID_CE_PIECE_MB=1):
+        per = piece_elems(chunks, 2)
+    out = []
+    for seed in range(seeds):
+        out.append(_run_reduction(runs, metas, chunks, calls, seed, per, gather))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("push", [True, False])
+@pytest.mark.parametrize("scheme", ["flags", "rising"])
+@pytest.mark.parametrize("sizes", ["even", "uneven"])
+def test_a_reduction_reads_and_writes_peers_only_inside_the_call(monkeypatch, world, push, scheme, sizes):
+    """all_reduce (pushed or pulled gather) and reduce_scatter, replayed and posted call by call,
+    under random interleavings of every rank's three streams: no deadlock, no read or write of a
+    peer's buffer outside the call or out of order, every region reduced when a call ends, and
+    (replayed) every flag back at 0."""
+    for gather in ([True, False] if push else [True]):
+        for deadlock, bad, mem in _reduction_case(monkeypatch, world, sizes, gather, scheme, push):
+            assert not deadlock
+            assert not bad, bad[:3]
+            if scheme == "flags":
+                assert all(v == 0 for v in mem.values())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("push, cut", [(False, ("done", "wait_done")), (True, ("wait_pieces",))])
+def test_the_interpreter_catches_a_reduction_that_ends_too_early(monkeypatch, world, push, cut):
+    """Negative controls: the pulled gather without its closing handshake lets a peer read my
+    buffer after my call ended; the pushed gather without its wait for the peers' last pieces
+    ends a call before its output is complete. Both must be caught."""
+    results = _reduction_case(monkeypatch, world, "even", True, "rising", push, cut=cut, seeds=20)
+    assert any(bad for _, bad, _ in results)

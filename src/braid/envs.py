@@ -117,6 +117,10 @@ _define("BRAID_CE_BATCH", _bool, True,
         "Post the copy engines' flag operations of one step (a wait and its reset, the flags of "
         "every peer) as one batch of stream memory operations, one node of a replayed graph; 0: "
         "one operation at a time (a fallback for a driver that rejects batches).")
+_define("BRAID_CE_PUSH", _bool, True,
+        "In the copy engines' all_reduce, push each reduced piece into every peer's output (and "
+        "end when every peer's last piece has come) instead of letting the peers pull it and "
+        "closing with a handshake; 0: pull. Must be the same on every rank.")
 _define("BRAID_CE_TAPER", _bool, True,
         "Taper the end of each chunk of the copy engines' pipelined reduction into smaller pieces "
         "(planner/pieces.py: pieces of 64 MiB and up). Must be the same on every rank.")

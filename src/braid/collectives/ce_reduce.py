@@ -12,26 +12,34 @@ Rank r of w reduces chunk r of the region the `ce` lane was given (chunk d is a 
                                         record event k
     reduce stream (SMs)          for k: wait event k
                                         out[chunk r, piece k] = x_0 (op) x_1 (op) ... x_{w-1}   (rank order)
-                                        write red[r] = base + k + 1
     gather stream (copy engine, all_reduce only)
-                                 for k: wait red[p] >= base + k + 1 for every p != r
-                                        for p != r: pull p's out[chunk p, piece k] -> my out[chunk p, piece k]
-    then, on the pull stream: join the others; write finish[r]; wait finish[p] for every peer
-    (nobody reads my buffers once the call is over).
+                                 for k: wait for my reduction of piece k
+                                        for p != r: push my out[chunk r, piece k] -> p's out[chunk r, piece k]
+                                        write red[r] = base + k + 1
+                                 then wait red[p] >= base + (p's piece count) for every p != r
+    then, on the pull stream: join the others (reduce_scatter and reduce also write finish[r] and
+    wait finish[p] for every peer: nobody reads my buffers once the call is over).
 
-Why an in-place all_reduce is safe: peer p reads my chunk p (its pulls) and, once reduced, I
-overwrite my chunk p with p's result. p writes red[p] >= base + k + 1 only after its reduction
-of piece k, which ran after its pulls of piece k from every rank, mine included; my gather of
-piece k waits for exactly that counter. My own chunk r is read by nobody before I reduce it.
+Why the all_reduce needs no closing handshake: p's last piece counter says that p pushed its last
+reduced piece into my output, and p pushes a piece only after pulling that piece from every rank,
+so once every peer's last piece has come, every peer is done reading my input and writing my
+output. (That holds when every rank reduces a non-empty chunk; a call with an empty chunk, and
+BRAID_CE_PUSH=0, take the older scheme: the peers pull each reduced piece once its counter says
+so, and the call closes with finish[].) The push saves one GPU-to-GPU signal on the call's
+critical path.
+
+Why an in-place all_reduce is safe: p reads my chunk p (its pulls) and writes my chunk p (its
+pushes, each after the pull of the same piece); I read and write only my own chunk r, and p's
+chunk r. Nobody reads my chunk r before I reduce it.
 
 The counters live in the node segment like the `ce` lane's arrive/finish; `base` is the call's
 sequence number times MAX_PIECES, so the counters only grow (GEQ waits are cyclic in 32 bits).
 Each element is reduced once, in rank order, accumulating half precision in float32 and rounding
 once: the same inputs give bitwise the same output on every rank and every run.
 
-What the GPU does (torch.profiler timeline, 2 x H200 of the 4-GPU host, 1 GiB, 2026-11-22): the
-gathers do not overlap the pulls. Both are peer-to-peer copies into this GPU and run one after the
-other, each at 340-372 GB/s, so the incoming direction is busy throughout and the piece count
+What the GPU does (torch.profiler timeline, 2 x H200 of the 4-GPU host, 1 GiB, 2026-11-22, when
+the gather pulled the peers' reduced pieces): the gathers do not overlap the pulls. Both are
+peer-to-peer copies into this GPU and run one after the other, each at 340-372 GB/s, so the incoming direction is busy throughout and the piece count
 hardly matters for bandwidth; what it changes is host work per call (more launches) and the small
 gaps between copies. 4 pieces of ~123 MB: 3106 us per call of GPU time; 16 pieces of 32 MiB: 3227.
 
@@ -55,6 +63,17 @@ from ..planner.pieces import MAX_PIECES, pieces
 from ..planner.plan import LaneKind
 from .reduce import reduce_pair, reduce_slots
 
+
+
+def push_gather() -> bool:
+    """BRAID_CE_PUSH, read once per process (every rank must run the same scheme)."""
+    global _PUSH
+    if _PUSH is None:
+        _PUSH = bool(envs.get("BRAID_CE_PUSH"))
+    return _PUSH
+
+
+_PUSH: bool | None = None
 
 
 def piece_elems(chunks: list[tuple[int, int]], esz: int) -> int:
@@ -99,7 +118,7 @@ class CeReduction:
         my_len = chunks[lc.rank][1]
         rows = 1 if lc.world_size == 2 else lc.world_size
         slots = self._scratch(rows, my_len, inp.dtype) if my_len else None
-        events = self._events(self.num_pieces(chunks, inp.element_size()))
+        events = self._events(2 * self.num_pieces(chunks, inp.element_size()))
         self.emit(ps, rs, gs, inp=inp, out=out, chunks=chunks, out_offsets=out_offsets, gather=gather,
                   peers=self.peer_ptrs(descs), name=name, factor=factor, sig=sig, slots=slots, events=events)
         for s in (ps, rs, gs):
@@ -123,7 +142,7 @@ class CeReduction:
              slots: torch.Tensor | None, events: list) -> None:
         """The pipeline on streams ps (pulls), rs (reductions), gs (gathers), all three already
         after the call's start; ends with rs and gs joined into ps. `sig`: the signal scheme
-        (lanes/signals.py); `slots`: (rows, my chunk) scratch; `events`: one per piece."""
+        (lanes/signals.py); `slots`: (rows, my chunk) scratch; `events`: two per piece."""
         lc = self.lc
         me, w = lc.rank, lc.world_size
         esz = inp.element_size()
@@ -141,6 +160,9 @@ class CeReduction:
         slot_ptr = slots.data_ptr() if slots is not None else 0
         row_bytes = my_len * esz
         readers = others if gather else ()
+        # an all_reduce pushes its reduced pieces (no closing handshake: see the docstring) when
+        # every rank reduces something, so that every rank hears from every peer after its start
+        push = gather and push_gather() and all(n for _, n in chunks)
         with torch.cuda.stream(rs):
             for k, (a, b) in enumerate(mine):
                 for p in others:
@@ -155,8 +177,21 @@ class CeReduction:
                 else:
                     slots[me, a:b].copy_(my_in[a:b])
                     reduce_slots(slots[:, a:b], w, name, my_out[a:b], factor)
-                sig.piece(rs.cuda_stream, me, k, readers)
-        if gather:
+                if push:              # my reduced piece into every peer's output, then say so
+                    done_k = events[len(mine) + k]
+                    done_k.record(rs)
+                    gs.wait_event(done_k)
+                    at = (out_offsets[me] + a) * esz
+                    for p in others:
+                        _cuda.memcpy_async(peers[p] + at, my_out[a:b].data_ptr(), (b - a) * esz, gs.cuda_stream)
+                    sig.piece(gs.cuda_stream, me, k, readers)
+                else:
+                    sig.piece(rs.cuda_stream, me, k, readers)
+        if push:
+            # every peer's last piece is in my output, and with it every peer's last pull of my
+            # input is over (a peer pushes a piece only after pulling it from every rank)
+            sig.wait_pieces(gs.cuda_stream, {p: len(pieces(chunks[p][1], per, tail)) for p in others}, me)
+        elif gather:
             out_ptr = out.data_ptr()
             theirs = {p: pieces(chunks[p][1], per, tail) for p in others}
             rounds = max((len(v) for v in theirs.values()), default=0)
@@ -172,8 +207,9 @@ class CeReduction:
             ev = torch.cuda.Event()
             ev.record(s)
             ps.wait_event(ev)
-        sig.done(psh, me, others)
-        sig.wait_done(psh, others, me)
+        if not push:
+            sig.done(psh, me, others)
+            sig.wait_done(psh, others, me)
 
     def _events(self, n: int) -> list:
         """Reused events (recording an event again is stream-ordered after its earlier waits)."""

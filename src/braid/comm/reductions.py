@@ -292,7 +292,7 @@ class Reductions:
             rs.wait_event(start)
             gs.wait_event(start)
             slots = torch.empty((rows, my_len), dtype=rc.output.dtype, device=rc.dev) if my_len else None
-            events = [torch.cuda.Event() for _ in range(npieces)]
+            events = [torch.cuda.Event() for _ in range(2 * npieces)]
             keep += [start, *events, slots]
             red.emit(stream, rs, gs, inp=inp, out=out, chunks=cuts.ce_chunks, out_offsets=cuts.out_at,
                      gather=rc.opname == "all_reduce", peers=peers, name=rc.name, factor=rc.factor, sig=sig,

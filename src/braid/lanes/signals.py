@@ -10,6 +10,7 @@ peers, with stream memory operations on words of the pinned node segment:
 and the reductions add, per piece k:
     piece(me, k, readers)     my reduced piece k may be read
     wait_piece(srcs, me, k)   each src's reduced piece k may be read
+    wait_pieces(counts, me)   each src's first counts[src] pieces have been said (one batch)
 
 Each of these is one batch of stream memory operations (`_cuda.memops`): one node of a captured
 graph, whatever the number of peers (a graph launch costs ~1.1 us of host time per memory
@@ -68,6 +69,11 @@ class Rising:
     def wait_piece(self, sh: int, srcs, me: int, k: int) -> None:
         _cuda.memops(sh, [(True, self._counter("ce_red", s), self.piece_base + k + 1) for s in srcs])
 
+    def wait_pieces(self, sh: int, counts: dict, me: int) -> None:
+        ops = [(True, self._counter("ce_red", s), self.piece_base + n) for s, n in counts.items() if n]
+        if ops:
+            _cuda.memops(sh, ops)
+
 
 class Flags:
     """Per-pair flags set to 1 by the writer and reset to 0 by the waiter (replay-safe)."""
@@ -106,3 +112,6 @@ class Flags:
 
     def wait_piece(self, sh: int, srcs, me: int, k: int) -> None:
         self._take(sh, [self._flag("flag_piece", s, me, k) for s in srcs])
+
+    def wait_pieces(self, sh: int, counts: dict, me: int) -> None:
+        self._take(sh, [self._flag("flag_piece", s, me, k) for s, n in counts.items() for k in range(n)])
