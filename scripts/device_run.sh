@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One run on a GPU machine: environment, GPU tests, bench. Usage: bash scripts/device_run.sh STEP...
-# Steps: info | tests | guard | bench2 | bench4 | work2 | work4 | hot4 | trace2 | trace4 | first2 | first4 | conformance |
+# Steps: info | tests | guard | frameworks | bench2 | bench4 | ab2 | ab4 | work2 | work4 | hot4 | trace2 | trace4 | first2 | first4 | conformance |
 #        hier2 | moe2 | fsdp2 | pack
 # Logs and JSON go to $LOGS (default $OUT); `pack` tars $LOGS into $OUT/run.tgz (one file to copy
 # back). bench: BENCH_OP, BENCH_SIZES, BENCH_FACTOR, BENCH_EXTRA (more flags),
@@ -26,6 +26,13 @@ for step in "$@"; do
     bench4|bench2) n=${step#bench}; op=${BENCH_OP:-all}; tag=${BENCH_TAG:-$op};
           timeout ${BENCH_TIMEOUT:-240} python3 -m braid bench --op $op --nproc $n --sizes ${BENCH_SIZES:-1M:1G} --factor ${BENCH_FACTOR:-4} --plain \
             ${BENCH_EXTRA:-} --json "$LOGS/bench_x${n}_$tag.json" 2>&1 | grep -v Warning | tee "$LOGS/bench${n}_$tag.log" ;;
+    # the same bench under several settings in turn (AB_ENVS: settings separated by ';', each a
+    # list of VAR=value; AB_ROUNDS rounds of all of them), one JSON per run
+    ab2|ab4) n=${step#ab}; i=0; for r in $(seq ${AB_ROUNDS:-2}); do IFS=';' read -ra sets <<< "${AB_ENVS:-BRAID_CE_PUSH=0;BRAID_CE_PUSH=1}";
+          for e in "${sets[@]}"; do i=$((i+1)); echo "--- $i: $e" | tee -a "$LOGS/ab$n.log";
+            env $e timeout ${BENCH_TIMEOUT:-120} python3 -m braid bench --op ${BENCH_OP:-all_reduce} --nproc $n --sizes ${BENCH_SIZES:-4M:64M} \
+              --factor ${BENCH_FACTOR:-4} --plain ${BENCH_EXTRA:---shares ce=1 --no-calibrate} --json "$LOGS/ab${n}_$i.json" 2>&1 \
+              | grep -v Warning | tee -a "$LOGS/ab$n.log" | grep -E "^ +[0-9]+ |host per call" ; done; done ;;
     work4|work2) n=${step#work}; w=${WORK:-all}; tag=${WORK_TAG:-$w};
           timeout ${WORK_TIMEOUT:-240} python3 -m braid bench --workload $w --nproc $n --plain ${WORK_EXTRA:-} \
             --json "$LOGS/work_x${n}_$tag.json" 2>&1 | grep -v Warning | tee "$LOGS/work${n}_$tag.log" ;;
@@ -34,6 +41,9 @@ for step in "$@"; do
     trace4|trace2) n=${step#trace};
           timeout 200 python3 -m braid bench --op ${TRACE_OP:-all_gather} --nproc $n --sizes 1G:1G --trace 40 --slow ${TRACE_SLOW:-host=4@10:25} \
             --no-calibrate --json "$LOGS/trace_x${n}.json" --plot "$LOGS/trace_x${n}.png" 2>&1 | grep -v Warning | tee "$LOGS/trace$n.log" ;;
+    # Lightning, accelerate and the transformers Trainer on braid against NCCL (2 ranks, sharing the GPU where there is one)
+    frameworks) BRAID_FW_DEVICE=cuda timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -rfEx --timeout 300 tests/frameworks \
+            2>&1 | tee "$LOGS/frameworks_cuda.log" | tail -30 ;;
     # the process's first split call, without and with the communicator's warm-up, in turn
     first4|first2) n=${step#first}; for w in 0 1 0 1; do BRAID_WARM=$w timeout 150 python3 scripts/probes/prepared_profile.py \
             --op ${FIRST_OP:-all_reduce} --nbytes ${FIRST_BYTES:-16777216} --nproc $n --first --first-only 2>&1 | grep -v Warning \

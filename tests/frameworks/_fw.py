@@ -1,18 +1,25 @@
 """Helpers of the frameworks tier: training runs of Lightning, accelerate and the transformers
-Trainer, each on backend "braid" and on "gloo", 2 CPU ranks (DDP with create_graph=True, torch's
-own test_ddp_create_graph, is in tests/test_semantics.py).
+Trainer, each on backend "braid" and on a reference backend, 2 ranks (DDP with create_graph=True,
+torch's own test_ddp_create_graph, is in tests/test_semantics.py).
+
+On CPU (the default) the reference is gloo. With BRAID_FW_DEVICE=cuda the same runs train on GPUs
+against NCCL: each rank on a GPU of its own where there are enough, else the ranks share the GPUs
+in braid's shared-GPU mode, each as the one rank of a node of its own (NODE_RANK = rank,
+LOCAL_RANK = 0: the frameworks then place every rank on the GPU it was given; `rank_env`).
 
 Every test starts its own world with `run_world` (tests/conftest.py): spawned processes, a local
 rendezvous, a time limit. A worker runs the same seeded job once per backend, one after the
 other, each on a fresh process group with a rendezvous port of its own, and returns what the job
 produced (final weights bit for bit, logged metrics, gathered values) as JSON; the test compares
-the braid run with the gloo run.
+the braid run with the reference run.
 
 Why the runs can be compared exactly: with 2 ranks every reduction adds or averages two values,
-and a + b is the same float in either order, so braid (rank order) and gloo give the same bits
-for every sum, mean, min and max. Where a framework reduces differently on gloo (Lightning
+and a + b is the same float in either order, so braid (rank order), gloo and NCCL give the same
+bits for every sum, mean, min and max. Where a framework reduces differently on gloo (Lightning
 averages with SUM and a division on gloo, with AVG elsewhere), the result is still the same
-float: (a + b) / 2 computed once.
+float: (a + b) / 2 computed once. On GPUs the runs are made deterministic
+(`torch.use_deterministic_algorithms`, CUBLAS_WORKSPACE_CONFIG) so that the two runs' own
+kernels agree too.
 """
 from __future__ import annotations
 
@@ -22,9 +29,13 @@ import socket
 
 import pytest
 
-# what every framework worker gets: no GPU, no hub, no telemetry, one thread per rank
+DEVICE = os.environ.get("BRAID_FW_DEVICE", "cpu")
+if DEVICE not in ("cpu", "cuda"):
+    raise ValueError(f"BRAID_FW_DEVICE={DEVICE!r}: cpu or cuda")
+REF = "gloo" if DEVICE == "cpu" else "nccl"          # the backend braid's runs are compared with
+
+# what every framework worker gets: no hub, no telemetry
 FW_ENV = {
-    "CUDA_VISIBLE_DEVICES": "",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "HF_DATASETS_OFFLINE": "1",
@@ -33,13 +44,18 @@ FW_ENV = {
     "WANDB_DISABLED": "true",
     "WANDB_MODE": "disabled",
     "DISABLE_MLFLOW_INTEGRATION": "TRUE",
-    "ACCELERATE_USE_CPU": "true",
-    # braid splits every call above 1 KiB over its gloo and shm lanes, so the training runs go
-    # through braid's own reductions, not only through the calls it forwards to gloo whole
+    # braid splits every call above 1 KiB where its lanes model says a split pays (on CPU: over
+    # its gloo and shm lanes), so the training runs go through braid's own paths, not only
+    # through the calls it forwards whole
     "BRAID_MIN_SPLIT_KB": "1",
 }
+if DEVICE == "cpu":           # no GPU, one thread per rank
+    FW_ENV.update({"CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "true"})
+else:                         # NVLink multicast off (it can take a shared host's GPUs down)
+    FW_ENV.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+                   "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
 
-BACKENDS = ("gloo", "braid")
+BACKENDS = (REF, "braid")
 
 
 def require(module: str, extra: str = "frameworks") -> None:
@@ -64,12 +80,42 @@ def free_ports(n: int) -> list[int]:
 
 
 def rank_env(rank: int, world: int, port: int) -> None:
-    """The variables a launcher (torchrun) sets, as the frameworks read them."""
+    """The variables a launcher (torchrun) sets, as the frameworks read them. On GPUs, with
+    fewer GPUs than ranks, every rank is the one rank of a node of its own on GPU rank % GPUs,
+    in braid's shared-GPU mode (set here, before NCCL starts)."""
+    local, nodes, node = rank, 1, 0
+    if DEVICE == "cuda":
+        import torch
+        from braid.bench.config import placement
+        gpus = torch.cuda.device_count()
+        gpu, env = placement(rank, world, gpus)
+        os.environ.update(env)
+        torch.cuda.set_device(gpu)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        if gpus < world:
+            local, nodes, node = gpu, world, rank
     os.environ.update({
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0", "GROUP_RANK": "0",
-        "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+        "RANK": str(rank), "LOCAL_RANK": str(local), "NODE_RANK": str(node), "GROUP_RANK": str(node),
+        "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world // nodes),
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
     })
+
+
+def layout(world: int) -> tuple[int, int]:
+    """(devices per node, nodes) for a framework's trainer, as `rank_env` set them."""
+    n = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return n, world // n
+
+
+def braid_paths() -> dict:
+    """What braid's communicator of the current default group did: calls, and the copy
+    engines' prepared calls (built, replayed) where it has them."""
+    import torch.distributed as dist
+    pg = dist.distributed_c10d._get_default_group()
+    comm = getattr(pg, "_comm", None)
+    prep = getattr(comm, "_prepared", None)
+    stats = dict(getattr(prep, "stats", {}) or {})
+    return {"calls": braid_calls(), "built": int(stats.get("built", 0)), "replays": int(stats.get("replays", 0))}
 
 
 def braid_calls() -> int:

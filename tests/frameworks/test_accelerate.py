@@ -1,4 +1,5 @@
-"""Hugging Face accelerate on backend braid: the same seeded run as on gloo, 2 CPU ranks.
+"""Hugging Face accelerate on backend braid: the same seeded run as on the reference backend, 2 ranks
+(gloo on CPU; NCCL with BRAID_FW_DEVICE=cuda, tests/frameworks/_fw.py).
 
 What a user writes: make the process group first, then let accelerate find it:
 
@@ -12,7 +13,7 @@ data loaders, trains 2 epochs, evaluates with `gather_for_metrics` (50 samples o
 batch 8: the last batch is padded, and gather_for_metrics must drop the padding), and calls
 `gather`, `reduce` (sum, mean), `pad_across_processes` and `save_state`/`load_state`. With 2 ranks
 every reduction adds two values, the same float in either order: the weights and every gathered
-or reduced value must equal the gloo run's bit for bit.
+or reduced value must equal the reference run's bit for bit.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import os
 import pytest
 
 from conftest import run_world
-from _fw import BACKENDS, FW_ENV, assert_same_tensors, braid_calls, encode, encode_state, free_ports, rank_env, require
+from _fw import (BACKENDS, DEVICE, FW_ENV, REF, assert_same_tensors, braid_paths, encode, encode_state, free_ports,
+                 rank_env, require)
 
 WORLD = 2
 EPOCHS = 2
@@ -45,7 +47,8 @@ def _worker(rank: int, w: int, ports: list[int], workdir: str) -> dict:
     for backend, port in zip(BACKENDS, ports):
         rank_env(rank, w, port)
         dist.init_process_group(backend, rank=rank, world_size=w, timeout=datetime.timedelta(seconds=60))
-        acc = Accelerator(cpu=True)
+        acc = Accelerator(cpu=DEVICE == "cpu")
+        dev = acc.device
         res: dict = {"backend": dist.get_backend(), "accelerate_backend": acc.state.backend,
                      "num_processes": acc.num_processes, "process_index": acc.process_index}
         set_seed(1234)
@@ -80,12 +83,12 @@ def _worker(rank: int, w: int, ports: list[int], workdir: str) -> dict:
         res["eval_targets"] = encode(targets)
         res["eval_n"] = int(preds.shape[0])
         # the utilities on their own
-        mine = torch.arange(3, dtype=torch.float32) + 10 * rank
+        mine = torch.arange(3, dtype=torch.float32, device=dev) + 10 * rank
         res["gather"] = encode(acc.gather(mine))
-        res["gather_int"] = encode(acc.gather(torch.tensor([rank, -rank], dtype=torch.int64)))
+        res["gather_int"] = encode(acc.gather(torch.tensor([rank, -rank], dtype=torch.int64, device=dev)))
         res["reduce_sum"] = encode(acc.reduce(mine.clone(), reduction="sum"))
         res["reduce_mean"] = encode(acc.reduce(mine.clone(), reduction="mean"))
-        ragged = torch.full((2 + 3 * rank, 2), float(rank + 1))
+        ragged = torch.full((2 + 3 * rank, 2), float(rank + 1), device=dev)
         padded = acc.pad_across_processes(ragged, dim=0, pad_index=-1)
         res["padded"] = encode(padded)
         res["padded_first"] = encode(acc.pad_across_processes(ragged, dim=0, pad_index=-1, pad_first=True))
@@ -104,7 +107,7 @@ def _worker(rank: int, w: int, ports: list[int], workdir: str) -> dict:
         after = unwrapped.state_dict()
         res["load_state_restored"] = all(torch.equal(before[k], after[k]) for k in before)
         res["weights"] = encode_state(after)
-        res["braid_calls"] = braid_calls()
+        res["braid"] = braid_paths()
         out[backend] = res
         acc.wait_for_everyone()
         AcceleratorState._reset_state(True)
@@ -123,15 +126,15 @@ def runs(tmp_path_factory):
 
 def test_runs_on_braid(runs):
     for r, res in enumerate(runs):
-        assert res["braid"]["backend"] == "braid" and res["gloo"]["backend"] == "gloo", r
+        assert res["braid"]["backend"] == "braid" and res[REF]["backend"] == REF, r
         assert res["braid"]["num_processes"] == WORLD and res["braid"]["process_index"] == r
-        assert res["braid"]["braid_calls"] > 0, f"rank {r}: no call reached braid's communicator"
+        assert res["braid"]["braid"]["calls"] > 0, f"rank {r}: no call reached braid's communicator"
 
 
-def test_final_weights_equal_gloo(runs):
+def test_final_weights_equal_reference(runs):
     for r, res in enumerate(runs):
-        assert_same_tensors(res["braid"]["weights"], res["gloo"]["weights"], f"rank {r}: braid vs gloo weights")
-        assert_same_tensors({"losses": res["braid"]["losses"]}, {"losses": res["gloo"]["losses"]},
+        assert_same_tensors(res["braid"]["weights"], res[REF]["weights"], f"rank {r}: braid vs {REF} weights")
+        assert_same_tensors({"losses": res["braid"]["losses"]}, {"losses": res[REF]["losses"]},
                             f"rank {r}: reduced training losses")
     assert_same_tensors(runs[1]["braid"]["weights"], runs[0]["braid"]["weights"], "rank 1 vs rank 0 (braid)")
 
@@ -140,7 +143,7 @@ def test_gather_for_metrics_drops_padding(runs):
     for r, res in enumerate(runs):
         assert res["braid"]["eval_n"] == N_EVAL, f"rank {r}: gather_for_metrics gave {res['braid']['eval_n']} samples"
         for key in ("eval_preds", "eval_targets"):
-            assert_same_tensors({key: res["braid"][key]}, {key: res["gloo"][key]}, f"rank {r}: {key}")
+            assert_same_tensors({key: res["braid"][key]}, {key: res[REF][key]}, f"rank {r}: {key}")
 
 
 def test_gather_reduce_pad(runs):
@@ -160,10 +163,10 @@ def test_gather_reduce_pad(runs):
         assert bool((first[: 5 - n] == -1).all()) and bool((first[5 - n:] == r + 1).all())
         assert decode(b["padded_gathered"]).shape == (10, 2)
         for key in ("gather", "gather_int", "reduce_sum", "reduce_mean", "padded", "padded_first", "padded_gathered"):
-            assert b[key] == res["gloo"][key], f"rank {r}: {key} differs from gloo"
+            assert b[key] == res[REF][key], f"rank {r}: {key} differs from {REF}"
 
 
 def test_save_and_load_state(runs):
     for r, res in enumerate(runs):
         assert res["braid"]["load_state_restored"], f"rank {r}: load_state did not restore the saved weights"
-        assert res["gloo"]["load_state_restored"], r
+        assert res[REF]["load_state_restored"], r

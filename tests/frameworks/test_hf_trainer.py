@@ -1,4 +1,5 @@
-"""The Hugging Face transformers Trainer on backend braid: the same seeded run as on gloo, 2 CPU ranks.
+"""The Hugging Face transformers Trainer on backend braid: the same seeded run as on the reference
+backend, 2 ranks (gloo on CPU; NCCL with BRAID_FW_DEVICE=cuda, tests/frameworks/_fw.py).
 
 What a user writes: make the process group before the TrainingArguments, which then find it:
 
@@ -11,7 +12,7 @@ download, nothing from the network), trained for 8 steps on seeded random token 
 evaluation every 4 steps and one more at the end, on 21 evaluation samples (uneven over 2 ranks:
 the Trainer's gather_for_metrics drops the padding). With 2 ranks every reduction adds two values,
 the same float in either order, so the final weights, every logged loss and gradient norm, and the
-evaluation loss and token accuracy must equal the gloo run's bit for bit.
+evaluation loss and token accuracy must equal the reference run's bit for bit.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import os
 import pytest
 
 from conftest import run_world
-from _fw import BACKENDS, FW_ENV, assert_same_tensors, braid_calls, encode_state, free_ports, rank_env, require
+from _fw import (BACKENDS, DEVICE, FW_ENV, REF, assert_same_tensors, braid_paths, encode_state, free_ports, rank_env,
+                 require)
 
 WORLD = 2
 N_TRAIN, N_EVAL, SEQ, VOCAB = 64, 21, 16, 61
@@ -75,7 +77,7 @@ def _worker(rank: int, w: int, ports: list[int], workdir: str) -> dict:
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         model = GPT2LMHeadModel(config)
         args = TrainingArguments(
-            output_dir=os.path.join(workdir, backend), use_cpu=True, seed=11, data_seed=11,
+            output_dir=os.path.join(workdir, backend), use_cpu=DEVICE == "cpu", seed=11, data_seed=11,
             per_device_train_batch_size=4, per_device_eval_batch_size=4, max_steps=8, learning_rate=3e-3,
             eval_strategy="steps", eval_steps=4, logging_steps=1, save_strategy="no", report_to=[],
             disable_tqdm=True, dataloader_num_workers=0, log_level="error")
@@ -90,7 +92,7 @@ def _worker(rank: int, w: int, ports: list[int], workdir: str) -> dict:
             "backend": dist.get_backend(), "world": trainer.args.world_size, "history": history,
             "final": {k: v for k, v in final.items() if not any(t in k for t in TIMING)},
             "predict_shape": list(np.asarray(pred.predictions).shape),
-            "weights": encode_state(trainer.model.state_dict()), "braid_calls": braid_calls(),
+            "weights": encode_state(trainer.model.state_dict()), "braid": braid_paths(),
         }
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
@@ -109,22 +111,22 @@ def runs(tmp_path_factory):
 
 def test_runs_on_braid(runs):
     for r, res in enumerate(runs):
-        assert res["braid"]["backend"] == "braid" and res["gloo"]["backend"] == "gloo", r
+        assert res["braid"]["backend"] == "braid" and res[REF]["backend"] == REF, r
         assert res["braid"]["world"] == WORLD, res["braid"]["world"]
-        assert res["braid"]["braid_calls"] > 0, f"rank {r}: no call reached braid's communicator"
+        assert res["braid"]["braid"]["calls"] > 0, f"rank {r}: no call reached braid's communicator"
 
 
-def test_final_weights_equal_gloo(runs):
+def test_final_weights_equal_reference(runs):
     for r, res in enumerate(runs):
-        assert_same_tensors(res["braid"]["weights"], res["gloo"]["weights"], f"rank {r}: braid vs gloo weights")
+        assert_same_tensors(res["braid"]["weights"], res[REF]["weights"], f"rank {r}: braid vs {REF} weights")
     assert_same_tensors(runs[1]["braid"]["weights"], runs[0]["braid"]["weights"], "rank 1 vs rank 0 (braid)")
 
 
-def test_logged_metrics_equal_gloo(runs):
+def test_logged_metrics_equal_reference(runs):
     for r, res in enumerate(runs):
-        got, want = res["braid"]["history"], res["gloo"]["history"]
-        assert got == want, f"rank {r}: log history differs:\nbraid {got}\ngloo  {want}"
-        assert res["braid"]["final"] == res["gloo"]["final"], r
+        got, want = res["braid"]["history"], res[REF]["history"]
+        assert got == want, f"rank {r}: log history differs:\nbraid {got}\n{REF}  {want}"
+        assert res["braid"]["final"] == res[REF]["final"], r
     rows = runs[0]["braid"]["history"]
     assert sum("loss" in row for row in rows) == 8, rows            # one training loss per step
     # evaluations at steps 4 and 8, then trainer.evaluate() once more at step 8

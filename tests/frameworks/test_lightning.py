@@ -1,4 +1,5 @@
-"""PyTorch Lightning DDP on backend braid: the same seeded run as on gloo, 2 CPU ranks.
+"""PyTorch Lightning DDP on backend braid: the same seeded run as on the reference backend, 2 ranks
+(gloo on CPU; NCCL with BRAID_FW_DEVICE=cuda, tests/frameworks/_fw.py).
 
 The only change a Lightning user makes: `import braid` and
 `Trainer(strategy=DDPStrategy(process_group_backend="braid"))`.
@@ -11,7 +12,7 @@ epoch means also average the int64 batch-size count, an integer AVG on braid), a
 `Trainer.validate` runs under `torch.inference_mode` on braid but `torch.no_grad` on gloo (the
 validation inside `fit` uses no_grad on both). With 2
 ranks both give the same floats, so the final weights and every logged value must be equal bit
-for bit to the gloo run's.
+for bit to the reference run's.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ import os
 import pytest
 
 from conftest import run_world
-from _fw import BACKENDS, FW_ENV, assert_same_tensors, braid_calls, encode_state, free_ports, rank_env, require
+from _fw import (BACKENDS, DEVICE, FW_ENV, REF, assert_same_tensors, braid_paths, encode_state, free_ports, layout,
+                 rank_env, require)
 
 WORLD = 2
 EPOCHS = 2
@@ -94,13 +96,14 @@ def _worker(rank: int, w: int, ports: list[int], logdir: str) -> dict:
         val = DataLoader(TensorDataset(x[150:], y[150:]), batch_size=8)   # 25 per rank: a short last batch
         model = Regressor()
         rec = Recorder()
-        trainer = L.Trainer(accelerator="cpu", devices=w, num_nodes=1,
+        devices, nodes = layout(w)
+        trainer = L.Trainer(accelerator=DEVICE, devices=devices, num_nodes=nodes,
                             strategy=DDPStrategy(process_group_backend=backend),
                             max_epochs=EPOCHS, logger=rec, log_every_n_steps=1, num_sanity_val_steps=0,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             deterministic=True, default_root_dir=os.path.join(logdir, backend))
         trainer.fit(model, train, val)
-        res = {"weights": encode_state(model.state_dict()), "logged": list(rec.rows), "braid_calls": braid_calls(),
+        res = {"weights": encode_state(model.state_dict()), "logged": list(rec.rows), "braid": braid_paths(),
                "callback_metrics": {k: float(v) for k, v in sorted(trainer.callback_metrics.items())}}
         model.seen.clear()
         try:
@@ -127,22 +130,22 @@ def runs(tmp_path_factory):
 def test_runs_on_braid(runs):
     for r, res in enumerate(runs):
         assert res["braid"]["backend"] == "braid", r
-        assert res["gloo"]["backend"] == "gloo", r
-        assert res["braid"]["braid_calls"] > 0, f"rank {r}: no call reached braid's communicator"
+        assert res[REF]["backend"] == REF, r
+        assert res["braid"]["braid"]["calls"] > 0, f"rank {r}: no call reached braid's communicator"
 
 
-def test_final_weights_equal_gloo(runs):
+def test_final_weights_equal_reference(runs):
     for r, res in enumerate(runs):
-        assert_same_tensors(res["braid"]["weights"], res["gloo"]["weights"], f"rank {r}: braid vs gloo weights")
+        assert_same_tensors(res["braid"]["weights"], res[REF]["weights"], f"rank {r}: braid vs {REF} weights")
     assert_same_tensors(runs[1]["braid"]["weights"], runs[0]["braid"]["weights"], "rank 1 vs rank 0 (braid)")
 
 
-def test_logged_metrics_equal_gloo(runs):
+def test_logged_metrics_equal_reference(runs):
     for r, res in enumerate(runs):
-        got, want = res["braid"]["logged"], res["gloo"]["logged"]
+        got, want = res["braid"]["logged"], res[REF]["logged"]
         assert [row[0] for row in got] == [row[0] for row in want], f"rank {r}: logged steps differ"
-        assert got == want, f"rank {r}: logged metrics differ:\nbraid {got}\ngloo  {want}"
-        assert res["braid"]["callback_metrics"] == res["gloo"]["callback_metrics"], r
+        assert got == want, f"rank {r}: logged metrics differ:\nbraid {got}\n{REF}  {want}"
+        assert res["braid"]["callback_metrics"] == res[REF]["callback_metrics"], r
     # sync_dist: every rank logged the same values
     assert runs[0]["braid"]["logged"] == runs[1]["braid"]["logged"]
     names = {k for _, row in runs[0]["braid"]["logged"] for k in row}
@@ -151,7 +154,7 @@ def test_logged_metrics_equal_gloo(runs):
     assert [row["val_n"] for _, row in runs[0]["braid"]["logged"] if "val_n" in row] == [50.0] * EPOCHS
 
 
-def test_trainer_validate_equal_gloo(runs):
+def test_trainer_validate_equal_reference(runs):
     """Trainer.validate runs under inference_mode except on a backend named "gloo" (no_grad
     there): on braid the synced metrics are reduced from inference tensors (braid writes them in
     inference mode, in whichever thread finishes the call; tests/test_semantics.py::
@@ -159,12 +162,12 @@ def test_trainer_validate_equal_gloo(runs):
     for r, res in enumerate(runs):
         assert "validate_error" not in res["braid"], f"rank {r}: {res['braid']['validate_error']}"
         assert res["braid"]["validate_inference_mode"] is True, r
-        assert res["braid"]["validate"] == res["gloo"]["validate"], (r, res["braid"]["validate"], res["gloo"]["validate"])
+        assert res["braid"]["validate"] == res[REF]["validate"], (r, res["braid"]["validate"], res[REF]["validate"])
 
 
-def test_trainer_validate_on_gloo(runs):
-    """The reference for the test above: on gloo, Trainer.validate runs under no_grad and sums
-    the 50 validation samples over both ranks."""
+def test_trainer_validate_on_the_reference(runs):
+    """The reference for the test above: Trainer.validate runs under no_grad on gloo, under
+    inference_mode on NCCL, and sums the 50 validation samples over both ranks."""
     for r, res in enumerate(runs):
-        assert res["gloo"]["validate_inference_mode"] is False, r
-        assert res["gloo"]["validate"][0]["val_n"] == 50.0, res["gloo"]["validate"]
+        assert res[REF]["validate_inference_mode"] is (REF != "gloo"), r
+        assert res[REF]["validate"][0]["val_n"] == 50.0, res[REF]["validate"]
