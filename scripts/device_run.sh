@@ -42,7 +42,7 @@ for step in "$@"; do
           timeout 200 python3 -m braid bench --op ${TRACE_OP:-all_gather} --nproc $n --sizes 1G:1G --trace 40 --slow ${TRACE_SLOW:-host=4@10:25} \
             --no-calibrate --json "$LOGS/trace_x${n}.json" --plot "$LOGS/trace_x${n}.png" 2>&1 | grep -v Warning | tee "$LOGS/trace$n.log" ;;
     # Lightning, accelerate and the transformers Trainer on braid against NCCL (2 ranks, sharing the GPU where there is one)
-    frameworks) BRAID_FW_DEVICE=cuda timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -rfEx --timeout 300 tests/frameworks \
+    frameworks) BRAID_FW_DEVICE=cuda timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -s -rfEx --timeout 300 tests/frameworks \
             2>&1 | tee "$LOGS/frameworks_cuda.log" | tail -30 ;;
     # the process's first split call, without and with the communicator's warm-up, in turn
     first4|first2) n=${step#first}; for w in 0 1 0 1; do BRAID_WARM=$w timeout 150 python3 scripts/probes/prepared_profile.py \

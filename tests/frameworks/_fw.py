@@ -92,6 +92,7 @@ def rank_env(rank: int, world: int, port: int) -> None:
         os.environ.update(env)
         torch.cuda.set_device(gpu)
         torch.use_deterministic_algorithms(True, warn_only=True)
+        steer_to_copy_engines(world)
         if gpus < world:
             local, nodes, node = gpu, world, rank
     os.environ.update({
@@ -99,6 +100,31 @@ def rank_env(rank: int, world: int, port: int) -> None:
         "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world // nodes),
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
     })
+
+
+# on GPUs, the lane costs every braid communicator of a run is given (Communicator.set_calibration):
+# NCCL made slow per byte, so the copy engines take every call of 1 KiB and up (the jobs' tensors
+# are small: left to braid's own model, nearly every call would go to NCCL whole)
+STEER = {"nccl": {"latency_us": 10.0, "bw_gbps": 0.01, "floor_us": 10.0},
+         "ce": {"latency_us": 20.0, "bw_gbps": 10.0, "floor_us": 20.0}}
+STEER_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all_single", "reduce", "send_recv")
+
+
+def steer_to_copy_engines(world: int) -> None:
+    """On GPUs: every braid communicator made in this process takes STEER as its calibration."""
+    if DEVICE != "cuda":
+        return
+    from braid.comm.communicator import Communicator
+    if getattr(Communicator.__init__, "_steered", False):
+        return
+    made = Communicator.__init__
+
+    def init(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        if getattr(self, "cuda", False):
+            self.set_calibration({f"{op}/{world}": dict(STEER) for op in STEER_OPS})
+    init._steered = True
+    Communicator.__init__ = init
 
 
 def layout(world: int) -> tuple[int, int]:
@@ -115,7 +141,7 @@ def braid_paths() -> dict:
     comm = getattr(pg, "_comm", None)
     prep = getattr(comm, "_prepared", None)
     stats = dict(getattr(prep, "stats", {}) or {})
-    return {"calls": braid_calls(), "built": int(stats.get("built", 0)), "replays": int(stats.get("replays", 0))}
+    return {"calls": braid_calls(), **{k: int(stats.get(k, 0)) for k in ("built", "hits", "replays")}}
 
 
 def braid_calls() -> int:
@@ -127,6 +153,13 @@ def braid_calls() -> int:
     pg = dist.distributed_c10d._get_default_group()
     comm = getattr(pg, "_comm", None)
     return int(getattr(comm, "ncalls", 0) or 0)
+
+
+def report_paths(job: str, runs: list) -> None:
+    """One line per job: the device, and what braid's communicator did on every rank (shown
+    with pytest -s; the GPU runs' notes quote it)."""
+    paths = [res.get("braid", {}).get("braid") for res in runs]
+    print(f"\n{job} on {DEVICE}, braid against {REF}: braid's paths per rank {paths}")
 
 
 def encode(t) -> dict:

@@ -23,8 +23,8 @@ import os
 import pytest
 
 from conftest import run_world
-from _fw import (BACKENDS, DEVICE, FW_ENV, REF, assert_same_tensors, braid_paths, encode, encode_state, free_ports,
-                 rank_env, require)
+from _fw import (BACKENDS, DEVICE, FW_ENV, REF, assert_same_tensors, braid_paths, encode, encode_state,
+                 free_ports, rank_env, report_paths, require)
 
 WORLD = 2
 EPOCHS = 2
@@ -121,7 +121,9 @@ def _worker(rank: int, w: int, ports: list[int], workdir: str) -> dict:
 def runs(tmp_path_factory):
     require("accelerate")
     workdir = str(tmp_path_factory.mktemp("accelerate"))
-    return run_world(_worker, WORLD, free_ports(len(BACKENDS)), workdir, init_pg=False, env=FW_ENV, timeout=240)
+    out = run_world(_worker, WORLD, free_ports(len(BACKENDS)), workdir, init_pg=False, env=FW_ENV, timeout=240)
+    report_paths("accelerate", out)
+    return out
 
 
 def test_runs_on_braid(runs):
@@ -129,6 +131,8 @@ def test_runs_on_braid(runs):
         assert res["braid"]["backend"] == "braid" and res[REF]["backend"] == REF, r
         assert res["braid"]["num_processes"] == WORLD and res["braid"]["process_index"] == r
         assert res["braid"]["braid"]["calls"] > 0, f"rank {r}: no call reached braid's communicator"
+        # split calls on braid's own lanes (the CPU lanes; on GPUs the copy engines, steered there)
+        assert res["braid"]["braid"]["built"] > 0, f"rank {r}: no call took braid's split path: {res['braid']['braid']}"
 
 
 def test_final_weights_equal_reference(runs):

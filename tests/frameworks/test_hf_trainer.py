@@ -22,8 +22,8 @@ import os
 import pytest
 
 from conftest import run_world
-from _fw import (BACKENDS, DEVICE, FW_ENV, REF, assert_same_tensors, braid_paths, encode_state, free_ports, rank_env,
-                 require)
+from _fw import (BACKENDS, DEVICE, FW_ENV, REF, assert_same_tensors, braid_paths, encode_state, free_ports,
+                 rank_env, report_paths, require)
 
 WORLD = 2
 N_TRAIN, N_EVAL, SEQ, VOCAB = 64, 21, 16, 61
@@ -106,7 +106,9 @@ def runs(tmp_path_factory):
     require("transformers")
     require("accelerate")
     workdir = str(tmp_path_factory.mktemp("hf_trainer"))
-    return run_world(_worker, WORLD, free_ports(len(BACKENDS)), workdir, init_pg=False, env=FW_ENV, timeout=300)
+    out = run_world(_worker, WORLD, free_ports(len(BACKENDS)), workdir, init_pg=False, env=FW_ENV, timeout=300)
+    report_paths("transformers Trainer", out)
+    return out
 
 
 def test_runs_on_braid(runs):
@@ -114,6 +116,8 @@ def test_runs_on_braid(runs):
         assert res["braid"]["backend"] == "braid" and res[REF]["backend"] == REF, r
         assert res["braid"]["world"] == WORLD, res["braid"]["world"]
         assert res["braid"]["braid"]["calls"] > 0, f"rank {r}: no call reached braid's communicator"
+        # split calls on braid's own lanes (the CPU lanes; on GPUs the copy engines, steered there)
+        assert res["braid"]["braid"]["built"] > 0, f"rank {r}: no call took braid's split path: {res['braid']['braid']}"
 
 
 def test_final_weights_equal_reference(runs):

@@ -21,8 +21,8 @@ import os
 import pytest
 
 from conftest import run_world
-from _fw import (BACKENDS, DEVICE, FW_ENV, REF, assert_same_tensors, braid_paths, encode_state, free_ports, layout,
-                 rank_env, require)
+from _fw import (BACKENDS, DEVICE, FW_ENV, REF, assert_same_tensors, braid_paths, encode_state, free_ports,
+                 layout, rank_env, report_paths, require)
 
 WORLD = 2
 EPOCHS = 2
@@ -124,7 +124,9 @@ def _worker(rank: int, w: int, ports: list[int], logdir: str) -> dict:
 def runs(tmp_path_factory):
     require("lightning")
     logdir = str(tmp_path_factory.mktemp("lightning"))
-    return run_world(_worker, WORLD, free_ports(len(BACKENDS)), logdir, init_pg=False, env=FW_ENV, timeout=240)
+    out = run_world(_worker, WORLD, free_ports(len(BACKENDS)), logdir, init_pg=False, env=FW_ENV, timeout=240)
+    report_paths("Lightning", out)
+    return out
 
 
 def test_runs_on_braid(runs):
@@ -132,6 +134,8 @@ def test_runs_on_braid(runs):
         assert res["braid"]["backend"] == "braid", r
         assert res[REF]["backend"] == REF, r
         assert res["braid"]["braid"]["calls"] > 0, f"rank {r}: no call reached braid's communicator"
+        # split calls on braid's own lanes (the CPU lanes; on GPUs the copy engines, steered there)
+        assert res["braid"]["braid"]["built"] > 0, f"rank {r}: no call took braid's split path: {res['braid']['braid']}"
 
 
 def test_final_weights_equal_reference(runs):
