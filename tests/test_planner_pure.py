@@ -721,7 +721,8 @@ def test_ring_schedule_waits_for_the_right_readers():
     (1 << 30, 256 << 20, 4),
     (493 << 20, (493 << 20) // 4, 4),
     (8 << 30, 256 << 20, 32),         # the piece cap wins over the count
-    (3 << 20, 4 << 20, 1),            # the piece floor
+    (3 << 20, 16 << 20, 1),           # the piece floor
+    (32 << 20, 16 << 20, 2),
 ])
 def test_piece_rule_table(longest, want_bytes, count):
     from braid.planner.pieces import piece_elems, pieces

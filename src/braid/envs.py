@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from .errors import MisuseError
-from .planner.pieces import TAPER_FROM_BYTES
+from .planner.pieces import MIN_PIECE_BYTES, TAPER_FROM_BYTES
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,10 @@ _define("BRAID_CPU_ROUND_KB", _nonneg_int, 0,
         "collective area (16 MiB with BRAID_HOST_BUFFER_MB=64).")
 _define("BRAID_CE_PIECE_MB", _nonneg_int, 0,
         "Piece size of the copy engines' pipelined reduction in MiB (experiments); 0 = braid's "
-        "rule (planner/pieces.py: every chunk in 4 pieces of 4 to 256 MiB).")
+        "rule (planner/pieces.py: every chunk in 4 pieces of BRAID_CE_MIN_PIECE_MB to 256 MiB).")
+_define("BRAID_CE_MIN_PIECE_MB", _positive_int, MIN_PIECE_BYTES >> 20,
+        "The smallest piece of the copy engines' pipelined reduction in MiB (planner/pieces.py: "
+        "every chunk in 4 pieces of at least this size). Must be the same on every rank.")
 _define("BRAID_CE_BATCH", _bool, True,
         "Post the copy engines' flag operations of one step (a wait and its reset, the flags of "
         "every peer) as one batch of stream memory operations, one node of a replayed graph; 0: "

@@ -79,7 +79,8 @@ _PUSH: bool | None = None
 def piece_elems(chunks: list[tuple[int, int]], esz: int) -> int:
     """Elements per piece for these agreed chunks (`planner.pieces`' rule on the largest)."""
     longest = max((n for _, n in chunks), default=0) * esz
-    return _pc.piece_elems(longest, esz, piece_mb=envs.get("BRAID_CE_PIECE_MB"))
+    return _pc.piece_elems(longest, esz, piece_mb=envs.get("BRAID_CE_PIECE_MB"),
+                           min_piece=envs.get("BRAID_CE_MIN_PIECE_MB") << 20)
 
 
 def tail_elems(per: int, esz: int) -> int:

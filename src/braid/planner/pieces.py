@@ -4,9 +4,12 @@
 
 Every chunk goes in MIN_PIECES pieces, within [MIN_PIECE_BYTES, MAX_PIECE_BYTES]. More pieces do
 not buy bandwidth: the pipeline's peer copies run one after the other on the incoming NVLink
-direction whatever the count (GPU timeline, 2 x H200, 2026-11-22), and each piece costs host-side
-launches (~50 us: with 16 pieces at 64 MiB the calls were CPU-bound). Measured at 1 GiB on 2 GPUs:
-4 pieces 3106 us of GPU time per all_reduce, 16 pieces 3227 us.
+direction whatever the count (GPU timeline, 2 x H200, 2026-11-22). And each piece costs GPU time of
+its own, even replayed from a graph, where the host no longer posts it: an all_reduce on the copy
+engines alone (2 x H200, 2026-11-26, graphs) took 243 / 583 us at 64 MiB in pieces of 8 / 1 MiB
+(~12 us per piece more), 141 against 80 us at 16 MiB; 64 MiB in two pieces of 16 MiB took 220 us.
+So a piece is at least MIN_PIECE_BYTES (BRAID_CE_MIN_PIECE_MB): chunks up to 16 MiB go whole.
+Measured at 1 GiB on 2 GPUs: 4 pieces 3106 us of GPU time per all_reduce, 16 pieces 3227 us.
 """
 from __future__ import annotations
 
@@ -14,19 +17,21 @@ MAX_PIECES = 64                  # counter space per call (ce_reduce: base = seq
 MIN_PIECES = 4
 TAIL_PIECES = 6                  # at most this many tapered pieces at a chunk's end (`pieces`)
 TAPER_FROM_BYTES = 64 << 20      # pieces this large get a tapered end (`tail_elems`)
-MIN_PIECE_BYTES = 4 << 20
+MIN_PIECE_BYTES = 16 << 20       # a copy-engine copy costs ~5-10 us to start: see the docstring
 MAX_PIECE_BYTES = 256 << 20
 PAGE = 4096
 
 
-def piece_elems(longest: int, esz: int, piece_mb: int = 0, max_pieces: int = MAX_PIECES - TAIL_PIECES) -> int:
+def piece_elems(longest: int, esz: int, piece_mb: int = 0, max_pieces: int = MAX_PIECES - TAIL_PIECES,
+                min_piece: int = MIN_PIECE_BYTES) -> int:
     """Elements per piece for a largest chunk of `longest` bytes (`piece_mb` > 0 overrides the
-    size): whole pages, and at most `max_pieces` pieces in that chunk (the counter space keeps
-    room for a tapered tail). A pure function of agreed sizes, so every rank computes the same."""
+    size; `min_piece`: the smallest piece in bytes): whole pages, and at most `max_pieces` pieces
+    in that chunk (the counter space keeps room for a tapered tail). A pure function of agreed
+    sizes, so every rank computes the same."""
     if piece_mb > 0:
         want = piece_mb << 20
     else:
-        want = min(max(-(-longest // MIN_PIECES), MIN_PIECE_BYTES), MAX_PIECE_BYTES)
+        want = min(max(-(-longest // MIN_PIECES), min_piece), MAX_PIECE_BYTES)
     want = -(-want // PAGE) * PAGE
     per = max(1, want // esz)
     while longest and -(-longest // (per * esz)) > max_pieces:
