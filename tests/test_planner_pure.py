@@ -842,3 +842,25 @@ def test_gpu_check_is_per_host():
         _check_gpus_per_host([("a", "b1", 10, 0), ("a", "b1", 11, 0), ("b", "b2", 20, 0)])
     with pytest.raises(MisuseError, match=r"ranks 1 and 3 both use GPU 1 of host b"):
         _check_gpus_per_host([("a", "b1", 1, 0), ("b", "b2", 2, 1), ("b", "b2", 3, 0), ("b", "b2", 4, 1)])
+
+
+def test_the_piece_floor_setting_reaches_the_reduction():
+    """BRAID_CE_MIN_PIECE_MB sets the smallest piece of the copy engines' reduction: by default
+    (16 MiB) a 16 MiB chunk goes whole and a 24 MiB one in 16 + 8 MiB; with a 4 MiB floor the
+    24 MiB chunk goes in 4 pieces of 6 MiB; a 256 MiB chunk in quarters of 64 MiB whatever floor
+    below that."""
+    from braid.collectives.ce_reduce import piece_elems
+    from braid.envs import override
+    from braid.planner.pieces import pieces
+    mib = 1 << 20
+    esz = 2
+    chunks = [(0, 24 * mib // esz), (24 * mib // esz, 24 * mib // esz)]
+    assert len(pieces(16 * mib // esz, piece_elems([(0, 16 * mib // esz)], esz))) == 1
+    per = piece_elems(chunks, esz)
+    assert per * esz == 16 * mib and len(pieces(chunks[0][1], per)) == 2
+    with override(BRAID_CE_MIN_PIECE_MB=4):
+        per = piece_elems(chunks, esz)
+        assert per * esz == 6 * mib and len(pieces(chunks[0][1], per)) == 4
+    with override(BRAID_CE_MIN_PIECE_MB=32):
+        big = [(0, 256 * mib // esz)]
+        assert piece_elems(big, esz) * esz == 64 * mib      # a quarter of the chunk is above the floor
