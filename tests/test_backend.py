@@ -64,6 +64,8 @@ def _reduce_ref(parts: list[torch.Tensor], red: str) -> torch.Tensor:
         out = acc.sum(0) / len(parts)
     elif red == "max":
         out = acc.amax(0)
+    elif red == "min":
+        out = acc.amin(0)
     else:
         raise ValueError(red)
     return out.to(dtype)
@@ -291,6 +293,40 @@ def _forwarded(rank: int, w: int, pg) -> None:
     _same(out, chunks[rank], "scatter from rank 0")
 
 
+def _pg_overloads(rank: int, w: int, pg) -> None:
+    """The process group's methods in every form torch's own binding accepts, called directly
+    (torch's DDP calls `process_group.allreduce(tensor)` when it joins uneven inputs): a single
+    tensor for a list, a ReduceOp, a root or a timeout for the options object."""
+    import torch.distributed as dist
+    n = 1023
+    parts = [_data(("ovl", r), n, torch.float32) for r in range(w)]
+    for args, kwargs, red in [((), {}, "sum"), ((dist.ReduceOp.MAX,), {}, "max"), ((), {"op": dist.ReduceOp.MIN}, "min")]:
+        t = parts[rank].clone()
+        pg.allreduce(t, *args, **kwargs).wait()
+        _same(t, _reduce_ref(parts, red), f"pg.allreduce(tensor, {args}, {kwargs})")
+        t = parts[rank].clone()
+        pg.allreduce([t], *args, **kwargs).wait()
+        _same(t, _reduce_ref(parts, red), f"pg.allreduce([tensor], {args}, {kwargs})")
+    root = w - 1
+    t = parts[rank].clone()
+    pg.broadcast(t, root).wait()
+    _same(t, parts[root], "pg.broadcast(tensor, root)")
+    t = parts[rank].clone()
+    pg.reduce(t, root, dist.ReduceOp.SUM).wait()
+    if rank == root:
+        _same(t, _reduce_ref(parts, "sum"), "pg.reduce(tensor, root, op)")
+    outs = [torch.empty(n) for _ in range(w)]
+    pg.allgather(outs, parts[rank].clone()).wait()
+    for r in range(w):
+        _same(outs[r], parts[r], f"pg.allgather(list, tensor): rank {r}'s part")
+    ins = [_data(("ovl-rs", rank, d), n, torch.float32) for d in range(w)]
+    out = torch.empty(n)
+    pg.reduce_scatter(out, ins, dist.ReduceOp.SUM).wait()
+    _same(out, _reduce_ref([_data(("ovl-rs", r, rank), n, torch.float32) for r in range(w)], "sum"),
+          "pg.reduce_scatter(tensor, list, op)")
+    pg.barrier(datetime.timedelta(seconds=30)).wait()
+
+
 def _misuse_propagates(rank: int, w: int) -> None:
     import torch.distributed as dist
     import braid
@@ -345,6 +381,48 @@ def _ddp(rank: int, w: int, pg) -> None:
         ref_opt.step()
 
 
+def _ddp_join(rank: int, w: int) -> None:
+    """DDP with uneven inputs (`model.join()`, unused parameters found): each rank has a batch
+    count of its own; the ranks that run out join the others' all_reduces (torch calls the
+    process group's allreduce with a single tensor there). Every rank ends with the same weights,
+    equal to a local replay: per step, the average over the ranks that still had a batch of
+    their gradients (joined ranks contribute zeros, divided by the world size)."""
+    import copy
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.manual_seed(4321)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    ref = copy.deepcopy(model)
+    ddp = DDP(model, find_unused_parameters=True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    steps = [2 + r for r in range(w)]          # rank r runs 2 + r batches
+    batches = lambda r: [_data(("join", r, k), 3 * 6, torch.float32).view(3, 6) for k in range(steps[r])]   # noqa: E731
+    with ddp.join():
+        for x in batches(rank):
+            opt.zero_grad()
+            ddp(x).square().sum().backward()
+            opt.step()
+    for k in range(max(steps)):
+        grads = []
+        for r in range(w):
+            if k < steps[r]:
+                ref.zero_grad()
+                ref(batches(r)[k]).square().sum().backward()
+                grads.append([p.grad.clone() for p in ref.parameters()])
+        ref_opt.zero_grad()
+        for i, p in enumerate(ref.parameters()):
+            p.grad = sum(g[i] for g in grads) / w
+        ref_opt.step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        _same(p.detach(), q.detach(), f"DDP join: {name}", exact=False)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    every = [torch.empty_like(flat) for _ in range(w)]
+    dist.all_gather(every, flat)
+    for r in range(w):
+        _same(every[r], flat, f"DDP join: rank {r}'s weights")
+
+
 def _ops_worker(rank: int, w: int) -> dict:
     import torch.distributed as dist
     import braid
@@ -368,8 +446,10 @@ def _ops_worker(rank: int, w: int) -> dict:
     rep.case("async", _async_ops, rank, w)
     rep.case("objects_barrier", _objects_and_barrier, rank, w)
     rep.case("forwarded", _forwarded, rank, w, pg)
+    rep.case("pg_overloads", _pg_overloads, rank, w, pg)
     rep.case("misuse", _misuse_propagates, rank, w)
     rep.case("ddp", _ddp, rank, w, pg)
+    rep.case("ddp_join", _ddp_join, rank, w)
 
     def shared_communicator():
         comm = braid.init()
@@ -421,7 +501,7 @@ def world(request):
 
 
 CASES = ["p2p_first", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all_single",
-         "reduce", "p2p_after", "async", "objects_barrier", "forwarded", "misuse", "ddp",
+         "reduce", "p2p_after", "async", "objects_barrier", "forwarded", "pg_overloads", "misuse", "ddp", "ddp_join",
          "shared_communicator", "subgroup", "destroy"]
 
 

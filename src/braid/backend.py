@@ -40,6 +40,26 @@ _EMPTY = torch.empty(0, dtype=torch.uint8)      # the ledger's tensor of a barri
 _PLAIN_TYPES = frozenset(getattr(dist.ReduceOp, n) for n in ("SUM", "AVG", "PRODUCT", "MIN", "MAX"))
 
 
+# not exported by torch.distributed (torch 2.11-2.13): from the binding itself
+_AllgatherOptions = getattr(dist, "AllgatherOptions", None) or torch._C._distributed_c10d.AllgatherOptions
+
+
+def _options(cls, timeout=None, **fields):
+    """torch's options object `cls` with these fields set (None: left at torch's default)."""
+    o = cls()
+    for k, v in fields.items():
+        if v is not None:
+            setattr(o, k, v)
+    if timeout is not None:
+        o.timeout = timeout
+    return o
+
+
+def _reduce_op(op):
+    """A ReduceOp for an options object from what torch's binding accepts (ReduceOp or its type)."""
+    return None if op is None else op if isinstance(op, dist.ReduceOp) else dist.ReduceOp(op)
+
+
 def _plain_op(op):
     """The op braid's Communicator reduces with: the ReduceOp (SUM/AVG/PRODUCT/MIN/MAX), braid's
     PremulSum for torch's premul-sum (its factor read from the op object), or None: bitwise ops
@@ -264,7 +284,15 @@ class BraidProcessGroup(dist.ProcessGroup):
         return work
 
     # collectives ------------------------------------------------------------------------------
-    def allreduce(self, tensors, opts=None):
+    def allreduce(self, tensors, opts=None, op=None, timeout=None):
+        """torch's forms: (tensors, opts), (tensors, op, timeout), (tensor, op, timeout)."""
+        if (type(tensors) is not list or (opts is not None and type(opts) is not dist.AllreduceOptions)
+                or op is not None or timeout is not None):
+            if isinstance(tensors, torch.Tensor):
+                tensors = [tensors]
+            if not isinstance(opts, dist.AllreduceOptions):
+                opts = _options(dist.AllreduceOptions, timeout, reduceOp=_reduce_op(opts if opts is not None else op))
+            tensors = list(tensors)
         if profiler_on() and not self._recording:
             return self._recorded("all_reduce", tensors, self.allreduce, tensors, opts)
         opts = opts if opts is not None else dist.AllreduceOptions()
@@ -292,7 +320,11 @@ class BraidProcessGroup(dist.ProcessGroup):
                 return self._run(lambda a: comm.all_reduce(t, op, async_op=a), opts, [t])
         return self._inner_reduction("allreduce", (tensors,), opts, list(tensors), list(tensors))
 
-    def broadcast(self, tensors, opts=None):
+    def broadcast(self, tensors, opts=None, timeout=None, root=None):
+        """torch's forms: (tensors, opts), (tensor, root, timeout)."""
+        if isinstance(tensors, torch.Tensor):
+            root = opts if root is None else root
+            tensors, opts = [tensors], _options(dist.BroadcastOptions, timeout, rootRank=int(root or 0), rootTensor=0)
         if profiler_on() and not self._recording:
             return self._recorded("broadcast", tensors, self.broadcast, tensors, opts)
         opts = opts if opts is not None else dist.BroadcastOptions()
@@ -307,7 +339,12 @@ class BraidProcessGroup(dist.ProcessGroup):
                 return self._run(lambda a: comm.broadcast(t, root, async_op=a), opts, [t])
         return self._forward("broadcast", tensors, opts)
 
-    def reduce(self, tensors, opts=None):
+    def reduce(self, tensors, opts=None, op=None, timeout=None, root=None):
+        """torch's forms: (tensors, opts), (tensor, root, op, timeout)."""
+        if isinstance(tensors, torch.Tensor):
+            root = opts if root is None else root
+            tensors, opts = [tensors], _options(dist.ReduceOptions, timeout, rootRank=int(root or 0), rootTensor=0,
+                                                reduceOp=_reduce_op(op))
         if profiler_on() and not self._recording:
             return self._recorded("reduce", tensors, self.reduce, tensors, opts)
         opts = opts if opts is not None else dist.ReduceOptions()
@@ -319,10 +356,14 @@ class BraidProcessGroup(dist.ProcessGroup):
                 return self._run(lambda a: comm.reduce(t, root, op, async_op=a), opts, [t])
         return self._inner_reduction("reduce", (tensors,), opts, list(tensors), list(tensors), opts.rootRank)
 
-    def allgather(self, output_tensors, input_tensors, opts=None):
+    def allgather(self, output_tensors, input_tensors, opts=None, timeout=None):
+        """torch's forms: (output lists, inputs, opts), (outputs, input, timeout)."""
+        if isinstance(input_tensors, torch.Tensor):
+            output_tensors, input_tensors = [list(output_tensors)], [input_tensors]
+            opts = _options(_AllgatherOptions, opts if timeout is None else timeout)
         if profiler_on() and not self._recording:
             return self._recorded("all_gather", input_tensors, self.allgather, output_tensors, input_tensors, opts)
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else _AllgatherOptions()
         if len(input_tensors) == 1 and len(output_tensors) == 1:
             inp, outs = input_tensors[0], list(output_tensors[0])
             even = len(outs) == self._braid_size and all(
@@ -335,7 +376,7 @@ class BraidProcessGroup(dist.ProcessGroup):
     def _all_gather_single(self, name, output, input, opts):
         if profiler_on() and not self._recording:
             return self._recorded("all_gather_into_tensor", [input], self._all_gather_single, name, output, input, opts)
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else _AllgatherOptions()
         if input.requires_grad:
             input = input.detach()      # read only; the output is not autograd's (see _detached)
         comm = self._comm
@@ -352,7 +393,11 @@ class BraidProcessGroup(dist.ProcessGroup):
     def all_gather_single(self, output, input, opts=None):         # torch >= 2.13
         return self._all_gather_single("all_gather_single", output, input, opts)
 
-    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None, timeout=None, op=None):
+        """torch's forms: (outputs, input lists, opts), (output, inputs, op, timeout)."""
+        if isinstance(output_tensors, torch.Tensor):
+            output_tensors, input_tensors = [output_tensors], [list(input_tensors)]
+            opts = _options(dist.ReduceScatterOptions, timeout, reduceOp=_reduce_op(opts if op is None else op))
         if profiler_on() and not self._recording:
             return self._recorded("reduce_scatter", list(_tensors_in(input_tensors)), self.reduce_scatter,
                                   output_tensors, input_tensors, opts)
@@ -552,7 +597,7 @@ class BraidProcessGroup(dist.ProcessGroup):
             return _AnySourceWork(comm.recv(tensors[0], peer, async_op=True), [tensors[0]], peer)
         return self._forward("recv_anysource", tensors, tag)
 
-    def barrier(self, opts=None):
+    def barrier(self, opts=None, timeout=None):
         """One round through the node segment on CPU ranks of one host, else on the inner gloo group. With braid's GPU lanes the current stream is drained
         first, so work queued before the barrier has finished, as after NCCL's barrier."""
         if profiler_on() and not self._recording:
@@ -566,7 +611,8 @@ class BraidProcessGroup(dist.ProcessGroup):
             comm._cpu_call("barrier", _EMPTY, comm._cpu.barrier, False)
             return _finished()
         bo = dist.BarrierOptions()
-        timeout = getattr(opts, "timeout", None)
+        if timeout is None:     # torch's forms: (opts), (timeout)
+            timeout = opts if isinstance(opts, datetime.timedelta) else getattr(opts, "timeout", None)
         if timeout is not None:
             try:
                 bo.timeout = timeout
