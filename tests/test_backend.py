@@ -324,6 +324,13 @@ def _pg_overloads(rank: int, w: int, pg) -> None:
     pg.reduce_scatter(out, ins, dist.ReduceOp.SUM).wait()
     _same(out, _reduce_ref([_data(("ovl-rs", r, rank), n, torch.float32) for r in range(w)], "sum"),
           "pg.reduce_scatter(tensor, list, op)")
+    splits = [3 + d for d in range(w)]                 # rank d gets 3 + d elements from every rank
+    src = _data(("ovl-a2a", rank), sum(splits), torch.float32)
+    got = torch.empty((3 + rank) * w)
+    pg.alltoall_base(got, src, [3 + rank] * w, splits, datetime.timedelta(seconds=30)).wait()
+    offs = [sum(splits[:rank])]
+    want = torch.cat([_data(("ovl-a2a", r), sum(splits), torch.float32)[offs[0]: offs[0] + 3 + rank] for r in range(w)])
+    _same(got, want, "pg.alltoall_base(..., timeout)")
     pg.barrier(datetime.timedelta(seconds=30)).wait()
 
 

@@ -439,7 +439,8 @@ class BraidProcessGroup(dist.ProcessGroup):
         if profiler_on() and not self._recording:
             return self._recorded("all_to_all", [input], self._all_to_all_single, name, output, input,
                                   output_split_sizes, input_split_sizes, opts)
-        opts = opts if opts is not None else dist.AllToAllOptions()
+        if not isinstance(opts, dist.AllToAllOptions):     # None, or torch's form with a timeout
+            opts = _options(dist.AllToAllOptions, opts)
         if input.requires_grad:
             input = input.detach()      # as in _all_gather_single
         comm = self._comm
