@@ -175,9 +175,10 @@ def _worker(rank, world, comm, dev):
 
 @NEEDS
 def test_reductions_two_gpus(tmp_path):
-    # pieces of 1 MiB and up end in a taper here (planner/pieces.py; by default from 64 MiB), so
-    # the tapered cut runs at these sizes; the four-GPU run keeps the default (even pieces)
-    run(2, tmp_path, _worker, dict(ENV, BRAID_CE_TAPER_FROM_KB="1024"))
+    # pieces of 1 MiB and up (by default 16 MiB: these sizes would go in one piece) that end in a
+    # taper (planner/pieces.py; by default from 64 MiB), so that the pipeline of several pieces,
+    # pushed and tapered, runs at these sizes; the four-GPU run keeps the defaults
+    run(2, tmp_path, _worker, dict(ENV, BRAID_CE_TAPER_FROM_KB="1024", BRAID_CE_MIN_PIECE_MB="1"))
 
 
 @needs(4)
