@@ -393,7 +393,8 @@ def _ddp_join(rank: int, w: int) -> None:
     count of its own; the ranks that run out join the others' all_reduces (torch calls the
     process group's allreduce with a single tensor there). Every rank ends with the same weights,
     equal to a local replay: per step, the average over the ranks that still had a batch of
-    their gradients (joined ranks contribute zeros, divided by the world size)."""
+    their gradients (joined ranks contribute zeros, divided by the world size). With
+    throw_on_early_termination, every rank raises once the first runs out."""
     import copy
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -428,6 +429,19 @@ def _ddp_join(rank: int, w: int) -> None:
     dist.all_gather(every, flat)
     for r in range(w):
         _same(every[r], flat, f"DDP join: rank {r}'s weights")
+    # throw_on_early_termination: once a rank runs out, every rank raises at the same step
+    raised = None
+    try:
+        with ddp.join(throw_on_early_termination=True):
+            for k, x in enumerate(batches(rank)):
+                opt.zero_grad()
+                ddp(x).square().sum().backward()
+                opt.step()
+    except RuntimeError as exc:
+        raised = (k, str(exc))
+    assert raised is not None and "exhausted" in raised[1], raised
+    # rank 0 (the fewest batches) raises as it leaves its loop, the others at their next batch
+    assert raised[0] == (steps[0] - 1 if rank == 0 else steps[0]), raised
 
 
 def _ops_worker(rank: int, w: int) -> dict:
