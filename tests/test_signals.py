@@ -421,8 +421,10 @@ def _reduction_runs(monkeypatch, world, elems, gather, per_mb, scheme, calls, pu
     return runs, metas, chunks
 
 
-def _run_reduction(runs, metas, chunks, calls, seed, per_elems, gather):
-    """Run every rank's calls interleaved at random; returns (deadlock, bad, flags)."""
+def _run_reduction(runs, metas, chunks, calls, seed, per_elems, gather, lane_calls=()):
+    """Run every rank's calls interleaved at random; returns (deadlock, bad, flags). Calls whose
+    index is in `lane_calls` are `ce` lane programs (one stream: flag operations and pulls from a
+    peer's input, ("lanecopy", 1, src rank)): checked for reading a peer inside the call only."""
     from braid.planner.pieces import pieces
 
     rng = random.Random(seed)
@@ -506,6 +508,9 @@ def _run_reduction(runs, metas, chunks, calls, seed, per_elems, gather):
                 if not inside(q, r) or state[(q, e)] != ("out", c):
                     bad.append(("gather", r, q, e, c, call[q], state[(q, e)]))
                 state[(r, dst[1])] = ("out", c)
+        elif op[0] == "lanecopy":
+            if not inside(op[2], r):
+                bad.append(("lane pull", r, op[2], c, call[op[2]]))
         elif op[0] == "reduce":
             e = (op[2] - metas[r]["base"]) // esz
             my_off, my_len = chunks[r]
@@ -522,7 +527,7 @@ def _run_reduction(runs, metas, chunks, calls, seed, per_elems, gather):
         if all(pos[r][t] >= len(idx) for t, idx in cur[r][1].items()):     # the call is over
             keys = [(r, e) for d in range(world) for e in regions[d]] if gather else \
                 [(r, e) for e in regions[r]]
-            for key in keys:
+            for key in (keys if c not in lane_calls else ()):
                 if state[key] != ("out", c):
                     bad.append(("unfinished", key, c, state[key]))
             for d in range(world):                                      # the caller writes anew
@@ -578,3 +583,31 @@ def test_the_interpreter_catches_a_reduction_that_ends_too_early(monkeypatch, wo
     ends a call before its output is complete. Both must be caught."""
     results = _reduction_case(monkeypatch, world, "even", True, "rising", push, cut=cut, seeds=20)
     assert any(bad for _, bad, _ in results)
+
+
+def test_a_pushed_all_reduce_between_other_programs_on_the_same_flags(monkeypatch):
+    """Replayed programs of different ops in one order on every rank (a pushed all_reduce, an
+    all_gather, a broadcast, the all_reduce again ...) share the flags: the all_reduce no longer
+    ends with a handshake, so a flag one program sets must still find its reader's reset of the
+    program before. No deadlock, every peer read inside its call, flags back at 0."""
+    world = 3
+    mib = (1 << 20) // 2
+    elems = [2 * mib + 4096 * d for d in range(world)]
+    red, metas, chunks = _reduction_runs(monkeypatch, world, elems, True, 1, "flags", 1, True)
+    plans = _plans(world)
+    lanes = {k: _record(monkeypatch, world, plans[k], lambda lay: Flags(0, lay)) for k in ("all_gather", "broadcast")}
+
+    def lane(ops):
+        return [("lanecopy", 1, o[1]) if o[0] == "copy" else (o[0], 1, o[1], o[2]) for o in ops]
+    order = ["red", "all_gather", "red", "broadcast", "red", "red", "all_gather"]
+    runs = [[red[r][0] if k == "red" else lane(lanes[k][r]) for k in order] for r in range(world)]
+    lane_calls = {i for i, k in enumerate(order) if k != "red"}
+    from braid.collectives.ce_reduce import piece_elems
+    from braid.envs import override
+    with override(BRAID_CE_PIECE_MB=1):
+        per = piece_elems(chunks, 2)
+    for seed in range(30):
+        deadlock, bad, mem = _run_reduction(runs, metas, chunks, len(order), seed, per, True, lane_calls)
+        assert not deadlock, seed
+        assert not bad, (seed, bad[:3])
+        assert all(v == 0 for v in mem.values()), seed
