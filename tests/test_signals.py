@@ -374,7 +374,6 @@ def _reduction_runs(monkeypatch, world, elems, gather, per_mb, scheme, calls, pu
     offs = [sum(elems[:d]) for d in range(world)]
     chunks = list(zip(offs, elems))
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(ce_reduce, "_PUSH", push)
     runs, metas = [], []
     for me in range(world):
         n = sum(elems)
@@ -411,7 +410,7 @@ def _reduction_runs(monkeypatch, world, elems, gather, per_mb, scheme, calls, pu
                 setattr(sig, name, lambda *a, **k: None)
             red_ = CeReduction.__new__(CeReduction)
             red_.lc = _Lc(me, world, layout)
-            with override(BRAID_CE_PIECE_MB=per_mb):
+            with override(BRAID_CE_PIECE_MB=per_mb, BRAID_CE_PUSH=int(push)):
                 k = red_.num_pieces(chunks, 2)
                 red_.emit(_RecStream(1, ops), _RecStream(2, ops), _RecStream(3, ops), inp=inp, out=inp, chunks=chunks,
                           out_offsets=offs, gather=gather, peers={p: (p + 1) << 40 for p in range(world) if p != me},

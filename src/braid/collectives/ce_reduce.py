@@ -64,18 +64,6 @@ from ..planner.plan import LaneKind
 from .reduce import reduce_pair, reduce_slots
 
 
-
-def push_gather() -> bool:
-    """BRAID_CE_PUSH, read once per process (every rank must run the same scheme)."""
-    global _PUSH
-    if _PUSH is None:
-        _PUSH = bool(envs.get("BRAID_CE_PUSH"))
-    return _PUSH
-
-
-_PUSH: bool | None = None
-
-
 def piece_elems(chunks: list[tuple[int, int]], esz: int) -> int:
     """Elements per piece for these agreed chunks (`planner.pieces`' rule on the largest)."""
     longest = max((n for _, n in chunks), default=0) * esz
@@ -163,7 +151,7 @@ class CeReduction:
         readers = others if gather else ()
         # an all_reduce pushes its reduced pieces (no closing handshake: see the docstring) when
         # every rank reduces something, so that every rank hears from every peer after its start
-        push = gather and push_gather() and all(n for _, n in chunks)
+        push = gather and envs.get("BRAID_CE_PUSH") and all(n for _, n in chunks)
         with torch.cuda.stream(rs):
             for k, (a, b) in enumerate(mine):
                 for p in others:
