@@ -15,10 +15,11 @@ Otherwise the op itself asks (decide), and fills the table for a shape not seen 
 calibration splits is on trial: the arbiter counts every call of it once, so a "split" the backend
 was told is handed to the op's own question (`said`) instead of being asked again.
 
-Each op states its shape once, for both callers (CallPath._shape_* and _rest_*): the key into its
-table and the facts the entry must match (every call), and, only where the entry does not settle
-the call, whether the native call can take the shape at all (`valid`), the op's name and bytes for
-the calibration, and the arbiter's key. A shape the entry says is whole costs one lookup.
+Each op gives, at its two call sites (its own path and the backend's CallPath.whole_*), the key
+into its table and the facts the entry must match (every call), and in CallPath._rest_* what only
+a call the entry does not settle needs: whether the native call can take the shape at all
+(`valid`), the op's name and bytes for the calibration, and the arbiter's key. A shape the entry
+says is whole costs one lookup.
 """
 from __future__ import annotations
 
