@@ -181,6 +181,13 @@ _define("BRAID_PREPARED", _bool, True,
         "split send/recv is named by its sender in one message (on the copy engines alone the send "
         "does not wait for its receiver); 0: every split call exchanges descriptors and posts its "
         "lanes from scratch (for comparison). Must be the same on every rank.")
+_define("BRAID_DEFER", _bool, False,
+        "1: a repeated GPU call that replays a prepared program on the copy engines returns once this "
+        "rank's word is posted; a thread of the communicator reads the other ranks' words and launches "
+        "the program, and the caller's stream (or the async handle's waiter) waits for its end on the GPU, "
+        "as with NCCL's own call, instead of the caller's CPU waiting for the slowest rank. 0 (default): "
+        "the caller reads the round and launches (training steps measured no faster with 1: the launch "
+        "then waits for the slowest rank on the thread instead). Must be the same on every rank.")
 _define("BRAID_CPU_SHM", _bool, True,
         "1 (default): on a CPU communicator whose ranks share one host, all_reduce, reduce, reduce_scatter, "
         "all_gather, broadcast and all_to_all_single of contiguous tensors, every untagged send/recv and "

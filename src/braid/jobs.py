@@ -558,8 +558,10 @@ def run(comm, cfg, cuda: bool):
             if row.get("split_calls", {}).get("built") or row.get("split_calls", {}).get("hits"):
                 sc = row["split_calls"]
                 say("  " + " " * WIDTHS[0] + "braid's split calls (rank 0): "
-                    + ", ".join(f"{k} {v}" for k, v in sc.items() if k != "round_us")
-                    + (f", round of words {sc['round_us'] / sc['hits']:.1f} us per hit" if sc.get("hits") else ""))
+                    + ", ".join(f"{k} {v}" for k, v in sc.items() if k not in ("round_us", "launch_us"))
+                    + (f", round of words {sc['round_us'] / sc['hits']:.1f} us per hit" if sc.get("hits") else "")
+                    + (f", post to launch {sc['launch_us'] / sc['deferred']:.1f} us per deferred call"
+                       if sc.get("deferred") else ""))
             if row.get("learned"):
                 kept = [x[3] for x in row["learned"]]
                 say("  " + " " * WIDTHS[0] + f"learned in the job ({len(kept)} verdicts, the same on every rank): "

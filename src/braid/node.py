@@ -45,7 +45,13 @@ COLL_MBOX_BYTES = 16384    # one collective descriptor (all_to_all splits for la
 # before the rank's next post. Two slots were not enough: after a non-waiting post, the next exchange reused the
 # slot that a slow peer was still reading (a 3-rank CPU test read a later descriptor).
 COLL_SLOTS = 3
+# A communicator whose rounds of words are read by its rounds thread (comm/rounds.py) may post up
+# to DEFER_DEPTH of them before the first is read: a rank posts t once it has read t - D, and a
+# peer posted t - D only after reading t - 2D, so its slots number 2D, plus the 3 above.
+DEFER_DEPTH = 4
+COLL_SLOTS = 2 * DEFER_DEPTH + 3
 _VALUE_FMT = [f"<I{n}Q" for n in range(9)]   # exchange_values' record: count, then the values
+REDO_SLOTS = 3              # the second channel: read before the next post, as the first was
 P2P_MBOX_BYTES = 2048
 P2P_DEPTH = 4               # send/recv descriptors a direction may have posted and not yet read
 WORD_MARK = 0xFFFFFFFF      # a mailbox slot holding a word (post_pair(int)), not JSON
@@ -100,6 +106,10 @@ class Layout:
                  ("flag_p2p_ready", n * n), ("flag_p2p_done", n * n),
                  # rounds of the CPU communicators' whole calls through the segment (comm/cpushm.py)
                  ("cpu_ready", n),
+                 # the end of each deferred prepared call, raised on the copy engines' stream
+                 # (comm/rounds.py); a second mailbox channel for the exchanges such a call makes
+                 # off the caller's thread
+                 ("defer_end", n), ("mbox_redo", n),
                  ("pid", n), ("abort", n),
                  # whole CPU send/recv (comm/cpup2p.py), bytes per ordered pair: after `abort`, so
                  # that an abort, which pushes every counter before `pid`, never reads as data
@@ -115,6 +125,8 @@ class Layout:
         off = _align(off + n * STATUS_BYTES)
         self.mbox_coll_off = off
         off = _align(off + n * COLL_SLOTS * COLL_MBOX_BYTES)
+        self.mbox_redo_off = off
+        off = _align(off + n * REDO_SLOTS * COLL_MBOX_BYTES)
         self.mbox_p2p_off = off
         off = _align(off + n * n * P2P_ROLES * P2P_DEPTH * P2P_MBOX_BYTES)
         # rings: per rank half the budget for the collective ring, half split over pair rings
@@ -205,6 +217,9 @@ class NodeSegment:
         # ~35 ms) and when it times out, with (peer, what); each may raise a better error
         self.on_wait = None
         self.on_timeout = None
+        # called before every post but a deferred call's own: lets the communicator's queue of
+        # deferred calls drain first (comm/rounds.py), so that posts stay in call order
+        self.before_post = None
         import threading
         self._publish_lock = threading.Lock()
         self._status_seq = 0
@@ -213,6 +228,11 @@ class NodeSegment:
         self._deferred: tuple | None = None          # a post whose read is put off (see defer)
         self.deferred_values: list | None = None
         self._coll_slots = [[layout.mbox_coll_off + (r * COLL_SLOTS + k) * COLL_MBOX_BYTES for k in range(COLL_SLOTS)]
+                            for r in range(layout.world_size)]
+        # channel 1: the exchanges of a deferred call rebuilt off the caller's thread (comm/rounds.py)
+        self.redo_seq = 0
+        self._redo_ctr = [layout.counter("mbox_redo", r) for r in range(layout.world_size)]
+        self._redo_slots = [[layout.mbox_redo_off + (r * REDO_SLOTS + k) * COLL_MBOX_BYTES for k in range(REDO_SLOTS)]
                             for r in range(layout.world_size)]
 
     @staticmethod
@@ -236,7 +256,8 @@ class NodeSegment:
     def set(self, off: int, value: int) -> None:
         self.u32[off // 4] = value & 0xFFFFFFFF
 
-    def wait_geq(self, off: int, value: int, what: str, peer: int, deadline: float | None) -> None:
+    def wait_geq(self, off: int, value: int, what: str, peer: int, deadline: float | None,
+                 spin_s: float | None = None) -> None:
         """Poll a counter until it reaches value; raise on timeout or a dead peer (deadline None:
         BRAID_TIMEOUT_S from the first check).
 
@@ -249,7 +270,7 @@ class NodeSegment:
             deadline = time.monotonic() + envs.get("BRAID_TIMEOUT_S")
         idx = off // 4
         u32 = self.u32
-        spin_until = time.perf_counter() + self.spin_s
+        spin_until = time.perf_counter() + (self.spin_s if spin_s is None else spin_s)
         while time.perf_counter() < spin_until:
             for _ in range(64):
                 if ((int(u32[idx]) - value) & 0xFFFFFFFF) < 0x80000000:
@@ -370,29 +391,37 @@ class NodeSegment:
             raise ABORT_KINDS.get(kind, LaneFailureError)(f"rank {r} aborted: {cause}")
 
     # mailboxes ----------------------------------------------------------------------------------
-    def _coll_round(self, post, read, participants, what: str, wait: bool = True) -> list | None:
+    def _coll_round(self, post, read, participants, what: str, wait: bool = True, channel: int = 0) -> list | None:
         """One collective exchange: `post(offset)` writes this rank's slot, then (unless not
-        `wait`) `read(rank, offset, seq)` reads each participant's once it has posted."""
-        self._settle_deferred()
-        self.coll_seq += 1
-        seq = self.coll_seq
-        k = seq % COLL_SLOTS
-        post(self._coll_slots[self.rank][k])
-        self.u32[self._coll_ctr[self.rank] // 4] = seq & 0xFFFFFFFF
+        `wait`) `read(rank, offset, seq)` reads each participant's once it has posted. Channel 1
+        is a sequence of its own (the redo exchanges of comm/rounds.py), read at once."""
+        if channel:
+            self.redo_seq += 1
+            seq, slots, ctrs, label = self.redo_seq, self._redo_slots, self._redo_ctr, "rebuild"
+            k = seq % REDO_SLOTS
+        else:
+            if self.before_post is not None:
+                self.before_post()
+            self._settle_deferred()
+            self.coll_seq += 1
+            seq, slots, ctrs, label = self.coll_seq, self._coll_slots, self._coll_ctr, "collective"
+            k = seq % COLL_SLOTS
+        post(slots[self.rank][k])
+        self.u32[ctrs[self.rank] // 4] = seq & 0xFFFFFFFF
         if not wait:
             return None
         deadline = time.monotonic() + envs.get("BRAID_TIMEOUT_S")
         out = []
         for r in participants:
             if r != self.rank:
-                self.wait_geq(self._coll_ctr[r], seq, f"collective #{seq} {what}", r, deadline)
-            out.append(read(r, self._coll_slots[r][k], seq))
+                self.wait_geq(ctrs[r], seq, f"{label} #{seq} {what}", r, deadline)
+            out.append(read(r, slots[r][k], seq))
         return out
 
-    def exchange_collective(self, desc: dict, participants: list[int]) -> list[dict]:
+    def exchange_collective(self, desc: dict, participants: list[int], channel: int = 0) -> list[dict]:
         """Post this rank's descriptor for the next collective and read every rank's."""
         return self._coll_round(lambda off: self._write(off, COLL_MBOX_BYTES, desc),
-                                lambda r, off, seq: self._read(off), participants, desc.get("op"))
+                                lambda r, off, seq: self._read(off), participants, desc.get("op"), channel=channel)
 
     def exchange_values(self, values: list[int], what: str, wait: bool = True) -> list[list[int]] | None:
         """Every rank's few non-negative integers for the next collective, without JSON: the
@@ -404,10 +433,13 @@ class NodeSegment:
         token = self.post_values(values)
         return self.read_values(token, what) if wait else None
 
-    def post_values(self, values: list[int]) -> tuple:
+    def post_values(self, values: list[int], hook: bool = True) -> tuple:
         """The first half of exchange_values: post this rank's values and return the token that
         read_values takes. A caller may do its own work between the two (the peers' posts land
-        meanwhile); every post must be read or followed by a waiting exchange (see COLL_SLOTS)."""
+        meanwhile); every post must be read or followed by a waiting exchange (see COLL_SLOTS).
+        `hook` False: not through before_post (the deferred call's own post)."""
+        if hook and self.before_post is not None:
+            self.before_post()
         self._settle_deferred()
         self.coll_seq += 1
         seq = self.coll_seq
@@ -417,9 +449,15 @@ class NodeSegment:
         self.u32[self._coll_ctr[self.rank] // 4] = seq & 0xFFFFFFFF
         return seq, n
 
-    def read_values(self, token: tuple, what: str) -> list[list[int]]:
+    def posted(self, token: tuple) -> bool:
+        """Has every rank posted the exchange `token` (read_values would not wait)?"""
+        seq = token[0]
+        u32 = self.u32
+        return all(((int(u32[c // 4]) - seq) & 0xFFFFFFFF) < 0x80000000 for c in self._coll_ctr)
+
+    def read_values(self, token: tuple, what: str, spin_s: float | None = None) -> list[list[int]]:
         """Every rank's values of the exchange `token` (from post_values), in rank order, once
-        each has posted them."""
+        each has posted them (a wait spins `spin_s`, default the segment's, then sleeps)."""
         seq, n = token
         fmt = _VALUE_FMT[n] if n < len(_VALUE_FMT) else f"<I{n}Q"
         k = seq % COLL_SLOTS
@@ -427,7 +465,7 @@ class NodeSegment:
         out = []
         for r, ctr in enumerate(self._coll_ctr):
             if r != me and ((int(u32[ctr // 4]) - seq) & 0xFFFFFFFF) >= 0x80000000:
-                self.wait_geq(ctr, seq, f"collective #{seq} {what}", r, None)
+                self.wait_geq(ctr, seq, f"collective #{seq} {what}", r, None, spin_s)
             got = struct.unpack_from(fmt, mm, self._coll_slots[r][k])
             if got[0] != n:
                 raise PeerMismatchError(f"{what}: rank {r} made a different call at collective #{seq} "
@@ -480,6 +518,8 @@ class NodeSegment:
         """Post this rank's descriptor for its next call in the direction (src, dst) on `channel`
         (0 or 1); returns the token that `poll_pair`/`wait_pair` read the peer's matching
         descriptor with."""
+        if self.before_post is not None:
+            self.before_post()
         direction = (self.rank, peer) if sending else (peer, self.rank)
         key = (direction, channel)
         seq = self.p2p_seq.get(key, 0) + 1

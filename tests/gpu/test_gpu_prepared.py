@@ -155,6 +155,8 @@ def _repeated(rank, world, comm, dev):
     assert not wrong, f"rank {rank}: {len(wrong)} of {calls} calls wrong, first {wrong[:5]}"
     st = prep.stats
     assert st["graphs"] > 0 and st["replays"] >= calls - 50, st    # tiny calls may go to NCCL whole
+    if comm._rounds is not None:                           # BRAID_DEFER=1: most repeats were deferred
+        assert st["deferred"] > calls // 2, st
 
 
 @needs(2)
@@ -165,6 +167,21 @@ def test_thousand_repeated_calls_two_ranks(tmp_path):
 @needs(4)
 def test_thousand_repeated_calls_four_ranks(tmp_path):
     run(4, tmp_path, _repeated, ENV)
+
+
+# the same with the round and the launch on the communicator's rounds thread (comm/rounds.py):
+# a new allocation at the same address is a changed word there, rebuilt on the thread
+DEFER = {**ENV, "BRAID_DEFER": "1"}
+
+
+@needs(2)
+def test_thousand_repeated_calls_deferred_two_ranks(tmp_path):
+    run(2, tmp_path, _repeated, DEFER)
+
+
+@needs(4)
+def test_thousand_repeated_calls_deferred_four_ranks(tmp_path):
+    run(4, tmp_path, _repeated, DEFER)
 
 
 def _other_lanes(rank, world, comm, dev):
@@ -261,3 +278,8 @@ def _abort_in_replay(rank, world, comm, dev):
 @needs(2)
 def test_abort_during_a_replay_releases_every_rank(tmp_path):
     run(2, tmp_path, _abort_in_replay, ENV)
+
+
+@needs(2)
+def test_abort_during_a_deferred_replay_releases_every_rank(tmp_path):
+    run(2, tmp_path, _abort_in_replay, DEFER)

@@ -85,6 +85,7 @@ class CallPath:
     @contextlib.contextmanager
     def fixed_shares(self, shares: dict[str, float] | None, op: str = "*") -> Iterator[None]:
         """Use these shares for every op (or one op) inside the block (tests, calibration, bench)."""
+        self._drain()
         old = self._fixed
         self._fixed = None if shares is None else {**(old or {}), op: dict(shares)}
         self._native_cache.clear()
@@ -94,10 +95,18 @@ class CallPath:
         try:
             yield
         finally:
+            self._drain(raising=False)
             self._fixed = old
             self.shortcuts.clear()
             self._prepared.clear()
             self._learn_update()
+
+    def _drain(self, raising: bool = True) -> None:
+        """Let the deferred calls queued so far run (comm/rounds.py) before what they were
+        prepared under changes (shares, calibration); raises the error one of them met."""
+        rd = getattr(self, "_rounds", None)
+        if rd is not None:
+            rd.drain(raising)
 
     def _trial_exchange(self, values: list[int]) -> list[list[int]]:
         """The whole-or-split trials' agreement (comm/arbiter.py). A call asks the arbiter before

@@ -74,6 +74,12 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         self._lanes = self.lane_ctx.lanes = self._make_lanes()
         from .prepared import PreparedCalls
         self._prepared = PreparedCalls(self.rank, self.world_size, self.device, self.cuda)
+        if (self.cuda and self._prepared.enabled and self.segment is not None and "ce" in self._lanes
+                and self.world_size > 1 and envs.get("BRAID_DEFER")):
+            from .rounds import Rounds
+            self._rounds = Rounds(self)
+            rd = weakref.ref(self._rounds)
+            self.segment.before_post = lambda: (r := rd()) is not None and r.queue and r.drain()
         # prepared send/recv (comm/pairs.py): through the node segment, with prepared calls on
         self._pairs = Pairs(self) if self.segment is not None and self._prepared.enabled else None
         from .arbiter import Arbiter
@@ -131,6 +137,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         self._a2av_recv = None       # bytes this rank expected from each rank in a round read one call late
         self._desc_memo: dict = {}   # every rank's descriptor digest -> those descriptors (recent full exchanges)
         self._round = None           # a prepared call's round already posted by the fast path (exchange.py)
+        self._rounds = None          # deferred prepared calls and their thread (comm/rounds.py)
         from ..planner.balancer import OnlineBalancer
         self.balancer = OnlineBalancer()
         self.adapt = True                    # stage 2 on; comm.adapt = False freezes the shares
@@ -342,7 +349,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
                                          dist.all_gather_into_tensor(output, input, group=self._fast_group, async_op=a))
             if self.cuda:
                 tkey = ("ag", input.data_ptr(), output.data_ptr(), n, output.numel(), input.dtype, output.dtype)
-                if (h := self._fast_prepared(tkey, input, (output,), async_op)) is not None:
+                if (h := self._fast_prepared(tkey, input, (output,), async_op,
+                                             lambda: self.all_gather_into_tensor(output, input))) is not None:
                     return h if async_op else None
         dev = self._device_for(input)
         ib = input_bytes(input, "input", dev, op)
@@ -396,7 +404,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
                                          dist.broadcast(tensor, group_src=src, group=self._fast_group, async_op=a))
             if self.cuda:
                 tkey = ("bc", tensor.data_ptr(), n, tensor.dtype, src)
-                if (h := self._fast_prepared(tkey, tensor if self.rank == src else None, (tensor,), async_op)) is not None:
+                if (h := self._fast_prepared(tkey, tensor if self.rank == src else None, (tensor,), async_op,
+                                             lambda: self.broadcast(tensor, src))) is not None:
                     return h if async_op else None
         dev = self._device_for(tensor)
         check_rank(src, self.world_size, "src", op)
@@ -432,6 +441,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         self.set_calibration(box[0] or {})
 
     def set_calibration(self, table: dict) -> None:
+        if getattr(self, "_rounds", None) is not None:
+            self._rounds.drain()
         self.pays = {op[: -len("/pays")]: {int(b): v if isinstance(v, (str, dict)) else bool(v) for b, v in t.items()}
                      for op, t in table.items() if op.endswith("/pays")}
         self.calib = {op: {k: LaneCost(**v) if isinstance(v, dict) else v for k, v in lanes.items()}
@@ -453,6 +464,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         """Release lanes, pinned memory and the shared segment. Idempotent; no collective calls."""
         if self.closed:
             return
+        if self._rounds is not None:        # queued calls run (or fail) before anything is freed
+            self._rounds.close()
         self.closed = True
         self.shortcuts.clear()
         if self.cuda:

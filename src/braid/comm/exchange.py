@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import time
+from threading import get_ident
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,8 @@ from ..planner.plan import Plan, split
 
 from ..lanes import _cuda
 from ..lanes.signals import Flags
-from .prepared import _DONE, NO_OBS, Entry, graph_shares, not_capturable
+from .prepared import _DONE, _RAW, NO_OBS, Entry, graph_shares, not_capturable
+from .rounds import DeferredHandle, Job
 
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 from .routing import _DECLINED, _Cycle
@@ -162,19 +164,26 @@ class Exchange:
                   async_op: bool, peer: int | None, always_exchange: bool, multi, route,
                   counted: bool, emit=None, ticket=None) -> Handle | None:
         self._check_open()
+        redo = self.shortcuts.redo_thread and self.shortcuts.redo_thread == get_ident()
+        rd = getattr(self, "_rounds", None)
+        if rd is not None and not redo:
+            rd.drain()
         if peer is None and self._p2p_pending:
             self._flush_p2p()
         device = (inp if inp is not None else outs[0]).device
         lanes = self.lanes_for(device)
         shares = self.shares_for(op, size, lanes) if not always_exchange else None
         whole = shares is not None and self._native_ok(shares) and native is not None
-        if peer is None:
+        if peer is None and not redo:       # the rounds thread's rebuild: counted by its caller
             t = inp if inp is not None else outs[0]
             if not counted:
                 self.ncalls += 1
             self.last_call = (op, t.numel() * t.element_size(), desc.get("dtype"), "whole" if whole else "split")
             if not whole and self.segment is not None:
                 self._publish()             # peers that wait in the exchange below can read it
+        if whole and redo:
+            raise LaneFailureError(f"{op}: a deferred call of a shape prepared on the copy engines came out "
+                                   f"whole when rebuilt; its lanes or shares changed under it")
         if whole:
             handle = self._whole(native, shares)
         elif (peer is None and route is None and not always_exchange and self.segment is not None
@@ -259,16 +268,24 @@ class Exchange:
             self._pending[op] = (bkey, dict(shares), handle)
 
     # prepared calls (comm/prepared.py) --------------------------------------------------------------
-    def _fast_prepared(self, tkey, inp, outs: tuple, async_op: bool):
+    def _fast_prepared(self, tkey, inp, outs: tuple, async_op: bool, redo=None):
         """A call whose shape last replayed a graph (a Ticket under the op's own arguments):
-        the round of words and the launch, nothing else. None: not this way (the caller takes
-        the full path; after a round that missed, that path goes on from this round)."""
+        the round of words and the launch, nothing else; with a rounds thread (comm/rounds.py)
+        only the post of this rank's word, the rest on that thread. None: not this way (the
+        caller takes the full path; after a round that missed, that path goes on from this
+        round). `redo()`: the op's own call with the same arguments (the thread's full path)."""
         prep = self._prepared
         tk = prep.tickets.get(tkey)
         if (tk is None or not prep.enabled or self.closed or self.aborted or tk.bal != self.balancer.version
                 or self._p2p_pending or (self._pending and tk.op in self._pending)
                 or (self.watchdog is not None and self.watchdog.failed) or _capturing()):
             return None         # queued send/recv go first, a balancer report rides the full path
+        rd = getattr(self, "_rounds", None)
+        if rd is not None and redo is not None and tk.entry.exec_ptr:
+            if self.shortcuts.redo_thread:      # the rounds thread's own rebuild: the full path
+                if rd.ident == get_ident():
+                    return None
+            return self._deferred(rd, prep, tk, inp, outs, async_op, redo)
         word = prep.finish_word(tk.base, inp, tk.lanes)
         seg = self.segment
         # the round belongs to this call: counted while it waits, so that a peer still at the
@@ -293,6 +310,40 @@ class Exchange:
         self.ncalls -= 1                 # a miss: the full path counts the call
         self._round = (word, got)        # and goes on from this round
         return None
+
+    def _deferred(self, rd, prep, tk, inp, outs: tuple, async_op: bool, redo):
+        """Post this rank's word and queue the rest of the call on the rounds thread
+        (comm/rounds.py): the caller's stream (synchronous) or the handle's waiter (async) waits
+        for the call's end counter. Counted in the ledger here, in call order."""
+        rd.room()
+        word = prep.finish_word(tk.base, inp, tk.lanes)
+        self.ncalls += 1
+        self.last_call = tk.ledger
+        try:
+            token = self.segment.post_values([word, *NO_OBS], hook=False)
+        except (PeerMismatchError, BraidTimeoutError, LaneFailureError) as exc:
+            self._give_up(exc)
+            raise
+        caller = _RAW(self.device.index)
+        start = rd.start_event(caller)
+        n = rd.next_number()
+        tensors = (inp, *outs)
+        rd.push(Job(token, word, tk, start, n, tensors, redo, self.ncalls, tk.op))
+        # the program runs on the lane stream, which only the caller's stream waits for: a later
+        # call on another stream of the caller's (FSDP2's gathers and reductions) must not start
+        # its program beside it (two programs on the same flags)
+        prep.dirty = True
+        if async_op:
+            stream = self._lanes["ce"].stream
+            for t in tensors:       # the caller may free them before waiting: the allocator must know
+                if t is not None and t.numel():
+                    t.record_stream(stream)
+            handle = DeferredHandle(rd, n, tensors, tk.entry.plan, self.device.index)
+        else:
+            rd.stream_wait(caller, n)
+            handle = _DONE
+        self.last_handle = handle
+        return handle
 
     def _run_prepared(self, op: str, desc: dict, inp, outs, movement_of, native, agree_keys, lanes, shares,
                       multi, emit, async_op: bool, device, ticket=None):
@@ -319,6 +370,9 @@ class Exchange:
             entry = self._prepare(op, desc, inp, lanes, movement_of, native, agree_keys, device)
             prep.put(key, entry)
         if entry.native:
+            if self.shortcuts.redo_thread and self.shortcuts.redo_thread == get_ident():
+                raise LaneFailureError(f"{op}: a deferred call of a shape prepared on the copy engines came out "
+                                       f"whole when rebuilt; the ranks' lanes changed under it")
             return self._whole(native, entry.shares), entry
         if self.cuda and graph_shares(entry.shares) and (multi is None or emit is not None):
             if not entry.size:              # nothing to move (an empty graph cannot be launched)
@@ -329,6 +383,15 @@ class Exchange:
                 prep.stats["captured"] += 1
                 return _DONE, entry
             if entry.graph is None:
+                if self.shortcuts.redo_thread and self.shortcuts.redo_thread == get_ident():
+                    # the rounds thread rebuilds a deferred call (comm/rounds.py): no capture there
+                    # (the caller's streams wait on this thread, and a capture stalled behind them:
+                    # FSDP2 on 2 x H200), the program goes into its stream once; the shape's next
+                    # call takes the caller's full path, which captures it
+                    self._program(entry, inp, outs, emit)(torch.cuda.current_stream(self.device), prep.streams()[1], [])
+                    if ticket is not None:
+                        prep.tickets.pop(ticket, None)
+                    return _DONE, entry
                 prep.capture(entry, self._program(entry, inp, outs, emit))
             if ticket is not None and bal == self.balancer.version:
                 if posted is None or posted[0] == prep.finish_word(base, inp, lanes):
@@ -354,7 +417,10 @@ class Exchange:
             full["bal"] = self.balancer.version
         if "ce" in lanes:
             full.update(self._lanes["ce"].descriptor(inp))
-        descs = self.segment.exchange_collective(full, list(range(self.world_size)))
+        # the segment's second channel: a rank whose call was deferred (comm/rounds.py) makes this
+        # exchange on its rounds thread, after its caller may have posted the words of later calls
+        # on the first; every rank comes here for the same call, whichever thread runs it
+        descs = self.segment.exchange_collective(full, list(range(self.world_size)), channel=1)
         if self.adapt:
             self._agree(op, descs, ("bal",))
         self._agree(op, descs, agree_keys + ("calib",))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from threading import get_ident
 
 import torch
 
@@ -201,7 +202,11 @@ class Ledger:
         if not what.startswith("collective #") or self.segment is None:
             return
         st = self.segment.status(peer)
-        if st is None or not (st["calls"] > self.ncalls or (st["calls"] == self.ncalls and st["path"] == "whole")):
+        mine = self.ncalls
+        rd = getattr(self, "_rounds", None)
+        if rd is not None and rd.ident == get_ident():     # the rounds thread reads an earlier call's round
+            mine = rd.reading
+        if st is None or not (st["calls"] > mine or (st["calls"] == mine and st["path"] == "whole")):
             return
         if posted():            # the peer posted after all (its report raced the post): no mismatch
             return
@@ -296,6 +301,9 @@ class Ledger:
             if self.cuda:
                 seg.abort()
                 seg.release_flags()
+        rd = getattr(self, "_rounds", None)
+        if rd is not None:          # queued calls end now; their thread stops at the next job
+            rd.release()
         self._abort_native(reason, wait)
         if getattr(self, "hier", None) is not None:     # the node's communicator, and its peers
             self.hier.node.abort(reason)

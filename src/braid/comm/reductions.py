@@ -101,7 +101,8 @@ class Reductions:
                                          dist.all_reduce(tensor, op=op, group=self._fast_group, async_op=a))
             if self.cuda:
                 tkey = ("ar", tensor.data_ptr(), n, tensor.dtype, op)
-                if (h := self._fast_prepared(tkey, tensor, (tensor,), async_op)) is not None:
+                if (h := self._fast_prepared(tkey, tensor, (tensor,), async_op,
+                                             lambda: self.all_reduce(tensor, op))) is not None:
                     return h if async_op else None
         if self.hier is not None and (h := self.hier.all_reduce(tensor, op, async_op)) is not None:
             return h if async_op else None
@@ -127,7 +128,8 @@ class Reductions:
                                              output, input, op=op, group=self._fast_group, async_op=a))
             if self.cuda:
                 tkey = ("rs", input.data_ptr(), output.data_ptr(), n, output.numel(), input.dtype, output.dtype, op)
-                if (h := self._fast_prepared(tkey, input, (output,), async_op)) is not None:
+                if (h := self._fast_prepared(tkey, input, (output,), async_op,
+                                             lambda: self.reduce_scatter_tensor(output, input, op))) is not None:
                     return h if async_op else None
         if self.hier is not None and (h := self.hier.reduce_scatter_tensor(output, input, op, async_op)) is not None:
             return h if async_op else None

@@ -96,7 +96,8 @@ class Routing:
                 return self._native_fast("alltoall_base", (output, input, [], []), "alltoall", async_op, fallback=lambda a:
                                          dist.all_to_all_single(output, input, group=self._fast_group, async_op=a))
             if self.cuda and self.routing != "on":
-                if (h := self._fast_prepared(_a2a_ticket(input, output), input, (output,), async_op)) is not None:
+                if (h := self._fast_prepared(_a2a_ticket(input, output), input, (output,), async_op,
+                                             lambda: self.all_to_all_single(output, input))) is not None:
                     return h if async_op else None
         agreed = counted = False           # counted: in the ledger already (see _enter)
         if input_split_sizes and output_split_sizes and type(input) is torch.Tensor \

@@ -23,6 +23,8 @@ says is whole costs one lookup.
 """
 from __future__ import annotations
 
+from threading import get_ident
+
 MAX_SHAPES = 1024       # entries per op before its table starts over
 
 
@@ -43,6 +45,7 @@ class Shortcuts:
         self.a2av: dict = {}     # uneven all_to_all: (in, out elements) -> shape facts (comm/routing.py)
         self.learn = False       # shapes the calibration splits go on trial (CallPath._learn_update)
         self.said = None         # the arbiter's key of a "split" the backend was told for this call
+        self.redo_thread = 0     # the rounds thread while it rebuilds a deferred call (comm/rounds.py)
 
     def table(self, op: str) -> dict:
         return getattr(self, op)
@@ -63,7 +66,10 @@ class Shortcuts:
         """The op's own question: True when this call goes to the native library whole. A shape
         whose entry says whole costs one lookup; otherwise `rest(*args)` gives (valid, the op's
         name, its bytes, the arbiter's key), and a shape not seen yet is worked out from them
-        (valid and the calibration's answer)."""
+        (valid and the calibration's answer). The rounds thread rebuilding a deferred call (its
+        trial step was counted when the call was made) is told split."""
+        if self.redo_thread and self.redo_thread == get_ident():
+            return False
         ent = getattr(self, op).get(n)
         if ent is not None and ent[-1] and ent[:-1] == facts:
             return True

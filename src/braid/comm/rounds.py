@@ -1,0 +1,322 @@
+"""Deferred prepared calls: the round of words and the launch leave the caller's thread.
+
+A prepared call that replays a CUDA graph (comm/prepared.py) costs the caller one round of words
+between ranks, and the rank whose CPU reaches the call first waits there for the last. Back to
+back that wait is 6-12 us; inside training steps the ranks' CPUs drift apart, and it was 58 us a
+call in DDP, 246 with 256 MB buckets and 88-446 in FSDP2 (2 x H200, 2026-11-26), while NCCL's own
+call returns at once and lets the GPU wait. Here the caller only posts its word and leaves the
+rest to a thread of the communicator:
+
+    caller (a call whose shape last replayed a graph, comm/exchange.py Exchange._fast_prepared):
+        post the word (the round's slot)
+        record a start event on the caller's stream
+        synchronous: the caller's stream waits until end >= n (a stream memory wait);
+        asynchronous: the handle's wait() puts that wait on the waiter's stream
+        queue job n, return
+    rounds thread, jobs in call order:
+        read the round (every rank's word), as the caller would have
+        hit:  the lane stream waits for the start event; graph launch; end = n (stream write)
+        miss: the op's full path, on the thread, in a stream that waits for the start event
+              and the lane stream; its exchanges go through the segment's second channel
+              (every rank misses the same job: they read the same words); end = n after it
+
+`end` is a counter of the node segment, so an abort (which pushes every counter ahead) releases a
+stream that waits on it. Every other braid call of the communicator first lets the queue drain
+(Rounds.drain): the rounds of words are one sequence per rank, the copy engines' stream must see
+programs in the same order on every rank, and the prepared-call cache must not change under the
+thread. The caller counts its calls in the ledger when it makes them, in call order; the thread
+only reads rounds. At most DEFER_DEPTH jobs wait at once (the node segment's slots allow that
+many unread rounds); a caller that gets ahead waits for the thread.
+
+The thread must not hold the interpreter lock while it waits for a peer: it polls the peers'
+posts between short sleeps before the segment's own wait (sleeps of 0.5 ms, with its timeout and
+abort checks). Polling with sleeps of zero starved the caller's thread: each sleep hands the lock
+back, but the poller takes it again before the waiting thread wakes up, which then waits up to the
+interpreter's switch interval (5 ms).
+
+Rejected: launching at the caller's next braid call instead of on a thread (a caller that next
+synchronizes its stream would wait forever), and each rank launching on its own word and checking
+the peers' afterwards (a peer's buffer reallocated at the same address would be read through a
+stale mapping before anyone noticed).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+import weakref
+
+import torch
+
+from .. import envs
+from ..errors import BraidError, LaneFailureError, PeerMismatchError
+from ..executor import Handle
+from ..lanes import _cuda
+from ..node import DEFER_DEPTH
+
+log = logging.getLogger("braid")
+
+POLL_S = 0.002          # the thread polls a round this long, in short sleeps, before the segment's wait
+NAP_S = 20e-6           # one short sleep (the kernel makes it ~60-80 us)
+EVENTS = 4 * DEFER_DEPTH   # start events, used in turn (more than can be queued at once)
+
+
+class Job:
+    __slots__ = ("token", "word", "ticket", "start", "n", "tensors", "redo", "calls", "op", "t0")
+
+    def __init__(self, token, word, ticket, start, n, tensors, redo, calls, op):
+        self.token, self.word, self.ticket, self.start, self.n = token, word, ticket, start, n
+        self.tensors, self.redo, self.calls, self.op = tensors, redo, calls, op
+        self.t0 = time.perf_counter()
+
+
+class DeferredHandle(Handle):
+    """An asynchronous deferred call: wait() makes the waiter's current stream wait until the
+    call's end (no CPU block); an error the rounds thread met is raised there."""
+
+    def __init__(self, rounds: "Rounds", n: int, tensors: tuple, plan, device_index: int):
+        super().__init__(plan=plan)
+        self._rounds, self._n, self._tensors, self._dev = rounds, n, tensors, device_index
+
+    def wait(self, timeout=None) -> bool:
+        if not self._waited:
+            self._waited = True
+            self._rounds.raise_error()
+            self._rounds.stream_wait(torch.cuda.current_stream(self._dev).cuda_stream, self._n)
+            self._tensors = ()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._rounds.reached(self._n)
+
+    def lane_times_us(self) -> dict[str, float]:
+        return {}
+
+
+class Rounds:
+    """The communicator's queue of deferred calls and the thread that runs it."""
+
+    def __init__(self, comm):
+        self._comm = weakref.ref(comm)       # the thread must not keep the communicator alive
+        self.segment = comm.segment
+        self.rank = comm.rank
+        self.end_off = comm.layout.counter("defer_end", comm.rank)
+        self.end_addr = comm.seg_dev_ptr + self.end_off
+        self.n = self.segment.get(self.end_off)     # the last job's number (counts from the counter)
+        self.lane_stream = comm._lanes["ce"].stream.cuda_stream
+        self.device = comm.device
+        self.queue: collections.deque = collections.deque()
+        self.cv = threading.Condition()
+        self.error: BaseException | None = None
+        self.missing = False        # the thread is running a job's full path (a miss)
+        self.reading = 0            # the ledger's count of the call whose round the thread reads
+        self.ident = 0
+        # in the prepared calls' counts (the bench prints them): calls deferred, rebuilt by the
+        # thread, and the thread's time from a call's post to its launch
+        self.stats = comm._prepared.stats
+        self.stats.update(deferred=0, rebuilt=0, launch_us=0.0)
+        self._thread = None
+        self._stop = False
+        self._starts = [_cuda.event_create() for _ in range(EVENTS)]
+        self._next = 0
+        self._tail = _cuda.event_create()
+        self._redo_stream = torch.cuda.Stream(device=self.device)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.queue)
+
+    # the caller's side --------------------------------------------------------------------------
+    def room(self) -> None:
+        """Before a post: wait until fewer than DEFER_DEPTH jobs are queued and no miss is being
+        run; raise the thread's error if it met one."""
+        self.raise_error()
+        if len(self.queue) < DEFER_DEPTH and not self.missing:
+            return
+        with self.cv:
+            while (len(self.queue) >= DEFER_DEPTH or self.missing) and self.error is None:
+                self.cv.wait(0.05)
+        self.raise_error()
+
+    def start_event(self, caller: int) -> int:
+        ev = self._starts[self._next]
+        self._next = (self._next + 1) % EVENTS
+        _cuda.event_record(ev, caller)
+        return ev
+
+    def push(self, job: Job) -> None:
+        with self.cv:
+            self.queue.append(job)
+            self.stats["deferred"] += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=_run, args=(weakref.ref(self),), name="braid-rounds",
+                                                daemon=True)
+                self._thread.start()
+            self.cv.notify_all()
+
+    def next_number(self) -> int:
+        self.n = (self.n + 1) & 0xFFFFFFFF
+        return self.n
+
+    def stream_wait(self, stream: int, n: int) -> None:
+        _cuda.wait_value(stream, self.end_addr, n)
+
+    def reached(self, n: int) -> bool:
+        if self.error is not None:
+            return True
+        return ((self.segment.get(self.end_off) - n) & 0xFFFFFFFF) < 0x80000000
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def drain(self, raising: bool = True) -> None:
+        """Wait until every queued job ran (not from the thread itself); raise its error."""
+        if threading.get_ident() == self.ident:
+            return
+        if self.queue:
+            with self.cv:
+                while self.queue and self.error is None:
+                    self.cv.wait(0.05)
+        if raising:
+            self.raise_error()
+
+    def close(self) -> None:
+        """Stop the thread once the queue drained (or failed); free the events."""
+        try:
+            self.drain()
+        except BraidError:
+            pass
+        with self.cv:
+            self._stop = True
+            self.cv.notify_all()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=2.0)
+        for ev in self._starts + [self._tail]:
+            try:
+                _cuda.event_destroy(ev)
+            except LaneFailureError:
+                pass
+        self._starts, self._tail = [], 0
+
+    # the thread's side --------------------------------------------------------------------------
+    def _fail(self, exc: BaseException) -> None:
+        """The thread met an error: every queued call ends (its stream waits are released, its
+        data is not moved) and every later call of the communicator raises `exc`."""
+        comm = self._comm()
+        if comm is not None and isinstance(exc, BraidError):
+            comm._give_up(exc)
+        with self.cv:
+            self.error = exc
+            self.queue.clear()
+            self.missing = False
+            self.cv.notify_all()
+        self.release()
+
+    def release(self) -> None:
+        """End every job pushed so far: now from the CPU (the lane stream may be stuck behind a
+        dead peer's flags until the abort releases them), and after the lane stream's own work,
+        so that the counter ends at the last job's number whatever that stream writes meanwhile."""
+        try:
+            self.segment.set(self.end_off, self.n)
+            _cuda.write_value(self.lane_stream, self.end_addr, self.n)
+        except Exception as exc:     # noqa: BLE001  the segment may be closed already
+            log.debug("braid: releasing deferred calls: %s", exc)
+
+    def _await(self, token, what: str):
+        seg = self.segment
+        if not seg.posted(token):
+            t_end = time.perf_counter() + POLL_S
+            while time.perf_counter() < t_end and not seg.posted(token):
+                time.sleep(NAP_S)
+        return seg.read_values(token, what, spin_s=0.0)
+
+    def _do(self, job: Job) -> None:
+        comm = self._comm()
+        if comm is None or comm.closed or comm.aborted:
+            raise LaneFailureError("the braid communicator was closed or aborted with calls still queued")
+        self.reading = job.calls
+        try:
+            got = self._await(job.token, job.op)
+        except PeerMismatchError:
+            self.segment.raise_if_peer_aborted()    # a peer's abort pushed the counters: its cause
+            raise
+        self.segment.raise_if_peer_aborted()        # an abort pushed the counters: nothing was posted
+        if comm.aborted:
+            raise LaneFailureError(f"this braid communicator was aborted ({comm.aborted}) with calls still queued")
+        tk = job.ticket
+        prep = comm._prepared
+        if (len(got) == len(tk.key) and all(g[0] == k for g, k in zip(got, tk.key))
+                and prep.get(tk.key) is tk.entry and tk.entry.exec_ptr):
+            ls = self.lane_stream
+            _cuda.stream_wait_event(ls, job.start)
+            _cuda.graph_launch(tk.entry.exec_ptr, ls)
+            _cuda.write_value(ls, self.end_addr, job.n)
+            prep.stats["replays"] += 1
+            self.stats["launch_us"] += (time.perf_counter() - job.t0) * 1e6
+            return
+        # a miss: some rank's word changed (a buffer reallocated, say). Every rank read the same
+        # words, so every rank's thread is here for this job and runs the op's full path from them
+        self.stats["rebuilt"] += 1
+        with self.cv:
+            self.missing = True
+        try:
+            rs = self._redo_stream
+            _cuda.stream_wait_event(rs.cuda_stream, job.start)
+            _cuda.event_record(self._tail, self.lane_stream)
+            _cuda.stream_wait_event(rs.cuda_stream, self._tail)
+            comm._round = (job.word, got)
+            comm.shortcuts.redo_thread = self.ident
+            try:
+                with torch.cuda.stream(rs):
+                    job.redo()
+            finally:
+                comm.shortcuts.redo_thread = 0
+                comm._round = None
+                comm._prepared.dirty = True     # the rebuild's own stream bookkeeping is not the caller's
+            _cuda.event_record(self._tail, rs.cuda_stream)
+            _cuda.stream_wait_event(self.lane_stream, self._tail)
+            _cuda.write_value(self.lane_stream, self.end_addr, job.n)
+        finally:
+            with self.cv:
+                self.missing = False
+                self.cv.notify_all()
+
+
+def _run(ref) -> None:
+    """The rounds thread: jobs in call order until the communicator closes."""
+    me = ref()
+    if me is None:
+        return
+    me.ident = threading.get_ident()
+    torch.cuda.set_device(me.device)
+    del me
+    while True:
+        me = ref()
+        if me is None:
+            return
+        with me.cv:
+            while not me.queue and not me._stop and me._comm() is not None:
+                me.cv.wait(1.0)
+            if not me.queue:
+                return              # closed, or the communicator was collected without close()
+            job = me.queue[0]
+        try:
+            me._do(job)
+        except BaseException as exc:    # noqa: BLE001  raised to the caller at its next call
+            log.debug("braid: a deferred call failed: %s", exc)
+            me._fail(exc)
+            continue
+        finally:
+            job = None
+        with me.cv:
+            if me.queue:
+                me.queue.popleft()
+            me.cv.notify_all()
+        del me
+
+
+def deferring() -> bool:
+    return bool(envs.get("BRAID_DEFER"))
