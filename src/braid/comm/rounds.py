@@ -49,11 +49,11 @@ import weakref
 
 import torch
 
-from .. import envs
 from ..errors import BraidError, LaneFailureError, PeerMismatchError
 from ..executor import Handle
 from ..lanes import _cuda
 from ..node import DEFER_DEPTH
+from .prepared import _RAW
 
 log = logging.getLogger("braid")
 
@@ -83,7 +83,7 @@ class DeferredHandle(Handle):
         if not self._waited:
             self._waited = True
             self._rounds.raise_error()
-            self._rounds.stream_wait(torch.cuda.current_stream(self._dev).cuda_stream, self._n)
+            self._rounds.stream_wait(_RAW(self._dev), self._n)
             self._tensors = ()
         return True
 
@@ -317,6 +317,3 @@ def _run(ref) -> None:
             me.cv.notify_all()
         del me
 
-
-def deferring() -> bool:
-    return bool(envs.get("BRAID_DEFER"))
