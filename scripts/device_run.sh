@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One run on a GPU machine: environment, GPU tests, bench. Usage: bash scripts/device_run.sh STEP...
-# Steps: info | tests | guard | frameworks | bench2 | bench4 | ab2 | ab4 | work2 | work4 | hot4 | trace2 | trace4 | first2 | first4 | conformance |
+# Steps: info | tests | guard | frameworks | bench2 | bench4 | ab2 | ab4 | work2 | work4 | workab2 | hot4 | trace2 | trace4 | first2 | first4 | conformance |
 #        hier2 | moe2 | fsdp2 | pack
 # Logs and JSON go to $LOGS (default $OUT); `pack` tars $LOGS into $OUT/run.tgz (one file to copy
 # back). bench: BENCH_OP, BENCH_SIZES, BENCH_FACTOR, BENCH_EXTRA (more flags),
@@ -33,6 +33,11 @@ for step in "$@"; do
             env $e timeout ${BENCH_TIMEOUT:-120} python3 -m braid bench --op ${BENCH_OP:-all_reduce} --nproc $n --sizes ${BENCH_SIZES:-4M:64M} \
               --factor ${BENCH_FACTOR:-4} --plain ${BENCH_EXTRA:---shares ce=1 --no-calibrate} --json "$LOGS/ab${n}_$i.json" 2>&1 \
               | grep -v Warning | tee -a "$LOGS/ab$n.log" | grep -E "^ +[0-9]+ |host per call" ; done; done ;;
+    # training steps under several settings in turn (AB_ENVS as for ab2, AB_ROUNDS rounds), one JSON per run
+    workab2) i=0; for r in $(seq ${AB_ROUNDS:-1}); do IFS=';' read -ra sets <<< "${AB_ENVS:-BRAID_DEFER=1;BRAID_DEFER=0}";
+          for e in "${sets[@]}"; do i=$((i+1)); echo "--- $i: $e" | tee -a "$LOGS/workab2.log";
+            env $e timeout ${WORK_TIMEOUT:-240} python3 -m braid bench --workload ${WORK:-ddp,fsdp} --nproc 2 --plain ${WORK_EXTRA:-} \
+              --json "$LOGS/workab2_$i.json" 2>&1 | grep -v Warning | tee -a "$LOGS/workab2.log" | grep -E "^  [a-z]|split calls|learned" ; done; done ;;
     work4|work2) n=${step#work}; w=${WORK:-all}; tag=${WORK_TAG:-$w};
           timeout ${WORK_TIMEOUT:-240} python3 -m braid bench --workload $w --nproc $n --plain ${WORK_EXTRA:-} \
             --json "$LOGS/work_x${n}_$tag.json" 2>&1 | grep -v Warning | tee "$LOGS/work${n}_$tag.log" ;;

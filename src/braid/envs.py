@@ -124,6 +124,11 @@ _define("BRAID_CE_PUSH", _bool, True,
         "In the copy engines' all_reduce, push each reduced piece into every peer's output (and "
         "end when every peer's last piece has come) instead of letting the peers pull it and "
         "closing with a handshake; 0: pull. Must be the same on every rank.")
+_define("BRAID_CE_PRIORITY", _bool, False,
+        "1: the copy engines' streams (the lane's, its captured programs' and the pipelined reduction's) "
+        "are made at CUDA's highest stream priority, so that the reduction's kernels take SMs ahead of "
+        "a training step's compute kernels as they free up (a graph's kernels run at the priority of "
+        "the stream it is launched into); 0 (default): normal priority. Read when the streams are made.")
 _define("BRAID_CE_TAPER", _bool, True,
         "Taper the end of each chunk of the copy engines' pipelined reduction into smaller pieces "
         "(planner/pieces.py: pieces of 64 MiB and up). Must be the same on every rank.")

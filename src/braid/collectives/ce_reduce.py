@@ -57,6 +57,7 @@ import torch
 from .. import envs
 from ..lanes import _cuda
 from ..lanes.base import LaneRun
+from ..lanes.ce import lane_stream
 from ..lanes.signals import Rising
 from ..planner import pieces as _pc
 from ..planner.pieces import MAX_PIECES, pieces
@@ -85,8 +86,8 @@ class CeReduction:
         self.lane = lane
         self.lc = lc
         dev = lane.device
-        self.gather_stream = torch.cuda.Stream(device=dev)
-        self.reduce_stream = torch.cuda.Stream(device=dev)
+        self.gather_stream = lane_stream(dev)
+        self.reduce_stream = lane_stream(dev)
         self.buf: torch.Tensor | None = None
         self.pool: list = []
 

@@ -53,6 +53,7 @@ from .. import envs
 from ..errors import LaneFailureError, MisuseError
 from ..executor import Handle
 from ..lanes import _cuda
+from ..lanes.ce import lane_stream
 
 log = logging.getLogger("braid")
 
@@ -239,8 +240,8 @@ class PreparedCalls:
     def streams(self):
         """(capture stream, (reduce stream, gather stream)), made once."""
         if self._cap is None:
-            self._cap = torch.cuda.Stream(device=self.device)
-            self._sides = (torch.cuda.Stream(device=self.device), torch.cuda.Stream(device=self.device))
+            self._cap = lane_stream(self.device)
+            self._sides = (lane_stream(self.device), lane_stream(self.device))
             self._pool = torch.cuda.graph_pool_handle()
             # torch frees a graph pool when its last graph goes, and a later capture into the same
             # handle then fails: a one-node graph held for the communicator's life keeps it

@@ -22,11 +22,20 @@ import logging
 
 import torch
 
+from .. import envs
 from ..errors import LaneFailureError
 from ..planner.plan import LaneKind, Transfer
 from . import _cuda
 from .base import GpuLaneMixin, Lane, LaneRun, OpContext
 from .signals import Rising
+
+def lane_stream(device) -> "torch.cuda.Stream":
+    """A stream of the copy engines' lane or its programs: CUDA's highest priority under
+    BRAID_CE_PRIORITY (the reductions' kernels then take SMs ahead of compute as they free up)."""
+    if envs.get("BRAID_CE_PRIORITY"):
+        return torch.cuda.Stream(device=device, priority=-100)    # torch clamps it to the highest
+    return torch.cuda.Stream(device=device)
+
 
 log = logging.getLogger("braid")
 
@@ -52,7 +61,7 @@ class CeLane(GpuLaneMixin, Lane):
             for p in range(torch.cuda.device_count()):
                 if p != device.index and not torch.cuda.can_device_access_peer(device.index, p):
                     raise RuntimeError(f"GPU {device.index} cannot access GPU {p} directly")
-            self.stream = torch.cuda.Stream(device=device)
+            self.stream = lane_stream(device)
             self.send_stream = None
         except (OSError, RuntimeError, AttributeError) as exc:
             self._why = str(exc)
