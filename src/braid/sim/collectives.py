@@ -29,6 +29,9 @@ Reductions run as braid runs them (`Communicator._reduction` -> `multi`), in one
                 piece k from every peer on one stream, reduce it on another, gather the peers'
                 reduced piece k on a third, each step waiting for exactly what it needs: flows with
                 `after`); the other lanes' part takes the staged path above
+    pushed      (braid now): as pipelined, but the all_reduce's peers push their reduced pieces and
+                the call ends when every peer's last piece has come: the lane pays its start
+                handshake and no done handshake (half of ce_latency_us, which counts both)
 
 Shares come from the planner (`braid.planner.model`): each lane is simulated alone at two sizes,
 `fit()` turns that into a LaneCost (what `braid calibrate` does on hardware), and `choose_shares` /
@@ -52,7 +55,7 @@ from .topology import SimTopology
 RING_LANES = ("nccl", "host_ring", "nic_ring")
 REDUCTIONS = ("all_reduce", "reduce_scatter", "reduce")
 OPS = ("all_gather", "all_reduce", "reduce_scatter", "broadcast", "send_recv", "all_to_all_single", "reduce")
-CE_REDUCE = ("pipelined", "staged")      # braid's copy-engine reduction: now / the earlier staged one
+CE_REDUCE = ("pushed", "pipelined", "staged")   # braid's copy-engine reduction: now / before the push / staged
 
 PAGE = 4096                              # braid's cut points on GPUs (Communicator._plan, _reduction)
 
@@ -237,7 +240,8 @@ def _pieces(n: int, per: int, tail: int) -> list[int]:
     return [b - a for a, b in pieces(n, per, tail)]
 
 
-def ce_reduction_flows(topo: SimTopology, op: str, world: int, chunk_bytes: list[int], esz: int = 2) -> list[Flow]:
+def ce_reduction_flows(topo: SimTopology, op: str, world: int, chunk_bytes: list[int], esz: int = 2,
+                       pushed: bool = True) -> list[Flow]:
     """The copy engines' pipelined reduction (collectives/ce_reduce.py) of `chunk_bytes[r]` bytes
     reduced by rank r, as flows that wait for what the GPU streams wait for:
 
@@ -250,8 +254,12 @@ def ce_reduction_flows(topo: SimTopology, op: str, world: int, chunk_bytes: list
                        the other: nv_out{p} -> nv_in{me}
 
     The lane's start and done handshakes (ce_latency_us) are paid before the first pull. The pull
-    and gather streams share nv_in{me}; nothing is assumed about overlap beyond what the waits allow."""
+    and gather streams share nv_in{me}; nothing is assumed about overlap beyond what the waits allow.
+    `pushed` (all_reduce): the peers push their reduced pieces (the same flows) and no done
+    handshake closes the call: only the start handshake is paid."""
     lat = topo.c("ce_latency_us") if topo.has("ce_latency_us") else 0.0
+    if pushed and op == "all_reduce":
+        lat /= 2
     per = ce_piece_bytes(chunk_bytes, esz)
     # the executor's cut (collectives/ce_reduce.py), under the same settings
     tail = tail_elems(per // esz, esz, envs.get("BRAID_CE_TAPER_FROM_KB") << 10) * esz if envs.get("BRAID_CE_TAPER") else 0
@@ -313,7 +321,7 @@ def run_flows(topo: SimTopology, flows: list[Flow]) -> FlowResult:
 
 
 def simulate_op(topo: SimTopology, op: str, world: int, nbytes: int, shares: dict[str, float],
-                ce_reduce: str = "pipelined") -> OpResult:
+                ce_reduce: str = "pushed") -> OpResult:
     """Time of one op split by `shares` on the modelled machine (all lanes at once). `ce_reduce`
     names the version of braid's reductions that ran (module docstring): "staged" is every lane
     staged (and NCCL, if split with others, as a ring lane on its fraction of the bytes); with
@@ -323,9 +331,9 @@ def simulate_op(topo: SimTopology, op: str, world: int, nbytes: int, shares: dic
     if ce_reduce not in CE_REDUCE:
         raise ValueError(f"ce_reduce must be one of {CE_REDUCE}, got {ce_reduce!r}")
     shares = {k: v for k, v in shares.items() if v > 0}
-    if (ce_reduce == "pipelined" and op in REDUCTIONS and set(shares) <= {"ce", "host", "nccl"}
+    if (ce_reduce in ("pipelined", "pushed") and op in REDUCTIONS and set(shares) <= {"ce", "host", "nccl"}
             and ("nccl" not in shares or (op == "all_reduce" and len(shares) > 1))):
-        return _simulate_reduction(topo, op, world, nbytes, shares)
+        return _simulate_reduction(topo, op, world, nbytes, shares, pushed=ce_reduce == "pushed")
     phase_plans = plans(op, world, nbytes, shares)
     total = {k: 0 for k in shares}
     for p in phase_plans:
@@ -383,7 +391,7 @@ def _staged_phases(topo: SimTopology, op: str, world: int, phase_plans: list[Pla
 
 
 def _simulate_reduction(topo: SimTopology, op: str, world: int, nbytes: int, shares: dict[str, float],
-                        esz: int = 2) -> OpResult:
+                        esz: int = 2, pushed: bool = True) -> OpResult:
     """A split reduction as `Communicator._reduction`'s `multi` runs it (bf16: esz 2):
       - all_reduce: NCCL's share is a prefix of the tensor (cut on a page) that NCCL's own
         all_reduce reduces on its stream, at the cost of NCCL's all_reduce of that many bytes
@@ -410,7 +418,7 @@ def _simulate_reduction(topo: SimTopology, op: str, world: int, nbytes: int, sha
     if base:
         flows += nccl_flows(topo, "all_reduce", world, base * esz)
     if ce_f > 0:
-        flows += ce_reduction_flows(topo, op, world, [c * esz for c in cut], esz)
+        flows += ce_reduction_flows(topo, op, world, [c * esz for c in cut], esz, pushed)
     rest_chunks = [((o + c) * esz, (n - c) * esz) for (o, n), c in zip(elem, cut)]
     rest_bytes = sum(n for _, n in rest_chunks)
     staged = [k for k in rest if rest_bytes]
@@ -453,7 +461,7 @@ def reduce_us(topo: SimTopology, op: str, world: int, lane_bytes: float) -> floa
 # -------------------------------------------------------------------------------------------------
 
 def lane_costs(topo: SimTopology, op: str, world: int, lanes: list[str], nbytes: int,
-               ce_reduce: str = "pipelined") -> dict[str, LaneCost]:
+               ce_reduce: str = "pushed") -> dict[str, LaneCost]:
     """Each lane alone, simulated at nbytes/8 and nbytes and fitted to latency + bytes/bandwidth:
     the simulator's stand-in for `braid calibrate`."""
     small = max(1 << 20, nbytes // 8)
@@ -466,7 +474,7 @@ def lane_costs(topo: SimTopology, op: str, world: int, lanes: list[str], nbytes:
 
 
 def choose(topo: SimTopology, op: str, world: int, lanes: list[str], nbytes: int,
-           native: str | None = None, ce_reduce: str = "pipelined") -> dict[str, float]:
+           native: str | None = None, ce_reduce: str = "pushed") -> dict[str, float]:
     """The planner's split for this op from simulated lane costs: `choose_with_native` when a
     native lane is named (braid on GPUs: NCCL alone or a split of the others), else
     `choose_shares` (FlexLink: every lane, equal finish)."""
