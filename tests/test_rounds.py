@@ -8,6 +8,7 @@ caller; a peer's abort ends a call waiting for its word; every other post of the
 queue first (posts stay in call order)."""
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -82,6 +83,7 @@ def world(monkeypatch):
         def __exit__(self, *a):
             return False
     monkeypatch.setattr(rounds_mod.torch.cuda, "stream", _Ctx)
+    switch = sys.getswitchinterval()
     layout = Layout(2, 1 << 16, 4096)
     name = NodeSegment.new_name()
     segs = [NodeSegment(name, layout, 0, create=True), NodeSegment(name, layout, 1, create=False)]
@@ -98,11 +100,15 @@ def world(monkeypatch):
         comm._give_up = comm.gave_up.append
         comm.rd = rounds_mod.Rounds(comm)
         comms.append(comm)
+    # the first rounds thread's communicator lowers the interpreter's switch interval (the thread
+    # gets the lock sooner beside a caller that runs Python)
+    assert sys.getswitchinterval() == pytest.approx(min(switch, 200e-6))
     yield drv, comms
     for c in comms:
         c.rd.close()
     for s in segs:
         s.close()
+    sys.setswitchinterval(switch)
 
 
 def _ticket(comm, words: tuple, exec_ptr: int) -> Ticket:

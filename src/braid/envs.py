@@ -193,6 +193,12 @@ _define("BRAID_DEFER", _bool, False,
         "as with NCCL's own call, instead of the caller's CPU waiting for the slowest rank. 0 (default): "
         "the caller reads the round and launches (training steps measured no faster with 1: the launch "
         "then waits for the slowest rank on the thread instead). Must be the same on every rank.")
+_define("BRAID_DEFER_SWITCH_US", _nonneg_int, 200,
+        "With BRAID_DEFER=1: the interpreter's thread switch interval (sys.setswitchinterval) is lowered "
+        "to this many microseconds when the first such communicator is made (never raised; it stays for "
+        "the process). The rounds thread needs the interpreter lock to read a round and launch; while the "
+        "caller's thread runs Python without a break it gets the lock only at that interval (5 ms by "
+        "default: a sleeping thread waited 5.2 ms for it in a probe, 0.4 ms at 200 us). 0: leave it.")
 _define("BRAID_CPU_SHM", _bool, True,
         "1 (default): on a CPU communicator whose ranks share one host, all_reduce, reduce, reduce_scatter, "
         "all_gather, broadcast and all_to_all_single of contiguous tensors, every untagged send/recv and "

@@ -30,9 +30,12 @@ many unread rounds); a caller that gets ahead waits for the thread.
 
 The thread must not hold the interpreter lock while it waits for a peer: it polls the peers'
 posts between short sleeps before the segment's own wait (sleeps of 0.5 ms, with its timeout and
-abort checks). Polling with sleeps of zero starved the caller's thread: each sleep hands the lock
-back, but the poller takes it again before the waiting thread wakes up, which then waits up to the
-interpreter's switch interval (5 ms).
+abort checks). It needs the lock to read a round and launch, and while the caller's thread runs
+Python without a break it gets the lock only at the interpreter's switch interval: on the 2-core
+container a thread waking from a sleep waited 5.2 ms (median) for it beside a pure-Python loop, 0.4
+ms at a 200 us interval, 0.3 ms at 100 us, while the loop ran up to a third slower as long as the
+thread polled (2026-11-26, scripts/probes/lock_handoff.py). So the first such communicator lowers
+the interval (BRAID_DEFER_SWITCH_US, 200 us).
 
 Rejected: launching at the caller's next braid call instead of on a thread (a caller that next
 synchronizes its stream would wait forever), and each rank launching on its own word and checking
@@ -43,12 +46,14 @@ from __future__ import annotations
 
 import collections
 import logging
+import sys
 import threading
 import time
 import weakref
 
 import torch
 
+from .. import envs
 from ..errors import BraidError, LaneFailureError, PeerMismatchError
 from ..executor import Handle
 from ..lanes import _cuda
@@ -122,6 +127,11 @@ class Rounds:
         self._next = 0
         self._tail = _cuda.event_create()
         self._redo_stream = torch.cuda.Stream(device=self.device)
+        switch = envs.get("BRAID_DEFER_SWITCH_US") / 1e6
+        if switch > 0 and sys.getswitchinterval() > switch:
+            log.info("braid: the interpreter's switch interval %.0f -> %.0f us (BRAID_DEFER_SWITCH_US)",
+                     sys.getswitchinterval() * 1e6, switch * 1e6)
+            sys.setswitchinterval(switch)
 
     @property
     def busy(self) -> bool:
