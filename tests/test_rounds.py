@@ -8,6 +8,7 @@ caller; a peer's abort ends a call waiting for its word; every other post of the
 queue first (posts stay in call order)."""
 from __future__ import annotations
 
+import ctypes
 import sys
 import threading
 import time
@@ -16,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from braid.comm import native_rounds
 from braid.comm import rounds as rounds_mod
 from braid.comm.prepared import NO_OBS, Entry, PreparedCalls, Ticket
 from braid.errors import LaneFailureError
@@ -31,6 +33,7 @@ class FakeDriver:
         self.launches: list[tuple] = []
         self.lock = threading.Lock()
         self.events = 0
+        self.keep: list = []
 
     def event_create(self):
         self.events += 1
@@ -66,9 +69,28 @@ class FakeStream:
         self.cuda_stream = ident
 
 
-@pytest.fixture
-def world(monkeypatch):
+def _native_fns(drv: FakeDriver) -> dict:
+    """The fake driver as C function pointers, for the native launcher's thread (each call takes
+    the interpreter lock, as a callback must)."""
+    wait = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)(
+        lambda s, e, f: drv.stream_wait_event(s, e) or 0)
+    launch = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(
+        lambda x, s: drv.graph_launch(x, s) or 0)
+    write = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint)(
+        lambda s, a, v, f: drv.write_value(s, a, v) or 0)
+    drv.keep.append((wait, launch, write))      # alive as long as the threads that call them
+    addr = lambda f: ctypes.cast(f, ctypes.c_void_p).value     # noqa: E731
+    return {"wait_event": addr(wait), "graph_launch": addr(launch), "write_value": addr(write), "ctx": 0}
+
+
+@pytest.fixture(params=["python", "native"])
+def world(monkeypatch, request):
+    """Two ranks' rounds threads; `native`: with the native launcher (comm/_rounds.c) in front."""
     drv = FakeDriver()
+    native = request.param == "native"
+    if native and native_rounds.build() is None:
+        pytest.skip("no C compiler for the native launcher")
+    monkeypatch.setenv("BRAID_DEFER_NATIVE", "1" if native else "0")
     monkeypatch.setattr(rounds_mod, "_cuda", drv)
     monkeypatch.setattr(rounds_mod.torch.cuda, "Stream", lambda device=None: FakeStream(99))
     monkeypatch.setattr(rounds_mod.torch.cuda, "set_device", lambda dev: None)
@@ -98,7 +120,9 @@ def world(monkeypatch):
                                closed=False, aborted="", shortcuts=SimpleNamespace(redo_thread=0), _round=None,
                                gave_up=[])
         comm._give_up = comm.gave_up.append
-        comm.rd = rounds_mod.Rounds(comm)
+        comm.world_size = 2
+        comm.rd = rounds_mod.Rounds(comm, _native_fns(drv) if native else None)
+        assert (comm.rd._native is not None) == native
         comms.append(comm)
     # the first rounds thread's communicator lowers the interpreter's switch interval (the thread
     # gets the lock sooner beside a caller that runs Python)
@@ -125,7 +149,8 @@ def _call(comm, tk, word, redo=None):
     rd.room()
     token = comm.segment.post_values([word, *NO_OBS], hook=False)
     n = rd.next_number()
-    rd.push(rounds_mod.Job(token, word, tk, rd.start_event(0), n, (), redo or (lambda: None), n, tk.op))
+    expect = tk.key if comm._prepared.entries.get(tk.key) is tk.entry else None
+    rd.push(rounds_mod.Job(token, word, tk, rd.start_event(0), n, (), redo or (lambda: None), n, tk.op), expect)
     return n
 
 
@@ -160,6 +185,8 @@ def test_hits_launch_in_call_order_and_raise_the_end_counter(world):
         assert mine == [100 * (k % 2 + 1) + c.rank for k in range(6)], mine
         assert c._prepared.stats["deferred"] == 6 and c._prepared.stats["rebuilt"] == 0
         assert c._prepared.stats["hits"] == 6
+        # with the native launcher in front, every one of them was launched without Python
+        assert c._prepared.stats.get("native", 0) == (6 if c.rd._native is not None else 0)
 
 
 def test_a_caller_ahead_waits_for_the_thread_at_the_depth(world):
@@ -183,6 +210,9 @@ def test_a_caller_ahead_waits_for_the_thread_at_the_depth(world):
     t.join(10)
     assert not t.is_alive() and len(posted) == DEFER_DEPTH + 2
     assert _ended(comms[0], posted[-1])
+    comms[0].rd.drain()
+    # launched in order either way (the native launcher hands a round late beyond HANDOFF_S to Python)
+    assert [p for s, p in drv.launches if s == 10] == [7] * (DEFER_DEPTH + 2)
 
 
 def test_a_changed_word_runs_the_full_path_on_the_thread_from_that_round(world):
@@ -261,3 +291,19 @@ def test_other_posts_drain_the_queue_first(world):
     got1 = c1.segment.exchange_values([78], "next call")
     t.join(10)
     assert out["ended_first"] and out["got"] == got1 == [[77], [78]]
+
+
+def test_calls_queued_behind_a_rebuild_are_decided_after_it(world):
+    """A rebuild may change the cache that later queued calls were pushed against: they are
+    decided after it, against the cache as it then is (the native launcher hands them back)."""
+    drv, comms = world
+    tks = [_ticket(c, (5, 6), 40 + c.rank) for c in comms]
+    later = [_ticket(c, (7, 8), 60 + c.rank) for c in comms]
+    n0 = [_call(comms[0], tks[0], 5), _call(comms[0], later[0], 7)]
+    n1 = [_call(comms[1], tks[1], 66), _call(comms[1], later[1], 8)]      # the first call's word differs
+    for c, ns in zip(comms, (n0, n1)):
+        assert _ended(c, ns[-1])
+        c.rd.drain()
+        assert [p for s, p in drv.launches if s == 10 + c.rank] == [60 + c.rank]
+        assert c._prepared.stats["rebuilt"] == 1
+        assert c._prepared.stats.get("native", 0) == 0       # decided in Python after the rebuild

@@ -193,6 +193,11 @@ _define("BRAID_DEFER", _bool, False,
         "as with NCCL's own call, instead of the caller's CPU waiting for the slowest rank. 0 (default): "
         "the caller reads the round and launches (training steps measured no faster with 1: the launch "
         "then waits for the slowest rank on the thread instead). Must be the same on every rank.")
+_define("BRAID_DEFER_NATIVE", _bool, True,
+        "With BRAID_DEFER=1: a native thread (comm/_rounds.c, compiled with the system's C compiler on "
+        "first use into BRAID_CACHE_DIR) reads the rounds and launches the programs without Python's "
+        "interpreter lock; what it cannot decide goes back to the Python thread. 0, or no compiler: the "
+        "Python thread does everything.")
 _define("BRAID_DEFER_SWITCH_US", _nonneg_int, 200,
         "With BRAID_DEFER=1: the interpreter's thread switch interval (sys.setswitchinterval) is lowered "
         "to this many microseconds when the first such communicator is made (never raised; it stays for "

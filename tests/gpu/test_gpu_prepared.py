@@ -157,6 +157,8 @@ def _repeated(rank, world, comm, dev):
     assert st["graphs"] > 0 and st["replays"] >= calls - 50, st    # tiny calls may go to NCCL whole
     if comm._rounds is not None:                           # BRAID_DEFER=1: most repeats were deferred
         assert st["deferred"] > calls // 2, st
+        if comm._rounds._native is not None:               # ... and most launched by the native launcher
+            assert st.get("native", 0) > calls // 4, st
 
 
 @needs(2)
@@ -182,6 +184,11 @@ def test_thousand_repeated_calls_deferred_two_ranks(tmp_path):
 @needs(4)
 def test_thousand_repeated_calls_deferred_four_ranks(tmp_path):
     run(4, tmp_path, _repeated, DEFER)
+
+
+@needs(2)
+def test_thousand_repeated_calls_deferred_python_launcher(tmp_path):
+    run(2, tmp_path, _repeated, {**DEFER, "BRAID_DEFER_NATIVE": "0"})
 
 
 def _other_lanes(rank, world, comm, dev):

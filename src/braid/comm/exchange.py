@@ -328,7 +328,10 @@ class Exchange:
         start = rd.start_event(caller)
         n = rd.next_number()
         tensors = (inp, *outs)
-        rd.push(Job(token, word, tk, start, n, tensors, redo, self.ncalls, tk.op))
+        # the words the program was built for, while the entry is the cache's (else the thread in
+        # Python decides, as on a changed word)
+        rd.push(Job(token, word, tk, start, n, tensors, redo, self.ncalls, tk.op),
+                tk.key if prep.entries.get(tk.key) is tk.entry else None)
         # the program runs on the lane stream, which only the caller's stream waits for: a later
         # call on another stream of the caller's (FSDP2's gathers and reductions) must not start
         # its program beside it (two programs on the same flags)

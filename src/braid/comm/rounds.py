@@ -37,6 +37,13 @@ ms at a 200 us interval, 0.3 ms at 100 us, while the loop ran up to a third slow
 thread polled (2026-11-26, scripts/probes/lock_handoff.py). So the first such communicator lowers
 the interval (BRAID_DEFER_SWITCH_US, 200 us).
 
+The native launcher (comm/native_rounds.py, `_rounds.c`, BRAID_DEFER_NATIVE): a thread in C, in
+front of the Python one, waits for each round, compares the words with those the program was built
+for and launches, never taking the interpreter lock; a round it cannot decide (a word that differs,
+a peer later than HANDOFF_S, a driver error) it hands to the Python thread, which runs that job as
+above while the native thread waits. The Python thread then only books what the native one ran
+(the cache's order of use, the counts). Without a C compiler the Python thread does everything.
+
 Rejected: launching at the caller's next braid call instead of on a thread (a caller that next
 synchronizes its stream would wait forever), and each rank launching on its own word and checking
 the peers' afterwards (a peer's buffer reallocated at the same address would be read through a
@@ -57,11 +64,12 @@ from .. import envs
 from ..errors import BraidError, LaneFailureError, PeerMismatchError
 from ..executor import Handle
 from ..lanes import _cuda
-from ..node import DEFER_DEPTH
-from .prepared import _RAW
+from ..node import COLL_MBOX_BYTES, COLL_SLOTS, DEFER_DEPTH
+from .prepared import _RAW, NO_OBS
 
 log = logging.getLogger("braid")
 
+HANDOFF_S = 0.05        # the native launcher hands a round back to Python after waiting this long
 POLL_S = 0.002          # the thread polls a round this long, in short sleeps, before the segment's wait
 NAP_S = 20e-6           # one short sleep (the kernel makes it ~60-80 us)
 EVENTS = 4 * DEFER_DEPTH   # start events, used in turn (more than can be queued at once)
@@ -102,7 +110,8 @@ class DeferredHandle(Handle):
 class Rounds:
     """The communicator's queue of deferred calls and the thread that runs it."""
 
-    def __init__(self, comm):
+    def __init__(self, comm, fns: dict | None = None):
+        """`fns`: the driver functions the native launcher calls (tests pass their own)."""
         self._comm = weakref.ref(comm)       # the thread must not keep the communicator alive
         self.segment = comm.segment
         self.rank = comm.rank
@@ -127,6 +136,10 @@ class Rounds:
         self._next = 0
         self._tail = _cuda.event_create()
         self._redo_stream = torch.cuda.Stream(device=self.device)
+        self._native = None          # the native launcher (comm/native_rounds.py), if it builds
+        self._pushed = 0
+        if envs.get("BRAID_DEFER_NATIVE"):
+            self._native = _launcher(self, comm, fns)
         switch = envs.get("BRAID_DEFER_SWITCH_US") / 1e6
         if switch > 0 and sys.getswitchinterval() > switch:
             log.info("braid: the interpreter's switch interval %.0f -> %.0f us (BRAID_DEFER_SWITCH_US)",
@@ -155,12 +168,24 @@ class Rounds:
         _cuda.event_record(ev, caller)
         return ev
 
-    def push(self, job: Job) -> None:
+    def push(self, job: Job, expect=None) -> None:
+        """Queue `job`; `expect`: every rank's word its program was built for (the native
+        launcher launches when the round holds exactly these; None: the entry is not the cache's
+        any more, the thread in Python decides)."""
         with self.cv:
             self.queue.append(job)
             self.stats["deferred"] += 1
+            if self._native is not None:
+                tk = job.ticket
+                words = expect if expect is not None else (0,) * len(tk.key)
+                if not self._native.push(job.token[0], job.token[0] % COLL_SLOTS, job.n, words, job.start,
+                                         tk.entry.exec_ptr):
+                    self.queue.pop()
+                    raise LaneFailureError("braid: the native launcher's queue is full")
+                self._pushed += 1
             if self._thread is None:
-                self._thread = threading.Thread(target=_run, args=(weakref.ref(self),), name="braid-rounds",
+                run = _run_native if self._native is not None else _run
+                self._thread = threading.Thread(target=run, args=(weakref.ref(self),), name="braid-rounds",
                                                 daemon=True)
                 self._thread.start()
             self.cv.notify_all()
@@ -204,6 +229,9 @@ class Rounds:
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout=2.0)
+        if self._native is not None:
+            self._native.close()
+            self._native = None
         for ev in self._starts + [self._tail]:
             try:
                 _cuda.event_destroy(ev)
@@ -212,6 +240,22 @@ class Rounds:
         self._starts, self._tail = [], 0
 
     # the thread's side --------------------------------------------------------------------------
+    def _booked(self, k: int) -> None:
+        """`k` jobs the native launcher ran: out of the queue, with what the Python path would
+        have recorded (the cache's order of use, which every rank keeps alike, and the counts)."""
+        comm = self._comm()
+        prep = comm._prepared if comm is not None else None
+        now = time.perf_counter()
+        with self.cv:
+            for _ in range(min(k, len(self.queue))):
+                job = self.queue.popleft()
+                if prep is not None:
+                    prep.get(job.ticket.key)
+                    prep.stats["replays"] += 1
+                self.stats["launch_us"] += (now - job.t0) * 1e6
+                self.stats["native"] = self.stats.get("native", 0) + 1
+            self.cv.notify_all()
+
     def _fail(self, exc: BaseException) -> None:
         """The thread met an error: every queued call ends (its stream waits are released, its
         data is not moved) and every later call of the communicator raises `exc`."""
@@ -222,6 +266,8 @@ class Rounds:
             self.error = exc
             self.queue.clear()
             self.missing = False
+            if self._native is not None:
+                self._native.clear()
             self.cv.notify_all()
         self.release()
 
@@ -272,6 +318,10 @@ class Rounds:
         self.stats["rebuilt"] += 1
         with self.cv:
             self.missing = True
+            if self._native is not None:
+                # the rebuild may evict entries that later queued jobs were pushed for: those are
+                # decided here again, against the cache as it will then be (as every rank decides)
+                self._native.handback()
         try:
             rs = self._redo_stream
             _cuda.stream_wait_event(rs.cuda_stream, job.start)
@@ -293,6 +343,71 @@ class Rounds:
             with self.cv:
                 self.missing = False
                 self.cv.notify_all()
+
+
+def _launcher(rd: "Rounds", comm, fns):
+    """The native launcher of `rd` (comm/native_rounds.py), or None where it does not build."""
+    from . import native_rounds
+    lib = native_rounds.build()
+    if lib is None:
+        return None
+    seg = rd.segment
+    try:
+        fns = fns if fns is not None else _cuda.native_fns()
+        return native_rounds.Launcher(
+            lib, comm.world_size, comm.rank, COLL_SLOTS, 1 + len(NO_OBS), COLL_MBOX_BYTES,
+            [seg.address + c for c in seg._coll_ctr], [seg.address + s[0] for s in seg._coll_slots],
+            rd.lane_stream, fns.get("ctx", 0), rd.end_addr, fns, HANDOFF_S)
+    except (OSError, LaneFailureError) as exc:
+        log.info("braid: the native launcher of deferred calls did not start (%s)", exc)
+        return None
+
+
+def _run_native(ref) -> None:
+    """The rounds thread beside the native launcher: it books the launcher's finished jobs (the
+    cache's order of use, the counts) and runs in Python each job handed back (a word that
+    differs, a late peer, a driver error), until the communicator closes."""
+    me = ref()
+    if me is None:
+        return
+    me.ident = threading.get_ident()
+    torch.cuda.set_device(me.device)
+    seen = 0
+    del me
+    while True:
+        me = ref()
+        if me is None or me._native is None:
+            return
+        if me._stop and not me.queue:
+            return
+        done, why, rc = me._native.poll(seen, 0.05)     # without the interpreter lock
+        if done > seen:
+            me._booked(done - seen)
+            seen = done
+        if why:
+            with me.cv:
+                job = me.queue[0] if me.queue else None
+            if job is None:             # nothing of ours left (cleared after an error)
+                me._native.resume()
+            else:
+                if why == 3:
+                    log.debug("braid: the native launcher met driver error %d; launching from Python", rc)
+                try:
+                    me._do(job)
+                except BaseException as exc:    # noqa: BLE001  raised to the caller at its next call
+                    log.debug("braid: a deferred call failed: %s", exc)
+                    me._fail(exc)
+                    seen = me._pushed
+                    continue
+                finally:
+                    job = None
+                with me.cv:
+                    if me.queue:
+                        me.queue.popleft()
+                    me.cv.notify_all()
+                me._native.resume()
+                seen += 1
+        del me
 
 
 def _run(ref) -> None:

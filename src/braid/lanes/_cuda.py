@@ -67,6 +67,8 @@ def lib() -> ctypes.CDLL:
         "cuEventQuery": [_vp],
         "cuStreamWaitEvent": [_vp, _vp, ctypes.c_uint],
         "cuGraphLaunch": [_vp, _vp],
+        "cuCtxGetCurrent": [ctypes.POINTER(_vp)],
+        "cuCtxSetCurrent": [_vp],
         "cuStreamBatchMemOp_v2": [_vp, ctypes.c_uint, ctypes.POINTER(MemOp), ctypes.c_uint],
     }
     for name, args in sigs.items():
@@ -217,3 +219,15 @@ def event_query(event: int) -> bool:
         return False
     check(rc, "cuEventQuery")
     return True
+
+
+def native_fns() -> dict:
+    """The driver functions a native thread calls (comm/native_rounds.py), as addresses, and the
+    calling thread's current context (the native thread makes it current on itself)."""
+    cu = lib()
+    ctx = _vp()
+    check(cu.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+    addr = lambda fn: ctypes.cast(fn, _vp).value     # noqa: E731
+    return {"wait_event": addr(cu.cuStreamWaitEvent), "graph_launch": addr(cu.cuGraphLaunch),
+            "write_value": addr(cu.cuStreamWriteValue32_v2), "set_ctx": addr(cu.cuCtxSetCurrent),
+            "ctx": ctx.value or 0}

@@ -1,0 +1,242 @@
+/* The launcher of deferred prepared calls (comm/rounds.py, comm/native_rounds.py): a native thread
+ * that waits for every rank's word of a call in the node segment, checks the words against the
+ * ones the prepared program was built for and, when they match, makes the lane stream wait for the
+ * caller's start event, launches the program and raises the end counter on that stream. It never
+ * takes Python's interpreter lock. Anything else (a word that differs, a peer that is late beyond
+ * `handoff_ns`, a driver error) is handed back to Python, which runs the job itself; the thread
+ * then waits until Python says it is done. Jobs run in the order they were pushed.
+ *
+ * Build: cc -O2 -shared -fPIC -pthread (native_rounds.build). No CUDA headers: the driver's
+ * functions come in as pointers. */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define MAXW 64
+#define RING 64
+
+typedef int (*wait_event_fn)(void *stream, void *event, unsigned flags);
+typedef int (*graph_launch_fn)(void *exec, void *stream);
+typedef int (*write_value_fn)(void *stream, uint64_t addr, uint32_t value, unsigned flags);
+typedef int (*set_ctx_fn)(void *ctx);
+
+typedef struct {
+    uint32_t seq, n, slot;      /* the round's sequence number; the end counter's value; its slot */
+    uint64_t expect[MAXW];      /* every rank's word the program was built for */
+    void *start, *exec;
+} job_t;
+
+typedef struct {
+    int world, me, nslots, nvals;
+    volatile uint32_t *ctr[MAXW];   /* each rank's collective mailbox counter */
+    uint8_t *slots[MAXW];           /* each rank's first collective slot */
+    uint64_t slot_bytes;
+    void *stream, *ctx;
+    uint64_t end_addr;
+    wait_event_fn wait_event;
+    graph_launch_fn graph_launch;
+    write_value_fn write_value;
+    set_ctx_fn set_ctx;
+    int64_t handoff_ns;
+    job_t ring[RING];
+    uint64_t pushed, done;          /* jobs pushed, jobs finished (by this thread or by Python) */
+    uint64_t py_until;              /* jobs before this one go to Python undecided (rounds_handback) */
+    int handed;                     /* 1: the job at `done` waits for Python (reason in `why`) */
+    int why;                        /* 1 words differ, 2 peer late, 3 driver error (rc in `rc`) */
+    int rc;
+    int stop;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;              /* a push, a stop, Python's answer */
+    pthread_cond_t py;              /* a hand-over or a finished job, for Python's waiter */
+    pthread_t thread;
+    int started;
+} rounds_t;
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static int reached(volatile uint32_t *ctr, uint32_t seq) {
+    return (int32_t)(*ctr - seq) >= 0;      /* wrap-aware, as the segment's counters compare */
+}
+
+/* 0: every peer posted `seq`; 2: one is still missing after handoff_ns. */
+static int await_round(rounds_t *r, uint32_t seq) {
+    int64_t t_end = now_ns() + r->handoff_ns;
+    long spins = 0;
+    for (int p = 0; p < r->world; p++) {
+        if (p == r->me) continue;
+        while (!reached(r->ctr[p], seq)) {
+            if (++spins < 20000) {
+                __asm__ __volatile__("" ::: "memory");
+                continue;
+            }
+            if (now_ns() > t_end || r->stop) return 2;
+            struct timespec ts = {0, 20000};
+            nanosleep(&ts, NULL);
+        }
+    }
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    return 0;
+}
+
+static int words_match(rounds_t *r, const job_t *j) {
+    uint64_t k = j->slot % (uint64_t)r->nslots;
+    for (int p = 0; p < r->world; p++) {
+        const uint8_t *slot = r->slots[p] + k * r->slot_bytes;
+        uint32_t count;
+        uint64_t word;
+        memcpy(&count, slot, 4);
+        memcpy(&word, slot + 4, 8);
+        if ((int)count != r->nvals || word != j->expect[p]) return 0;
+    }
+    return 1;
+}
+
+static void *run(void *arg) {
+    rounds_t *r = (rounds_t *)arg;
+    int ctx_ok = r->set_ctx == NULL || r->set_ctx(r->ctx) == 0;
+    pthread_mutex_lock(&r->mu);
+    for (;;) {
+        while (!r->stop && (r->done == r->pushed || r->handed)) pthread_cond_wait(&r->cv, &r->mu);
+        if (r->stop) break;
+        uint64_t idx = r->done;
+        job_t j = r->ring[idx % RING];
+        pthread_mutex_unlock(&r->mu);
+        int why = idx < r->py_until ? 4 : await_round(r, j.seq);
+        int rc = 0;
+        if (!why && !words_match(r, &j)) why = 1;
+        if (!why && !ctx_ok) { why = 3; rc = -1; }
+        if (!why) {
+            rc = r->wait_event(r->stream, j.start, 0);
+            if (!rc) rc = r->graph_launch(j.exec, r->stream);
+            if (!rc) rc = r->write_value(r->stream, r->end_addr, j.n, 0);
+            if (rc) why = 3;
+        }
+        pthread_mutex_lock(&r->mu);
+        if (r->done != idx) {
+            /* cleared meanwhile (rounds_clear): the job is no longer ours */
+        } else if (why) {
+            r->handed = 1;
+            r->why = why;
+            r->rc = rc;
+        } else {
+            r->done++;
+        }
+        pthread_cond_broadcast(&r->py);
+    }
+    pthread_mutex_unlock(&r->mu);
+    return NULL;
+}
+
+rounds_t *rounds_new(int world, int me, int nslots, int nvals, uint64_t slot_bytes, const uint64_t *ctr_addrs,
+                     const uint64_t *slot_addrs, void *stream, void *ctx, uint64_t end_addr, void *wait_event,
+                     void *graph_launch, void *write_value, void *set_ctx, int64_t handoff_ns) {
+    if (world < 1 || world > MAXW) return NULL;
+    rounds_t *r = calloc(1, sizeof(rounds_t));
+    if (!r) return NULL;
+    r->world = world; r->me = me; r->nslots = nslots; r->nvals = nvals; r->slot_bytes = slot_bytes;
+    for (int p = 0; p < world; p++) {
+        r->ctr[p] = (volatile uint32_t *)(uintptr_t)ctr_addrs[p];
+        r->slots[p] = (uint8_t *)(uintptr_t)slot_addrs[p];
+    }
+    r->stream = stream; r->ctx = ctx; r->end_addr = end_addr;
+    r->wait_event = (wait_event_fn)wait_event;
+    r->graph_launch = (graph_launch_fn)graph_launch;
+    r->write_value = (write_value_fn)write_value;
+    r->set_ctx = (set_ctx_fn)set_ctx;
+    r->handoff_ns = handoff_ns;
+    pthread_mutex_init(&r->mu, NULL);
+    pthread_cond_init(&r->cv, NULL);
+    pthread_cond_init(&r->py, NULL);
+    if (pthread_create(&r->thread, NULL, run, r) != 0) {
+        free(r);
+        return NULL;
+    }
+    r->started = 1;
+    return r;
+}
+
+/* 0, or -1 when RING jobs are unfinished (the caller keeps fewer queued than that). */
+int rounds_push(rounds_t *r, uint32_t seq, uint32_t slot, uint32_t n, const uint64_t *expect, void *start,
+                void *exec) {
+    pthread_mutex_lock(&r->mu);
+    if (r->pushed - r->done >= RING) {
+        pthread_mutex_unlock(&r->mu);
+        return -1;
+    }
+    job_t *j = &r->ring[r->pushed % RING];
+    j->seq = seq; j->slot = slot; j->n = n; j->start = start; j->exec = exec;
+    memcpy(j->expect, expect, sizeof(uint64_t) * (size_t)r->world);
+    r->pushed++;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    return 0;
+}
+
+/* Jobs finished so far; when the next one was handed to Python, *why (1 words, 2 late, 3 driver
+ * error, *rc its code, 4 handed back undecided), else *why = 0. Waits up to timeout_ns for a change from `seen` finished
+ * jobs (and no hand-over) first; called without the interpreter lock. */
+uint64_t rounds_poll(rounds_t *r, uint64_t seen, int64_t timeout_ns, int *why, int *rc) {
+    pthread_mutex_lock(&r->mu);
+    if (timeout_ns > 0 && r->done == seen && !r->handed && !r->stop) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        int64_t ns = ts.tv_nsec + timeout_ns;
+        ts.tv_sec += ns / 1000000000LL;
+        ts.tv_nsec = ns % 1000000000LL;
+        pthread_cond_timedwait(&r->py, &r->mu, &ts);
+    }
+    uint64_t done = r->done;
+    *why = r->handed ? r->why : 0;
+    *rc = r->rc;
+    pthread_mutex_unlock(&r->mu);
+    return done;
+}
+
+/* Python ran the handed-over job: the thread goes on with the next. */
+void rounds_resume(rounds_t *r) {
+    pthread_mutex_lock(&r->mu);
+    if (r->handed) {
+        r->handed = 0;
+        r->done++;
+    }
+    pthread_cond_broadcast(&r->cv);
+    pthread_cond_broadcast(&r->py);
+    pthread_mutex_unlock(&r->mu);
+}
+
+/* Every job pushed so far and not finished goes to Python undecided (why 4): a rebuild changed
+ * the prepared calls' cache, which the words pushed with them do not know about. */
+void rounds_handback(rounds_t *r) {
+    pthread_mutex_lock(&r->mu);
+    r->py_until = r->pushed;
+    pthread_mutex_unlock(&r->mu);
+}
+
+/* Drop every unfinished job (after an error Python raises; their ends are released by Python). */
+void rounds_clear(rounds_t *r) {
+    pthread_mutex_lock(&r->mu);
+    r->handed = 0;
+    r->done = r->pushed;
+    pthread_cond_broadcast(&r->py);
+    pthread_mutex_unlock(&r->mu);
+}
+
+void rounds_free(rounds_t *r) {
+    if (!r) return;
+    pthread_mutex_lock(&r->mu);
+    r->stop = 1;
+    pthread_cond_broadcast(&r->cv);
+    pthread_cond_broadcast(&r->py);
+    pthread_mutex_unlock(&r->mu);
+    if (r->started) pthread_join(r->thread, NULL);
+    pthread_mutex_destroy(&r->mu);
+    pthread_cond_destroy(&r->cv);
+    pthread_cond_destroy(&r->py);
+    free(r);
+}

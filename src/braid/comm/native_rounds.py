@@ -1,0 +1,111 @@
+"""The native launcher of deferred calls (`_rounds.c`), built on first use with the system's C
+compiler and loaded with ctypes. Its thread waits for the peers' words, checks them and launches
+without Python's interpreter lock (comm/rounds.py says why that matters); what it cannot decide
+it hands back to the rounds thread in Python. No compiler, or a build that fails: None, and the
+Python thread does everything (one log line says why)."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+
+from .. import envs
+
+log = logging.getLogger("braid")
+
+SOURCE = pathlib.Path(__file__).with_name("_rounds.c")
+_u64, _vp, _i64 = ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int64
+_lib = None
+_tried = False
+
+
+def _cache_dir() -> pathlib.Path:
+    base = envs.get("BRAID_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "braid")
+    return pathlib.Path(base) / "native"
+
+
+def build() -> ctypes.CDLL | None:
+    """The launcher's library, compiled once per source text into the cache directory."""
+    global _lib, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    try:
+        text = SOURCE.read_bytes()
+        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if cc is None:
+            raise OSError("no C compiler (cc or gcc) on the PATH")
+        out = _cache_dir() / f"rounds-{hashlib.sha1(text).hexdigest()[:16]}.so"
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+                so = pathlib.Path(tmp) / out.name
+                subprocess.run([cc, "-O2", "-shared", "-fPIC", "-pthread", "-o", str(so), str(SOURCE)],
+                               check=True, capture_output=True, timeout=120)
+                os.replace(so, out)         # atomic: another rank may build the same file
+        lib = ctypes.CDLL(str(out))
+    except (OSError, subprocess.SubprocessError) as exc:
+        err = getattr(exc, "stderr", b"") or b""
+        log.info("braid: the native launcher of deferred calls is not available (%s%s); its Python thread "
+                 "launches them", exc, (": " + err.decode(errors="replace")[:200]) if err else "")
+        return None
+    lib.rounds_new.restype = _vp
+    lib.rounds_new.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, _u64,
+                               ctypes.POINTER(_u64), ctypes.POINTER(_u64), _vp, _vp, _u64, _vp, _vp, _vp, _vp, _i64]
+    lib.rounds_push.restype = ctypes.c_int
+    lib.rounds_push.argtypes = [_vp, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32, ctypes.POINTER(_u64), _vp, _vp]
+    lib.rounds_poll.restype = _u64
+    lib.rounds_poll.argtypes = [_vp, _u64, _i64, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
+    for name in ("rounds_resume", "rounds_handback", "rounds_clear", "rounds_free"):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = None, [_vp]
+    _lib = lib
+    return lib
+
+
+class Launcher:
+    """One communicator's native thread (see `_rounds.c`)."""
+
+    def __init__(self, lib, world: int, me: int, nslots: int, nvals: int, slot_bytes: int, ctr_addrs: list[int],
+                 slot_addrs: list[int], stream: int, ctx: int, end_addr: int, fns: dict, handoff_s: float):
+        self.lib, self.world = lib, world
+        arr = _u64 * world
+        self._h = lib.rounds_new(world, me, nslots, nvals, slot_bytes, arr(*ctr_addrs), arr(*slot_addrs), stream,
+                                 ctx, end_addr, fns["wait_event"], fns["graph_launch"], fns["write_value"],
+                                 fns.get("set_ctx"), int(handoff_s * 1e9))
+        if not self._h:
+            raise OSError("the native launcher's thread could not start")
+        self._expect = arr()
+        self._why, self._rc = ctypes.c_int(0), ctypes.c_int(0)
+
+    def push(self, seq: int, slot: int, n: int, expect, start: int, exec_ptr: int) -> bool:
+        e = self._expect
+        for i, w in enumerate(expect):
+            e[i] = w
+        return self.lib.rounds_push(self._h, seq & 0xFFFFFFFF, slot, n & 0xFFFFFFFF, e, start, exec_ptr) == 0
+
+    def poll(self, seen: int, timeout_s: float) -> tuple[int, int, int]:
+        """(jobs finished, why the next was handed back or 0, its driver error code)."""
+        done = self.lib.rounds_poll(self._h, seen, int(timeout_s * 1e9), ctypes.byref(self._why),
+                                    ctypes.byref(self._rc))
+        return done, self._why.value, self._rc.value
+
+    def resume(self) -> None:
+        self.lib.rounds_resume(self._h)
+
+    def handback(self) -> None:
+        """Every job pushed so far goes to Python undecided (a rebuild changed the cache)."""
+        self.lib.rounds_handback(self._h)
+
+    def clear(self) -> None:
+        self.lib.rounds_clear(self._h)
+
+    def close(self) -> None:
+        if self._h:
+            self.lib.rounds_free(self._h)
+            self._h = None
