@@ -84,10 +84,11 @@ def _native_fns(drv: FakeDriver) -> dict:
 
 
 @pytest.fixture(params=["python", "native"])
-def world(monkeypatch, request):
+def world(monkeypatch, request, tmp_path):
     """Two ranks' rounds threads; `native`: with the native launcher (comm/_rounds.c) in front."""
     drv = FakeDriver()
     native = request.param == "native"
+    monkeypatch.setenv("BRAID_CACHE_DIR", str(tmp_path))     # where the launcher is built (once per process)
     if native and native_rounds.build() is None:
         pytest.skip("no C compiler for the native launcher")
     monkeypatch.setenv("BRAID_DEFER_NATIVE", "1" if native else "0")
