@@ -307,4 +307,6 @@ def test_calls_queued_behind_a_rebuild_are_decided_after_it(world):
         c.rd.drain()
         assert [p for s, p in drv.launches if s == 10 + c.rank] == [60 + c.rank]
         assert c._prepared.stats["rebuilt"] == 1
-        assert c._prepared.stats.get("native", 0) == 0       # decided in Python after the rebuild
+    # rank 0 had queued both before its first round could be read: the second was decided in Python
+    # after the rebuild (rank 1 may push its second after the rebuild, against the new cache)
+    assert comms[0]._prepared.stats.get("native", 0) == 0

@@ -173,6 +173,8 @@ class Rounds:
         launcher launches when the round holds exactly these; None: the entry is not the cache's
         any more, the thread in Python decides)."""
         with self.cv:
+            if self.error is not None:
+                raise self.error
             self.queue.append(job)
             self.stats["deferred"] += 1
             if self._native is not None:
@@ -262,14 +264,14 @@ class Rounds:
         comm = self._comm()
         if comm is not None and isinstance(exc, BraidError):
             comm._give_up(exc)
-        with self.cv:
+        with self.cv:           # no push after this (push checks the error under the same lock)
             self.error = exc
             self.queue.clear()
             self.missing = False
             if self._native is not None:
                 self._native.clear()
+            self.release()      # before anyone who sees the error looks at the counter
             self.cv.notify_all()
-        self.release()
 
     def release(self) -> None:
         """End every job pushed so far: now from the CPU (the lane stream may be stuck behind a
