@@ -242,6 +242,21 @@ class Rounds:
         self._starts, self._tail = [], 0
 
     # the thread's side --------------------------------------------------------------------------
+    def _run_one(self, job: Job) -> bool:
+        """Run the job at the queue's head in Python and take it out; False when it failed (the
+        error is kept for the caller, every queued job released)."""
+        try:
+            self._do(job)
+        except BaseException as exc:    # noqa: BLE001  raised to the caller at its next call
+            log.debug("braid: a deferred call failed: %s", exc)
+            self._fail(exc)
+            return False
+        with self.cv:
+            if self.queue:
+                self.queue.popleft()
+            self.cv.notify_all()
+        return True
+
     def _booked(self, k: int) -> None:
         """`k` jobs the native launcher ran: out of the queue, with what the Python path would
         have recorded (the cache's order of use, which every rank keeps alike, and the counts)."""
@@ -394,19 +409,11 @@ def _run_native(ref) -> None:
             else:
                 if why == 3:
                     log.debug("braid: the native launcher met driver error %d; launching from Python", rc)
-                try:
-                    me._do(job)
-                except BaseException as exc:    # noqa: BLE001  raised to the caller at its next call
-                    log.debug("braid: a deferred call failed: %s", exc)
-                    me._fail(exc)
+                ok = me._run_one(job)
+                job = None
+                if not ok:
                     seen = me._pushed
                     continue
-                finally:
-                    job = None
-                with me.cv:
-                    if me.queue:
-                        me.queue.popleft()
-                    me.cv.notify_all()
                 me._native.resume()
                 seen += 1
         del me
@@ -430,17 +437,7 @@ def _run(ref) -> None:
             if not me.queue:
                 return              # closed, or the communicator was collected without close()
             job = me.queue[0]
-        try:
-            me._do(job)
-        except BaseException as exc:    # noqa: BLE001  raised to the caller at its next call
-            log.debug("braid: a deferred call failed: %s", exc)
-            me._fail(exc)
-            continue
-        finally:
-            job = None
-        with me.cv:
-            if me.queue:
-                me.queue.popleft()
-            me.cv.notify_all()
+        me._run_one(job)
+        job = None
         del me
 
