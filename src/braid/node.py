@@ -43,11 +43,10 @@ COLL_MBOX_BYTES = 16384    # one collective descriptor (all_to_all splits for la
 # post knows that; a post that is not read (post_values without read_values, exchange_values with
 # wait=False) is always followed by an exchange that waits, and a deferred read (defer) is done
 # before the rank's next post. Two slots were not enough: after a non-waiting post, the next exchange reused the
-# slot that a slow peer was still reading (a 3-rank CPU test read a later descriptor).
-COLL_SLOTS = 3
+# slot that a slow peer was still reading (a 3-rank CPU test read a later descriptor): 3 are.
 # A communicator whose rounds of words are read by its rounds thread (comm/rounds.py) may post up
 # to DEFER_DEPTH of them before the first is read: a rank posts t once it has read t - D, and a
-# peer posted t - D only after reading t - 2D, so its slots number 2D, plus the 3 above.
+# peer posted t - D only after reading t - 2D, so 2D slots more.
 DEFER_DEPTH = 4
 COLL_SLOTS = 2 * DEFER_DEPTH + 3
 _VALUE_FMT = [f"<I{n}Q" for n in range(9)]   # exchange_values' record: count, then the values

@@ -441,8 +441,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         self.set_calibration(box[0] or {})
 
     def set_calibration(self, table: dict) -> None:
-        if getattr(self, "_rounds", None) is not None:
-            self._rounds.drain()
+        self._drain()
         self.pays = {op[: -len("/pays")]: {int(b): v if isinstance(v, (str, dict)) else bool(v) for b, v in t.items()}
                      for op, t in table.items() if op.endswith("/pays")}
         self.calib = {op: {k: LaneCost(**v) if isinstance(v, dict) else v for k, v in lanes.items()}

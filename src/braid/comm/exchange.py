@@ -8,7 +8,6 @@ import hashlib
 import json
 import logging
 import time
-from threading import get_ident
 
 import torch
 import torch.distributed as dist
@@ -164,7 +163,7 @@ class Exchange:
                   async_op: bool, peer: int | None, always_exchange: bool, multi, route,
                   counted: bool, emit=None, ticket=None) -> Handle | None:
         self._check_open()
-        redo = self.shortcuts.redo_thread and self.shortcuts.redo_thread == get_ident()
+        redo = self.shortcuts.rebuilding()
         rd = getattr(self, "_rounds", None)
         if rd is not None and not redo:
             rd.drain()
@@ -282,9 +281,8 @@ class Exchange:
             return None         # queued send/recv go first, a balancer report rides the full path
         rd = getattr(self, "_rounds", None)
         if rd is not None and redo is not None and tk.entry.exec_ptr:
-            if self.shortcuts.redo_thread:      # the rounds thread's own rebuild: the full path
-                if rd.ident == get_ident():
-                    return None
+            if self.shortcuts.rebuilding():     # the rounds thread's own rebuild: the full path
+                return None
             return self._deferred(rd, prep, tk, inp, outs, async_op, redo)
         word = prep.finish_word(tk.base, inp, tk.lanes)
         seg = self.segment
@@ -373,7 +371,7 @@ class Exchange:
             entry = self._prepare(op, desc, inp, lanes, movement_of, native, agree_keys, device)
             prep.put(key, entry)
         if entry.native:
-            if self.shortcuts.redo_thread and self.shortcuts.redo_thread == get_ident():
+            if self.shortcuts.rebuilding():
                 raise LaneFailureError(f"{op}: a deferred call of a shape prepared on the copy engines came out "
                                        f"whole when rebuilt; the ranks' lanes changed under it")
             return self._whole(native, entry.shares), entry
@@ -386,7 +384,7 @@ class Exchange:
                 prep.stats["captured"] += 1
                 return _DONE, entry
             if entry.graph is None:
-                if self.shortcuts.redo_thread and self.shortcuts.redo_thread == get_ident():
+                if self.shortcuts.rebuilding():
                     # the rounds thread rebuilds a deferred call (comm/rounds.py): no capture there
                     # (the caller's streams wait on this thread, and a capture stalled behind them:
                     # FSDP2 on 2 x H200), the program goes into its stream once; the shape's next

@@ -146,10 +146,6 @@ class Rounds:
                      sys.getswitchinterval() * 1e6, switch * 1e6)
             sys.setswitchinterval(switch)
 
-    @property
-    def busy(self) -> bool:
-        return bool(self.queue)
-
     # the caller's side --------------------------------------------------------------------------
     def room(self) -> None:
         """Before a post: wait until fewer than DEFER_DEPTH jobs are queued and no miss is being

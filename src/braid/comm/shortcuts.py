@@ -47,6 +47,10 @@ class Shortcuts:
         self.said = None         # the arbiter's key of a "split" the backend was told for this call
         self.redo_thread = 0     # the rounds thread while it rebuilds a deferred call (comm/rounds.py)
 
+    def rebuilding(self) -> bool:
+        """Is the calling thread the rounds thread rebuilding a deferred call?"""
+        return bool(self.redo_thread) and self.redo_thread == get_ident()
+
     def table(self, op: str) -> dict:
         return getattr(self, op)
 
@@ -68,7 +72,7 @@ class Shortcuts:
         name, its bytes, the arbiter's key), and a shape not seen yet is worked out from them
         (valid and the calibration's answer). The rounds thread rebuilding a deferred call (its
         trial step was counted when the call was made) is told split."""
-        if self.redo_thread and self.redo_thread == get_ident():
+        if self.redo_thread and self.rebuilding():
             return False
         ent = getattr(self, op).get(n)
         if ent is not None and ent[-1] and ent[:-1] == facts:

@@ -29,6 +29,7 @@ from . import _cuda
 from .base import GpuLaneMixin, Lane, LaneRun, OpContext
 from .signals import Rising
 
+
 def lane_stream(device) -> "torch.cuda.Stream":
     """A stream of the copy engines' lane or its programs: CUDA's highest priority under
     BRAID_CE_PRIORITY (the reductions' kernels then take SMs ahead of compute as they free up)."""
