@@ -531,7 +531,7 @@ def run(comm, cfg, cuda: bool):
     what to do after the teardown: exit with WRONG_EXIT when the losses did not match."""
     import dataclasses
     from .bench.config import WRONG_EXIT
-    from .bench.output import header_line, machine_info, write_json
+    from .bench.output import header_line, machine_info, split_calls_line, write_json
     from .bench.sweep import calibrate_for_bench
     s = settings(cfg, cuda)
     ctx = make_ctx(comm, s)
@@ -557,11 +557,7 @@ def run(comm, cfg, cuda: bool):
             say(format_row(row))
             if row.get("split_calls", {}).get("built") or row.get("split_calls", {}).get("hits"):
                 sc = row["split_calls"]
-                say("  " + " " * WIDTHS[0] + "braid's split calls (rank 0): "
-                    + ", ".join(f"{k} {v}" for k, v in sc.items() if k not in ("round_us", "launch_us"))
-                    + (f", round of words {sc['round_us'] / sc['hits']:.1f} us per hit" if sc.get("hits") else "")
-                    + (f", post to launch {sc['launch_us'] / sc['deferred']:.1f} us per deferred call"
-                       if sc.get("deferred") else ""))
+                say("  " + " " * WIDTHS[0] + split_calls_line(sc))
             if row.get("learned"):
                 kept = [x[3] for x in row["learned"]]
                 say("  " + " " * WIDTHS[0] + f"learned in the job ({len(kept)} verdicts, the same on every rank): "

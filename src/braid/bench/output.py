@@ -167,6 +167,17 @@ def _us(v: float) -> str:
     return f"{v:.0f} us" if v >= 10 else f"{v:.1f} us"
 
 
+def split_calls_line(sc: dict) -> str:
+    """One line of the prepared-call counters of rank 0 (`comm._prepared.stats`): how many split
+    calls were built, replayed, deferred, rebuilt off the caller's thread, launched natively, and
+    the mean round of words per hit and post-to-launch time per deferred call."""
+    return ("braid's split calls (rank 0): "
+            + ", ".join(f"{k} {v}" for k, v in sc.items() if k not in ("round_us", "launch_us"))
+            + (f", round of words {sc['round_us'] / sc['hits']:.1f} us per hit" if sc.get("hits") else "")
+            + (f", post to launch {sc['launch_us'] / sc['deferred']:.1f} us per deferred call"
+               if sc.get("deferred") else ""))
+
+
 def summary_line(s: dict) -> str:
     """The line under a table: braid's host time per call against the baseline's, then the first
     call of a shape (braid's includes preparing it) on each side."""

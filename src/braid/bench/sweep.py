@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from . import baselines as alternatives
 from .config import NO_GPU_LINE, SMALL_ROUNDS, WRONG_EXIT, Config
-from .output import format_shares, header_line, host_summary, human_bytes, machine_info, make_ui, write_json
+from .output import format_shares, header_line, host_summary, split_calls_line, human_bytes, machine_info, make_ui, write_json
 
 
 def _sync(comm) -> None:
@@ -118,6 +118,9 @@ def run(comm, cfg: Config):
             bad = _sweep(comm, cfg, plan, common, info, baseline, ui, results)
         if r0:
             ui.end_op()
+            sc = comm._prepared.stats
+            if sc.get("hits") or sc.get("deferred"):
+                say("# " + split_calls_line(sc))
             if cfg.check:
                 say(f"# {'all outputs match the baseline' if not bad else f'FAILED: {bad} wrong bytes in total'}")
             if cfg.json_path:
