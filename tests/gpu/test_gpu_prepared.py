@@ -155,10 +155,13 @@ def _repeated(rank, world, comm, dev):
     assert not wrong, f"rank {rank}: {len(wrong)} of {calls} calls wrong, first {wrong[:5]}"
     st = prep.stats
     assert st["graphs"] > 0 and st["replays"] >= calls - 50, st    # tiny calls may go to NCCL whole
-    if comm._rounds is not None:                           # BRAID_DEFER=1: most repeats were deferred
-        assert st["deferred"] > calls // 2, st
-        if comm._rounds._native is not None:               # ... and most launched by the native launcher
-            assert st.get("native", 0) > calls // 4, st
+    if comm._rounds is not None:
+        # BRAID_DEFER=1: most cache hits were deferred (about 360 of the 1,000 calls hit: the rest
+        # are new shapes and reallocations), and most of those launched by the native launcher
+        comm._rounds.drain()
+        assert st["deferred"] > st["hits"] // 2, st
+        if comm._rounds._native is not None:
+            assert st.get("native", 0) > st["deferred"] // 2, st
 
 
 @needs(2)

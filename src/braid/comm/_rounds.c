@@ -9,6 +9,7 @@
  * Build: cc -O2 -shared -fPIC -pthread (native_rounds.build). No CUDA headers: the driver's
  * functions come in as pointers. */
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,6 +17,10 @@
 
 #define MAXW 64
 #define RING 64
+/* A wait spins this long before it yields, and yields this long before it sleeps: a sleep or a
+ * condition variable's wake-up costs ~60-80 us on the GPU machines' VMs, more than a call's launch. */
+#define SPIN_NS 100000LL
+#define YIELD_NS 2000000LL
 
 typedef int (*wait_event_fn)(void *stream, void *event, unsigned flags);
 typedef int (*graph_launch_fn)(void *exec, void *stream);
@@ -26,6 +31,7 @@ typedef struct {
     uint32_t seq, n, slot;      /* the round's sequence number; the end counter's value; its slot */
     uint64_t expect[MAXW];      /* every rank's word the program was built for */
     void *start, *exec;
+    int64_t t_push;             /* when it was pushed (CLOCK_MONOTONIC ns) */
 } job_t;
 
 typedef struct {
@@ -47,6 +53,7 @@ typedef struct {
     int why;                        /* 1 words differ, 2 peer late, 3 driver error (rc in `rc`) */
     int rc;
     int stop;
+    int64_t launch_ns;              /* summed over the jobs this thread launched: push to launch */
     pthread_mutex_t mu;
     pthread_cond_t cv;              /* a push, a stop, Python's answer */
     pthread_cond_t py;              /* a hand-over or a finished job, for Python's waiter */
@@ -60,24 +67,50 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield" ::: "memory");
+#else
+    __asm__ __volatile__("" ::: "memory");
+#endif
+}
+
+/* One step of a wait that began at t0: spin, then yield, then a short sleep. */
+static void backoff(int64_t t0, int64_t now) {
+    if (now - t0 < SPIN_NS) {
+        for (int i = 0; i < 64; i++) relax();
+    } else if (now - t0 < YIELD_NS) {
+        sched_yield();
+    } else {
+        struct timespec ts = {0, 20000};
+        nanosleep(&ts, NULL);
+    }
+}
+
+/* Spin and yield (not sleep) while *word == was, up to YIELD_NS; without the lock. */
+static void linger(volatile uint64_t *word, uint64_t was, volatile int *stop) {
+    int64_t t0 = now_ns(), t = t0;
+    while (__atomic_load_n(word, __ATOMIC_ACQUIRE) == was && !*stop && t - t0 < YIELD_NS) {
+        backoff(t0, t);
+        t = now_ns();
+    }
+}
+
 static int reached(volatile uint32_t *ctr, uint32_t seq) {
     return (int32_t)(*ctr - seq) >= 0;      /* wrap-aware, as the segment's counters compare */
 }
 
 /* 0: every peer posted `seq`; 2: one is still missing after handoff_ns. */
 static int await_round(rounds_t *r, uint32_t seq) {
-    int64_t t_end = now_ns() + r->handoff_ns;
-    long spins = 0;
+    int64_t t0 = now_ns(), t_end = t0 + r->handoff_ns;
     for (int p = 0; p < r->world; p++) {
         if (p == r->me) continue;
         while (!reached(r->ctr[p], seq)) {
-            if (++spins < 20000) {
-                __asm__ __volatile__("" ::: "memory");
-                continue;
-            }
-            if (now_ns() > t_end || r->stop) return 2;
-            struct timespec ts = {0, 20000};
-            nanosleep(&ts, NULL);
+            int64_t t = now_ns();
+            if (t > t_end || r->stop) return 2;
+            backoff(t0, t);
         }
     }
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
@@ -102,6 +135,13 @@ static void *run(void *arg) {
     int ctx_ok = r->set_ctx == NULL || r->set_ctx(r->ctx) == 0;
     pthread_mutex_lock(&r->mu);
     for (;;) {
+        if (!r->stop && r->done == r->pushed && !r->handed) {
+            /* nothing queued: the next push usually comes within a call's host time */
+            uint64_t was = r->pushed;
+            pthread_mutex_unlock(&r->mu);
+            linger(&r->pushed, was, &r->stop);
+            pthread_mutex_lock(&r->mu);
+        }
         while (!r->stop && (r->done == r->pushed || r->handed)) pthread_cond_wait(&r->cv, &r->mu);
         if (r->stop) break;
         uint64_t idx = r->done;
@@ -109,11 +149,13 @@ static void *run(void *arg) {
         pthread_mutex_unlock(&r->mu);
         int why = idx < r->py_until ? 4 : await_round(r, j.seq);
         int rc = 0;
+        int64_t launched = 0;
         if (!why && !words_match(r, &j)) why = 1;
         if (!why && !ctx_ok) { why = 3; rc = -1; }
         if (!why) {
             rc = r->wait_event(r->stream, j.start, 0);
             if (!rc) rc = r->graph_launch(j.exec, r->stream);
+            launched = now_ns();
             if (!rc) rc = r->write_value(r->stream, r->end_addr, j.n, 0);
             if (rc) why = 3;
         }
@@ -126,6 +168,7 @@ static void *run(void *arg) {
             r->rc = rc;
         } else {
             r->done++;
+            r->launch_ns += launched - j.t_push;
         }
         pthread_cond_broadcast(&r->py);
     }
@@ -170,7 +213,7 @@ int rounds_push(rounds_t *r, uint32_t seq, uint32_t slot, uint32_t n, const uint
         return -1;
     }
     job_t *j = &r->ring[r->pushed % RING];
-    j->seq = seq; j->slot = slot; j->n = n; j->start = start; j->exec = exec;
+    j->seq = seq; j->slot = slot; j->n = n; j->start = start; j->exec = exec; j->t_push = now_ns();
     memcpy(j->expect, expect, sizeof(uint64_t) * (size_t)r->world);
     r->pushed++;
     pthread_cond_broadcast(&r->cv);
@@ -179,11 +222,19 @@ int rounds_push(rounds_t *r, uint32_t seq, uint32_t slot, uint32_t n, const uint
 }
 
 /* Jobs finished so far; when the next one was handed to Python, *why (1 words, 2 late, 3 driver
- * error, *rc its code, 4 handed back undecided), else *why = 0. Waits up to timeout_ns for a change from `seen` finished
- * jobs (and no hand-over) first; called without the interpreter lock. */
-uint64_t rounds_poll(rounds_t *r, uint64_t seen, int64_t timeout_ns, int *why, int *rc) {
+ * error, *rc its code, 4 handed back undecided), else *why = 0. Waits up to timeout_ns first while
+ * nothing was handed over and `seen` jobs are finished (seen = HANDED_ONLY: whatever finished);
+ * called without the interpreter lock. *launch_ns: the launched jobs' summed push-to-launch time. */
+#define HANDED_ONLY UINT64_MAX
+uint64_t rounds_poll(rounds_t *r, uint64_t seen, int64_t timeout_ns, int *why, int *rc, int64_t *launch_ns) {
     pthread_mutex_lock(&r->mu);
-    if (timeout_ns > 0 && r->done == seen && !r->handed && !r->stop) {
+    if (timeout_ns > 0 && seen != HANDED_ONLY && r->done == seen && !r->handed && !r->stop) {
+        /* a caller waiting for room: the next job ends within a launch, sooner than a wake-up */
+        pthread_mutex_unlock(&r->mu);
+        linger(&r->done, seen, &r->stop);
+        pthread_mutex_lock(&r->mu);
+    }
+    if (timeout_ns > 0 && (seen == HANDED_ONLY || r->done == seen) && !r->handed && !r->stop) {
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
         int64_t ns = ts.tv_nsec + timeout_ns;
@@ -194,6 +245,7 @@ uint64_t rounds_poll(rounds_t *r, uint64_t seen, int64_t timeout_ns, int *why, i
     uint64_t done = r->done;
     *why = r->handed ? r->why : 0;
     *rc = r->rc;
+    *launch_ns = r->launch_ns;
     pthread_mutex_unlock(&r->mu);
     return done;
 }

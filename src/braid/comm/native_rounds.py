@@ -20,6 +20,7 @@ log = logging.getLogger("braid")
 
 SOURCE = pathlib.Path(__file__).with_name("_rounds.c")
 _u64, _vp, _i64 = ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int64
+HANDED_ONLY = 2**64 - 1    # poll: wait only for a hand-over (as `_rounds.c` names it)
 _lib = None
 _tried = False
 
@@ -60,7 +61,8 @@ def build() -> ctypes.CDLL | None:
     lib.rounds_push.restype = ctypes.c_int
     lib.rounds_push.argtypes = [_vp, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32, ctypes.POINTER(_u64), _vp, _vp]
     lib.rounds_poll.restype = _u64
-    lib.rounds_poll.argtypes = [_vp, _u64, _i64, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
+    lib.rounds_poll.argtypes = [_vp, _u64, _i64, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int),
+                                ctypes.POINTER(_i64)]
     for name in ("rounds_resume", "rounds_handback", "rounds_clear", "rounds_free"):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = None, [_vp]
@@ -81,7 +83,6 @@ class Launcher:
         if not self._h:
             raise OSError("the native launcher's thread could not start")
         self._expect = arr()
-        self._why, self._rc = ctypes.c_int(0), ctypes.c_int(0)
 
     def push(self, seq: int, slot: int, n: int, expect, start: int, exec_ptr: int) -> bool:
         e = self._expect
@@ -89,11 +90,15 @@ class Launcher:
             e[i] = w
         return self.lib.rounds_push(self._h, seq & 0xFFFFFFFF, slot, n & 0xFFFFFFFF, e, start, exec_ptr) == 0
 
-    def poll(self, seen: int, timeout_s: float) -> tuple[int, int, int]:
-        """(jobs finished, why the next was handed back or 0, its driver error code)."""
-        done = self.lib.rounds_poll(self._h, seen, int(timeout_s * 1e9), ctypes.byref(self._why),
-                                    ctypes.byref(self._rc))
-        return done, self._why.value, self._rc.value
+    def poll(self, seen: int | None, timeout_s: float) -> tuple[int, int, int, int]:
+        """(jobs finished, why the next was handed back or 0, its driver error code, the launched
+        jobs' summed push-to-launch ns), after waiting up to `timeout_s` while nothing was handed
+        back and `seen` jobs are finished (None: while nothing was handed back). Two threads may
+        poll at once (the out-values are each call's own)."""
+        why, rc, ns = ctypes.c_int(0), ctypes.c_int(0), _i64(0)
+        done = self.lib.rounds_poll(self._h, HANDED_ONLY if seen is None else seen, int(timeout_s * 1e9),
+                                    ctypes.byref(why), ctypes.byref(rc), ctypes.byref(ns))
+        return done, why.value, rc.value, ns.value
 
     def resume(self) -> None:
         self.lib.rounds_resume(self._h)

@@ -41,8 +41,10 @@ The native launcher (comm/native_rounds.py, `_rounds.c`, BRAID_DEFER_NATIVE): a 
 front of the Python one, waits for each round, compares the words with those the program was built
 for and launches, never taking the interpreter lock; a round it cannot decide (a word that differs,
 a peer later than HANDOFF_S, a driver error) it hands to the Python thread, which runs that job as
-above while the native thread waits. The Python thread then only books what the native one ran
-(the cache's order of use, the counts). Without a C compiler the Python thread does everything.
+above while the native thread waits. What the native thread ran is booked (out of the queue, the
+cache's order of use, the counts) by the caller when it waits for room or drains the queue, so a
+call back to back needs no switch of the interpreter lock. Without a C compiler the Python thread
+does everything.
 
 Rejected: launching at the caller's next braid call instead of on a thread (a caller that next
 synchronizes its stream would wait forever), and each rank launching on its own word and checking
@@ -137,7 +139,9 @@ class Rounds:
         self._tail = _cuda.event_create()
         self._redo_stream = torch.cuda.Stream(device=self.device)
         self._native = None          # the native launcher (comm/native_rounds.py), if it builds
-        self._pushed = 0
+        self._pushed = 0             # jobs pushed to it
+        self._seen = 0               # ... of which booked here (taken out of the queue)
+        self._native_ns = 0          # its summed push-to-launch time, as far as booked
         if envs.get("BRAID_DEFER_NATIVE"):
             self._native = _launcher(self, comm, fns)
         switch = envs.get("BRAID_DEFER_SWITCH_US") / 1e6
@@ -153,10 +157,25 @@ class Rounds:
         self.raise_error()
         if len(self.queue) < DEFER_DEPTH and not self.missing:
             return
-        with self.cv:
-            while (len(self.queue) >= DEFER_DEPTH or self.missing) and self.error is None:
-                self.cv.wait(0.05)
+        self._settle(lambda: len(self.queue) >= DEFER_DEPTH or self.missing)
         self.raise_error()
+
+    def _settle(self, busy) -> None:
+        """Wait while busy() and no error. The jobs the native launcher finished are booked by
+        the waiting caller itself (polled without the interpreter lock): handing them to the
+        Python thread cost the caller a switch of the lock per call (77-105 us a call back to back
+        against 41-55 without deferral, one H200 shared by 2 ranks, 2026-11-26). A job handed back
+        to Python, and a miss, are the Python thread's; its progress wakes this wait."""
+        while self.error is None and busy():
+            nat = self._native
+            if nat is not None and not self.missing:
+                done, why, _, ns = nat.poll(self._seen, 0.05)
+                self._booked(done, ns)
+                if not why:
+                    continue
+            with self.cv:
+                if self.error is None and busy():
+                    self.cv.wait(0.05)
 
     def start_event(self, caller: int) -> int:
         ev = self._starts[self._next]
@@ -209,9 +228,7 @@ class Rounds:
         if threading.get_ident() == self.ident:
             return
         if self.queue:
-            with self.cv:
-                while self.queue and self.error is None:
-                    self.cv.wait(0.05)
+            self._settle(lambda: bool(self.queue))
         if raising:
             self.raise_error()
 
@@ -253,20 +270,26 @@ class Rounds:
             self.cv.notify_all()
         return True
 
-    def _booked(self, k: int) -> None:
-        """`k` jobs the native launcher ran: out of the queue, with what the Python path would
-        have recorded (the cache's order of use, which every rank keeps alike, and the counts)."""
+    def _booked(self, done: int, launch_ns: int) -> None:
+        """The native launcher has finished `done` jobs (their push-to-launch times summing to
+        `launch_ns`): those not booked yet leave the queue, with what the Python path would have
+        recorded (the cache's order of use, which every rank keeps alike, and the counts). Either
+        thread may book; each job once, in order."""
         comm = self._comm()
         prep = comm._prepared if comm is not None else None
-        now = time.perf_counter()
         with self.cv:
+            k = done - self._seen
+            if k <= 0:
+                return
             for _ in range(min(k, len(self.queue))):
                 job = self.queue.popleft()
                 if prep is not None:
                     prep.get(job.ticket.key)
                     prep.stats["replays"] += 1
-                self.stats["launch_us"] += (now - job.t0) * 1e6
                 self.stats["native"] = self.stats.get("native", 0) + 1
+            self._seen = done
+            self.stats["launch_us"] += (launch_ns - self._native_ns) / 1e3
+            self._native_ns = launch_ns
             self.cv.notify_all()
 
     def _fail(self, exc: BaseException) -> None:
@@ -281,6 +304,7 @@ class Rounds:
             self.missing = False
             if self._native is not None:
                 self._native.clear()
+                self._seen = self._pushed
             self.release()      # before anyone who sees the error looks at the counter
             self.cv.notify_all()
 
@@ -377,15 +401,15 @@ def _launcher(rd: "Rounds", comm, fns):
 
 
 def _run_native(ref) -> None:
-    """The rounds thread beside the native launcher: it books the launcher's finished jobs (the
-    cache's order of use, the counts) and runs in Python each job handed back (a word that
-    differs, a late peer, a driver error), until the communicator closes."""
+    """The rounds thread beside the native launcher: it runs in Python each job handed back (a
+    word that differs, a late peer, a driver error), until the communicator closes. The jobs the
+    launcher finished are booked by the caller when it waits for room or drains
+    (`Rounds._settle`), and here before a handed-back job."""
     me = ref()
     if me is None:
         return
     me.ident = threading.get_ident()
     torch.cuda.set_device(me.device)
-    seen = 0
     del me
     while True:
         me = ref()
@@ -393,11 +417,9 @@ def _run_native(ref) -> None:
             return
         if me._stop and not me.queue:
             return
-        done, why, rc = me._native.poll(seen, 0.05)     # without the interpreter lock
-        if done > seen:
-            me._booked(done - seen)
-            seen = done
+        done, why, rc, ns = me._native.poll(None, 0.05)     # without the interpreter lock
         if why:
+            me._booked(done, ns)        # the jobs before the one handed back
             with me.cv:
                 job = me.queue[0] if me.queue else None
             if job is None:             # nothing of ours left (cleared after an error)
@@ -408,10 +430,10 @@ def _run_native(ref) -> None:
                 ok = me._run_one(job)
                 job = None
                 if not ok:
-                    seen = me._pushed
                     continue
+                with me.cv:
+                    me._seen += 1       # before the launcher counts it: no one books it twice
                 me._native.resume()
-                seen += 1
         del me
 
 
