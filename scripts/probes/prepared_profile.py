@@ -3,7 +3,10 @@
 
     PYTHONPATH=src python3 scripts/probes/prepared_profile.py [--op all_gather] [--nbytes 1048576] [--nproc 4] [--first [--first-only]]
 
-BRAID_WARM=0 leaves out the communicator's warm-up (see comm/prepared.py) for comparison.
+BRAID_WARM=0 leaves out the communicator's warm-up (see comm/prepared.py) for comparison. With
+BRAID_DEFER=1 the deferred call's steps are timed too (comm/rounds.py); --gap-us spins that long
+between calls (as a job's own work would), so a deferred call's cost is the caller's alone, not
+the rounds thread's pace.
 """
 import argparse
 import collections
@@ -99,15 +102,20 @@ def worker(rank, world, port, args):
         C = type(comm)
         for name in ("_run", "_run_call", "_run_prepared", "lanes_for", "shares_for", "_publish", "_check_open",
                      "all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor", "broadcast", "_reduction",
-                     "_reduce_call", "_fast_prepared"):
+                     "_reduce_call", "_fast_prepared", "_deferred"):
             if hasattr(C, name):
                 wrap(C, name)
         for name in ("word_base", "finish_word", "launch", "get"):
             wrap(prepared.PreparedCalls, name)
         for name in ("post_values", "read_values"):
             wrap(node.NodeSegment, name)
-        for name in ("buffer_id", "event_record", "stream_wait_event", "graph_launch"):
+        for name in ("buffer_id", "event_record", "stream_wait_event", "graph_launch", "wait_value"):
             wrap(_cuda, name)
+        if comm._rounds is not None:
+            from braid.comm import native_rounds, rounds
+            for name in ("room", "push", "start_event", "stream_wait"):
+                wrap(rounds.Rounds, name)
+            wrap(native_rounds.Launcher, "push", "Launcher.push")
         prepared._cuda = _cuda
         wrap(exchange, "_capturing", "is_capturing")
         dist.barrier()
@@ -115,12 +123,19 @@ def worker(rank, world, port, args):
         for i in range(args.calls):
             t0 = time.perf_counter_ns()
             fn()
-            total.append(time.perf_counter_ns() - t0)
+            t1 = time.perf_counter_ns()
+            total.append(t1 - t0)
+            while time.perf_counter_ns() - t1 < args.gap_us * 1000:
+                pass
             if args.sync_every and i % args.sync_every == 0:
                 torch.cuda.synchronize()
         torch.cuda.synchronize()
     if rank == 0:
-        print(f"{args.op} {args.nbytes} B: host per call median {statistics.median(total) / 1e3:.1f} us, "
+        st = comm._prepared.stats
+        if st.get("deferred"):
+            print(f"deferred {st['deferred']}, native {st.get('native', 0)}, post to launch "
+                  f"{st['launch_us'] / st['deferred']:.1f} us per deferred call")
+        print(f"{args.op} {args.nbytes} B, gap {args.gap_us} us: host per call median {statistics.median(total) / 1e3:.1f} us, "
               f"mean {statistics.mean(total) / 1e3:.1f} us (wrapped: each wrapper adds ~0.3 us)")
         for k, v in sorted(acc.items(), key=lambda kv: -kv[1]):
             print(f"  {k:45s} {v / cnt[k] / 1e3:8.2f} us per call x {cnt[k] / args.calls:.1f}")
@@ -144,6 +159,7 @@ if __name__ == "__main__":
     ap.add_argument("--nbytes", type=int, default=1 << 20)
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--sync-every", type=int, default=0)
+    ap.add_argument("--gap-us", type=int, default=0, help="spin this long between calls")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--first", action="store_true", help="profile the shape's first call (cProfile) before timing repeats")
     ap.add_argument("--first-only", action="store_true", help="with --first: stop after the first calls")
