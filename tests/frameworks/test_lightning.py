@@ -2,7 +2,8 @@
 (gloo on CPU; NCCL with BRAID_FW_DEVICE=cuda, tests/frameworks/_fw.py).
 
 The only change a Lightning user makes: `import braid` and
-`Trainer(strategy=DDPStrategy(process_group_backend="braid"))`.
+`Trainer(strategy=DDPStrategy(process_group_backend="braid"))` (or `FSDPStrategy(...)`, on GPUs:
+torch's FSDP needs an accelerator and Lightning gives it none on CPU).
 
 The run trains a small regression MLP for 2 epochs with a validation loop after each, logs the
 training loss per step and per epoch and the validation loss and sample count per epoch, all
@@ -28,7 +29,7 @@ WORLD = 2
 EPOCHS = 2
 
 
-def _worker(rank: int, w: int, ports: list[int], logdir: str) -> dict:
+def _worker(rank: int, w: int, ports: list[int], logdir: str, strategy: str = "ddp") -> dict:
     import warnings
 
     import torch
@@ -36,7 +37,7 @@ def _worker(rank: int, w: int, ports: list[int], logdir: str) -> dict:
     import braid  # noqa: F401  registers the backend "braid"
     import lightning as L
     from lightning.pytorch.loggers.logger import Logger
-    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
     from torch.utils.data import DataLoader, TensorDataset
 
     warnings.filterwarnings("ignore")
@@ -97,15 +98,22 @@ def _worker(rank: int, w: int, ports: list[int], logdir: str) -> dict:
         model = Regressor()
         rec = Recorder()
         devices, nodes = layout(w)
-        trainer = L.Trainer(accelerator=DEVICE, devices=devices, num_nodes=nodes,
-                            strategy=DDPStrategy(process_group_backend=backend),
+        strat = (DDPStrategy(process_group_backend=backend) if strategy == "ddp" else
+                 FSDPStrategy(process_group_backend=backend, state_dict_type="full"))
+        trainer = L.Trainer(accelerator=DEVICE, devices=devices, num_nodes=nodes, strategy=strat,
                             max_epochs=EPOCHS, logger=rec, log_every_n_steps=1, num_sanity_val_steps=0,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             deterministic=True, default_root_dir=os.path.join(logdir, backend))
         trainer.fit(model, train, val)
-        res = {"weights": encode_state(model.state_dict()), "logged": list(rec.rows), "braid": braid_paths(),
+        # FSDP: the whole weights, gathered to rank 0 (rank 1 gets none), as a checkpoint saves them
+        state = model.state_dict() if strategy == "ddp" else trainer.strategy.lightning_module_state_dict()
+        res = {"weights": encode_state(state), "logged": list(rec.rows), "braid": braid_paths(),
                "callback_metrics": {k: float(v) for k, v in sorted(trainer.callback_metrics.items())}}
         model.seen.clear()
+        if strategy != "ddp":
+            out[backend] = dict(res, backend=dist.get_backend())
+            dist.destroy_process_group()
+            continue
         try:
             validated = trainer.validate(model, val, verbose=False)   # inference_mode where not gloo
             res["validate"] = [{k: float(v) for k, v in sorted(d.items())} for d in validated]
@@ -175,3 +183,36 @@ def test_trainer_validate_on_the_reference(runs):
     for r, res in enumerate(runs):
         assert res[REF]["validate_inference_mode"] is (REF != "gloo"), r
         assert res[REF]["validate"][0]["val_n"] == 50.0, res[REF]["validate"]
+
+
+# FSDP (torch's FullyShardedDataParallel through Lightning's FSDPStrategy): GPUs only
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    require("lightning")
+    if DEVICE != "cuda":
+        pytest.skip("Lightning's FSDP strategy needs a GPU (torch's FSDP needs an accelerator; "
+                    "Lightning passes it no device on CPU): BRAID_FW_DEVICE=cuda runs it")
+    logdir = str(tmp_path_factory.mktemp("lightning_fsdp"))
+    out = run_world(_worker, WORLD, free_ports(len(BACKENDS)), logdir, "fsdp", init_pg=False, env=FW_ENV,
+                    timeout=240)
+    report_paths("Lightning FSDP", out)
+    return out
+
+
+def test_fsdp_runs_on_braid(fsdp_runs):
+    for r, res in enumerate(fsdp_runs):
+        assert res["braid"]["backend"] == "braid" and res[REF]["backend"] == REF, r
+        assert res["braid"]["braid"]["built"] > 0, f"rank {r}: no call took braid's split path: {res['braid']['braid']}"
+
+
+def test_fsdp_final_weights_equal_reference(fsdp_runs):
+    assert fsdp_runs[0]["braid"]["weights"], "rank 0 got no gathered weights"
+    for r, res in enumerate(fsdp_runs):
+        assert_same_tensors(res["braid"]["weights"], res[REF]["weights"], f"rank {r}: braid vs {REF} FSDP weights")
+
+
+def test_fsdp_logged_metrics_equal_reference(fsdp_runs):
+    for r, res in enumerate(fsdp_runs):
+        assert res["braid"]["logged"] == res[REF]["logged"], f"rank {r}: logged metrics differ"
+        assert res["braid"]["callback_metrics"] == res[REF]["callback_metrics"], r
+    assert [row["val_n"] for _, row in fsdp_runs[0]["braid"]["logged"] if "val_n" in row] == [50.0] * EPOCHS
