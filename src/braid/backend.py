@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from .backend_work import (_OP_OF, BraidWork, _AnySourceWork, _coalescing, _detached, _done, _finished,  # noqa: F401
-                           _make_nccl, _method, _QueuedWork, _record_begin, _record_end, _tensors_in, profiler_on)
+                           _make_nccl, _method, _QueuedWork, _record_begin, _record_end, _tensors_in, _together,
+                           profiler_on)
 from .collectives.reduce import REDUCE_DTYPES, PremulSum, check_reduce_dtype, divide, op_name, reduce_factor
 
 NAME = "braid"
@@ -435,6 +436,22 @@ class BraidProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single(self, output, input, opts=None):      # torch >= 2.13
         return self._reduce_scatter_single("reduce_scatter_single", output, input, opts)
 
+    # torch's coalesced forms: the functional collectives (DTensor's redistribution, the whole
+    # state dict of an FSDP2 model, tensor parallelism, compiled collectives) call these with one
+    # pair or several; gloo's and NCCL's backend objects do not offer them to a Python group, so
+    # each pair goes through the single call, and one Work waits for all of them
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        return _together([self._all_gather_single("_allgather_base", o, i, opts) for o, i in zip(outputs, inputs)],
+                         outputs)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced       # torch >= 2.13's name
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        return _together([self._reduce_scatter_single("_reduce_scatter_base", o, i, opts)
+                          for o, i in zip(outputs, inputs)], outputs)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced   # torch >= 2.13's name
+
     def _all_to_all_single(self, name, output, input, output_split_sizes, input_split_sizes, opts):
         if profiler_on() and not self._recording:
             return self._recorded("all_to_all", [input], self._all_to_all_single, name, output, input,
@@ -655,8 +672,6 @@ class BraidProcessGroup(dist.ProcessGroup):
 _FORWARDED = {"gather": ("gather", 1), "scatter": ("scatter", 1), "alltoall": ("all_to_all", 1),
               "allreduce_coalesced": ("all_reduce_coalesced", 0),
               "allgather_coalesced": ("all_gather_coalesced", 1),
-              "allgather_into_tensor_coalesced": ("all_gather_into_tensor_coalesced", 1),
-              "reduce_scatter_tensor_coalesced": ("reduce_scatter_tensor_coalesced", 1),
               "monitored_barrier": ("monitored_barrier", None)}
 
 

@@ -359,6 +359,11 @@ def run_in_subprocess(backend: str, device: str, names: list[str], variant: str 
     with tempfile.TemporaryDirectory(prefix="braid-conformance-") as tmp:
         out = os.path.join(tmp, "report.json")
         env = {k: v for k, v in os.environ.items() if k != "CI"}   # torch's CI-only behaviour off
+        # the worker runs in a folder of its own: a relative PYTHONPATH (PYTHONPATH=src) would
+        # lose braid there, and every test would fail with "the worker exited with 1"
+        if env.get("PYTHONPATH"):
+            env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else p
+                                                for p in env["PYTHONPATH"].split(os.pathsep))
         env["BRAID_CONFORMANCE_WORKER"] = json.dumps({"backend": backend, "device": device,
                                                       "timeout": timeout, "variant": variant,
                                                       "profiler_checks": profiler_checks})
