@@ -45,9 +45,7 @@ def _gpu_worker(rank, w, scenario, faulty, fault_at, survivors, folder):
 @needs(2)
 @pytest.mark.parametrize("scenario", [
     "kill", "exit0", "raise", "skip", "dtype", "dtype_whole", "boundary", "abort_async", "kill_nodes",
-    pytest.param("raise_nodes", marks=pytest.mark.xfail(strict=False, reason=(
-        "one shared H200 (2026-11-26): two survivors ended by braid 15 s after the fault (at the "
-        "bound), the third still in the rail all_gather of another node when the world was ended"))),
+    "raise_nodes",
     "dtype_nodes",
 ])
 def test_gpu_survivors_raise_in_time(scenario, capsys):

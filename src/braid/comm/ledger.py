@@ -26,18 +26,29 @@ class _Watchdog:
     process is alive. A peer that exited or aborted marks this communicator broken (the next call
     raises), and on GPUs releases every stream wait on the node's counters and aborts the NCCL
     communicators a call of this rank could be blocked in (so no GPU stream, and no rank inside
-    NCCL, waits forever for a dead or failed peer)."""
+    NCCL, waits forever for a dead or failed peer).
+
+    On GPUs it also gives up on a peer that stays behind: a call NCCL takes whole posts nothing
+    in the segment, so a rank that made it waits on its GPU (and its host in the next sync) for a
+    peer that may never come (one that raised in its own code, say, and lives on). A peer whose
+    published count of calls stays below this rank's for BRAID_TIMEOUT_S is late, as a peer that
+    does not post its word in time is (`late_peer`); this rank then gives up with a
+    BraidTimeoutError that names the peer, which releases every rank of the node (and, through
+    comm/hier.py, of every node)."""
 
     PERIOD_S = 0.2
 
     def __init__(self, segment: NodeSegment, rank: int, world_size: int, cuda: bool, status, on_peer_abort,
-                 overdue=None):
+                 overdue=None, late_after: float | None = None):
         import threading
         self.failed = ""
         self._stop = threading.Event()
         self._segment, self._rank, self._world, self._cuda = segment, rank, world_size, cuda
         self._status, self._on_peer_abort = status, on_peer_abort
         self._overdue = overdue         # this rank's own reason to give up (a send nobody receives), or ""
+        # GPUs: seconds a peer may stay behind this rank's count of calls (None: no such check)
+        self._late_after = late_after if late_after is not None else (envs.get("BRAID_TIMEOUT_S") if cuda else None)
+        self._behind: dict[int, tuple[int, float]] = {}     # peer -> (its count, since when)
         self._thread = threading.Thread(target=self._run, name="braid-watchdog", daemon=True)
         self._thread.start()
 
@@ -72,6 +83,8 @@ class _Watchdog:
         if hit is not None:
             return f"rank {hit[0]} aborted: {hit[2]}"
         why = self._overdue() if self._overdue is not None else ""
+        if not why and self._late_after is not None and ticks % 5 == 0:
+            why = self.late_peer(st[0], time.monotonic())
         if why:
             self._segment.mark_aborted(2, f"BraidTimeoutError: {why}")     # the peers raise too
             return why
@@ -82,6 +95,29 @@ class _Watchdog:
                         self._segment.check_alive(peer)
                     except LaneFailureError as exc:
                         return str(exc)
+        return ""
+
+    def late_peer(self, mine: int, now: float) -> str:
+        """Why a peer counts as late (its published count of calls stayed below `mine` for
+        `late_after` seconds up to `now`), or ""."""
+        for peer in range(self._world):
+            if peer == self._rank:
+                continue
+            st = self._segment.status(peer)
+            theirs = st["calls"] if st is not None else 0
+            if theirs >= mine:
+                self._behind.pop(peer, None)
+                continue
+            seen = self._behind.get(peer)
+            if seen is None or seen[0] != theirs:
+                self._behind[peer] = (theirs, now)
+            elif now - seen[1] > self._late_after:
+                latest = (f"its latest is call #{theirs}, {st['op']} of {st['nbytes']} bytes of {st['dtype']}"
+                          if st is not None and theirs else "it has made no call yet")
+                return (f"rank {peer} has not made call #{theirs + 1} for {now - seen[1]:.0f} s while rank "
+                        f"{self._rank} made {mine} calls ({latest}); a call NCCL takes whole waits on the GPU "
+                        f"for every rank. Check that every rank makes the same calls in the same order "
+                        f"(BRAID_TIMEOUT_S to change the limit)")
         return ""
 
     def stop(self) -> None:
