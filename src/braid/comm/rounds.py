@@ -163,9 +163,8 @@ class Rounds:
     def _settle(self, busy) -> None:
         """Wait while busy() and no error. The jobs the native launcher finished are booked by
         the waiting caller itself (polled without the interpreter lock): handing them to the
-        Python thread cost the caller a switch of the lock per call (77-105 us a call back to back
-        against 41-55 without deferral, one H200 shared by 2 ranks, 2026-11-26). A job handed back
-        to Python, and a miss, are the Python thread's; its progress wakes this wait."""
+        Python thread cost the caller a switch of the lock per call. A job handed back to Python,
+        and a miss, are the Python thread's; its progress wakes this wait."""
         while self.error is None and busy():
             nat = self._native
             if nat is not None and not self.missing:
