@@ -12,6 +12,8 @@ import threading
 import torch
 import torch.distributed as dist
 
+from .executor import Works
+
 log = logging.getLogger("braid")
 
 
@@ -190,25 +192,10 @@ class _AnySourceWork(BraidWork):
         return self._source
 
 
-class _Together:
-    """The handle of several calls made as one (torch's coalesced forms): waiting for it waits
-    for each (on GPUs the current stream waits, no CPU block)."""
-
-    def __init__(self, works):
-        self.works = works
-
-    def wait(self, timeout=None) -> bool:
-        for w in self.works:
-            w.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
-
-
 def _together(works: list, result) -> BraidWork:
-    """One Work for `works`, its result the tensors `result`."""
-    return BraidWork(_Together(works), list(result)) if works else _done(list(result))
+    """One Work for `works` (torch's coalesced forms run pair by pair), its result the tensors
+    `result`."""
+    return BraidWork(Works(works), list(result)) if works else _done(list(result))
 
 
 def _coalescing(fn, dev):

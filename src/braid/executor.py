@@ -99,6 +99,23 @@ def comm_device_is_cuda(inp, outs) -> bool:
     return False
 
 
+class Works:
+    """Several waitables as one (torch Works, braid handles): waiting waits for each (on GPUs the
+    current stream waits, no CPU block), and it is complete once each is. A native
+    batch_isend_irecv's Works, torch's coalesced forms run pair by pair."""
+
+    def __init__(self, works):
+        self.works = list(works or [])
+
+    def wait(self, timeout=None) -> bool:
+        for wk in self.works:
+            wk.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(wk.is_completed() for wk in self.works)
+
+
 def as_handle(work, lane: str) -> Handle:
     handle = work if isinstance(work, Handle) else Handle(native=work)
     handle.native_lane = lane

@@ -13,26 +13,11 @@ import torch.distributed as dist
 
 from ..collectives import check_rank, input_bytes, output_bytes
 from ..errors import MisuseError
-from ..executor import Handle, as_handle, execute
+from ..executor import Handle, Works, as_handle, execute
 from ..planner.plan import p2p_movement
 from .pairs import PendingP2P, ticket_key
 
 log = logging.getLogger("braid")
-
-
-class _Works:
-    """Several torch Works as one (a native batch_isend_irecv)."""
-
-    def __init__(self, works):
-        self.works = list(works or [])
-
-    def wait(self, timeout=None) -> bool:
-        for wk in self.works:
-            wk.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return all(wk.is_completed() for wk in self.works)
 
 
 def _adjacent(views: list[torch.Tensor], dev: torch.device) -> torch.Tensor | None:
@@ -118,7 +103,7 @@ class PointToPoint:
 
         def native(g):
             ops = [dist.P2POp(dist.isend if snd else dist.irecv, t, group=g, group_peer=p) for snd, t, p in items if t.numel()]
-            return _Works(dist.batch_isend_irecv(ops) if ops else [])
+            return Works(dist.batch_isend_irecv(ops) if ops else [])
 
         def multi(descs, shares, plan1, agreed):
             """A share-based split moves one buffer per rank: only when every rank has one."""
