@@ -127,6 +127,17 @@ def steer_to_copy_engines(world: int) -> None:
     Communicator.__init__ = init
 
 
+def end_accelerate_run() -> None:
+    """After a job that went through accelerate: forget its process-wide state and destroy the
+    process group, so that the next backend's run starts as a fresh process would."""
+    import torch.distributed as dist
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+    dist.destroy_process_group()
+
+
 def layout(world: int) -> tuple[int, int]:
     """(devices per node, nodes) for a framework's trainer, as `rank_env` set them."""
     n = int(os.environ.get("LOCAL_WORLD_SIZE", world))

@@ -24,7 +24,7 @@ import pytest
 
 from conftest import run_world
 from _fw import (BACKENDS, DEVICE, FW_ENV, REF, assert_same_tensors, braid_paths, encode, encode_state,
-                 free_ports, rank_env, report_paths, require)
+                 end_accelerate_run, free_ports, rank_env, report_paths, require)
 
 WORLD = 2
 EPOCHS = 2
@@ -38,7 +38,6 @@ def _worker(rank: int, w: int, ports: list[int], workdir: str) -> dict:
     import torch.distributed as dist
     import braid  # noqa: F401  registers the backend "braid"
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState, PartialState
     from accelerate.utils import set_seed
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -110,10 +109,7 @@ def _worker(rank: int, w: int, ports: list[int], workdir: str) -> dict:
         res["braid"] = braid_paths()
         out[backend] = res
         acc.wait_for_everyone()
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-        PartialState._reset_state()
-        dist.destroy_process_group()
+        end_accelerate_run()
     return out
 
 

@@ -22,8 +22,8 @@ import os
 import pytest
 
 from conftest import run_world
-from _fw import (BACKENDS, DEVICE, FW_ENV, REF, assert_same_tensors, braid_paths, encode_state, free_ports,
-                 rank_env, report_paths, require)
+from _fw import (BACKENDS, DEVICE, FW_ENV, REF, assert_same_tensors, braid_paths, encode_state, end_accelerate_run,
+                 free_ports, rank_env, report_paths, require)
 
 WORLD = 2
 N_TRAIN, N_EVAL, SEQ, VOCAB = 64, 21, 16, 61
@@ -40,7 +40,6 @@ def _worker(rank: int, w: int, ports: list[int], workdir: str) -> dict:
     import torch.distributed as dist
     import braid  # noqa: F401  registers the backend "braid"
     import transformers
-    from accelerate.state import AcceleratorState, GradientState, PartialState
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     warnings.filterwarnings("ignore")
@@ -94,10 +93,7 @@ def _worker(rank: int, w: int, ports: list[int], workdir: str) -> dict:
             "predict_shape": list(np.asarray(pred.predictions).shape),
             "weights": encode_state(trainer.model.state_dict()), "braid": braid_paths(),
         }
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-        PartialState._reset_state()
-        dist.destroy_process_group()
+        end_accelerate_run()
     return out
 
 
