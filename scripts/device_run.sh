@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run on a GPU machine: environment, GPU tests, bench. Usage: bash scripts/device_run.sh STEP...
-# Steps: info | tests | guard | frameworks | bench2 | bench4 | ab2 | ab4 | work2 | work4 | workab2 | hot4 | trace2 | trace4 | first2 | first4 | conformance |
-#        hier2 | moe2 | fsdp2 | pack
+# Steps: info | tests | guard | faults | frameworks | bench2 | bench4 | ab2 | ab4 | work2 | work4 | workab2 | hot4 | trace2 | trace4 | first2 |
+#        first4 | conformance | hier2 | moe2 | fsdp2 | pack
 # Logs and JSON go to $LOGS (default $OUT); `pack` tars $LOGS into $OUT/run.tgz (one file to copy
 # back). bench: BENCH_OP, BENCH_SIZES, BENCH_FACTOR, BENCH_EXTRA (more flags),
 # BENCH_TAG (file-name suffix, default the op). work: WORK (default all), WORK_EXTRA, WORK_TAG.
@@ -23,6 +23,10 @@ for step in "$@"; do
             tests/gpu/test_gpu_prepared.py tests/gpu/test_gpu_prepared_p2p.py tests/gpu/test_gpu_backend.py \
             tests/gpu/test_gpu_collectives.py tests/gpu/test_gpu_uneven_a2a.py tests/gpu/test_gpu_fuzz.py::test_gpu_fuzz \
             2>&1 | tee "$LOGS/gpu_guard.log" | tail -30 ;;
+    # every GPU fault scenario (a peer killed, exiting, raising, skipping, a mismatch, an abort, two
+    # pretend nodes): every survivor raises a braid error or is ended by braid in time, ~100 s
+    faults) timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -s -rfEx tests/gpu/test_gpu_faults.py 2>&1 \
+            | tee "$LOGS/gpu_faults.log" | grep -E "^gpu fault|^  rank|passed|failed" ;;
     bench4|bench2) n=${step#bench}; op=${BENCH_OP:-all}; tag=${BENCH_TAG:-$op};
           timeout ${BENCH_TIMEOUT:-240} python3 -m braid bench --op $op --nproc $n --sizes ${BENCH_SIZES:-1M:1G} --factor ${BENCH_FACTOR:-4} --plain \
             ${BENCH_EXTRA:-} --json "$LOGS/bench_x${n}_$tag.json" 2>&1 | grep -v Warning | tee "$LOGS/bench${n}_$tag.log" ;;
