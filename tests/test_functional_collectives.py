@@ -3,8 +3,9 @@ state dict, tensor parallelism and compiled code call them, and for a Python pro
 reach its coalesced methods (`allgather_into_tensor_coalesced`, `reduce_scatter_tensor_coalesced`),
 which gloo's and NCCL's backend objects do not offer. Checked against references built from every
 rank's seeded data (no zeros, odd sizes, several dtypes); a small FSDP2 model trained on braid and
-on gloo must give the same whole state dict bit for bit; and a step of collectives compiled with
-torch.compile (which traces dist.* into functional collectives) must give eager's bits.
+on gloo must give the same whole state dict bit for bit; a step of collectives compiled with
+torch.compile (which traces dist.* into functional collectives) must give eager's bits; and DTensor
+over a 2 x 2 mesh made on braid's default group (subgroups for its dimensions) gives back its data.
 """
 from __future__ import annotations
 
@@ -149,3 +150,33 @@ def test_compiled_collectives_match_eager_and_reference():
     coalesced methods): the compiled step gives eager's bits and the reference's."""
     for rank, wrong in enumerate(run_world(_compiled_worker, 2, env=ENV, init_pg=False, timeout=240)):
         assert not wrong, f"rank {rank}: compiled results wrong at sizes {wrong}"
+
+
+def _mesh_worker(rank: int, w: int) -> list:
+    import torch.distributed as dist
+    import braid  # noqa: F401
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("braid", rank=rank, world_size=w)
+    mesh = init_device_mesh("cpu", (2, w // 2), mesh_dim_names=("dp", "tp"))
+    wrong = []
+    for k, (rows, cols) in enumerate(((4, 6), (10, 14), (34, 18))):
+        x = _data(("mesh", k), rows * cols, torch.float32).view(rows, cols)     # the same on every rank
+        d = distribute_tensor(x, mesh, [Shard(0), Shard(1)])
+        if not torch.equal(d.redistribute(mesh, [Replicate(), Replicate()]).to_local(), x):
+            wrong.append(f"gather back {rows}x{cols}")
+        t = distribute_tensor(x, mesh, [Replicate(), Shard(0)])
+        if float((t * 3).sum().full_tensor()) != float(x.double().sum() * 3):
+            wrong.append(f"sum {rows}x{cols}")
+        if not torch.equal(d.redistribute(mesh, [Shard(1), Shard(0)]).full_tensor(), x):
+            wrong.append(f"reshard {rows}x{cols}")
+    dist.destroy_process_group()
+    return wrong
+
+
+def test_dtensor_on_a_two_dimensional_mesh():
+    """DTensor over a 2 x 2 mesh made on braid's default group (its dimensions are subgroups):
+    gathering, a reduction and a change of sharding give back the tensor every rank started from."""
+    for rank, wrong in enumerate(run_world(_mesh_worker, 4, env=ENV, init_pg=False, timeout=240)):
+        assert not wrong, f"rank {rank}: {wrong}"
