@@ -168,12 +168,15 @@ def _us(v: float) -> str:
 
 
 def split_calls_line(sc: dict) -> str:
-    """One line of the prepared-call counters of rank 0 (`comm._prepared.stats`): how many split
-    calls were built, replayed, deferred, rebuilt off the caller's thread, launched natively, and
-    the mean round of words per hit and post-to-launch time per deferred call."""
+    """One line of the prepared-call counters of rank 0 (`comm._prepared.stats`, those above 0):
+    how many split calls were built, replayed, deferred, rebuilt off the caller's thread, launched
+    natively, and the mean round of words per hit (GPU calls that replay a graph) and
+    post-to-launch time per deferred call."""
     return ("braid's split calls (rank 0): "
-            + ", ".join(f"{k} {v}" for k, v in sc.items() if k not in ("round_us", "launch_us"))
-            + (f", round of words {sc['round_us'] / sc['hits']:.1f} us per hit" if sc.get("hits") else "")
+            + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in sc.items()
+                        if v and k not in ("round_us", "launch_us"))
+            + (f", round of words {sc['round_us'] / sc['hits']:.1f} us per hit"
+               if sc.get("hits") and sc.get("round_us") else "")
             + (f", post to launch {sc['launch_us'] / sc['deferred']:.1f} us per deferred call"
                if sc.get("deferred") else ""))
 
