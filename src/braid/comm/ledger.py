@@ -39,7 +39,7 @@ class _Watchdog:
     PERIOD_S = 0.2
 
     def __init__(self, segment: NodeSegment, rank: int, world_size: int, cuda: bool, status, on_peer_abort,
-                 overdue=None, late_after: float | None = None):
+                 overdue=None):
         import threading
         self.failed = ""
         self._stop = threading.Event()
@@ -47,7 +47,7 @@ class _Watchdog:
         self._status, self._on_peer_abort = status, on_peer_abort
         self._overdue = overdue         # this rank's own reason to give up (a send nobody receives), or ""
         # GPUs: seconds a peer may stay behind this rank's count of calls (None: no such check)
-        self._late_after = late_after if late_after is not None else (envs.get("BRAID_TIMEOUT_S") if cuda else None)
+        self._late_after = envs.get("BRAID_TIMEOUT_S") if cuda else None
         self._behind: dict[int, tuple[int, float]] = {}     # peer -> (its count, since when)
         self._thread = threading.Thread(target=self._run, name="braid-watchdog", daemon=True)
         self._thread.start()
@@ -99,7 +99,7 @@ class _Watchdog:
 
     def late_peer(self, mine: int, now: float) -> str:
         """Why a peer counts as late (its published count of calls stayed below `mine` for
-        `late_after` seconds up to `now`), or ""."""
+        BRAID_TIMEOUT_S seconds up to `now`), or ""."""
         for peer in range(self._world):
             if peer == self._rank:
                 continue

@@ -399,17 +399,24 @@ def _launcher(rd: "Rounds", comm, fns):
         return None
 
 
+def _started(ref) -> bool:
+    """A rounds thread's start: it keeps its id and takes the communicator's device; False when
+    the Rounds is gone already."""
+    me = ref()
+    if me is None:
+        return False
+    me.ident = threading.get_ident()
+    torch.cuda.set_device(me.device)
+    return True
+
+
 def _run_native(ref) -> None:
     """The rounds thread beside the native launcher: it runs in Python each job handed back (a
     word that differs, a late peer, a driver error), until the communicator closes. The jobs the
     launcher finished are booked by the caller when it waits for room or drains
     (`Rounds._settle`), and here before a handed-back job."""
-    me = ref()
-    if me is None:
+    if not _started(ref):
         return
-    me.ident = threading.get_ident()
-    torch.cuda.set_device(me.device)
-    del me
     while True:
         me = ref()
         if me is None or me._native is None:
@@ -438,12 +445,8 @@ def _run_native(ref) -> None:
 
 def _run(ref) -> None:
     """The rounds thread: jobs in call order until the communicator closes."""
-    me = ref()
-    if me is None:
+    if not _started(ref):
         return
-    me.ident = threading.get_ident()
-    torch.cuda.set_device(me.device)
-    del me
     while True:
         me = ref()
         if me is None:
