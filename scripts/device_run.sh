@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run on a GPU machine: environment, GPU tests, bench. Usage: bash scripts/device_run.sh STEP...
 # Steps: info | tests | guard | faults | frameworks | bench2 | bench4 | ab2 | ab4 | work2 | work4 | workab2 | hot4 | trace2 | trace4 | first2 |
-#        first4 | conformance | hier2 | moe2 | fsdp2 | pack
+#        first4 | conformance | hier2 | moe2 | fsdp2 | cpuab | pack
 # Logs and JSON go to $LOGS (default $OUT); `pack` tars $LOGS into $OUT/run.tgz (one file to copy
 # back). bench: BENCH_OP, BENCH_SIZES, BENCH_FACTOR, BENCH_EXTRA (more flags),
 # BENCH_TAG (file-name suffix, default the op). work: WORK (default all), WORK_EXTRA, WORK_TAG.
@@ -37,6 +37,15 @@ for step in "$@"; do
             env $e timeout ${BENCH_TIMEOUT:-120} python3 -m braid bench --op ${BENCH_OP:-all_reduce} --nproc $n --sizes ${BENCH_SIZES:-4M:64M} \
               --factor ${BENCH_FACTOR:-4} --plain ${BENCH_EXTRA:---shares ce=1 --no-calibrate} --json "$LOGS/ab${n}_$i.json" 2>&1 \
               | grep -v Warning | tee -a "$LOGS/ab$n.log" | grep -E "^ +[0-9]+ |host per call" ; done; done ;;
+    # CPU collectives against gloo under several settings in turn, at each of CPU_RANKS (AB_ENVS and
+    # AB_ROUNDS as for ab2), one JSON per run; CPU_TESTS=1 runs the CPU tests of the segment path first
+    cpuab) [ "${CPU_TESTS:-0}" = 1 ] && timeout 300 python3 -m pytest -q tests/test_cpu_native.py tests/test_cpu_shm.py 2>&1 \
+            | tee "$LOGS/cpu_tests.log" | tail -3;
+          i=0; for n in ${CPU_RANKS:-4 8}; do for r in $(seq ${AB_ROUNDS:-1}); do IFS=';' read -ra sets <<< "${AB_ENVS:-BRAID_CPU_NATIVE=1;BRAID_CPU_NATIVE=0}";
+          for e in "${sets[@]}"; do i=$((i+1)); echo "--- $i: $n ranks, $e" | tee -a "$LOGS/cpuab.log";
+            env $e timeout ${BENCH_TIMEOUT:-150} python3 -m braid bench --cpu --op ${BENCH_OP:-all_reduce} --nproc $n \
+              --sizes ${BENCH_SIZES:-64K:64M} --factor ${BENCH_FACTOR:-4} --plain ${BENCH_EXTRA:-} --json "$LOGS/cpu_n${n}_$i.json" 2>&1 \
+              | grep -v Warning | tee -a "$LOGS/cpuab.log" | grep -E "^ +[0-9]+ |host per call|copy ceiling" ; done; done; done ;;
     # training steps under several settings in turn (AB_ENVS as for ab2, AB_ROUNDS rounds), one JSON per run
     workab2) i=0; for r in $(seq ${AB_ROUNDS:-1}); do IFS=';' read -ra sets <<< "${AB_ENVS:-BRAID_DEFER=1;BRAID_DEFER=0}";
           for e in "${sets[@]}"; do i=$((i+1)); echo "--- $i: $e" | tee -a "$LOGS/workab2.log";

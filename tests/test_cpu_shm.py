@@ -171,7 +171,7 @@ def _ops_worker(rank, w):
 @pytest.mark.parametrize("w", [2, 3, 4])
 def test_every_op_dtype_and_reduction(w):
     for bad in run_world(_ops_worker, w, timeout=300):
-        assert bad == []
+        assert bad == [], bad
 
 
 def _eight_worker(rank, w):
@@ -194,7 +194,7 @@ def _eight_worker(rank, w):
 
 def test_eight_ranks():
     for bad in run_world(_eight_worker, 8, timeout=300):
-        assert bad == []
+        assert bad == [], bad
 
 
 def _mismatch_worker(rank, w):
@@ -340,7 +340,7 @@ def _backend_worker(rank, w):
 
 def test_under_the_braid_backend():
     for bad in run_world(_backend_worker, 3, init_pg=False):
-        assert bad == []
+        assert bad == [], bad
 
 
 def _a2av_worker(rank, w):
@@ -387,11 +387,11 @@ def _a2av_worker(rank, w):
 @pytest.mark.parametrize("w", [2, 3])
 def test_uneven_all_to_all(w):
     for bad in run_world(_a2av_worker, w, timeout=300):
-        assert bad == []
+        assert bad == [], bad
 
 
 def test_rounds_smaller_than_the_call():
     """BRAID_CPU_ROUND_KB cuts all_reduce and reduce_scatter into many rounds: every op, dtype and
     reduction still right, and the same bits on every rank."""
     for bad in run_world(_ops_worker, 3, env={"BRAID_CPU_ROUND_KB": "4"}, timeout=300):
-        assert bad == []
+        assert bad == [], bad

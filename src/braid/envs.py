@@ -105,6 +105,17 @@ def _nonneg_int(text: str) -> int:
     return value
 
 
+_define("BRAID_CPU_NATIVE", _bool, True,
+        "1 (default): a CPU communicator's all_reduce of 256 KiB and more runs in native threads "
+        "(comm/_cpucoll.c, compiled with the system's C compiler on first use into BRAID_CACHE_DIR) for "
+        "float32, float64, bfloat16, float16, int32 and int64 sums, averages, minima, maxima and products; "
+        "0: rounds in Python for every all_reduce.")
+_define("BRAID_CPU_THREADS", _nonneg_int, 0,
+        "Threads per rank of the native CPU all_reduce (the ranks take the least any of them asks); "
+        "0: torch's intra-op threads, at most this process's cores divided by the ranks.")
+_define("BRAID_CPU_CHUNK_KB", _positive_int, 256,
+        "Native CPU all_reduce: KiB of data per rank and chunk of a thread's stripe (small enough to "
+        "stay in the caches between a rank's copy in and the others' reduction).")
 _define("BRAID_CPU_ROUND_KB", _nonneg_int, 0,
         "CPU tensors through the node segment: data per rank in one round of all_reduce and "
         "reduce_scatter, in KiB (smaller rounds keep a round's data in the CPU's caches between "

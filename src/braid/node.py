@@ -90,7 +90,8 @@ class RingGeometry:
 class Layout:
     """Where everything lives in the segment, computed identically on every rank."""
 
-    def __init__(self, world_size: int, host_buffer_bytes: int, chunk_bytes: int, relay_buffer_bytes: int = 0):
+    def __init__(self, world_size: int, host_buffer_bytes: int, chunk_bytes: int, relay_buffer_bytes: int = 0,
+                 cpu_area_bytes: int = 0):
         n = world_size
         self.world_size = n
         # abort() pushes every counter before `pid`; `pid` and the abort flags after it stay
@@ -112,7 +113,9 @@ class Layout:
                  ("pid", n), ("abort", n),
                  # whole CPU send/recv (comm/cpup2p.py), bytes per ordered pair: after `abort`, so
                  # that an abort, which pushes every counter before `pid`, never reads as data
-                 ("p2p_written", n * n), ("p2p_taken", n * n)]
+                 ("p2p_written", n * n), ("p2p_taken", n * n),
+                 # the native CPU all_reduce (comm/_cpucoll.c): 64-bit, per rank, thread and step
+                 ("cpu_native", n * 32 * 3)]
         self.counter_base: dict[str, int] = {}
         idx = 0
         for name, count in names:
@@ -161,6 +164,14 @@ class Layout:
                 if s != d:
                     self.p2p_rings[(s, d)] = off
                     off = _align(off + self.p2p_ring)
+        # a GPU communicator's whole calls on CPU tensors (comm/cpushm.py): an area per rank of its
+        # own (a CPU communicator's take its collective rings, which its lanes use only when asked)
+        self.cpu_rings: list[RingGeometry] = []
+        if cpu_area_bytes > 0:
+            area = _align(cpu_area_bytes)
+            for r in range(n):
+                self.cpu_rings.append(RingGeometry(off, 1, area))
+                off += area
         self.data_offset = self.mbox_coll_off
         self.total_bytes = off
 

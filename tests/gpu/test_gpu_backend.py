@@ -154,6 +154,37 @@ def _cases(rank, w, dev, pg):
         dist.barrier()
     yield "objects_barrier", objects_barrier
 
+    def cpu_tensors():
+        # CPU tensors on the GPU communicator: whole calls through the node segment (an area of
+        # their own), the all_reduce in native threads; object collectives and the barrier too
+        comm = pg._comm
+        assert comm is not None and comm.cuda and comm._cpu is not None, "no segment path for CPU tensors"
+        for n in (5, 70_001, 1_000_003):
+            for dt in (torch.float32, torch.bfloat16, torch.int64):
+                xs = [_data(60 + r + n, n, dt, "cpu") for r in range(w)]
+                t = xs[rank].clone()
+                dist.all_reduce(t)
+                _close(t, sum(x.double() for x in xs).to(dt) if dt.is_floating_point else sum(xs), f"cpu all_reduce {dt} n={n}")
+                assert comm.last_call[-1] == "shm", comm.last_call
+                out = torch.empty(n * w, dtype=dt)
+                dist.all_gather_into_tensor(out, xs[rank])
+                assert torch.equal(out, torch.cat(xs)), f"cpu all_gather {dt} n={n}"
+                t = xs[rank].clone()
+                dist.broadcast(t, 1)
+                assert torch.equal(t, xs[1]), f"cpu broadcast {dt} n={n}"
+        assert comm._cpu.native_calls >= 2, comm._cpu.native_calls
+        g = _data(7, 3 << 20, torch.float32, dev)       # GPU calls still run between them
+        dist.all_reduce(g)
+        _close(g, _data(7, 3 << 20, torch.float32, dev) * w, "gpu all_reduce between cpu calls")
+        box = [{"big": list(range(50_000)), "r": 1}] if rank == 1 else [None]
+        dist.broadcast_object_list(box, src=1)
+        assert box[0]["r"] == 1 and len(box[0]["big"]) == 50_000
+        objs = [None] * w
+        dist.all_gather_object(objs, ("rank", rank, "x" * (1000 * rank)))
+        assert objs == [("rank", r, "x" * (1000 * r)) for r in range(w)], objs
+        dist.barrier()
+    yield "cpu_tensors", cpu_tensors
+
     def ddp():
         import copy
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -297,7 +328,7 @@ def bound_reports(tmp_path_factory):
 
 @NEEDS
 @pytest.mark.parametrize("case", ["backend_name", "batch_first", "batch_first_state", "p2p_first", "reductions", "premul_sum", "moves", "p2p_after",
-                                  "batch_after", "async_and_future", "objects_barrier", "ddp", "functional", "fsdp2", "destroy"])
+                                  "batch_after", "async_and_future", "objects_barrier", "cpu_tensors", "ddp", "functional", "fsdp2", "destroy"])
 def test_gpu_backend(reports, case):
     bad = {r: rep.get(case, "not run") for r, rep in enumerate(reports) if rep.get(case) != "ok"}
     assert not bad, f"{case}:\n" + "\n".join(f"rank {r}: {v}" for r, v in bad.items())

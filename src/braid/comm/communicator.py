@@ -41,6 +41,9 @@ from .routing import Routing
 from .shortcuts import Shortcuts
 
 
+# each rank's area for a GPU communicator's whole calls on CPU tensors (two halves of 1 MiB; a
+# call of more goes in rounds of 1 MiB)
+CPU_AREA = 2 << 20
 OPS = ("send_recv", "broadcast", "all_gather", "all_to_all_single", "all_reduce", "reduce_scatter", "reduce")
 
 class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger):
@@ -93,13 +96,14 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         self._learn_update()
         self._cpu = None            # whole CPU calls through the segment (comm/cpushm.py)
         self._cpu_done = _NativeDone("shm")
-        if (not self.cuda and seg is not None and self.world_size > 1 and self.single_node
-                and envs.get("BRAID_CPU_SHM")):
+        if seg is not None and self.world_size > 1 and self.single_node and envs.get("BRAID_CPU_SHM"):
             from .cpushm import CpuShm
-            cpu = CpuShm(seg, self.layout, self.segment_tensor, self.rank, self.world_size)
+            # a GPU communicator's CPU tensors (object collectives, metrics) take an area of their own
+            cpu = CpuShm(seg, self.layout, self.segment_tensor, self.rank, self.world_size,
+                         self.layout.cpu_rings if self.cuda else None)
             self._cpu = cpu if cpu.ok and cpu.data >= 4096 else None
         self._p2p_shm = None        # whole CPU send/recv through the segment (comm/cpup2p.py)
-        if self._cpu is not None:
+        if self._cpu is not None and not self.cuda:
             from .cpup2p import CpuP2P
             me_ref = weakref.ref(self)
             self._p2p_shm = self._cpu.p2p = CpuP2P(
@@ -221,15 +225,16 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         # CPU relays stage in the segment; GPU relays stage in device memory (a small area here
         # serves CPU tensors passed to a GPU communicator)
         wanted_relay = (1 << 20) if self.cuda else envs.get("BRAID_RELAY_BUFFER_MB") << 20
+        cpu_area = CPU_AREA if self.cuda else 0     # a GPU communicator's whole CPU calls (comm/cpushm.py)
         box = [None]
         if self.rank == 0:     # decide the size, create the segment, then tell the others its name
             budget, relay = _fit_shm(self.world_size, wanted_budget, chunk, wanted_relay)
-            self.layout = Layout(self.world_size, budget, chunk, relay)
+            self.layout = Layout(self.world_size, budget, chunk, relay, cpu_area)
             box = [(NodeSegment.new_name(), budget, relay)]
             self.segment = NodeSegment(box[0][0], self.layout, self.rank, create=True, spin_s=self._spin_s())
         dist.broadcast_object_list(box, group_src=0, group=self.gloo_group)
         name, budget, relay = box[0]
-        self.layout = Layout(self.world_size, budget, chunk, relay)
+        self.layout = Layout(self.world_size, budget, chunk, relay, cpu_area)
         name = [name]
         try:
             if self.rank != 0:

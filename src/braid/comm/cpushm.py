@@ -46,6 +46,9 @@ from ..errors import MisuseError, PeerMismatchError
 
 HEADER = 64                 # bytes before each half's data: the round's header
 SMALL_REDUCE = 256 << 10    # all_reduce chunks up to this size: one round, every rank reduces all
+NATIVE_MIN = 256 << 10      # all_reduce from this size: the native pool (comm/_cpucoll.c)
+NATIVE_AREA_MIN = 256 << 10     # a half this small or smaller: no native all_reduce
+STRIPE_MIN = 128 << 10      # bytes per stripe (thread) of the native all_reduce, at least
 # broadcast's pieces: the root's copy in and the others' copies out overlap piece by piece (2 ranks
 # on 2 cores, 2026-11-26, `braid bench --cpu --op broadcast --sizes 4M:64M --repeat 5`, two runs:
 # 16 MiB 9.9-10.1 ms in one 16 MiB piece, 6.7-6.8 ms in 2 MiB pieces; 64 MiB 27.8-28.0 -> 25.6-26.1;
@@ -85,9 +88,9 @@ def _dtype_code(dtype: torch.dtype) -> int:
 class CpuShm:
     """The whole-call collectives of one CPU communicator (every rank of one node)."""
 
-    def __init__(self, seg, lay, mem: torch.Tensor, rank: int, world: int):
+    def __init__(self, seg, lay, mem: torch.Tensor, rank: int, world: int, rings=None):
         self.seg, self.lay, self.rank, self.world = seg, lay, rank, world
-        rings = lay.coll_rings
+        rings = rings or lay.coll_rings
         offs = [g.offset for g in rings]
         cap = min(g.num_slots * g.slot_bytes for g in rings)
         self.stride = offs[1] - offs[0] if world > 1 else 0
@@ -113,9 +116,20 @@ class CpuShm:
         self._stamp = [off // 4 for off in self.ready]
         self._others = [r for r in range(world) if r != rank]
         self._hdr = [[self._off(r, q) for r in range(world)] for q in (0, 1)] if self.ok else []
+        # the native all_reduce (comm/native_cpu.py): its area is each rank's half 0 past the
+        # first page (the headers of both parities stay out of it); made on its first call
+        self._native = None
+        self.native_calls = 0       # all_reduce calls the native pool ran
+        self._native_tried = not (self.ok and envs.get("BRAID_CPU_NATIVE") and self.half >= NATIVE_AREA_MIN)
 
     def close(self) -> None:
-        """Drop every view of the segment (it can be unmapped only when none is left)."""
+        """Drop every view of the segment (it can be unmapped only when none is left) and stop
+        the native pool (its threads hold no view, but read the segment until they end)."""
+        if self._native is not None:
+            self._native.close()
+            self._native = None
+        self.native_calls = 0       # all_reduce calls the native pool ran
+        self._native_tried = True
         self.head = self.mem = self.p2p = None
         self._typed.clear()
         self._views.clear()
@@ -176,14 +190,15 @@ class CpuShm:
         return got
 
     # one round -------------------------------------------------------------------------------
-    def _round(self, op: str, nbytes: int, dtype: torch.dtype, detail: int) -> int:
+    def _round(self, op: str, nbytes: int, dtype: torch.dtype, detail: int, extra: tuple = ()) -> int:
         """Stamp this rank's half of the round (its data already written), wait for every rank's,
-        compare the headers. Returns the round's parity (the half that was read)."""
+        compare the headers. Returns the round's parity (the half that was read). `extra`: words
+        after the compared ones, each rank's own (read back with `_words`)."""
         s = self.seq = self.seq + 1
         p = s & 1
         hdr = self._hdr[p]
         h = hdr[self.rank]
-        self.head[h // 8: h // 8 + 5] = (s, _OPS[op], nbytes, _dtype_code(dtype), detail)
+        self.head[h // 8: h // 8 + 5 + len(extra)] = (s, _OPS[op], nbytes, _dtype_code(dtype), detail, *extra)
         u32, stamp = self.seg.u32, self._stamp
         u32[stamp[self.rank]] = s & 0xFFFFFFFF
         far = False
@@ -207,6 +222,11 @@ class CpuShm:
             raise PeerMismatchError(f"{op}: the ranks made different calls ({calls}); every rank must "
                                     f"issue the same collective with the same size, dtype and root or reduction")
         return p
+
+    def _words(self, p: int, first: int, count: int) -> list[tuple[int, ...]]:
+        """Every rank's header words first..first+count-1 of the round of parity p."""
+        head = self.head
+        return [tuple(int(v) for v in head[o // 8 + first: o // 8 + first + count]) for o in self._hdr[p]]
 
     def _wait(self, r: int, s: int, op: str) -> None:
         """Until rank r stamped round s: spin, giving the core away between looks (ranks may
@@ -263,6 +283,9 @@ class CpuShm:
         cap = self.round_bytes // esz
         code = _NAMES[name] + (0 if root is None else 100 * (root + 1))
         lands = root is None or root == self.rank
+        if root is None and n * esz >= NATIVE_MIN and (nat := self._native_pool()) is not None and nat.takes(dt, name):
+            with _guard(t):
+                return self._native_all_reduce(nat, flat, name, code)
         # two ranks, a chunk above SMALL_REDUCE: each copies in only the half its peer reduces
         pair = self.world == 2
         with _guard(t):
@@ -299,6 +322,64 @@ class CpuShm:
                     for r in range(self.world):
                         a, b = bounds[r], bounds[r + 1]
                         flat[start + a: start + b].copy_(rows[r, a:b])
+
+    def _native_pool(self):
+        """The native all_reduce of this communicator, made on first use (None: not here)."""
+        if self._native_tried:
+            return self._native
+        self._native_tried = True
+        from . import native_cpu
+        lib = native_cpu.build()
+        if lib is None:
+            return None
+        lay, seg = self.lay, self.seg
+        want = envs.get("BRAID_CPU_THREADS") or max(1, min(torch.get_num_threads(),
+                                                             len(os.sched_getaffinity(0)) // self.world))
+        try:
+            self._native = native_cpu.NativeAllReduce(
+                lib, self.world, self.rank, [seg.address + self._off(r, 0) + 4096 for r in range(self.world)],
+                [seg.address + lay.counter("cpu_native", r * native_cpu.MAX_THREADS * 3) for r in range(self.world)],
+                self.half - 4096, [seg.address + lay.counter("abort", r) for r in range(self.world)],
+                [seg.address + lay.counter("pid", r) for r in range(self.world)], envs.get("BRAID_TIMEOUT_S"),
+                want - 1)
+        except OSError as exc:
+            import logging
+            logging.getLogger("braid").info("braid: %s; rounds in Python run CPU all_reduce", exc)
+        return self._native
+
+    def _native_all_reduce(self, nat, flat: torch.Tensor, name: str, code: int) -> None:
+        """One header round (the ranks agree on the call, the stripes and the chunk), then the
+        native pool moves and reduces every byte (comm/_cpucoll.c)."""
+        nbytes = flat.numel() * flat.element_size()
+        chunk_kb = envs.get("BRAID_CPU_CHUNK_KB")
+        p = self._round("all_reduce", nbytes, flat.dtype, code, (nat.threads, chunk_kb))
+        words = self._words(p, 5, 2)
+        stripes = max(1, min(min(w[0] for w in words), nbytes // STRIPE_MIN))
+        chunk = (min(w[1] for w in words) << 10) // flat.element_size()
+        rc, peer = nat.all_reduce(flat, name, self.seq, stripes, chunk)
+        self.native_calls += 1
+        if rc:
+            self._native_failed(rc, peer)
+
+    def _native_failed(self, rc: int, peer: int) -> None:
+        from .native_cpu import ABORTED, DEAD, TIMEOUT
+        from ..errors import BraidTimeoutError, LaneFailureError
+        seg = self.seg
+        if rc == ABORTED:
+            seg.raise_if_peer_aborted()
+            raise LaneFailureError(f"all_reduce: rank {self.rank} was aborted during the call")
+        if rc == DEAD:
+            seg.check_alive(peer)
+            raise LaneFailureError(f"rank {peer} has exited; braid cannot complete the call on rank {self.rank}")
+        if rc == TIMEOUT:
+            if seg.on_timeout is not None:
+                seg.on_timeout(peer, "all_reduce")
+            raise BraidTimeoutError(
+                f"rank {self.rank} waited {envs.get('BRAID_TIMEOUT_S'):.0f} s for rank {peer} (all_reduce); the "
+                f"peer did not make the matching call. Check that every rank issues the same collectives in the "
+                f"same order (BRAID_TIMEOUT_S to change the limit).")
+        raise LaneFailureError(f"all_reduce: the native CPU all_reduce could not run here (code {rc}); a "
+                               f"process that forked from the one that made the communicator cannot use it")
 
     def _pair_reduce(self, flat, start: int, p: int, bounds, name: str, factor: float, lands: bool) -> None:
         """A two-rank chunk between its rounds: reduce this rank's half from its own tensor and

@@ -25,9 +25,24 @@ _lib = None
 _tried = False
 
 
-def _cache_dir() -> pathlib.Path:
+def compile_c(source: pathlib.Path, stem: str, flags: list[str], key: str = "") -> ctypes.CDLL:
+    """`source` compiled once per text (and `key`: what else the build depends on) into the cache
+    directory with the system's C compiler, loaded. Raises OSError or SubprocessError."""
+    text = source.read_bytes()
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise OSError("no C compiler (cc or gcc) on the PATH")
     base = envs.get("BRAID_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "braid")
-    return pathlib.Path(base) / "native"
+    digest = hashlib.sha1(text + " ".join(flags).encode() + key.encode()).hexdigest()[:16]
+    out = pathlib.Path(base) / "native" / f"{stem}-{digest}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            so = pathlib.Path(tmp) / out.name
+            subprocess.run([cc, *flags, "-shared", "-fPIC", "-pthread", "-o", str(so), str(source)],
+                           check=True, capture_output=True, timeout=120)
+            os.replace(so, out)         # atomic: another rank may build the same file
+    return ctypes.CDLL(str(out))
 
 
 def build() -> ctypes.CDLL | None:
@@ -37,19 +52,7 @@ def build() -> ctypes.CDLL | None:
         return _lib
     _tried = True
     try:
-        text = SOURCE.read_bytes()
-        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if cc is None:
-            raise OSError("no C compiler (cc or gcc) on the PATH")
-        out = _cache_dir() / f"rounds-{hashlib.sha1(text).hexdigest()[:16]}.so"
-        if not out.exists():
-            out.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-                so = pathlib.Path(tmp) / out.name
-                subprocess.run([cc, "-O2", "-shared", "-fPIC", "-pthread", "-o", str(so), str(SOURCE)],
-                               check=True, capture_output=True, timeout=120)
-                os.replace(so, out)         # atomic: another rank may build the same file
-        lib = ctypes.CDLL(str(out))
+        lib = compile_c(SOURCE, "rounds", ["-O2"])
     except (OSError, subprocess.SubprocessError) as exc:
         err = getattr(exc, "stderr", b"") or b""
         log.info("braid: the native launcher of deferred calls is not available (%s%s); its Python thread "

@@ -1,0 +1,417 @@
+/* all_reduce of CPU tensors through the node segment in native threads (comm/cpushm.py,
+ * comm/native_cpu.py).
+ *
+ * The tensor is cut into stripes, one per thread of this rank; thread t of every rank works on
+ * stripe t and meets only the threads t of the other ranks, through three counters per rank and
+ * stripe among the segment's counters (never in the data areas, which other calls write). A stripe goes through in chunks that stay in the
+ * CPU's caches between the writer and the readers, SLOTS of them in flight:
+ *
+ *   1. copy in: each rank writes the parts of the chunk the other ranks reduce into its slot
+ *      (its own part stays in its tensor), then raises `in`;
+ *   2. reduce: once every rank's `in` reached the chunk, each rank reduces its own part over every
+ *      rank in rank order (its own from its tensor), writes the result into its tensor and into
+ *      its slot where its own part would be, and raises `red`;
+ *   3. copy out: each rank copies every other rank's reduced part from that rank's slot as soon as
+ *      that rank's `red` reached the chunk, then raises `out`.
+ *
+ * A slot is written again only when every rank's `out` passed the chunk that used it last; at the
+ * end every stripe waits for every rank's `out`, so the area is free when the call returns.
+ * Counters are 64-bit: (call's epoch << 32) | chunks done, rising from call to call.
+ *
+ * Each element is reduced by one rank in rank order, so every rank ends with the same bits, run
+ * after run. A wait spins, then yields the core, then sleeps; while it lasts it looks at every
+ * rank's abort word, at the peer's process and at the deadline, and any of them ends the call
+ * with a code Python turns into braid's error.
+ *
+ * Build: cc -O3 -march=native -shared -fPIC -pthread (native_cpu.build). */
+#include <errno.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/types.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAXW 64
+#define MAXT 32
+#define SLOTS 4
+#define BLK 1024                /* elements reduced per block (a block's sums stay in registers/L1) */
+#define SPIN_NS 20000LL         /* a wait spins this long, then yields the core... */
+#define YIELD_NS 5000000LL      /* ...until this long, then sleeps in short steps */
+#define CHECK_NS 1000000LL      /* abort words and the deadline: this often while waiting */
+#define ALIVE_NS 200000000LL    /* the peer's process: this often */
+
+enum { E_OK = 0, E_TIMEOUT = 1, E_ABORTED = 2, E_DEAD = 3, E_FORKED = 4, E_ARGS = 5 };
+enum { DT_F32 = 0, DT_F64 = 1, DT_BF16 = 2, DT_F16 = 3, DT_I32 = 4, DT_I64 = 5 };
+enum { OP_SUM = 0, OP_AVG = 1, OP_MIN = 2, OP_MAX = 3, OP_PROD = 4 };
+enum { C_IN = 0, C_RED = 1, C_OUT = 2 };
+
+typedef struct {
+    uint8_t *buf;
+    int64_t count, chunk;
+    int esz, dtype, op, stripes;
+    uint64_t epoch;
+    uint64_t stripe_bytes, slot_bytes;
+} job_t;
+
+typedef struct ctx ctx_t;
+typedef struct { ctx_t *c; int id; } arg_t;
+
+struct ctx {
+    int world, me;
+    pid_t owner;
+    uint8_t *area[MAXW];
+    uint8_t *ctrs[MAXW];        /* each rank's counters: MAXT stripes x 3, 64 bytes apart */
+    uint64_t area_bytes;
+    volatile uint32_t *abort_word[MAXW];
+    volatile uint32_t *pid_word[MAXW];
+    int64_t timeout_ns;
+    /* the pool: workers 1..nworkers run stripes 1..; the caller runs stripe 0 */
+    int nworkers;
+    pthread_t th[MAXT];
+    arg_t args[MAXT];
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    uint64_t gen;               /* raised once per call (atomics) */
+    int sleepers, remaining, quit;
+    job_t job;
+    int fail, fail_peer;
+};
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static volatile uint64_t *ctr(ctx_t *c, int r, int t, int kind) {
+    return (volatile uint64_t *)(c->ctrs[r] + (uint64_t)(t * 3 + kind) * 64);
+}
+
+static uint8_t *slot(ctx_t *c, int r, int t, int s) {
+    return c->area[r] + (uint64_t)t * c->job.stripe_bytes + (uint64_t)s * c->job.slot_bytes;
+}
+
+static void set_fail(ctx_t *c, int code, int peer) {
+    int zero = 0;
+    if (__atomic_compare_exchange_n(&c->fail, &zero, code, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+        __atomic_store_n(&c->fail_peer, peer, __ATOMIC_SEQ_CST);
+}
+
+/* 1: process `pid` has exited (gone, or a zombie its parent has not reaped) */
+static int dead(pid_t pid) {
+    if (pid <= 0 || pid == getpid()) return 0;
+    if (kill(pid, 0) != 0) return errno == ESRCH;
+    char path[64], text[512];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    size_t n = fread(text, 1, sizeof text - 1, f);
+    fclose(f);
+    text[n] = 0;
+    char *p = strrchr(text, ')');
+    return p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X');
+}
+
+/* until *p >= v; 0, or -1 when the call failed (here or in another stripe) */
+static int wait_ge(ctx_t *c, volatile uint64_t *p, uint64_t v, int peer) {
+    if (__atomic_load_n(p, __ATOMIC_ACQUIRE) >= v) return 0;
+    int64_t t0 = now_ns(), t = t0, next_check = t0 + CHECK_NS, next_alive = t0 + ALIVE_NS;
+    for (uint64_t i = 1;; i++) {
+        if (__atomic_load_n(p, __ATOMIC_ACQUIRE) >= v) return 0;
+        if (__atomic_load_n(&c->fail, __ATOMIC_RELAXED)) return -1;
+        if ((i & 31) == 0) t = now_ns();
+        if (t - t0 < SPIN_NS) {
+            relax();
+            continue;
+        }
+        if (t - t0 < YIELD_NS) {
+            sched_yield();
+        } else {
+            struct timespec ts = {0, 100000};
+            nanosleep(&ts, NULL);
+            t = now_ns();
+        }
+        if (t >= next_check) {
+            next_check = t + CHECK_NS;
+            for (int r = 0; r < c->world; r++)
+                if (*c->abort_word[r]) { set_fail(c, E_ABORTED, r); return -1; }
+            if (t - t0 > c->timeout_ns) { set_fail(c, E_TIMEOUT, peer); return -1; }
+        }
+        if (t >= next_alive) {
+            next_alive = t + ALIVE_NS;
+            if (dead((pid_t)*c->pid_word[peer])) {
+                if (__atomic_load_n(p, __ATOMIC_ACQUIRE) >= v) return 0;
+                set_fail(c, E_DEAD, peer);
+                return -1;
+            }
+        }
+    }
+}
+
+/* reductions: out = src[0] (op) src[1] (op) ... src[n-1], written to d1 and d2 -------------- */
+static inline float bf16_to_f(uint16_t h) {
+    union { uint32_t u; float f; } x = {(uint32_t)h << 16};
+    return x.f;
+}
+
+static inline uint16_t f_to_bf16(float f) {
+    union { float f; uint32_t u; } x = {f};
+    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40);    /* NaN stays NaN */
+    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
+}
+
+#define MINF(a, b) (((a) < (b) || (a) != (a)) ? (a) : (b))
+#define MAXF(a, b) (((a) > (b) || (a) != (a)) ? (a) : (b))
+#define MINI(a, b) ((a) < (b) ? (a) : (b))
+#define MAXI(a, b) ((a) > (b) ? (a) : (b))
+
+/* a block of floating-point elements: ACC is the accumulator type, LOAD/STORE convert */
+#define RED_FLOAT(NAME, T, ACC, LOAD, STORE)                                                        \
+static void NAME(uint8_t **src, int n, int64_t m, uint8_t *d1, uint8_t *d2, int op) {              \
+    ACC acc[BLK];                                                                                   \
+    for (int64_t i0 = 0; i0 < m; i0 += BLK) {                                                       \
+        int64_t b = m - i0 < BLK ? m - i0 : BLK;                                                    \
+        const T *s0 = (const T *)src[0] + i0;                                                       \
+        for (int64_t i = 0; i < b; i++) acc[i] = LOAD(s0[i]);                                       \
+        for (int r = 1; r < n; r++) {                                                               \
+            const T *s = (const T *)src[r] + i0;                                                    \
+            switch (op) {                                                                           \
+            case OP_SUM: case OP_AVG: for (int64_t i = 0; i < b; i++) acc[i] += LOAD(s[i]); break;  \
+            case OP_MIN: for (int64_t i = 0; i < b; i++) { ACC v = LOAD(s[i]); acc[i] = MINF(acc[i], v); } break; \
+            case OP_MAX: for (int64_t i = 0; i < b; i++) { ACC v = LOAD(s[i]); acc[i] = MAXF(acc[i], v); } break; \
+            default: for (int64_t i = 0; i < b; i++) acc[i] *= LOAD(s[i]); break;                   \
+            }                                                                                       \
+        }                                                                                           \
+        T *o1 = (T *)d1 + i0, *o2 = (T *)d2 + i0;                                                   \
+        if (op == OP_AVG) {     /* as torch: the sum rounded to the type, then divided */           \
+            for (int64_t i = 0; i < b; i++) { T v = STORE(LOAD(STORE(acc[i])) / (ACC)n); o1[i] = v; o2[i] = v; } \
+        } else {                                                                                    \
+            for (int64_t i = 0; i < b; i++) { T v = STORE(acc[i]); o1[i] = v; o2[i] = v; }          \
+        }                                                                                           \
+    }                                                                                               \
+}
+
+#define ID(x) (x)
+RED_FLOAT(red_f32, float, float, ID, ID)
+RED_FLOAT(red_f64, double, double, ID, ID)
+RED_FLOAT(red_bf16, uint16_t, float, bf16_to_f, f_to_bf16)
+#ifdef __FLT16_MAX__
+#define H2F(x) ((float)(x))
+#define F2H(x) ((_Float16)(x))
+RED_FLOAT(red_f16, _Float16, float, H2F, F2H)
+#endif
+
+/* integers wrap around (computed unsigned); avg divides truncating toward zero */
+#define RED_INT(NAME, T, U)                                                                         \
+static void NAME(uint8_t **src, int n, int64_t m, uint8_t *d1, uint8_t *d2, int op) {              \
+    T acc[BLK];                                                                                     \
+    for (int64_t i0 = 0; i0 < m; i0 += BLK) {                                                       \
+        int64_t b = m - i0 < BLK ? m - i0 : BLK;                                                    \
+        const T *s0 = (const T *)src[0] + i0;                                                       \
+        for (int64_t i = 0; i < b; i++) acc[i] = s0[i];                                             \
+        for (int r = 1; r < n; r++) {                                                               \
+            const T *s = (const T *)src[r] + i0;                                                    \
+            switch (op) {                                                                           \
+            case OP_SUM: case OP_AVG: for (int64_t i = 0; i < b; i++) acc[i] = (T)((U)acc[i] + (U)s[i]); break; \
+            case OP_MIN: for (int64_t i = 0; i < b; i++) acc[i] = MINI(acc[i], s[i]); break;        \
+            case OP_MAX: for (int64_t i = 0; i < b; i++) acc[i] = MAXI(acc[i], s[i]); break;        \
+            default: for (int64_t i = 0; i < b; i++) acc[i] = (T)((U)acc[i] * (U)s[i]); break;      \
+            }                                                                                       \
+        }                                                                                           \
+        if (op == OP_AVG) for (int64_t i = 0; i < b; i++) acc[i] = acc[i] / (T)n;                   \
+        memcpy(d1 + i0 * sizeof(T), acc, b * sizeof(T));                                            \
+        memcpy(d2 + i0 * sizeof(T), acc, b * sizeof(T));                                            \
+    }                                                                                               \
+}
+
+RED_INT(red_i32, int32_t, uint32_t)
+RED_INT(red_i64, int64_t, uint64_t)
+
+typedef void (*red_fn)(uint8_t **, int, int64_t, uint8_t *, uint8_t *, int);
+
+static red_fn reducer(int dtype) {
+    switch (dtype) {
+    case DT_F32: return red_f32;
+    case DT_F64: return red_f64;
+    case DT_BF16: return red_bf16;
+#ifdef __FLT16_MAX__
+    case DT_F16: return red_f16;
+#endif
+    case DT_I32: return red_i32;
+    case DT_I64: return red_i64;
+    }
+    return NULL;
+}
+
+/* one stripe, every chunk (the header comment's steps 1-3) ------------------------------------ */
+static void run_stripe(ctx_t *c, int t) {
+    job_t *j = &c->job;
+    const int n = c->world, me = c->me, esz = j->esz;
+    const int64_t lo = j->count * t / j->stripes, hi = j->count * (t + 1) / j->stripes;
+    const int64_t chunks = (hi - lo + j->chunk - 1) / j->chunk;
+    const uint64_t E = j->epoch << 32;
+    red_fn red = reducer(j->dtype);
+    uint8_t *src[MAXW];
+    int64_t bd[MAXW + 1];
+    for (int64_t k = 0; k < chunks; k++) {
+        const int s = (int)(k % SLOTS);
+        const int64_t k0 = lo + k * j->chunk, m = (hi - k0) < j->chunk ? hi - k0 : j->chunk;
+        uint8_t *mine = slot(c, me, t, s), *base = j->buf + k0 * esz;
+        for (int r = 0; r <= n; r++) bd[r] = m * r / n;
+        if (k >= SLOTS)             /* the slot's last chunk is read by every rank */
+            for (int r = 0; r < n; r++)
+                if (r != me && wait_ge(c, ctr(c, r, t, C_OUT), E | (uint64_t)(k - SLOTS + 1), r)) return;
+        for (int r = 0; r < n; r++)
+            if (r != me) memcpy(mine + bd[r] * esz, base + bd[r] * esz, (bd[r + 1] - bd[r]) * esz);
+        __atomic_store_n(ctr(c, me, t, C_IN), E | (uint64_t)(k + 1), __ATOMIC_RELEASE);
+        for (int r = 0; r < n; r++) {
+            if (r == me) { src[r] = base + bd[me] * esz; continue; }
+            if (wait_ge(c, ctr(c, r, t, C_IN), E | (uint64_t)(k + 1), r)) return;
+            src[r] = slot(c, r, t, s) + bd[me] * esz;
+        }
+        red(src, n, bd[me + 1] - bd[me], base + bd[me] * esz, mine + bd[me] * esz, j->op);
+        __atomic_store_n(ctr(c, me, t, C_RED), E | (uint64_t)(k + 1), __ATOMIC_RELEASE);
+        for (int i = 1; i < n; i++) {
+            int r = (me + i) % n;
+            if (wait_ge(c, ctr(c, r, t, C_RED), E | (uint64_t)(k + 1), r)) return;
+            memcpy(base + bd[r] * esz, slot(c, r, t, s) + bd[r] * esz, (bd[r + 1] - bd[r]) * esz);
+        }
+        __atomic_store_n(ctr(c, me, t, C_OUT), E | (uint64_t)(k + 1), __ATOMIC_RELEASE);
+    }
+    for (int r = 0; r < n; r++)     /* nobody reads this rank's area after the call */
+        if (r != me && wait_ge(c, ctr(c, r, t, C_OUT), E | (uint64_t)chunks, r)) return;
+}
+
+/* the pool ---------------------------------------------------------------------------------- */
+static void *worker(void *p) {
+    arg_t *a = (arg_t *)p;
+    ctx_t *c = a->c;
+    uint64_t seen = 0;
+    for (;;) {
+        int64_t t0 = now_ns();
+        uint64_t g;
+        while ((g = __atomic_load_n(&c->gen, __ATOMIC_ACQUIRE)) == seen && now_ns() - t0 < 200000LL)
+            relax();
+        if (g == seen) {
+            pthread_mutex_lock(&c->mu);
+            c->sleepers++;
+            while ((g = __atomic_load_n(&c->gen, __ATOMIC_ACQUIRE)) == seen && !c->quit)
+                pthread_cond_wait(&c->cv, &c->mu);
+            c->sleepers--;
+            pthread_mutex_unlock(&c->mu);
+        }
+        if (c->quit) return NULL;
+        seen = g;
+        if (a->id < c->job.stripes) run_stripe(c, a->id);
+        __atomic_sub_fetch(&c->remaining, 1, __ATOMIC_ACQ_REL);
+    }
+}
+
+void *cpucoll_new(int world, int me, const uint64_t *areas, const uint64_t *ctrs, uint64_t area_bytes, const uint64_t *abort_words,
+                  const uint64_t *pid_words, int64_t timeout_ns, int workers) {
+    if (world < 2 || world > MAXW || me < 0 || me >= world || workers < 0 || workers >= MAXT) return NULL;
+    ctx_t *c = calloc(1, sizeof *c);
+    if (!c) return NULL;
+    c->world = world;
+    c->me = me;
+    c->owner = getpid();
+    c->area_bytes = area_bytes;
+    c->timeout_ns = timeout_ns;
+    for (int r = 0; r < world; r++) {
+        c->area[r] = (uint8_t *)(uintptr_t)areas[r];
+        c->ctrs[r] = (uint8_t *)(uintptr_t)ctrs[r];
+        c->abort_word[r] = (volatile uint32_t *)(uintptr_t)abort_words[r];
+        c->pid_word[r] = (volatile uint32_t *)(uintptr_t)pid_words[r];
+    }
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->cv, NULL);
+    for (int i = 1; i <= workers; i++) {
+        c->args[i].c = c;
+        c->args[i].id = i;
+        if (pthread_create(&c->th[i], NULL, worker, &c->args[i]) != 0) break;
+        c->nworkers = i;
+    }
+    return c;
+}
+
+int cpucoll_workers(void *h) { return ((ctx_t *)h)->nworkers; }
+
+int cpucoll_has_f16(void) {
+#ifdef __FLT16_MAX__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* The whole all_reduce of `count` elements at `buf`, in place. Returns E_OK or the failure's code
+ * (its rank in *peer). The stripes' count and the chunk are the same on every rank (Python agrees
+ * on them in the call's header round). */
+int cpucoll_all_reduce(void *h, void *buf, int64_t count, int esz, int dtype, int op, uint64_t epoch, int stripes,
+                       int64_t chunk, int *peer) {
+    ctx_t *c = (ctx_t *)h;
+    *peer = -1;
+    if (getpid() != c->owner) return E_FORKED;
+    if (stripes < 1) stripes = 1;
+    if (stripes > c->nworkers + 1) stripes = c->nworkers + 1;
+    job_t *j = &c->job;
+    j->buf = (uint8_t *)buf;
+    j->count = count;
+    j->esz = esz;
+    j->dtype = dtype;
+    j->op = op;
+    j->stripes = stripes;
+    j->epoch = epoch & 0xffffffffu;
+    j->stripe_bytes = (c->area_bytes / stripes) & ~(uint64_t)63;
+    j->slot_bytes = (j->stripe_bytes / SLOTS) & ~(uint64_t)63;
+    int64_t fit = (int64_t)(j->slot_bytes / esz);
+    j->chunk = chunk < fit ? chunk : fit;
+    if (j->chunk < 1) return E_ARGS;
+    c->fail = 0;
+    c->fail_peer = -1;
+    if (stripes > 1) {
+        __atomic_store_n(&c->remaining, c->nworkers, __ATOMIC_RELEASE);
+        __atomic_add_fetch(&c->gen, 1, __ATOMIC_SEQ_CST);
+        pthread_mutex_lock(&c->mu);
+        if (c->sleepers) pthread_cond_broadcast(&c->cv);
+        pthread_mutex_unlock(&c->mu);
+    }
+    run_stripe(c, 0);
+    if (stripes > 1) {
+        int64_t t0 = now_ns();
+        while (__atomic_load_n(&c->remaining, __ATOMIC_ACQUIRE) > 0) {
+            if (now_ns() - t0 < SPIN_NS) relax(); else sched_yield();
+        }
+    }
+    *peer = c->fail_peer;
+    return c->fail;
+}
+
+void cpucoll_free(void *h) {
+    ctx_t *c = (ctx_t *)h;
+    if (!c) return;
+    if (getpid() == c->owner) {
+        pthread_mutex_lock(&c->mu);
+        c->quit = 1;
+        __atomic_add_fetch(&c->gen, 1, __ATOMIC_SEQ_CST);
+        pthread_cond_broadcast(&c->cv);
+        pthread_mutex_unlock(&c->mu);
+        for (int i = 1; i <= c->nworkers; i++) pthread_join(c->th[i], NULL);
+        pthread_mutex_destroy(&c->mu);
+        pthread_cond_destroy(&c->cv);
+    }
+    free(c);
+}

@@ -1,0 +1,99 @@
+"""The native all_reduce of CPU tensors (`_cpucoll.c`): built on first use with the system's C
+compiler for this machine's CPU, loaded with ctypes, run without Python's interpreter lock in a
+pool of threads per communicator. Where it does not build (no compiler), or a dtype or reduction
+it does not have, CpuShm's own rounds run the call (comm/cpushm.py)."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import pathlib
+import subprocess
+
+import torch
+
+log = logging.getLogger("braid")
+
+SOURCE = pathlib.Path(__file__).with_name("_cpucoll.c")
+_u64, _vp, _i64, _int = ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+MAX_THREADS = 32            # workers + the caller (MAXT); each rank has 3 counters per thread
+# failure codes of cpucoll_all_reduce
+OK, TIMEOUT, ABORTED, DEAD, FORKED, ARGS = range(6)
+OPS = {"sum": 0, "avg": 1, "min": 2, "max": 3, "product": 4}
+_lib = None
+_tried = False
+_DTYPES: dict = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.int32: 4, torch.int64: 5}
+
+
+def _machine() -> str:
+    """What a build for `-march=native` depends on besides its source: the CPU's model and flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))][:2]
+        return "".join(lines)
+    except OSError:
+        return os.uname().machine
+
+
+def build() -> ctypes.CDLL | None:
+    """The library, or None (one log line says why)."""
+    global _lib, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    from .native_rounds import compile_c
+    try:
+        try:
+            lib = compile_c(SOURCE, "cpucoll", ["-O3", "-march=native"], _machine())
+        except subprocess.CalledProcessError:       # a compiler without -march=native
+            lib = compile_c(SOURCE, "cpucoll", ["-O3"], _machine())
+    except (OSError, subprocess.SubprocessError) as exc:
+        err = getattr(exc, "stderr", b"") or b""
+        log.info("braid: the native CPU all_reduce is not available (%s%s); rounds in Python run it",
+                 exc, (": " + err.decode(errors="replace")[:200]) if err else "")
+        return None
+    lib.cpucoll_new.restype = _vp
+    lib.cpucoll_new.argtypes = [_int, _int, ctypes.POINTER(_u64), ctypes.POINTER(_u64), _u64, ctypes.POINTER(_u64), ctypes.POINTER(_u64),
+                                _i64, _int]
+    lib.cpucoll_all_reduce.restype = _int
+    lib.cpucoll_all_reduce.argtypes = [_vp, _vp, _i64, _int, _int, _int, _u64, _int, _i64, ctypes.POINTER(_int)]
+    lib.cpucoll_workers.restype = _int
+    lib.cpucoll_workers.argtypes = [_vp]
+    lib.cpucoll_has_f16.restype = _int
+    lib.cpucoll_free.restype = None
+    lib.cpucoll_free.argtypes = [_vp]
+    if lib.cpucoll_has_f16():
+        _DTYPES[torch.float16] = 3
+    _lib = lib
+    return lib
+
+
+class NativeAllReduce:
+    """One communicator's pool and areas (see `_cpucoll.c`)."""
+
+    def __init__(self, lib, world: int, me: int, areas: list[int], ctrs: list[int], area_bytes: int, abort_addrs: list[int],
+                 pid_addrs: list[int], timeout_s: float, workers: int):
+        self.lib = lib
+        arr = _u64 * world
+        self._h = lib.cpucoll_new(world, me, arr(*areas), arr(*ctrs), area_bytes, arr(*abort_addrs), arr(*pid_addrs),
+                                  int(timeout_s * 1e9), max(0, min(workers, MAX_THREADS - 1)))
+        if not self._h:
+            raise OSError("the native CPU all_reduce could not start")
+        self.threads = 1 + lib.cpucoll_workers(self._h)
+        self._peer = _int(-1)
+
+    @staticmethod
+    def takes(dtype: torch.dtype, name: str) -> bool:
+        return dtype in _DTYPES and name in OPS
+
+    def all_reduce(self, flat: torch.Tensor, name: str, epoch: int, stripes: int, chunk: int) -> tuple[int, int]:
+        """In place; (failure code, its rank) with (OK, -1) for a call that went through."""
+        rc = self.lib.cpucoll_all_reduce(self._h, flat.data_ptr(), flat.numel(), flat.element_size(),
+                                         _DTYPES[flat.dtype], OPS[name], epoch, stripes, chunk,
+                                         ctypes.byref(self._peer))
+        return rc, self._peer.value
+
+    def close(self) -> None:
+        if self._h:
+            self.lib.cpucoll_free(self._h)
+            self._h = None

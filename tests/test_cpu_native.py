@@ -1,0 +1,198 @@
+"""The native all_reduce of CPU tensors (comm/_cpucoll.c through comm/native_cpu.py): every dtype
+and reduction it takes at 2, 3 and 4 ranks with several threads per rank and chunks small enough
+that every slot is reused many times, against references built from every rank's inputs; the same
+bits on every rank; calls interleaved with the other paths through the same areas; what it does
+not take goes to the rounds in Python; a peer that dies, aborts or never comes inside the native
+call ends it on time with braid's error; its threads end with the communicator."""
+import os
+import time
+
+import pytest
+import torch
+
+from conftest import run_world as _run_world
+from test_cpu_shm import close, data, reference
+
+# threads: 3 stripes a rank; chunks of 4 KiB: a 1 MiB call is dozens of chunks per stripe
+ON = {"BRAID_CPU_SHM": "1", "BRAID_CPU_NATIVE": "1", "BRAID_CPU_THREADS": "3", "BRAID_CPU_CHUNK_KB": "4"}
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64]
+OPS = ["sum", "avg", "min", "max", "product"]
+# from the native path's least size (256 KiB of float32) up; none a multiple of the ranks or stripes
+SIZES = [65_537, 300_001, 1_000_003]
+
+
+def run_world(fn, w, *args, env=None, **kw):
+    return _run_world(fn, w, *args, env=dict(ON, **(env or {})), **kw)
+
+
+def _digest(t):
+    b = t.contiguous().view(-1).view(torch.uint8)
+    return int(b.long().mul(torch.arange(1, b.numel() + 1) % 251).sum().item())
+
+
+def _every_worker(rank, w):
+    import torch.distributed as dist
+    import braid
+    comm = braid.init()
+    bad, digests = [], []
+    native = lambda: comm._cpu.native_calls       # noqa: E731
+    for n in SIZES:
+        for dt in DTYPES:
+            if dt.itemsize * n < 256 << 10:
+                continue
+            for k, name in enumerate(OPS):
+                xs = [data(r, n, dt, 31 * k + n % 97) for r in range(w)]
+                t = xs[rank].clone()
+                before = native()
+                comm.all_reduce(t, op=name)
+                if native() != before + 1 and not (dt is torch.float16 and not comm._cpu._native.takes(dt, name)):
+                    bad.append(f"{name} {dt} n={n}: not the native path")
+                if not close(t, reference(xs, name, 1.0), xs, name):
+                    bad.append(f"{name} {dt} n={n}: wrong")
+                digests.append((name, str(dt), n, _digest(t)))
+    every = [None] * w
+    dist.all_gather_object(every, digests, group=comm.gloo_group)
+    for e in every:
+        if e != digests:
+            bad.append(f"ranks differ: {[a[:3] for a, b in zip(digests, e) if a != b][:3]}")
+    braid.close()
+    return bad
+
+
+@pytest.mark.parametrize("w", [2, 3, 4])
+def test_every_dtype_and_reduction(w):
+    for bad in run_world(_every_worker, w, timeout=300):
+        assert bad == [], bad
+
+
+def _mixed_worker(rank, w):
+    """Native calls between the rounds in Python of every other op, which write the same areas."""
+    import braid
+    comm = braid.init()
+    bad = []
+    g = torch.Generator().manual_seed(5)
+    for i in range(120):
+        n = int(torch.randint(1, 400_000, (1,), generator=g))
+        op = ["ar", "ar", "rs", "ag", "bc", "reduce"][i % 6]
+        xs = [data(r, n * w, torch.float32, i) for r in range(w)]
+        if op == "ar":
+            t = xs[rank].clone()
+            comm.all_reduce(t)
+            ok = close(t, reference(xs, "sum", 1.0), xs, "sum")
+        elif op == "rs":
+            out = torch.empty(n)
+            comm.reduce_scatter_tensor(out, xs[rank].clone())
+            part = [x[rank * n:(rank + 1) * n] for x in xs]
+            ok = close(out, reference(part, "sum", 1.0), part, "sum")
+        elif op == "ag":
+            out = torch.empty(n * w * w)
+            comm.all_gather_into_tensor(out, xs[rank])
+            ok = torch.equal(out, torch.cat(xs))
+        elif op == "bc":
+            t = xs[rank].clone()
+            comm.broadcast(t, i % w)
+            ok = torch.equal(t, xs[i % w])
+        else:
+            t = xs[rank].clone()
+            comm.reduce(t, i % w)
+            ok = close(t, reference(xs, "sum", 1.0), xs, "sum") if rank == i % w else torch.equal(t, xs[rank])
+        if not ok:
+            bad.append((i, op, n))
+    calls = comm._cpu.native_calls
+    braid.close()
+    return bad, calls
+
+
+def test_interleaved_with_the_other_paths():
+    res = run_world(_mixed_worker, 3, timeout=300)
+    for bad, calls in res:
+        assert bad == []
+        assert calls > 20           # about a third of the calls are native all_reduces
+
+
+def _fallback_worker(rank, w):
+    import braid
+    comm = braid.init()
+    out = []
+    for dt, name in ((torch.int8, "sum"), (torch.float32, "premul_sum"), (torch.float32, "sum")):
+        xs = [data(r, 300_001, dt, 3) for r in range(w)]
+        t = xs[rank].clone()
+        before = comm._cpu.native_calls
+        comm.all_reduce(t, op=braid.PremulSum(0.5) if name == "premul_sum" else name)
+        want = reference(xs, name, 0.5)
+        out.append((str(dt), name, comm._cpu.native_calls - before, bool(close(t, want, xs, name)),
+                    comm.last_call[-1]))
+    braid.close()
+    return out
+
+
+def test_what_it_does_not_take_runs_in_python():
+    for rows in run_world(_fallback_worker, 2):
+        assert [r[2] for r in rows] == [0, 0, 1]
+        assert all(r[3] for r in rows) and all(r[4] == "shm" for r in rows)
+    for rows in run_world(_fallback_worker, 2, env={"BRAID_CPU_NATIVE": "0"}):
+        assert [r[2] for r in rows] == [0, 0, 0]
+        assert all(r[3] for r in rows)
+
+
+def _threads():
+    return len(os.listdir("/proc/self/task"))
+
+
+def _fault_worker(rank, w, how):
+    """Rank 1 passes the call's header round, then dies, aborts or stays away: rank 0 is inside
+    the native pool, waiting on rank 1's counters."""
+    import braid
+    from braid.comm import native_cpu
+    comm = braid.init()
+    t = torch.ones(300_001)
+    comm.all_reduce(t)                  # the pool exists, the path works
+    if rank == 1:
+        cpu = comm._cpu
+        code = 1        # the header's detail of a plain sum (cpushm._NAMES)
+        cpu._round("all_reduce", t.numel() * 4, t.dtype, code, (cpu._native.threads, 4))
+        if how == "die":
+            os._exit(3)
+        if how == "abort":
+            comm.segment.mark_aborted(4, "rank 1: given up for the test")
+        time.sleep(8)
+        return None
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(t)
+        return "no error", 0.0, ""
+    except Exception as e:       # noqa: BLE001  the type, the text and the time are checked
+        return type(e).__name__, time.monotonic() - t0, str(e)
+    finally:
+        assert native_cpu.OK == 0
+
+
+@pytest.mark.parametrize("how,error", [("die", "LaneFailureError"), ("abort", "LaneFailureError"),
+                                       ("away", "BraidTimeoutError")])
+def test_a_peer_that_fails_inside_the_native_call(how, error):
+    res = run_world(_fault_worker, 2, how, env={"BRAID_TIMEOUT_S": "3"}, allowed_exit={1: 3} if how == "die" else None,
+                    timeout=60)
+    name, took, text = res[0]
+    assert name == error, (name, text)
+    assert "rank 1" in text
+    if how == "abort":
+        assert "given up for the test" in text
+    assert took < (5 if how != "away" else 6)
+
+
+def _close_worker(rank, w):
+    import braid
+    before = _threads()
+    comm = braid.init()
+    t = torch.ones(1_000_003)
+    comm.all_reduce(t)
+    during = _threads()
+    braid.close()
+    return before, during, _threads(), t[0].item()
+
+
+def test_the_threads_end_with_the_communicator():
+    for before, during, after, first in run_world(_close_worker, 2):
+        assert first == 2.0
+        assert during >= before + 2         # the pool's workers (3 threads a rank: 2 workers)
+        assert after <= during - 2
