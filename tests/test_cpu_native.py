@@ -1,5 +1,5 @@
-"""The native all_reduce of CPU tensors (comm/_cpucoll.c through comm/native_cpu.py): every dtype
-and reduction it takes at 2, 3 and 4 ranks with several threads per rank and chunks small enough
+"""The native all_reduce and reduce_scatter of CPU tensors (comm/_cpucoll.c through
+comm/native_cpu.py): every dtype and reduction they take at 2, 3 and 4 ranks with several threads per rank and chunks small enough
 that every slot is reused many times, against references built from every rank's inputs; the same
 bits on every rank; calls interleaved with the other paths through the same areas; what it does
 not take goes to the rounds in Python; a peer that dies, aborts or never comes inside the native
@@ -36,20 +36,30 @@ def _every_worker(rank, w):
     comm = braid.init()
     bad, digests = [], []
     native = lambda: comm._cpu.native_calls       # noqa: E731
+    comm.all_reduce(torch.ones(1 << 17))            # the pool exists
     for n in SIZES:
         for dt in DTYPES:
-            if dt.itemsize * n < 256 << 10:
-                continue
+            if dt.itemsize * n < 256 << 10 or not comm._cpu._native.takes(dt, "sum"):
+                continue        # below the native path's size; float16 where the compiler has no _Float16
             for k, name in enumerate(OPS):
                 xs = [data(r, n, dt, 31 * k + n % 97) for r in range(w)]
                 t = xs[rank].clone()
                 before = native()
                 comm.all_reduce(t, op=name)
-                if native() != before + 1 and not (dt is torch.float16 and not comm._cpu._native.takes(dt, name)):
+                if native() != before + 1:
                     bad.append(f"{name} {dt} n={n}: not the native path")
                 if not close(t, reference(xs, name, 1.0), xs, name):
                     bad.append(f"{name} {dt} n={n}: wrong")
                 digests.append((name, str(dt), n, _digest(t)))
+                m = n // w
+                before = native()
+                out = torch.empty(m, dtype=dt)
+                comm.reduce_scatter_tensor(out, xs[rank][: m * w].clone(), op=name)
+                part = [x[rank * m:(rank + 1) * m] for x in xs]
+                if native() != before + (m * w * dt.itemsize >= 256 << 10):
+                    bad.append(f"reduce_scatter {name} {dt} n={n}: not the path its size takes")
+                if not close(out, reference(part, name, 1.0), part, name):
+                    bad.append(f"reduce_scatter {name} {dt} n={n}: wrong")
     every = [None] * w
     dist.all_gather_object(every, digests, group=comm.gloo_group)
     for e in every:
@@ -135,6 +145,26 @@ def test_what_it_does_not_take_runs_in_python():
         assert all(r[3] for r in rows)
 
 
+def _disagree_worker(rank, w):
+    os.environ["BRAID_CPU_NATIVE"] = "1" if rank == 0 else "0"
+    import braid
+    from braid.errors import PeerMismatchError
+    comm = braid.init()
+    t = torch.ones(300_001)
+    try:
+        comm.all_reduce(t)
+        return "no error"
+    except PeerMismatchError as e:
+        return str(e)
+
+
+def test_ranks_that_disagree_on_the_native_path_raise():
+    """BRAID_CPU_NATIVE set on one rank only: a mismatch on every rank, never a wait."""
+    res = run_world(_disagree_worker, 2, timeout=60)
+    for text in res:
+        assert "different calls" in text and "in native threads" in text, text
+
+
 def _threads():
     return len(os.listdir("/proc/self/task"))
 
@@ -149,7 +179,8 @@ def _fault_worker(rank, w, how):
     comm.all_reduce(t)                  # the pool exists, the path works
     if rank == 1:
         cpu = comm._cpu
-        code = 1        # the header's detail of a plain sum (cpushm._NAMES)
+        from braid.comm.cpushm import NATIVE_BIT
+        code = 1 | NATIVE_BIT       # the header's detail of a plain sum in native threads (cpushm._NAMES)
         cpu._round("all_reduce", t.numel() * 4, t.dtype, code, (cpu._native.threads, 4))
         if how == "die":
             os._exit(3)

@@ -1,10 +1,11 @@
-/* all_reduce of CPU tensors through the node segment in native threads (comm/cpushm.py,
- * comm/native_cpu.py).
+/* all_reduce and reduce_scatter of CPU tensors through the node segment in native threads
+ * (comm/cpushm.py, comm/native_cpu.py). The all_reduce:
  *
  * The tensor is cut into stripes, one per thread of this rank; thread t of every rank works on
  * stripe t and meets only the threads t of the other ranks, through three counters per rank and
- * stripe among the segment's counters (never in the data areas, which other calls write). A stripe goes through in chunks that stay in the
- * CPU's caches between the writer and the readers, SLOTS of them in flight:
+ * stripe among the segment's counters (never in the data areas, which other calls write). A
+ * stripe goes through in chunks that stay in the CPU's caches between the writer and the
+ * readers, SLOTS of them in flight:
  *
  *   1. copy in: each rank writes the parts of the chunk the other ranks reduce into its slot
  *      (its own part stays in its tensor), then raises `in`;
@@ -18,7 +19,8 @@
  * end every stripe waits for every rank's `out`, so the area is free when the call returns.
  * Counters are 64-bit: (call's epoch << 32) | chunks done, rising from call to call.
  *
- * Each element is reduced by one rank in rank order, so every rank ends with the same bits, run
+ * The reduce_scatter is steps 1 and 2 with the reduction written to the output alone
+ * (run_scatter_stripe). Each element is reduced by one rank in rank order, so every rank ends with the same bits, run
  * after run. A wait spins, then yields the core, then sleeps; while it lasts it looks at every
  * rank's abort word, at the peer's process and at the deadline, and any of them ends the call
  * with a code Python turns into braid's error.
@@ -51,8 +53,9 @@ enum { OP_SUM = 0, OP_AVG = 1, OP_MIN = 2, OP_MAX = 3, OP_PROD = 4 };
 enum { C_IN = 0, C_RED = 1, C_OUT = 2 };
 
 typedef struct {
-    uint8_t *buf;
+    uint8_t *buf, *out;         /* reduce_scatter: `buf` the input (world x count), `out` the output */
     int64_t count, chunk;
+    int scatter;
     int esz, dtype, op, stripes;
     uint64_t epoch;
     uint64_t stripe_bytes, slot_bytes;
@@ -195,12 +198,13 @@ static void NAME(uint8_t **src, int n, int64_t m, uint8_t *d1, uint8_t *d2, int 
             default: for (int64_t i = 0; i < b; i++) acc[i] *= LOAD(s[i]); break;                   \
             }                                                                                       \
         }                                                                                           \
-        T *o1 = (T *)d1 + i0, *o2 = (T *)d2 + i0;                                                   \
+        T *o1 = (T *)d1 + i0;                                                                       \
         if (op == OP_AVG) {     /* as torch: the sum rounded to the type, then divided */           \
-            for (int64_t i = 0; i < b; i++) { T v = STORE(LOAD(STORE(acc[i])) / (ACC)n); o1[i] = v; o2[i] = v; } \
+            for (int64_t i = 0; i < b; i++) o1[i] = STORE(LOAD(STORE(acc[i])) / (ACC)n);            \
         } else {                                                                                    \
-            for (int64_t i = 0; i < b; i++) { T v = STORE(acc[i]); o1[i] = v; o2[i] = v; }          \
+            for (int64_t i = 0; i < b; i++) o1[i] = STORE(acc[i]);                                  \
         }                                                                                           \
+        if (d2 != d1) memcpy(d2 + i0 * sizeof(T), o1, b * sizeof(T));                               \
     }                                                                                               \
 }
 
@@ -233,7 +237,7 @@ static void NAME(uint8_t **src, int n, int64_t m, uint8_t *d1, uint8_t *d2, int 
         }                                                                                           \
         if (op == OP_AVG) for (int64_t i = 0; i < b; i++) acc[i] = acc[i] / (T)n;                   \
         memcpy(d1 + i0 * sizeof(T), acc, b * sizeof(T));                                            \
-        memcpy(d2 + i0 * sizeof(T), acc, b * sizeof(T));                                            \
+        if (d2 != d1) memcpy(d2 + i0 * sizeof(T), acc, b * sizeof(T));                              \
     }                                                                                               \
 }
 
@@ -295,6 +299,44 @@ static void run_stripe(ctx_t *c, int t) {
         if (r != me && wait_ge(c, ctr(c, r, t, C_OUT), E | (uint64_t)chunks, r)) return;
 }
 
+/* reduce_scatter: one stripe of the output's elements. A chunk of L elements is a block of L per
+ * destination; each rank writes the blocks of the other destinations into its slot (block d at
+ * d * L), raises `in`, reduces its own block over every rank (its own from its input) straight
+ * into its output and raises `red`: every rank has read the chunk's slots then. */
+static void run_scatter_stripe(ctx_t *c, int t) {
+    job_t *j = &c->job;
+    const int n = c->world, me = c->me, esz = j->esz;
+    const int64_t m = j->count, lo = m * t / j->stripes, hi = m * (t + 1) / j->stripes, L = j->chunk;
+    const int64_t chunks = (hi - lo + L - 1) / L;
+    const uint64_t E = j->epoch << 32;
+    red_fn red = reducer(j->dtype);
+    uint8_t *src[MAXW];
+    for (int64_t k = 0; k < chunks; k++) {
+        const int s = (int)(k % SLOTS);
+        const int64_t a = lo + k * L, len = (hi - a) < L ? hi - a : L;
+        uint8_t *mine = slot(c, me, t, s);
+        if (k >= SLOTS)
+            for (int r = 0; r < n; r++)
+                if (r != me && wait_ge(c, ctr(c, r, t, C_RED), E | (uint64_t)(k - SLOTS + 1), r)) return;
+        for (int d = 0; d < n; d++)
+            if (d != me) memcpy(mine + d * L * esz, j->buf + (d * m + a) * esz, len * esz);
+        __atomic_store_n(ctr(c, me, t, C_IN), E | (uint64_t)(k + 1), __ATOMIC_RELEASE);
+        for (int r = 0; r < n; r++) {
+            if (r == me) { src[r] = j->buf + (me * m + a) * esz; continue; }
+            if (wait_ge(c, ctr(c, r, t, C_IN), E | (uint64_t)(k + 1), r)) return;
+            src[r] = slot(c, r, t, s) + me * L * esz;
+        }
+        red(src, n, len, j->out + a * esz, j->out + a * esz, j->op);
+        __atomic_store_n(ctr(c, me, t, C_RED), E | (uint64_t)(k + 1), __ATOMIC_RELEASE);
+    }
+    for (int r = 0; r < n; r++)
+        if (r != me && wait_ge(c, ctr(c, r, t, C_RED), E | (uint64_t)chunks, r)) return;
+}
+
+static void run(ctx_t *c, int t) {
+    if (c->job.scatter) run_scatter_stripe(c, t); else run_stripe(c, t);
+}
+
 /* the pool ---------------------------------------------------------------------------------- */
 static void *worker(void *p) {
     arg_t *a = (arg_t *)p;
@@ -315,7 +357,7 @@ static void *worker(void *p) {
         }
         if (c->quit) return NULL;
         seen = g;
-        if (a->id < c->job.stripes) run_stripe(c, a->id);
+        if (a->id < c->job.stripes) run(c, a->id);
         __atomic_sub_fetch(&c->remaining, 1, __ATOMIC_ACQ_REL);
     }
 }
@@ -357,18 +399,17 @@ int cpucoll_has_f16(void) {
 #endif
 }
 
-/* The whole all_reduce of `count` elements at `buf`, in place. Returns E_OK or the failure's code
- * (its rank in *peer). The stripes' count and the chunk are the same on every rank (Python agrees
- * on them in the call's header round). */
-int cpucoll_all_reduce(void *h, void *buf, int64_t count, int esz, int dtype, int op, uint64_t epoch, int stripes,
-                       int64_t chunk, int *peer) {
-    ctx_t *c = (ctx_t *)h;
+/* one call of either op on every stripe: the caller runs stripe 0, the pool the others */
+static int go(ctx_t *c, void *buf, void *out, int64_t count, int esz, int dtype, int op, uint64_t epoch, int stripes,
+              int64_t chunk, int scatter, int *peer) {
     *peer = -1;
     if (getpid() != c->owner) return E_FORKED;
     if (stripes < 1) stripes = 1;
     if (stripes > c->nworkers + 1) stripes = c->nworkers + 1;
     job_t *j = &c->job;
     j->buf = (uint8_t *)buf;
+    j->out = (uint8_t *)out;
+    j->scatter = scatter;
     j->count = count;
     j->esz = esz;
     j->dtype = dtype;
@@ -377,7 +418,7 @@ int cpucoll_all_reduce(void *h, void *buf, int64_t count, int esz, int dtype, in
     j->epoch = epoch & 0xffffffffu;
     j->stripe_bytes = (c->area_bytes / stripes) & ~(uint64_t)63;
     j->slot_bytes = (j->stripe_bytes / SLOTS) & ~(uint64_t)63;
-    int64_t fit = (int64_t)(j->slot_bytes / esz);
+    int64_t fit = (int64_t)(j->slot_bytes / esz / (scatter ? c->world : 1));
     j->chunk = chunk < fit ? chunk : fit;
     if (j->chunk < 1) return E_ARGS;
     c->fail = 0;
@@ -389,7 +430,7 @@ int cpucoll_all_reduce(void *h, void *buf, int64_t count, int esz, int dtype, in
         if (c->sleepers) pthread_cond_broadcast(&c->cv);
         pthread_mutex_unlock(&c->mu);
     }
-    run_stripe(c, 0);
+    run(c, 0);
     if (stripes > 1) {
         int64_t t0 = now_ns();
         while (__atomic_load_n(&c->remaining, __ATOMIC_ACQUIRE) > 0) {
@@ -398,6 +439,21 @@ int cpucoll_all_reduce(void *h, void *buf, int64_t count, int esz, int dtype, in
     }
     *peer = c->fail_peer;
     return c->fail;
+}
+
+/* The whole all_reduce of `count` elements at `buf`, in place. Returns E_OK or the failure's code
+ * (its rank in *peer). The stripes' count and the chunk are the same on every rank (Python agrees
+ * on them in the call's header round). */
+int cpucoll_all_reduce(void *h, void *buf, int64_t count, int esz, int dtype, int op, uint64_t epoch, int stripes,
+                       int64_t chunk, int *peer) {
+    return go((ctx_t *)h, buf, buf, count, esz, dtype, op, epoch, stripes, chunk, 0, peer);
+}
+
+/* The whole reduce_scatter of `inp` (world x count elements) into `out` (count elements), as
+ * cpucoll_all_reduce; `chunk` is elements per destination block. */
+int cpucoll_reduce_scatter(void *h, void *out, void *inp, int64_t count, int esz, int dtype, int op, uint64_t epoch,
+                           int stripes, int64_t chunk, int *peer) {
+    return go((ctx_t *)h, inp, out, count, esz, dtype, op, epoch, stripes, chunk, 1, peer);
 }
 
 void cpucoll_free(void *h) {

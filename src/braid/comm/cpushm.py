@@ -46,9 +46,10 @@ from ..errors import MisuseError, PeerMismatchError
 
 HEADER = 64                 # bytes before each half's data: the round's header
 SMALL_REDUCE = 256 << 10    # all_reduce chunks up to this size: one round, every rank reduces all
-NATIVE_MIN = 256 << 10      # all_reduce from this size: the native pool (comm/_cpucoll.c)
-NATIVE_AREA_MIN = 256 << 10     # a half this small or smaller: no native all_reduce
-STRIPE_MIN = 128 << 10      # bytes per stripe (thread) of the native all_reduce, at least
+NATIVE_MIN = 256 << 10      # all_reduce, reduce_scatter (input) from this size: the native pool (comm/_cpucoll.c)
+NATIVE_AREA_MIN = 256 << 10     # a half smaller than this: no native calls
+STRIPE_MIN = 128 << 10      # bytes per stripe (thread) of a native call, at least
+NATIVE_BIT = 1 << 40        # in a header's detail: the call runs native (ranks that differ raise)
 # broadcast's pieces: the root's copy in and the others' copies out overlap piece by piece (2 ranks
 # on 2 cores, 2026-11-26, `braid bench --cpu --op broadcast --sizes 4M:64M --repeat 5`, two runs:
 # 16 MiB 9.9-10.1 ms in one 16 MiB piece, 6.7-6.8 ms in 2 MiB pieces; 64 MiB 27.8-28.0 -> 25.6-26.1;
@@ -116,10 +117,10 @@ class CpuShm:
         self._stamp = [off // 4 for off in self.ready]
         self._others = [r for r in range(world) if r != rank]
         self._hdr = [[self._off(r, q) for r in range(world)] for q in (0, 1)] if self.ok else []
-        # the native all_reduce (comm/native_cpu.py): its area is each rank's half 0 past the
-        # first page (the headers of both parities stay out of it); made on its first call
+        # the native all_reduce and reduce_scatter (comm/native_cpu.py): their area is each rank's
+        # half 0 past the first page (the headers of both parities stay out of it); made on first use
         self._native = None
-        self.native_calls = 0       # all_reduce calls the native pool ran
+        self.native_calls = 0       # calls the native pool ran
         self._native_tried = not (self.ok and envs.get("BRAID_CPU_NATIVE") and self.half >= NATIVE_AREA_MIN)
 
     def close(self) -> None:
@@ -128,7 +129,6 @@ class CpuShm:
         if self._native is not None:
             self._native.close()
             self._native = None
-        self.native_calls = 0       # all_reduce calls the native pool ran
         self._native_tried = True
         self.head = self.mem = self.p2p = None
         self._typed.clear()
@@ -254,7 +254,8 @@ class CpuShm:
     @staticmethod
     def _say(x: tuple) -> str:
         op = {v: k for k, v in _OPS.items()}.get(x[1], "?")
-        return f"{op} of {x[2]} bytes (dtype code {x[3]}, detail {x[4]})"
+        how = ", in native threads" if x[4] & NATIVE_BIT else ""
+        return f"{op} of {x[2]} bytes (dtype code {x[3]}, detail {x[4] & (NATIVE_BIT - 1)}{how})"
 
     # ops -------------------------------------------------------------------------------------
     def reduction(self, op) -> tuple[str, float] | None:
@@ -285,7 +286,7 @@ class CpuShm:
         lands = root is None or root == self.rank
         if root is None and n * esz >= NATIVE_MIN and (nat := self._native_pool()) is not None and nat.takes(dt, name):
             with _guard(t):
-                return self._native_all_reduce(nat, flat, name, code)
+                return self._native_call(nat, "all_reduce", flat, None, name, code)
         # two ranks, a chunk above SMALL_REDUCE: each copies in only the half its peer reduces
         pair = self.world == 2
         with _guard(t):
@@ -324,7 +325,7 @@ class CpuShm:
                         flat[start + a: start + b].copy_(rows[r, a:b])
 
     def _native_pool(self):
-        """The native all_reduce of this communicator, made on first use (None: not here)."""
+        """The native pool of this communicator, made on first use (None: not here)."""
         if self._native_tried:
             return self._native
         self._native_tried = True
@@ -336,7 +337,7 @@ class CpuShm:
         want = envs.get("BRAID_CPU_THREADS") or max(1, min(torch.get_num_threads(),
                                                              len(os.sched_getaffinity(0)) // self.world))
         try:
-            self._native = native_cpu.NativeAllReduce(
+            self._native = native_cpu.NativePool(
                 lib, self.world, self.rank, [seg.address + self._off(r, 0) + 4096 for r in range(self.world)],
                 [seg.address + lay.counter("cpu_native", r * native_cpu.MAX_THREADS * 3) for r in range(self.world)],
                 self.half - 4096, [seg.address + lay.counter("abort", r) for r in range(self.world)],
@@ -344,41 +345,45 @@ class CpuShm:
                 want - 1)
         except OSError as exc:
             import logging
-            logging.getLogger("braid").info("braid: %s; rounds in Python run CPU all_reduce", exc)
+            logging.getLogger("braid").info("braid: %s; rounds in Python run CPU all_reduce and reduce_scatter", exc)
         return self._native
 
-    def _native_all_reduce(self, nat, flat: torch.Tensor, name: str, code: int) -> None:
+    def _native_call(self, nat, op: str, out: torch.Tensor, inp: torch.Tensor | None, name: str, code: int) -> None:
         """One header round (the ranks agree on the call, the stripes and the chunk), then the
-        native pool moves and reduces every byte (comm/_cpucoll.c)."""
-        nbytes = flat.numel() * flat.element_size()
-        chunk_kb = envs.get("BRAID_CPU_CHUNK_KB")
-        p = self._round("all_reduce", nbytes, flat.dtype, code, (nat.threads, chunk_kb))
+        native pool moves and reduces every byte (comm/_cpucoll.c): an all_reduce of `out` in
+        place, or (`inp` given) a reduce_scatter of `inp` into `out`."""
+        esz = out.element_size()
+        nbytes = (inp if inp is not None else out).numel() * esz
+        p = self._round(op, nbytes, out.dtype, code | NATIVE_BIT, (nat.threads, envs.get("BRAID_CPU_CHUNK_KB")))
         words = self._words(p, 5, 2)
         stripes = max(1, min(min(w[0] for w in words), nbytes // STRIPE_MIN))
-        chunk = (min(w[1] for w in words) << 10) // flat.element_size()
-        rc, peer = nat.all_reduce(flat, name, self.seq, stripes, chunk)
+        chunk = (min(w[1] for w in words) << 10) // esz
+        if inp is None:
+            rc, peer = nat.all_reduce(out, name, self.seq, stripes, chunk)
+        else:
+            rc, peer = nat.reduce_scatter(out, inp, name, self.seq, stripes, max(1, chunk // self.world))
         self.native_calls += 1
         if rc:
-            self._native_failed(rc, peer)
+            self._native_failed(rc, peer, op)
 
-    def _native_failed(self, rc: int, peer: int) -> None:
+    def _native_failed(self, rc: int, peer: int, op: str) -> None:
         from .native_cpu import ABORTED, DEAD, TIMEOUT
         from ..errors import BraidTimeoutError, LaneFailureError
         seg = self.seg
         if rc == ABORTED:
             seg.raise_if_peer_aborted()
-            raise LaneFailureError(f"all_reduce: rank {self.rank} was aborted during the call")
+            raise LaneFailureError(f"{op}: rank {self.rank} was aborted during the call")
         if rc == DEAD:
             seg.check_alive(peer)
             raise LaneFailureError(f"rank {peer} has exited; braid cannot complete the call on rank {self.rank}")
         if rc == TIMEOUT:
             if seg.on_timeout is not None:
-                seg.on_timeout(peer, "all_reduce")
+                seg.on_timeout(peer, op)
             raise BraidTimeoutError(
-                f"rank {self.rank} waited {envs.get('BRAID_TIMEOUT_S'):.0f} s for rank {peer} (all_reduce); the "
+                f"rank {self.rank} waited {envs.get('BRAID_TIMEOUT_S'):.0f} s for rank {peer} ({op}); the "
                 f"peer did not make the matching call. Check that every rank issues the same collectives in the "
                 f"same order (BRAID_TIMEOUT_S to change the limit).")
-        raise LaneFailureError(f"all_reduce: the native CPU all_reduce could not run here (code {rc}); a "
+        raise LaneFailureError(f"{op}: the native CPU path could not run here (code {rc}); a "
                                f"process that forked from the one that made the communicator cannot use it")
 
     def _pair_reduce(self, flat, start: int, p: int, bounds, name: str, factor: float, lands: bool) -> None:
@@ -487,9 +492,12 @@ class CpuShm:
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, name: str, factor: float) -> None:
         dt, m, w = out.dtype, out.numel(), self.world
         name = self.checked(dt, name, "reduce_scatter")
+        esz = self.esz(dt)
+        if w * m * esz >= NATIVE_MIN and (nat := self._native_pool()) is not None and nat.takes(dt, name):
+            with _guard(out):
+                return self._native_call(nat, "reduce_scatter", out, inp, name, _NAMES[name])
         src = inp.view(w, m)
         dst = out if out.dim() == 1 else out.view(-1)
-        esz = self.esz(dt)
         cap = self.round_bytes // esz // w
         code = _NAMES[name]
         me = self.rank

@@ -1,4 +1,4 @@
-"""The native all_reduce of CPU tensors (`_cpucoll.c`): built on first use with the system's C
+"""The native all_reduce and reduce_scatter of CPU tensors (`_cpucoll.c`): built on first use with the system's C
 compiler for this machine's CPU, loaded with ctypes, run without Python's interpreter lock in a
 pool of threads per communicator. Where it does not build (no compiler), or a dtype or reduction
 it does not have, CpuShm's own rounds run the call (comm/cpushm.py)."""
@@ -49,7 +49,7 @@ def build() -> ctypes.CDLL | None:
             lib = compile_c(SOURCE, "cpucoll", ["-O3"], _machine())
     except (OSError, subprocess.SubprocessError) as exc:
         err = getattr(exc, "stderr", b"") or b""
-        log.info("braid: the native CPU all_reduce is not available (%s%s); rounds in Python run it",
+        log.info("braid: the native CPU collectives are not available (%s%s); rounds in Python run them",
                  exc, (": " + err.decode(errors="replace")[:200]) if err else "")
         return None
     lib.cpucoll_new.restype = _vp
@@ -57,6 +57,8 @@ def build() -> ctypes.CDLL | None:
                                 _i64, _int]
     lib.cpucoll_all_reduce.restype = _int
     lib.cpucoll_all_reduce.argtypes = [_vp, _vp, _i64, _int, _int, _int, _u64, _int, _i64, ctypes.POINTER(_int)]
+    lib.cpucoll_reduce_scatter.restype = _int
+    lib.cpucoll_reduce_scatter.argtypes = [_vp, _vp, _vp, _i64, _int, _int, _int, _u64, _int, _i64, ctypes.POINTER(_int)]
     lib.cpucoll_workers.restype = _int
     lib.cpucoll_workers.argtypes = [_vp]
     lib.cpucoll_has_f16.restype = _int
@@ -68,7 +70,7 @@ def build() -> ctypes.CDLL | None:
     return lib
 
 
-class NativeAllReduce:
+class NativePool:
     """One communicator's pool and areas (see `_cpucoll.c`)."""
 
     def __init__(self, lib, world: int, me: int, areas: list[int], ctrs: list[int], area_bytes: int, abort_addrs: list[int],
@@ -78,7 +80,7 @@ class NativeAllReduce:
         self._h = lib.cpucoll_new(world, me, arr(*areas), arr(*ctrs), area_bytes, arr(*abort_addrs), arr(*pid_addrs),
                                   int(timeout_s * 1e9), max(0, min(workers, MAX_THREADS - 1)))
         if not self._h:
-            raise OSError("the native CPU all_reduce could not start")
+            raise OSError("the native CPU collectives could not start")
         self.threads = 1 + lib.cpucoll_workers(self._h)
         self._peer = _int(-1)
 
@@ -91,6 +93,14 @@ class NativeAllReduce:
         rc = self.lib.cpucoll_all_reduce(self._h, flat.data_ptr(), flat.numel(), flat.element_size(),
                                          _DTYPES[flat.dtype], OPS[name], epoch, stripes, chunk,
                                          ctypes.byref(self._peer))
+        return rc, self._peer.value
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, name: str, epoch: int, stripes: int,
+                       chunk: int) -> tuple[int, int]:
+        """`out` (m elements) = this rank's block of every rank's `inp` (world x m), reduced."""
+        rc = self.lib.cpucoll_reduce_scatter(self._h, out.data_ptr(), inp.data_ptr(), out.numel(), out.element_size(),
+                                             _DTYPES[out.dtype], OPS[name], epoch, stripes, chunk,
+                                             ctypes.byref(self._peer))
         return rc, self._peer.value
 
     def close(self) -> None:
