@@ -39,7 +39,7 @@ for step in "$@"; do
               | grep -v Warning | tee -a "$LOGS/ab$n.log" | grep -E "^ +[0-9]+ |host per call" ; done; done ;;
     # CPU collectives against gloo under several settings in turn, at each of CPU_RANKS (AB_ENVS and
     # AB_ROUNDS as for ab2), one JSON per run; CPU_TESTS=1 runs the CPU tests of the segment path first
-    cpuab) [ "${CPU_TESTS:-0}" = 1 ] && timeout 300 python3 -m pytest -q tests/test_cpu_native.py tests/test_cpu_shm.py 2>&1 \
+    cpuab) [ "${CPU_TESTS:-0}" = 1 ] && CUDA_VISIBLE_DEVICES= timeout 300 python3 -m pytest -q tests/test_cpu_native.py tests/test_cpu_shm.py 2>&1 \
             | tee "$LOGS/cpu_tests.log" | tail -3;
           i=0; for n in ${CPU_RANKS:-4 8}; do for r in $(seq ${AB_ROUNDS:-1}); do IFS=';' read -ra sets <<< "${AB_ENVS:-BRAID_CPU_NATIVE=1;BRAID_CPU_NATIVE=0}";
           for e in "${sets[@]}"; do i=$((i+1)); echo "--- $i: $n ranks, $e" | tee -a "$LOGS/cpuab.log";
