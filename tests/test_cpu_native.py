@@ -181,7 +181,7 @@ def _fault_worker(rank, w, how):
         cpu = comm._cpu
         from braid.comm.cpushm import NATIVE_BIT
         code = 1 | NATIVE_BIT       # the header's detail of a plain sum in native threads (cpushm._NAMES)
-        cpu._round("all_reduce", t.numel() * 4, t.dtype, code, (cpu._native.threads, 4))
+        cpu._round("all_reduce", t.numel() * 4, t.dtype, code, (cpu._native.threads, 4, 128))
         if how == "die":
             os._exit(3)
         if how == "abort":

@@ -113,6 +113,9 @@ _define("BRAID_CPU_NATIVE", _bool, True,
 _define("BRAID_CPU_THREADS", _nonneg_int, 0,
         "Threads per rank of the native CPU all_reduce (the ranks take the least any of them asks); "
         "0: torch's intra-op threads, at most this process's cores divided by the ranks.")
+_define("BRAID_CPU_STRIPE_KB", _positive_int, 128,
+        "Native CPU all_reduce and reduce_scatter: KiB of a call (the input's) per thread at least; a "
+        "smaller call runs on fewer of BRAID_CPU_THREADS (each more wakes a thread and waits on one more).")
 _define("BRAID_CPU_CHUNK_KB", _positive_int, 256,
         "Native CPU all_reduce: KiB of data per rank and chunk of a thread's stripe (small enough to "
         "stay in the caches between a rank's copy in and the others' reduction).")

@@ -48,7 +48,6 @@ HEADER = 64                 # bytes before each half's data: the round's header
 SMALL_REDUCE = 256 << 10    # all_reduce chunks up to this size: one round, every rank reduces all
 NATIVE_MIN = 256 << 10      # all_reduce, reduce_scatter (input) from this size: the native pool (comm/_cpucoll.c)
 NATIVE_AREA_MIN = 256 << 10     # a half smaller than this: no native calls
-STRIPE_MIN = 128 << 10      # bytes per stripe (thread) of a native call, at least
 NATIVE_BIT = 1 << 40        # in a header's detail: the call runs native (ranks that differ raise)
 # broadcast's pieces: the root's copy in and the others' copies out overlap piece by piece (2 ranks
 # on 2 cores, 2026-11-26, `braid bench --cpu --op broadcast --sizes 4M:64M --repeat 5`, two runs:
@@ -354,10 +353,11 @@ class CpuShm:
         place, or (`inp` given) a reduce_scatter of `inp` into `out`."""
         esz = out.element_size()
         nbytes = (inp if inp is not None else out).numel() * esz
-        p = self._round(op, nbytes, out.dtype, code | NATIVE_BIT, (nat.threads, envs.get("BRAID_CPU_CHUNK_KB")))
-        words = self._words(p, 5, 2)
-        stripes = max(1, min(min(w[0] for w in words), nbytes // STRIPE_MIN))
-        chunk = (min(w[1] for w in words) << 10) // esz
+        p = self._round(op, nbytes, out.dtype, code | NATIVE_BIT,
+                        (nat.threads, envs.get("BRAID_CPU_CHUNK_KB"), envs.get("BRAID_CPU_STRIPE_KB")))
+        threads, chunk_kb, stripe_kb = (min(col) for col in zip(*self._words(p, 5, 3)))     # every rank's least
+        stripes = max(1, min(threads, nbytes // (max(stripe_kb, 1) << 10)))
+        chunk = (chunk_kb << 10) // esz
         if inp is None:
             rc, peer = nat.all_reduce(out, name, self.seq, stripes, chunk)
         else:
