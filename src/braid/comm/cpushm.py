@@ -356,7 +356,11 @@ class CpuShm:
         p = self._round(op, nbytes, out.dtype, code | NATIVE_BIT,
                         (nat.threads, envs.get("BRAID_CPU_CHUNK_KB"), envs.get("BRAID_CPU_STRIPE_KB")))
         threads, chunk_kb, stripe_kb = (min(col) for col in zip(*self._words(p, 5, 3)))     # every rank's least
-        stripes = max(1, min(threads, nbytes // (max(stripe_kb, 1) << 10)))
+        # a reduce_scatter's threads by its output: per byte of it a thread waits on every rank's
+        # block (one H200 host's 16 vCPUs, 4 and 8 ranks, 2026-11-27: threads by the input ran
+        # 256 KiB-1 MiB at 435-1052 us, one thread at 145-370)
+        per = nbytes if inp is None else nbytes // self.world
+        stripes = max(1, min(threads, per // (max(stripe_kb, 1) << 10)))
         chunk = (chunk_kb << 10) // esz
         if inp is None:
             rc, peer = nat.all_reduce(out, name, self.seq, stripes, chunk)
