@@ -395,3 +395,33 @@ def test_rounds_smaller_than_the_call():
     reduction still right, and the same bits on every rank."""
     for bad in run_world(_ops_worker, 3, env={"BRAID_CPU_ROUND_KB": "4"}, timeout=300):
         assert bad == [], bad
+
+
+def _aligned_worker(rank, w):
+    """all_gather and broadcast copy in the widest words a tensor's address and size allow; ranks
+    whose tensors sit at other offsets (so other widths) still agree on every byte."""
+    import braid
+    comm = braid.init()
+    bad = []
+    for n in (8, 4096, 65_536, 3 * 1_048_576 + 8):
+        for off in (0, 1, 2, 4):
+            mine = (off + rank) % 3 * 2          # offsets 0, 2, 4 by rank: widths 8, 2, 4
+            base = torch.empty(n + 16, dtype=torch.uint8)
+            x = base[mine: mine + n]
+            x.copy_(data(rank, n, torch.uint8, off))
+            out_base = torch.empty(n * w + 16, dtype=torch.uint8)
+            out = out_base[off: off + n * w]
+            comm.all_gather_into_tensor(out, x)
+            if not torch.equal(out, torch.cat([data(r, n, torch.uint8, off) for r in range(w)])):
+                bad.append(("all_gather", n, off))
+            t = x.clone() if off % 2 else x
+            comm.broadcast(t, off % w)
+            if not torch.equal(t, data(off % w, n, torch.uint8, off)):
+                bad.append(("broadcast", n, off))
+    braid.close()
+    return bad
+
+
+def test_copies_in_words_at_any_offset():
+    for bad in run_world(_aligned_worker, 3, timeout=120):
+        assert bad == []
