@@ -168,32 +168,9 @@ def _ops_worker(rank, w):
     return bad
 
 
-@pytest.mark.parametrize("w", [2, 3, 4])
+@pytest.mark.parametrize("w", [2, 3, 4, 8])
 def test_every_op_dtype_and_reduction(w):
     for bad in run_world(_ops_worker, w, timeout=300):
-        assert bad == [], bad
-
-
-def _eight_worker(rank, w):
-    import braid
-    comm = braid.init()
-    bad = []
-    for n in (1, 1000, 300_001):
-        xs = [data(r, n, torch.float32, 5) for r in range(w)]
-        t = xs[rank].clone()
-        comm.all_reduce(t)
-        if not close(t, reference(xs, "sum", 1.0), xs, "sum"):
-            bad.append(n)
-        out = torch.empty(n * w)
-        comm.all_gather_into_tensor(out, xs[rank])
-        if not torch.equal(out, torch.cat(xs)):
-            bad.append(("ag", n))
-    braid.close()
-    return bad
-
-
-def test_eight_ranks():
-    for bad in run_world(_eight_worker, 8, timeout=300):
         assert bad == [], bad
 
 
