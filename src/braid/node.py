@@ -295,12 +295,17 @@ class NodeSegment:
                 if self.on_wait is not None:       # the communicator's mismatch check
                     self.on_wait(peer, what, lambda: geq(self.get(off), value))
                 if time.monotonic() > deadline:
-                    if self.on_timeout is not None:
-                        self.on_timeout(peer, what)
-                    raise BraidTimeoutError(
-                        f"rank {self.rank} waited {envs.get('BRAID_TIMEOUT_S'):.0f} s for rank {peer} "
-                        f"({what}); the peer did not make the matching call. Check that every rank "
-                        f"issues the same collectives in the same order (BRAID_TIMEOUT_S to change the limit).")
+                    raise self.timed_out(peer, what)
+
+    def timed_out(self, peer: int, what: str) -> BraidTimeoutError:
+        """The error of a wait for `peer` that lasted BRAID_TIMEOUT_S (the owner's hook may raise a
+        better one first: a peer that made another call)."""
+        if self.on_timeout is not None:
+            self.on_timeout(peer, what)
+        return BraidTimeoutError(
+            f"rank {self.rank} waited {envs.get('BRAID_TIMEOUT_S'):.0f} s for rank {peer} "
+            f"({what}); the peer did not make the matching call. Check that every rank "
+            f"issues the same collectives in the same order (BRAID_TIMEOUT_S to change the limit).")
 
     def check_alive(self, peer: int) -> None:
         pid = self.get(self.layout.counter("pid", peer))

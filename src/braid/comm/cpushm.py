@@ -387,7 +387,7 @@ class CpuShm:
 
     def _native_failed(self, rc: int, peer: int, op: str) -> None:
         from .native_cpu import ABORTED, DEAD, TIMEOUT
-        from ..errors import BraidTimeoutError, LaneFailureError
+        from ..errors import LaneFailureError
         seg = self.seg
         if rc == ABORTED:
             seg.raise_if_peer_aborted()
@@ -396,12 +396,7 @@ class CpuShm:
             seg.check_alive(peer)
             raise LaneFailureError(f"rank {peer} has exited; braid cannot complete the call on rank {self.rank}")
         if rc == TIMEOUT:
-            if seg.on_timeout is not None:
-                seg.on_timeout(peer, op)
-            raise BraidTimeoutError(
-                f"rank {self.rank} waited {envs.get('BRAID_TIMEOUT_S'):.0f} s for rank {peer} ({op}); the "
-                f"peer did not make the matching call. Check that every rank issues the same collectives in the "
-                f"same order (BRAID_TIMEOUT_S to change the limit).")
+            raise seg.timed_out(peer, op)
         raise LaneFailureError(f"{op}: the native CPU path could not run here (code {rc}); a "
                                f"process that forked from the one that made the communicator cannot use it")
 
