@@ -122,6 +122,29 @@ def test_interleaved_with_the_other_paths():
         assert calls > 20           # about a third of the calls are native all_reduces
 
 
+def _autograd_worker(rank, w):
+    """A tensor autograd saved, then reduced in place by the native path: backward says it was
+    modified, as after torch's own in-place ops."""
+    import braid
+    comm = braid.init()
+    w_ = torch.ones(300_001, requires_grad=True)
+    x = torch.ones(300_001)
+    y = (w_ * x).sum()           # saves x
+    v = x._version
+    comm.all_reduce(x)
+    try:
+        y.backward()
+        raised = ""
+    except RuntimeError as e:
+        raised = str(e)
+    return x._version > v, "modified by an inplace operation" in raised, comm._cpu.native_calls
+
+
+def test_an_in_place_write_counts_for_autograd():
+    for bumped, caught, calls in run_world(_autograd_worker, 2):
+        assert calls == 1 and bumped and caught
+
+
 def _fallback_worker(rank, w):
     import braid
     comm = braid.init()

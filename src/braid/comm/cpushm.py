@@ -78,6 +78,12 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return flat if flat.dtype is torch.uint8 else flat.view(torch.uint8)
 
 
+try:
+    from torch.autograd.graph import increment_version as _written
+except ImportError:     # pragma: no cover - torch without it
+    def _written(t: torch.Tensor) -> None:
+        return None
+
 _WORDS = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2))
 
 
@@ -382,6 +388,7 @@ class CpuShm:
         else:
             rc, peer = nat.reduce_scatter(out, inp, name, self.seq, stripes, max(1, chunk // self.world))
         self.native_calls += 1
+        _written(out)           # C wrote it: autograd's count of in-place writes, as torch's own ops keep
         if rc:
             self._native_failed(rc, peer, op)
 
