@@ -374,8 +374,7 @@ class CpuShm:
         place, or (`inp` given) a reduce_scatter of `inp` into `out`."""
         esz = out.element_size()
         nbytes = (inp if inp is not None else out).numel() * esz
-        p = self._round(op, nbytes, out.dtype, code | NATIVE_BIT,
-                        (nat.threads, envs.get("BRAID_CPU_CHUNK_KB"), envs.get("BRAID_CPU_STRIPE_KB")))
+        p = self._round(op, nbytes, out.dtype, code | NATIVE_BIT, nat.offer)
         threads, chunk_kb, stripe_kb = (min(col) for col in zip(*self._words(p, 5, 3)))     # every rank's least
         # a reduce_scatter's threads by its output: per byte of it a thread waits on every rank's
         # block (one H200 host's 16 vCPUs, 4 and 8 ranks, 2026-11-27: threads by the input ran

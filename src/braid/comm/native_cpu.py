@@ -1,18 +1,16 @@
-"""The native all_reduce and reduce_scatter of CPU tensors (`_cpucoll.c`): built on first use with the system's C
-compiler for this machine's CPU, loaded with ctypes, run without Python's interpreter lock in a
+"""The native all_reduce and reduce_scatter of CPU tensors (`_cpucoll.c`): built on first use
+with the system's C compiler for this machine's CPU, loaded with ctypes, run without Python's interpreter lock in a
 pool of threads per communicator. Where it does not build (no compiler), or a dtype or reduction
 it does not have, CpuShm's own rounds run the call (comm/cpushm.py)."""
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import pathlib
-import subprocess
 
 import torch
 
-log = logging.getLogger("braid")
+from .. import envs
 
 SOURCE = pathlib.Path(__file__).with_name("_cpucoll.c")
 _u64, _vp, _i64, _int = ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -41,16 +39,11 @@ def build() -> ctypes.CDLL | None:
     if _tried:
         return _lib
     _tried = True
-    from .native_rounds import compile_c
-    try:
-        try:
-            lib = compile_c(SOURCE, "cpucoll", ["-O3", "-march=native"], _machine())
-        except subprocess.CalledProcessError:       # a compiler without -march=native
-            lib = compile_c(SOURCE, "cpucoll", ["-O3"], _machine())
-    except (OSError, subprocess.SubprocessError) as exc:
-        err = getattr(exc, "stderr", b"") or b""
-        log.info("braid: the native CPU collectives are not available (%s%s); rounds in Python run them",
-                 exc, (": " + err.decode(errors="replace")[:200]) if err else "")
+    from .native_rounds import compile_or_none
+    # a compiler without -march=native: the plain build
+    lib = compile_or_none(SOURCE, "cpucoll", [["-O3", "-march=native"], ["-O3"]], _machine(),
+                          "the native CPU collectives", "rounds in Python run them")
+    if lib is None:
         return None
     lib.cpucoll_new.restype = _vp
     lib.cpucoll_new.argtypes = [_int, _int, ctypes.POINTER(_u64), ctypes.POINTER(_u64), _u64, ctypes.POINTER(_u64), ctypes.POINTER(_u64),
@@ -82,6 +75,8 @@ class NativePool:
         if not self._h:
             raise OSError("the native CPU collectives could not start")
         self.threads = 1 + lib.cpucoll_workers(self._h)
+        # what this rank offers in each call's header round (the ranks take the least of each)
+        self.offer = (self.threads, envs.get("BRAID_CPU_CHUNK_KB"), envs.get("BRAID_CPU_STRIPE_KB"))
         self._peer = _int(-1)
 
     @staticmethod

@@ -45,18 +45,33 @@ def compile_c(source: pathlib.Path, stem: str, flags: list[str], key: str = "") 
     return ctypes.CDLL(str(out))
 
 
+def compile_or_none(source: pathlib.Path, stem: str, flag_sets: list[list[str]], key: str, what: str,
+                    instead: str) -> ctypes.CDLL | None:
+    """compile_c with the first of `flag_sets` the compiler takes; None where none builds (one log
+    line: `what` is not available, `instead` runs)."""
+    try:
+        for i, flags in enumerate(flag_sets):
+            try:
+                return compile_c(source, stem, flags, key)
+            except subprocess.CalledProcessError:
+                if i == len(flag_sets) - 1:
+                    raise
+    except (OSError, subprocess.SubprocessError) as exc:
+        err = getattr(exc, "stderr", b"") or b""
+        log.info("braid: %s is not available (%s%s); %s", what, exc,
+                 (": " + err.decode(errors="replace")[:200]) if err else "", instead)
+    return None
+
+
 def build() -> ctypes.CDLL | None:
     """The launcher's library, compiled once per source text into the cache directory."""
     global _lib, _tried
     if _tried:
         return _lib
     _tried = True
-    try:
-        lib = compile_c(SOURCE, "rounds", ["-O2"])
-    except (OSError, subprocess.SubprocessError) as exc:
-        err = getattr(exc, "stderr", b"") or b""
-        log.info("braid: the native launcher of deferred calls is not available (%s%s); its Python thread "
-                 "launches them", exc, (": " + err.decode(errors="replace")[:200]) if err else "")
+    lib = compile_or_none(SOURCE, "rounds", [["-O2"]], "", "the native launcher of deferred calls",
+                          "its Python thread launches them")
+    if lib is None:
         return None
     lib.rounds_new.restype = _vp
     lib.rounds_new.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, _u64,
