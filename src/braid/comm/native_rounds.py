@@ -58,7 +58,7 @@ def compile_or_none(source: pathlib.Path, stem: str, flag_sets: list[list[str]],
                     raise
     except (OSError, subprocess.SubprocessError) as exc:
         err = getattr(exc, "stderr", b"") or b""
-        log.info("braid: %s is not available (%s%s); %s", what, exc,
+        log.info("braid: could not build %s (%s%s); %s", what, exc,
                  (": " + err.decode(errors="replace")[:200]) if err else "", instead)
     return None
 
