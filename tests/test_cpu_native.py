@@ -1,5 +1,5 @@
-"""The native all_reduce and reduce_scatter of CPU tensors (comm/_cpucoll.c through
-comm/native_cpu.py): every dtype and reduction they take at 2, 3 and 4 ranks with several threads per rank and chunks small enough
+"""The native all_reduce, reduce, reduce_scatter and all_to_all of CPU tensors (comm/_cpucoll.c
+through comm/native_cpu.py): every dtype and reduction they take at 2, 3 and 4 ranks with several threads per rank and chunks small enough
 that every slot is reused many times, against references built from every rank's inputs; the same
 bits on every rank; calls interleaved with the other paths through the same areas; what it does
 not take goes to the rounds in Python; a peer that dies, aborts or never comes inside the native
@@ -51,6 +51,7 @@ def _every_worker(rank, w):
                 if not close(t, reference(xs, name, 1.0), xs, name):
                     bad.append(f"{name} {dt} n={n}: wrong")
                 digests.append((name, str(dt), n, _digest(t)))
+                ar = t
                 m = n // w
                 before = native()
                 out = torch.empty(m, dtype=dt)
@@ -60,6 +61,29 @@ def _every_worker(rank, w):
                     bad.append(f"reduce_scatter {name} {dt} n={n}: not the path its size takes")
                 if not close(out, reference(part, name, 1.0), part, name):
                     bad.append(f"reduce_scatter {name} {dt} n={n}: wrong")
+                root = (k + n) % w          # a reduce: the root alone gets the result
+                t = xs[rank].clone()
+                before = native()
+                comm.reduce(t, dst=root, op=name)
+                if native() != before + 1:
+                    bad.append(f"reduce {name} {dt} n={n}: not the native path")
+                if rank == root and not close(t, reference(xs, name, 1.0), xs, name):
+                    bad.append(f"reduce {name} {dt} n={n} root {root}: wrong")
+                if rank != root and not torch.equal(t.view(torch.uint8), xs[rank].view(torch.uint8)):
+                    bad.append(f"reduce {name} {dt} n={n} root {root}: a non-root tensor changed")
+                if rank == root and not torch.equal(t.view(torch.uint8), ar.view(torch.uint8)):
+                    bad.append(f"reduce {name} {dt} n={n}: other bits than the all_reduce's")
+            # all_to_all_single: blocks of m elements, bitwise (bytes move whatever the dtype)
+            m = n // w
+            inp = xs[rank][: m * w].clone()
+            out = torch.full_like(inp, 7)
+            before = native()
+            comm.all_to_all_single(out, inp)
+            if native() != before + (m * w * dt.itemsize >= 256 << 10):
+                bad.append(f"all_to_all {dt} n={n}: not the path its size takes")
+            want = torch.cat([x[rank * m:(rank + 1) * m] for x in xs])
+            if not torch.equal(out.view(torch.uint8), want.view(torch.uint8)):
+                bad.append(f"all_to_all {dt} n={n}: wrong")
     every = [None] * w
     dist.all_gather_object(every, digests, group=comm.gloo_group)
     for e in every:

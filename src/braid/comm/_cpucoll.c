@@ -1,4 +1,4 @@
-/* all_reduce and reduce_scatter of CPU tensors through the node segment in native threads
+/* all_reduce, reduce, reduce_scatter and all_to_all of CPU tensors through the node segment in native threads
  * (comm/cpushm.py, comm/native_cpu.py). The all_reduce:
  *
  * The tensor is cut into stripes, one per thread of this rank; thread t of every rank works on
@@ -19,8 +19,11 @@
  * end every stripe waits for every rank's `out`, so the area is free when the call returns.
  * Counters are 64-bit: (call's epoch << 32) | chunks done, rising from call to call.
  *
+ * A reduce to one root is the same with the root alone writing its tensor: the other ranks write
+ * their reduced parts into their slots only, and only the root copies out.
+ *
  * The reduce_scatter is steps 1 and 2 with the reduction written to the output alone
- * (run_scatter_stripe). Each element is reduced by one rank in rank order, so every rank ends with the same bits, run
+ * (run_scatter_stripe); the all_to_all is the same movement with a copy in place of the reduction. Each element is reduced by one rank in rank order, so every rank ends with the same bits, run
  * after run. A wait spins, then yields the core, then sleeps; while it lasts it looks at every
  * rank's abort word, at the peer's process and at the deadline, and any of them ends the call
  * with a code Python turns into braid's error.
@@ -53,9 +56,10 @@ enum { OP_SUM = 0, OP_AVG = 1, OP_MIN = 2, OP_MAX = 3, OP_PROD = 4 };
 enum { C_IN = 0, C_RED = 1, C_OUT = 2 };
 
 typedef struct {
-    uint8_t *buf, *out;         /* reduce_scatter: `buf` the input (world x count), `out` the output */
+    uint8_t *buf, *out;         /* reduce_scatter, all_to_all: `buf` the input (world x count), `out` the output */
     int64_t count, chunk;
-    int scatter;
+    int scatter;                /* 0: all_reduce or reduce, 1: reduce_scatter, 2: all_to_all */
+    int root;                   /* a reduce's root; -1: all_reduce */
     int esz, dtype, op, stripes;
     uint64_t epoch;
     uint64_t stripe_bytes, slot_bytes;
@@ -286,9 +290,12 @@ static void run_stripe(ctx_t *c, int t) {
             if (wait_ge(c, ctr(c, r, t, C_IN), E | (uint64_t)(k + 1), r)) return;
             src[r] = slot(c, r, t, s) + bd[me] * esz;
         }
-        red(src, n, bd[me + 1] - bd[me], base + bd[me] * esz, mine + bd[me] * esz, j->op);
+        /* all_reduce: into the tensor and the slot; a reduce: the root's tensor, another's slot */
+        uint8_t *own = base + bd[me] * esz, *handed = mine + bd[me] * esz;
+        uint8_t *d1 = j->root < 0 || j->root == me ? own : handed, *d2 = j->root < 0 ? handed : d1;
+        red(src, n, bd[me + 1] - bd[me], d1, d2, j->op);
         __atomic_store_n(ctr(c, me, t, C_RED), E | (uint64_t)(k + 1), __ATOMIC_RELEASE);
-        for (int i = 1; i < n; i++) {
+        for (int i = 1; i < n && (j->root < 0 || j->root == me); i++) {
             int r = (me + i) % n;
             if (wait_ge(c, ctr(c, r, t, C_RED), E | (uint64_t)(k + 1), r)) return;
             memcpy(base + bd[r] * esz, slot(c, r, t, s) + bd[r] * esz, (bd[r + 1] - bd[r]) * esz);
@@ -321,6 +328,16 @@ static void run_scatter_stripe(ctx_t *c, int t) {
         for (int d = 0; d < n; d++)
             if (d != me) memcpy(mine + d * L * esz, j->buf + (d * m + a) * esz, len * esz);
         __atomic_store_n(ctr(c, me, t, C_IN), E | (uint64_t)(k + 1), __ATOMIC_RELEASE);
+        if (j->scatter == 2) {      /* all_to_all: every rank's block for this rank, copied */
+            memcpy(j->out + (me * m + a) * esz, j->buf + (me * m + a) * esz, len * esz);
+            for (int i = 1; i < n; i++) {
+                int r = (me + i) % n;
+                if (wait_ge(c, ctr(c, r, t, C_IN), E | (uint64_t)(k + 1), r)) return;
+                memcpy(j->out + (r * m + a) * esz, slot(c, r, t, s) + me * L * esz, len * esz);
+            }
+            __atomic_store_n(ctr(c, me, t, C_RED), E | (uint64_t)(k + 1), __ATOMIC_RELEASE);
+            continue;
+        }
         for (int r = 0; r < n; r++) {
             if (r == me) { src[r] = j->buf + (me * m + a) * esz; continue; }
             if (wait_ge(c, ctr(c, r, t, C_IN), E | (uint64_t)(k + 1), r)) return;
@@ -401,7 +418,7 @@ int cpucoll_has_f16(void) {
 
 /* one call of either op on every stripe: the caller runs stripe 0, the pool the others */
 static int go(ctx_t *c, void *buf, void *out, int64_t count, int esz, int dtype, int op, uint64_t epoch, int stripes,
-              int64_t chunk, int scatter, int *peer) {
+              int64_t chunk, int scatter, int root, int *peer) {
     *peer = -1;
     if (getpid() != c->owner) return E_FORKED;
     if (stripes < 1) stripes = 1;
@@ -410,6 +427,7 @@ static int go(ctx_t *c, void *buf, void *out, int64_t count, int esz, int dtype,
     j->buf = (uint8_t *)buf;
     j->out = (uint8_t *)out;
     j->scatter = scatter;
+    j->root = root < 0 || root >= c->world ? -1 : root;
     j->count = count;
     j->esz = esz;
     j->dtype = dtype;
@@ -441,19 +459,27 @@ static int go(ctx_t *c, void *buf, void *out, int64_t count, int esz, int dtype,
     return c->fail;
 }
 
-/* The whole all_reduce of `count` elements at `buf`, in place. Returns E_OK or the failure's code
- * (its rank in *peer). The stripes' count and the chunk are the same on every rank (Python agrees
- * on them in the call's header round). */
+/* The whole all_reduce of `count` elements at `buf`, in place (root < 0), or a reduce into the
+ * root's `buf` (the others' stay as they were). Returns E_OK or the failure's code (its rank in
+ * *peer). The stripes' count and the chunk are the same on every rank (Python agrees on them in
+ * the call's header round). */
 int cpucoll_all_reduce(void *h, void *buf, int64_t count, int esz, int dtype, int op, uint64_t epoch, int stripes,
-                       int64_t chunk, int *peer) {
-    return go((ctx_t *)h, buf, buf, count, esz, dtype, op, epoch, stripes, chunk, 0, peer);
+                       int64_t chunk, int root, int *peer) {
+    return go((ctx_t *)h, buf, buf, count, esz, dtype, op, epoch, stripes, chunk, 0, root, peer);
+}
+
+/* The whole all_to_all of `inp` (world blocks of `count` bytes, block d to rank d) into `out`
+ * (world blocks, block r from rank r), as cpucoll_all_reduce; `chunk` is bytes per block. */
+int cpucoll_all_to_all(void *h, void *out, void *inp, int64_t count, uint64_t epoch, int stripes, int64_t chunk,
+                       int *peer) {
+    return go((ctx_t *)h, inp, out, count, 1, DT_F32, OP_SUM, epoch, stripes, chunk, 2, -1, peer);
 }
 
 /* The whole reduce_scatter of `inp` (world x count elements) into `out` (count elements), as
  * cpucoll_all_reduce; `chunk` is elements per destination block. */
 int cpucoll_reduce_scatter(void *h, void *out, void *inp, int64_t count, int esz, int dtype, int op, uint64_t epoch,
                            int stripes, int64_t chunk, int *peer) {
-    return go((ctx_t *)h, inp, out, count, esz, dtype, op, epoch, stripes, chunk, 1, peer);
+    return go((ctx_t *)h, inp, out, count, esz, dtype, op, epoch, stripes, chunk, 1, -1, peer);
 }
 
 void cpucoll_free(void *h) {

@@ -46,7 +46,7 @@ from ..errors import MisuseError, PeerMismatchError
 
 HEADER = 64                 # bytes before each half's data: the round's header
 SMALL_REDUCE = 256 << 10    # all_reduce chunks up to this size: one round, every rank reduces all
-NATIVE_MIN = 256 << 10      # all_reduce, reduce_scatter (input) from this size: the native pool (comm/_cpucoll.c)
+NATIVE_MIN = 256 << 10      # all_reduce, reduce, reduce_scatter, all_to_all (input) from this size: the native pool (comm/_cpucoll.c)
 NATIVE_AREA_MIN = 256 << 10     # a half smaller than this: no native calls
 NATIVE_BIT = 1 << 40        # in a header's detail: the call runs native (ranks that differ raise)
 # broadcast's pieces: the root's copy in and the others' copies out overlap piece by piece (2 ranks
@@ -304,9 +304,9 @@ class CpuShm:
         cap = self.round_bytes // esz
         code = _NAMES[name] + (0 if root is None else 100 * (root + 1))
         lands = root is None or root == self.rank
-        if root is None and n * esz >= NATIVE_MIN and (nat := self._native_pool()) is not None and nat.takes(dt, name):
+        if n * esz >= NATIVE_MIN and (nat := self._native_pool()) is not None and nat.takes(dt, name):
             with _guard(t):
-                return self._native_call(nat, "all_reduce", flat, None, name, code)
+                return self._native_call(nat, op, flat, None, name, code, root)
         # two ranks, a chunk above SMALL_REDUCE: each copies in only the half its peer reduces
         pair = self.world == 2
         with _guard(t):
@@ -368,26 +368,31 @@ class CpuShm:
             logging.getLogger("braid").info("braid: %s; rounds in Python run CPU all_reduce and reduce_scatter", exc)
         return self._native
 
-    def _native_call(self, nat, op: str, out: torch.Tensor, inp: torch.Tensor | None, name: str, code: int) -> None:
+    def _native_call(self, nat, op: str, out: torch.Tensor, inp: torch.Tensor | None, name: str, code: int,
+                     root: int | None = None) -> None:
         """One header round (the ranks agree on the call, the stripes and the chunk), then the
-        native pool moves and reduces every byte (comm/_cpucoll.c): an all_reduce of `out` in
-        place, or (`inp` given) a reduce_scatter of `inp` into `out`."""
+        native pool moves and reduces every byte (comm/_cpucoll.c): an all_reduce (or, with
+        `root`, a reduce) of `out` in place, or (`inp` given) a reduce_scatter of `inp` into
+        `out`, or an all_to_all of `inp`'s bytes into `out`'s (op all_to_all_single)."""
         esz = out.element_size()
         nbytes = (inp if inp is not None else out).numel() * esz
         p = self._round(op, nbytes, out.dtype, code | NATIVE_BIT, nat.offer)
         threads, chunk_kb, stripe_kb = (min(col) for col in zip(*self._words(p, 5, 3)))     # every rank's least
         # a reduce_scatter's threads by its output: per byte of it a thread waits on every rank's
         # block (one H200 host's 16 vCPUs, 4 and 8 ranks, 2026-11-27: threads by the input ran
-        # 256 KiB-1 MiB at 435-1052 us, one thread at 145-370)
+        # 256 KiB-1 MiB at 435-1052 us, one thread at 145-370); an all_to_all's likewise
         per = nbytes if inp is None else nbytes // self.world
         stripes = max(1, min(threads, per // (max(stripe_kb, 1) << 10)))
         chunk = (chunk_kb << 10) // esz
-        if inp is None:
-            rc, peer = nat.all_reduce(out, name, self.seq, stripes, chunk)
+        if op == "all_to_all_single":
+            rc, peer = nat.all_to_all(out, inp, self.seq, stripes, max(1, chunk // self.world))
+        elif inp is None:
+            rc, peer = nat.all_reduce(out, name, self.seq, stripes, chunk, -1 if root is None else root)
         else:
             rc, peer = nat.reduce_scatter(out, inp, name, self.seq, stripes, max(1, chunk // self.world))
         self.native_calls += 1
-        _written(out)           # C wrote it: autograd's count of in-place writes, as torch's own ops keep
+        if root is None or root == self.rank:
+            _written(out)       # C wrote it: autograd's count of in-place writes, as torch's own ops keep
         if rc:
             self._native_failed(rc, peer, op)
 
@@ -434,6 +439,9 @@ class CpuShm:
         b = src.numel() // w                        # bytes per (source, destination) block
         cap = self.data // w
         me = self.rank
+        if src.numel() >= NATIVE_MIN and (nat := self._native_pool()) is not None:
+            with _guard(out):
+                return self._native_call(nat, "all_to_all_single", dst, src, "sum", 0)
         s2, d2 = src.view(w, b), dst.view(w, b)
         u8 = torch.uint8
         with _guard(out):

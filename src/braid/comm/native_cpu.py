@@ -1,4 +1,4 @@
-"""The native all_reduce and reduce_scatter of CPU tensors (`_cpucoll.c`): built on first use
+"""The native all_reduce, reduce, reduce_scatter and all_to_all of CPU tensors (`_cpucoll.c`): built on first use
 with the system's C compiler for this machine's CPU, loaded with ctypes, run without Python's interpreter lock in a
 pool of threads per communicator. Where it does not build (no compiler), or a dtype or reduction
 it does not have, CpuShm's own rounds run the call (comm/cpushm.py)."""
@@ -49,7 +49,9 @@ def build() -> ctypes.CDLL | None:
     lib.cpucoll_new.argtypes = [_int, _int, ctypes.POINTER(_u64), ctypes.POINTER(_u64), _u64, ctypes.POINTER(_u64), ctypes.POINTER(_u64),
                                 _i64, _int]
     lib.cpucoll_all_reduce.restype = _int
-    lib.cpucoll_all_reduce.argtypes = [_vp, _vp, _i64, _int, _int, _int, _u64, _int, _i64, ctypes.POINTER(_int)]
+    lib.cpucoll_all_reduce.argtypes = [_vp, _vp, _i64, _int, _int, _int, _u64, _int, _i64, _int, ctypes.POINTER(_int)]
+    lib.cpucoll_all_to_all.restype = _int
+    lib.cpucoll_all_to_all.argtypes = [_vp, _vp, _vp, _i64, _u64, _int, _i64, ctypes.POINTER(_int)]
     lib.cpucoll_reduce_scatter.restype = _int
     lib.cpucoll_reduce_scatter.argtypes = [_vp, _vp, _vp, _i64, _int, _int, _int, _u64, _int, _i64, ctypes.POINTER(_int)]
     lib.cpucoll_workers.restype = _int
@@ -68,7 +70,7 @@ class NativePool:
 
     def __init__(self, lib, world: int, me: int, areas: list[int], ctrs: list[int], area_bytes: int, abort_addrs: list[int],
                  pid_addrs: list[int], timeout_s: float, workers: int):
-        self.lib = lib
+        self.lib, self.world = lib, world
         arr = _u64 * world
         self._h = lib.cpucoll_new(world, me, arr(*areas), arr(*ctrs), area_bytes, arr(*abort_addrs), arr(*pid_addrs),
                                   int(timeout_s * 1e9), max(0, min(workers, MAX_THREADS - 1)))
@@ -83,11 +85,19 @@ class NativePool:
     def takes(dtype: torch.dtype, name: str) -> bool:
         return dtype in _DTYPES and name in OPS
 
-    def all_reduce(self, flat: torch.Tensor, name: str, epoch: int, stripes: int, chunk: int) -> tuple[int, int]:
-        """In place; (failure code, its rank) with (OK, -1) for a call that went through."""
+    def all_reduce(self, flat: torch.Tensor, name: str, epoch: int, stripes: int, chunk: int,
+                   root: int = -1) -> tuple[int, int]:
+        """In place (with `root` >= 0, a reduce: that rank's tensor alone gets the result);
+        (failure code, its rank) with (OK, -1) for a call that went through."""
         rc = self.lib.cpucoll_all_reduce(self._h, flat.data_ptr(), flat.numel(), flat.element_size(),
-                                         _DTYPES[flat.dtype], OPS[name], epoch, stripes, chunk,
+                                         _DTYPES[flat.dtype], OPS[name], epoch, stripes, chunk, root,
                                          ctypes.byref(self._peer))
+        return rc, self._peer.value
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, epoch: int, stripes: int, chunk: int) -> tuple[int, int]:
+        """Byte views, world blocks each: block d of `inp` to rank d, block r of `out` from rank r."""
+        rc = self.lib.cpucoll_all_to_all(self._h, out.data_ptr(), inp.data_ptr(), out.numel() // self.world, epoch,
+                                         stripes, chunk, ctypes.byref(self._peer))
         return rc, self._peer.value
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, name: str, epoch: int, stripes: int,
