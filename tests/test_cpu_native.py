@@ -1,4 +1,4 @@
-"""The native all_reduce, reduce, reduce_scatter and all_to_all of CPU tensors (comm/_cpucoll.c
+"""The native all_reduce, reduce, reduce_scatter, all_to_all and all_gather of CPU tensors (comm/_cpucoll.c
 through comm/native_cpu.py): every dtype and reduction they take at 2, 3 and 4 ranks with several threads per rank and chunks small enough
 that every slot is reused many times, against references built from every rank's inputs; the same
 bits on every rank; calls interleaved with the other paths through the same areas; what it does
@@ -84,6 +84,14 @@ def _every_worker(rank, w):
             want = torch.cat([x[rank * m:(rank + 1) * m] for x in xs])
             if not torch.equal(out.view(torch.uint8), want.view(torch.uint8)):
                 bad.append(f"all_to_all {dt} n={n}: wrong")
+            # all_gather_into_tensor of every rank's whole input, bitwise
+            out = torch.full((w * n,), 7, dtype=dt)
+            before = native()
+            comm.all_gather_into_tensor(out, xs[rank])
+            if native() != before + 1:
+                bad.append(f"all_gather {dt} n={n}: not the native path")
+            if not torch.equal(out.view(torch.uint8), torch.cat(xs).view(torch.uint8)):
+                bad.append(f"all_gather {dt} n={n}: wrong")
     every = [None] * w
     dist.all_gather_object(every, digests, group=comm.gloo_group)
     for e in every:

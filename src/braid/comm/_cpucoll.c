@@ -1,4 +1,4 @@
-/* all_reduce, reduce, reduce_scatter and all_to_all of CPU tensors through the node segment in native threads
+/* all_reduce, reduce, reduce_scatter, all_to_all and all_gather of CPU tensors through the node segment in native threads
  * (comm/cpushm.py, comm/native_cpu.py). The all_reduce:
  *
  * The tensor is cut into stripes, one per thread of this rank; thread t of every rank works on
@@ -23,7 +23,8 @@
  * their reduced parts into their slots only, and only the root copies out.
  *
  * The reduce_scatter is steps 1 and 2 with the reduction written to the output alone
- * (run_scatter_stripe); the all_to_all is the same movement with a copy in place of the reduction. Each element is reduced by one rank in rank order, so every rank ends with the same bits, run
+ * (run_scatter_stripe); the all_to_all is the same movement with a copy in place of the reduction,
+ * the all_gather the same with one chunk per rank that every rank copies out. Each element is reduced by one rank in rank order, so every rank ends with the same bits, run
  * after run. A wait spins, then yields the core, then sleeps; while it lasts it looks at every
  * rank's abort word, at the peer's process and at the deadline, and any of them ends the call
  * with a code Python turns into braid's error.
@@ -58,7 +59,7 @@ enum { C_IN = 0, C_RED = 1, C_OUT = 2 };
 typedef struct {
     uint8_t *buf, *out;         /* reduce_scatter, all_to_all: `buf` the input (world x count), `out` the output */
     int64_t count, chunk;
-    int scatter;                /* 0: all_reduce or reduce, 1: reduce_scatter, 2: all_to_all */
+    int scatter;                /* 0: all_reduce or reduce, 1: reduce_scatter, 2: all_to_all, 3: all_gather */
     int root;                   /* a reduce's root; -1: all_reduce */
     int esz, dtype, op, stripes;
     uint64_t epoch;
@@ -309,7 +310,8 @@ static void run_stripe(ctx_t *c, int t) {
 /* reduce_scatter: one stripe of the output's elements. A chunk of L elements is a block of L per
  * destination; each rank writes the blocks of the other destinations into its slot (block d at
  * d * L), raises `in`, reduces its own block over every rank (its own from its input) straight
- * into its output and raises `red`: every rank has read the chunk's slots then. */
+ * into its output and raises `red`: every rank has read the chunk's slots then. The all_to_all
+ * and the all_gather move their chunks the same way and copy where the reduce_scatter reduces. */
 static void run_scatter_stripe(ctx_t *c, int t) {
     job_t *j = &c->job;
     const int n = c->world, me = c->me, esz = j->esz;
@@ -325,9 +327,22 @@ static void run_scatter_stripe(ctx_t *c, int t) {
         if (k >= SLOTS)
             for (int r = 0; r < n; r++)
                 if (r != me && wait_ge(c, ctr(c, r, t, C_RED), E | (uint64_t)(k - SLOTS + 1), r)) return;
-        for (int d = 0; d < n; d++)
-            if (d != me) memcpy(mine + d * L * esz, j->buf + (d * m + a) * esz, len * esz);
+        if (j->scatter == 3)        /* all_gather: this rank's chunk, once for every reader */
+            memcpy(mine, j->buf + a * esz, len * esz);
+        else
+            for (int d = 0; d < n; d++)
+                if (d != me) memcpy(mine + d * L * esz, j->buf + (d * m + a) * esz, len * esz);
         __atomic_store_n(ctr(c, me, t, C_IN), E | (uint64_t)(k + 1), __ATOMIC_RELEASE);
+        if (j->scatter == 3) {      /* all_gather: every rank's chunk, copied into its block */
+            memcpy(j->out + (me * m + a) * esz, j->buf + a * esz, len * esz);
+            for (int i = 1; i < n; i++) {
+                int r = (me + i) % n;
+                if (wait_ge(c, ctr(c, r, t, C_IN), E | (uint64_t)(k + 1), r)) return;
+                memcpy(j->out + (r * m + a) * esz, slot(c, r, t, s), len * esz);
+            }
+            __atomic_store_n(ctr(c, me, t, C_RED), E | (uint64_t)(k + 1), __ATOMIC_RELEASE);
+            continue;
+        }
         if (j->scatter == 2) {      /* all_to_all: every rank's block for this rank, copied */
             memcpy(j->out + (me * m + a) * esz, j->buf + (me * m + a) * esz, len * esz);
             for (int i = 1; i < n; i++) {
@@ -436,7 +451,7 @@ static int go(ctx_t *c, void *buf, void *out, int64_t count, int esz, int dtype,
     j->epoch = epoch & 0xffffffffu;
     j->stripe_bytes = (c->area_bytes / stripes) & ~(uint64_t)63;
     j->slot_bytes = (j->stripe_bytes / SLOTS) & ~(uint64_t)63;
-    int64_t fit = (int64_t)(j->slot_bytes / esz / (scatter ? c->world : 1));
+    int64_t fit = (int64_t)(j->slot_bytes / esz / (scatter == 1 || scatter == 2 ? c->world : 1));
     j->chunk = chunk < fit ? chunk : fit;
     if (j->chunk < 1) return E_ARGS;
     c->fail = 0;
@@ -473,6 +488,13 @@ int cpucoll_all_reduce(void *h, void *buf, int64_t count, int esz, int dtype, in
 int cpucoll_all_to_all(void *h, void *out, void *inp, int64_t count, uint64_t epoch, int stripes, int64_t chunk,
                        int *peer) {
     return go((ctx_t *)h, inp, out, count, 1, DT_F32, OP_SUM, epoch, stripes, chunk, 2, -1, peer);
+}
+
+/* The whole all_gather of `inp` (`count` bytes) into `out` (world blocks, block r from rank r), as
+ * cpucoll_all_reduce; `chunk` is bytes. */
+int cpucoll_all_gather(void *h, void *out, void *inp, int64_t count, uint64_t epoch, int stripes, int64_t chunk,
+                       int *peer) {
+    return go((ctx_t *)h, inp, out, count, 1, DT_F32, OP_SUM, epoch, stripes, chunk, 3, -1, peer);
 }
 
 /* The whole reduce_scatter of `inp` (world x count elements) into `out` (count elements), as

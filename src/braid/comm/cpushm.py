@@ -46,7 +46,7 @@ from ..errors import MisuseError, PeerMismatchError
 
 HEADER = 64                 # bytes before each half's data: the round's header
 SMALL_REDUCE = 256 << 10    # all_reduce chunks up to this size: one round, every rank reduces all
-NATIVE_MIN = 256 << 10      # all_reduce, reduce, reduce_scatter, all_to_all (input) from this size: the native pool (comm/_cpucoll.c)
+NATIVE_MIN = 256 << 10      # every op but broadcast (its input) from this size: the native pool (comm/_cpucoll.c)
 NATIVE_AREA_MIN = 256 << 10     # a half smaller than this: no native calls
 NATIVE_BIT = 1 << 40        # in a header's detail: the call runs native (ranks that differ raise)
 # broadcast's pieces: the root's copy in and the others' copies out overlap piece by piece (2 ranks
@@ -369,23 +369,26 @@ class CpuShm:
         return self._native
 
     def _native_call(self, nat, op: str, out: torch.Tensor, inp: torch.Tensor | None, name: str, code: int,
-                     root: int | None = None) -> None:
+                     root: int | None = None, dtype: torch.dtype | None = None) -> None:
         """One header round (the ranks agree on the call, the stripes and the chunk), then the
         native pool moves and reduces every byte (comm/_cpucoll.c): an all_reduce (or, with
         `root`, a reduce) of `out` in place, or (`inp` given) a reduce_scatter of `inp` into
-        `out`, or an all_to_all of `inp`'s bytes into `out`'s (op all_to_all_single)."""
+        `out`, or an all_to_all or all_gather of `inp`'s bytes into `out`'s (`dtype`: the
+        tensors' own, for the header)."""
         esz = out.element_size()
         nbytes = (inp if inp is not None else out).numel() * esz
-        p = self._round(op, nbytes, out.dtype, code | NATIVE_BIT, nat.offer)
+        p = self._round(op, nbytes, dtype or out.dtype, code | NATIVE_BIT, nat.offer)
         threads, chunk_kb, stripe_kb = (min(col) for col in zip(*self._words(p, 5, 3)))     # every rank's least
         # a reduce_scatter's threads by its output: per byte of it a thread waits on every rank's
         # block (one H200 host's 16 vCPUs, 4 and 8 ranks, 2026-11-27: threads by the input ran
         # 256 KiB-1 MiB at 435-1052 us, one thread at 145-370); an all_to_all's likewise
-        per = nbytes if inp is None else nbytes // self.world
+        per = nbytes if inp is None or op == "all_gather" else nbytes // self.world
         stripes = max(1, min(threads, per // (max(stripe_kb, 1) << 10)))
         chunk = (chunk_kb << 10) // esz
         if op == "all_to_all_single":
             rc, peer = nat.all_to_all(out, inp, self.seq, stripes, max(1, chunk // self.world))
+        elif op == "all_gather":
+            rc, peer = nat.all_gather(out, inp, self.seq, stripes, chunk)
         elif inp is None:
             rc, peer = nat.all_reduce(out, name, self.seq, stripes, chunk, -1 if root is None else root)
         else:
@@ -441,7 +444,7 @@ class CpuShm:
         me = self.rank
         if src.numel() >= NATIVE_MIN and (nat := self._native_pool()) is not None:
             with _guard(out):
-                return self._native_call(nat, "all_to_all_single", dst, src, "sum", 0)
+                return self._native_call(nat, "all_to_all_single", dst, src, "sum", 0, dtype=inp.dtype)
         s2, d2 = src.view(w, b), dst.view(w, b)
         u8 = torch.uint8
         with _guard(out):
@@ -552,6 +555,9 @@ class CpuShm:
                     reduce_slots(self._rows(p, dt, me * c, c), w, name, into, factor)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        if inp.numel() * inp.element_size() >= NATIVE_MIN and (nat := self._native_pool()) is not None:
+            with _guard(out):
+                return self._native_call(nat, "all_gather", _as_bytes(out), _as_bytes(inp), "sum", 0, dtype=inp.dtype)
         src, esz = _as_words(inp)
         wd, n = src.dtype, src.numel()
         if _as_words(out)[1] < esz:

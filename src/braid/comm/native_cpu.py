@@ -1,4 +1,4 @@
-"""The native all_reduce, reduce, reduce_scatter and all_to_all of CPU tensors (`_cpucoll.c`): built on first use
+"""The native all_reduce, reduce, reduce_scatter, all_to_all and all_gather of CPU tensors (`_cpucoll.c`): built on first use
 with the system's C compiler for this machine's CPU, loaded with ctypes, run without Python's interpreter lock in a
 pool of threads per communicator. Where it does not build (no compiler), or a dtype or reduction
 it does not have, CpuShm's own rounds run the call (comm/cpushm.py)."""
@@ -52,6 +52,8 @@ def build() -> ctypes.CDLL | None:
     lib.cpucoll_all_reduce.argtypes = [_vp, _vp, _i64, _int, _int, _int, _u64, _int, _i64, _int, ctypes.POINTER(_int)]
     lib.cpucoll_all_to_all.restype = _int
     lib.cpucoll_all_to_all.argtypes = [_vp, _vp, _vp, _i64, _u64, _int, _i64, ctypes.POINTER(_int)]
+    lib.cpucoll_all_gather.restype = _int
+    lib.cpucoll_all_gather.argtypes = [_vp, _vp, _vp, _i64, _u64, _int, _i64, ctypes.POINTER(_int)]
     lib.cpucoll_reduce_scatter.restype = _int
     lib.cpucoll_reduce_scatter.argtypes = [_vp, _vp, _vp, _i64, _int, _int, _int, _u64, _int, _i64, ctypes.POINTER(_int)]
     lib.cpucoll_workers.restype = _int
@@ -106,6 +108,12 @@ class NativePool:
         rc = self.lib.cpucoll_reduce_scatter(self._h, out.data_ptr(), inp.data_ptr(), out.numel(), out.element_size(),
                                              _DTYPES[out.dtype], OPS[name], epoch, stripes, chunk,
                                              ctypes.byref(self._peer))
+        return rc, self._peer.value
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, epoch: int, stripes: int, chunk: int) -> tuple[int, int]:
+        """Byte views: `inp` to block `me` of every rank's `out` (world blocks)."""
+        rc = self.lib.cpucoll_all_gather(self._h, out.data_ptr(), inp.data_ptr(), inp.numel(), epoch, stripes, chunk,
+                                         ctypes.byref(self._peer))
         return rc, self._peer.value
 
     def close(self) -> None:
