@@ -202,12 +202,12 @@ def test_what_it_does_not_take_runs_in_python():
         assert all(r[3] for r in rows)
 
 
-def _disagree_worker(rank, w):
+def _disagree_worker(rank, w, n):
     os.environ["BRAID_CPU_NATIVE"] = "1" if rank == 0 else "0"
     import braid
     from braid.errors import PeerMismatchError
     comm = braid.init()
-    t = torch.ones(300_001)
+    t = torch.ones(n)
     try:
         comm.all_reduce(t)
         return "no error"
@@ -215,11 +215,13 @@ def _disagree_worker(rank, w):
         return str(e)
 
 
-def test_ranks_that_disagree_on_the_native_path_raise():
-    """BRAID_CPU_NATIVE set on one rank only: a mismatch on every rank, never a wait."""
-    res = run_world(_disagree_worker, 2, timeout=60)
+@pytest.mark.parametrize("w,n", [(2, 300_001), (3, 1_001)])
+def test_ranks_that_disagree_on_the_native_path_raise(w, n):
+    """BRAID_CPU_NATIVE set on one rank only: a mismatch on every rank, never a wait (a call of
+    the pool's size, and a small one of three ranks, reduced on the caller's thread in C)."""
+    res = run_world(_disagree_worker, w, n, timeout=60)
     for text in res:
-        assert "different calls" in text and "in native threads" in text, text
+        assert "different calls" in text and "in native code" in text, text
 
 
 def _threads():

@@ -504,6 +504,18 @@ int cpucoll_reduce_scatter(void *h, void *out, void *inp, int64_t count, int esz
     return go((ctx_t *)h, inp, out, count, esz, dtype, op, epoch, stripes, chunk, 1, -1, peer);
 }
 
+/* A small call's reduction on the caller's thread: out = rows[0] (op) ... rows[n-1] in rank order
+ * (torch's own reduction there starts its thread pool, whose threads then spin beside the other
+ * ranks: 8 ranks on 16 vCPUs, 2026-11-27, 16-32 KiB all_reduces took 0.7-1.6 ms instead of ~0.1). */
+int cpucoll_reduce_rows(const uint64_t *rows, int n, int64_t m, void *out, int dtype, int op) {
+    red_fn red = reducer(dtype);
+    uint8_t *src[MAXW];
+    if (!red || n < 1 || n > MAXW) return E_ARGS;
+    for (int r = 0; r < n; r++) src[r] = (uint8_t *)(uintptr_t)rows[r];
+    red(src, n, m, (uint8_t *)out, (uint8_t *)out, op);
+    return E_OK;
+}
+
 void cpucoll_free(void *h) {
     ctx_t *c = (ctx_t *)h;
     if (!c) return;

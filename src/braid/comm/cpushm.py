@@ -274,7 +274,7 @@ class CpuShm:
     @staticmethod
     def _say(x: tuple) -> str:
         op = {v: k for k, v in _OPS.items()}.get(x[1], "?")
-        how = ", in native threads" if x[4] & NATIVE_BIT else ""
+        how = ", in native code" if x[4] & NATIVE_BIT else ""
         return f"{op} of {x[2]} bytes (dtype code {x[3]}, detail {x[4] & (NATIVE_BIT - 1)}{how})"
 
     # ops -------------------------------------------------------------------------------------
@@ -304,11 +304,15 @@ class CpuShm:
         cap = self.round_bytes // esz
         code = _NAMES[name] + (0 if root is None else 100 * (root + 1))
         lands = root is None or root == self.rank
-        if n * esz >= NATIVE_MIN and (nat := self._native_pool()) is not None and nat.takes(dt, name):
+        nat = self._native_pool()
+        if n * esz >= NATIVE_MIN and nat is not None and nat.takes(dt, name):
             with _guard(t):
                 return self._native_call(nat, op, flat, None, name, code, root)
         # two ranks, a chunk above SMALL_REDUCE: each copies in only the half its peer reduces
         pair = self.world == 2
+        rows_c = self._small_c(nat, dt, name)
+        if rows_c is not None:
+            code |= NATIVE_BIT
         with _guard(t):
             for start in range(0, max(n, 1), cap):
                 c = min(cap, n - start)
@@ -324,6 +328,8 @@ class CpuShm:
                 if c * esz <= SMALL_REDUCE:
                     if lands and pair:      # one elementwise kernel: torch.sum over 2 rows took 1.8x its time
                         reduce_pair(self._row(p, dt, 0, c, 0), self._row(p, dt, 0, c, 1), name, part, factor)
+                    elif lands and rows_c is not None:
+                        rows_c(self._rows(p, dt, 0, c), part, name)
                     elif lands:
                         reduce_slots(self._rows(p, dt, 0, c), self.world, name, part, factor)
                     continue
@@ -524,13 +530,17 @@ class CpuShm:
         dt, m, w = out.dtype, out.numel(), self.world
         name = self.checked(dt, name, "reduce_scatter")
         esz = self.esz(dt)
-        if w * m * esz >= NATIVE_MIN and (nat := self._native_pool()) is not None and nat.takes(dt, name):
+        nat = self._native_pool()
+        if w * m * esz >= NATIVE_MIN and nat is not None and nat.takes(dt, name):
             with _guard(out):
                 return self._native_call(nat, "reduce_scatter", out, inp, name, _NAMES[name])
         src = inp.view(w, m)
         dst = out if out.dim() == 1 else out.view(-1)
         cap = self.round_bytes // esz // w
         code = _NAMES[name]
+        rows_c = self._small_c(nat, dt, name)
+        if rows_c is not None:
+            code |= NATIVE_BIT
         me = self.rank
         with _guard(out):
             for start in range(0, max(m, 1), cap):
@@ -551,8 +561,17 @@ class CpuShm:
                     theirs = self._row(p, dt, me * c, c, 1 - me)
                     x0, x1 = (own, theirs) if me == 0 else (theirs, own)
                     reduce_pair(x0, x1, name, into, factor)
+                elif rows_c is not None:
+                    rows_c(self._rows(p, dt, me * c, c), into, name)
                 else:
                     reduce_slots(self._rows(p, dt, me * c, c), w, name, into, factor)
+
+    def _small_c(self, nat, dt: torch.dtype, name: str):
+        """The native library's reduction on this thread for a call of more than two ranks below
+        the pool's size (its header carries NATIVE_BIT, so ranks that differ raise), or None."""
+        if nat is None or self.world == 2 or not nat.takes(dt, name):
+            return None
+        return nat.reduce_rows
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         if inp.numel() * inp.element_size() >= NATIVE_MIN and (nat := self._native_pool()) is not None:

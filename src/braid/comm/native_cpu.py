@@ -56,6 +56,8 @@ def build() -> ctypes.CDLL | None:
     lib.cpucoll_all_gather.argtypes = [_vp, _vp, _vp, _i64, _u64, _int, _i64, ctypes.POINTER(_int)]
     lib.cpucoll_reduce_scatter.restype = _int
     lib.cpucoll_reduce_scatter.argtypes = [_vp, _vp, _vp, _i64, _int, _int, _int, _u64, _int, _i64, ctypes.POINTER(_int)]
+    lib.cpucoll_reduce_rows.restype = _int
+    lib.cpucoll_reduce_rows.argtypes = [ctypes.POINTER(_u64), _int, _i64, _vp, _int, _int]
     lib.cpucoll_workers.restype = _int
     lib.cpucoll_workers.argtypes = [_vp]
     lib.cpucoll_has_f16.restype = _int
@@ -82,6 +84,7 @@ class NativePool:
         # what this rank offers in each call's header round (the ranks take the least of each)
         self.offer = (self.threads, envs.get("BRAID_CPU_CHUNK_KB"), envs.get("BRAID_CPU_STRIPE_KB"))
         self._peer = _int(-1)
+        self._rows: dict = {}       # (first row's address, row step, rows) -> their addresses (ctypes)
 
     @staticmethod
     def takes(dtype: torch.dtype, name: str) -> bool:
@@ -115,6 +118,18 @@ class NativePool:
         rc = self.lib.cpucoll_all_gather(self._h, out.data_ptr(), inp.data_ptr(), inp.numel(), epoch, stripes, chunk,
                                          ctypes.byref(self._peer))
         return rc, self._peer.value
+
+    def reduce_rows(self, rows: torch.Tensor, out: torch.Tensor, name: str) -> None:
+        """out = rows[0] (op) rows[1] ... in rank order, on this thread (rows: [world, m], rows
+        strided, each contiguous)."""
+        key = (rows.data_ptr(), rows.stride(0) * rows.element_size(), rows.size(0))
+        ptrs = self._rows.get(key)
+        if ptrs is None:
+            if len(self._rows) > 256:
+                self._rows.clear()
+            base, step, n = key
+            ptrs = self._rows[key] = (_u64 * n)(*(base + r * step for r in range(n)))
+        self.lib.cpucoll_reduce_rows(ptrs, rows.size(0), out.numel(), out.data_ptr(), _DTYPES[out.dtype], OPS[name])
 
     def close(self) -> None:
         if self._h:
