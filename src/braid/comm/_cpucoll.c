@@ -1,5 +1,5 @@
-/* all_reduce, reduce, reduce_scatter, all_to_all and all_gather of CPU tensors through the node segment in native threads
- * (comm/cpushm.py, comm/native_cpu.py). The all_reduce:
+/* all_reduce, reduce, reduce_scatter, all_to_all and all_gather of CPU tensors through the node
+ * segment in native threads (comm/cpushm.py, comm/native_cpu.py). The all_reduce:
  *
  * The tensor is cut into stripes, one per thread of this rank; thread t of every rank works on
  * stripe t and meets only the threads t of the other ranks, through three counters per rank and
@@ -24,8 +24,8 @@
  *
  * The reduce_scatter is steps 1 and 2 with the reduction written to the output alone
  * (run_scatter_stripe); the all_to_all is the same movement with a copy in place of the reduction,
- * the all_gather the same with one chunk per rank that every rank copies out. Each element is reduced by one rank in rank order, so every rank ends with the same bits, run
- * after run. A wait spins, then yields the core, then sleeps; while it lasts it looks at every
+ * the all_gather the same with one chunk per rank that every rank copies out. Each element is
+ * reduced by one rank in rank order, so every rank ends with the same bits, run after run. A wait spins, then yields the core, then sleeps; while it lasts it looks at every
  * rank's abort word, at the peer's process and at the deadline, and any of them ends the call
  * with a code Python turns into braid's error.
  *

@@ -371,7 +371,7 @@ class CpuShm:
                 want - 1)
         except OSError as exc:
             import logging
-            logging.getLogger("braid").info("braid: %s; rounds in Python run CPU all_reduce and reduce_scatter", exc)
+            logging.getLogger("braid").info("braid: %s; the rounds in Python run the CPU collectives", exc)
         return self._native
 
     def _native_call(self, nat, op: str, out: torch.Tensor, inp: torch.Tensor | None, name: str, code: int,
