@@ -304,7 +304,7 @@ class CpuShm:
         cap = self.round_bytes // esz
         code = _NAMES[name] + (0 if root is None else 100 * (root + 1))
         lands = root is None or root == self.rank
-        nat = self._native_pool()
+        nat = self._native_pool() if n * esz >= NATIVE_MIN or self.world > 2 else None
         if n * esz >= NATIVE_MIN and nat is not None and nat.takes(dt, name):
             with _guard(t):
                 return self._native_call(nat, op, flat, None, name, code, root)
@@ -530,7 +530,7 @@ class CpuShm:
         dt, m, w = out.dtype, out.numel(), self.world
         name = self.checked(dt, name, "reduce_scatter")
         esz = self.esz(dt)
-        nat = self._native_pool()
+        nat = self._native_pool() if w * m * esz >= NATIVE_MIN or w > 2 else None
         if w * m * esz >= NATIVE_MIN and nat is not None and nat.takes(dt, name):
             with _guard(out):
                 return self._native_call(nat, "reduce_scatter", out, inp, name, _NAMES[name])
