@@ -49,6 +49,7 @@ SMALL_REDUCE = 256 << 10    # all_reduce chunks up to this size: one round, ever
 NATIVE_MIN = 256 << 10      # every op but broadcast (its input) from this size: the native pool (comm/_cpucoll.c)
 NATIVE_AREA_MIN = 256 << 10     # a half smaller than this: no native calls
 NATIVE_BIT = 1 << 40        # in a header's detail: the call runs native (ranks that differ raise)
+A2A_BLOCK = 64 << 10        # a native all_to_all's least bytes per destination and chunk
 # broadcast's pieces: the root's copy in and the others' copies out overlap piece by piece (2 ranks
 # on 2 cores, 2026-11-26, `braid bench --cpu --op broadcast --sizes 4M:64M --repeat 5`, two runs:
 # 16 MiB 9.9-10.1 ms in one 16 MiB piece, 6.7-6.8 ms in 2 MiB pieces; 64 MiB 27.8-28.0 -> 25.6-26.1;
@@ -392,7 +393,9 @@ class CpuShm:
         stripes = max(1, min(threads, per // (max(stripe_kb, 1) << 10)))
         chunk = (chunk_kb << 10) // esz
         if op == "all_to_all_single":
-            rc, peer = nat.all_to_all(out, inp, self.seq, stripes, max(1, chunk // self.world))
+            # a block per destination of at least A2A_BLOCK: 16 ranks on 16 vCPUs, 2026-11-27,
+            # 16 KiB blocks ran 0.99-1.10x gloo at 16-64 MiB, 64 KiB blocks 1.32-1.65x
+            rc, peer = nat.all_to_all(out, inp, self.seq, stripes, max(1, chunk // self.world, A2A_BLOCK))
         elif op == "all_gather":
             rc, peer = nat.all_gather(out, inp, self.seq, stripes, chunk)
         elif inp is None:
