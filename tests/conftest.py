@@ -46,8 +46,8 @@ _NATIVE_DIR = None
 
 
 def _native_dir() -> str:
-    """One folder for the session's compiled native libraries (each world's cache folder links to
-    it), removed when the session's process ends."""
+    """One folder for this pytest run's compiled native libraries (each world's cache folder links to
+    it), removed when pytest's process ends."""
     global _NATIVE_DIR
     if _NATIVE_DIR is None:
         import atexit
@@ -160,7 +160,7 @@ def run_world(fn, world_size: int, *args, env: dict | None = None, timeout: floa
     # the workers' calibration cache and their results live in folders removed afterwards
     with tempfile.TemporaryDirectory(prefix="braid-test-cache-", ignore_cleanup_errors=True) as cache_dir, \
             tempfile.TemporaryDirectory(prefix="braid-test-world-", ignore_cleanup_errors=True) as outdir:
-        # braid's native libraries are compiled once per test session, not once per world
+        # braid's native libraries are compiled once per pytest run, not once per world
         os.symlink(_native_dir(), os.path.join(cache_dir, "native"))
         full_env = dict(DEFAULT_WORKER_ENV, BRAID_CACHE_DIR=cache_dir)
         full_env.update(env or {})
