@@ -106,18 +106,21 @@ def _nonneg_int(text: str) -> int:
 
 
 _define("BRAID_CPU_NATIVE", _bool, True,
-        "1 (default): a CPU communicator's all_reduce of 256 KiB and more runs in native threads "
-        "(comm/_cpucoll.c, compiled with the system's C compiler on first use into BRAID_CACHE_DIR) for "
-        "float32, float64, bfloat16, float16, int32 and int64 sums, averages, minima, maxima and products; "
-        "0: rounds in Python for every all_reduce.")
+        "1 (default): a CPU communicator's all_reduce, reduce and reduce_scatter (float32, float64, "
+        "bfloat16, float16, int32 and int64 sums, averages, minima, maxima and products), all_gather and "
+        "all_to_all_single of 256 KiB and more run in native threads (comm/_cpucoll.c, compiled with the "
+        "system's C compiler on first use into BRAID_CACHE_DIR), and smaller reductions of 3 ranks and "
+        "more reduce in the same library on the caller's thread; 0: rounds in Python for all of them. "
+        "Every rank must have the same setting.")
 _define("BRAID_CPU_THREADS", _nonneg_int, 0,
-        "Threads per rank of the native CPU all_reduce (the ranks take the least any of them asks); "
+        "Threads per rank of the native CPU collectives (the ranks take the least any of them asks); "
         "0: torch's intra-op threads, at most this process's cores divided by the ranks.")
 _define("BRAID_CPU_STRIPE_KB", _positive_int, 128,
-        "Native CPU all_reduce and reduce_scatter: KiB of a call (the input's) per thread at least; a "
+        "Native CPU collectives: KiB of a call per thread at least (the input's; reduce_scatter's and "
+        "all_to_all's output); a "
         "smaller call runs on fewer of BRAID_CPU_THREADS (each more wakes a thread and waits on one more).")
 _define("BRAID_CPU_CHUNK_KB", _positive_int, 256,
-        "Native CPU all_reduce: KiB of data per rank and chunk of a thread's stripe (small enough to "
+        "Native CPU collectives: KiB of data per rank and chunk of a thread's stripe (small enough to "
         "stay in the caches between a rank's copy in and the others' reduction).")
 _define("BRAID_CPU_ROUND_KB", _nonneg_int, 0,
         "CPU tensors through the node segment: data per rank in one round of all_reduce and "

@@ -114,7 +114,7 @@ class Layout:
                  # whole CPU send/recv (comm/cpup2p.py), bytes per ordered pair: after `abort`, so
                  # that an abort, which pushes every counter before `pid`, never reads as data
                  ("p2p_written", n * n), ("p2p_taken", n * n),
-                 # the native CPU all_reduce (comm/_cpucoll.c): 64-bit, per rank, thread and step
+                 # the native CPU collectives (comm/_cpucoll.c): 64-bit, per rank, thread and step
                  ("cpu_native", n * 32 * 3)]
         self.counter_base: dict[str, int] = {}
         idx = 0
