@@ -58,25 +58,33 @@ class Seg:
         return self.late
 
 
+class _Policy:
+    """Just what the round asks of the split policy: the copy engines from 64 MiB, else NCCL."""
+
+    def __init__(self, digest):
+        self.fixed, self.digest = None, digest
+        self.balancer = type("B", (), {"version": 0})()
+
+    def shares_for(self, op, size, lanes):
+        return {"ce": 1.0} if size >= 64 * MiB else {"nccl": 1.0}
+
+    def native_ok(self, shares):
+        return set(shares) == {"nccl"}
+
+
 class Rank(R.Routing):
     """Just what the round needs of a communicator."""
 
     def __init__(self, board, rank, agree_digest="calib"):
         self.segment, self.rank, self.world_size = Seg(board, rank), rank, board.world
-        self._fixed, self._small_run, self._a2av_recv, self._a2av_memo = None, 0, None, None
+        self._small_run, self._a2av_recv, self._a2av_memo = 0, None, None
         self._pair_hash, self._a2av_ce_min = 0, 32 * MiB
-        self.calib_digest, self.routing, self.device = agree_digest, "auto", "cuda:0"
-        self.balancer = type("B", (), {"version": 0})()
+        self.routing, self.device = "auto", "cuda:0"
+        self.policy = _Policy(agree_digest)
         self.gave_up, self.aborted_native = [], []
 
     def lanes_for(self, dev):
         return ["ce", "nccl", "host"]
-
-    def shares_for(self, op, size, lanes):
-        return {"ce": 1.0} if size >= 64 * MiB else {"nccl": 1.0}
-
-    def _native_ok(self, shares):
-        return set(shares) == {"nccl"}
 
     def _give_up(self, exc):
         self.gave_up.append(exc)
@@ -228,7 +236,7 @@ def test_two_ranks_tell_alone_that_small_uneven_calls_are_nccls_and_still_check_
     n_small = sum(small)
     assert said[0].count(True) == n_small - n_small // R.PAIR_CHECK   # every PAIR_CHECK-th: the round
     assert ranks[0].ncalls == said[0].count(True)               # in the ledger
-    ranks[0]._fixed = {"nccl": 1.0}
+    ranks[0].policy.fixed = {"nccl": 1.0}
     assert not ranks[0]._pair_whole(MiB, MiB)                  # fixed shares: the round decides
 
 

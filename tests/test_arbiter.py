@@ -203,7 +203,9 @@ class _Path(CallPath):
 
     def __init__(self, enabled, check=False):
         self._arbiter = A.Arbiter(lambda v: [v], enabled=enabled)
-        self._fixed, self.check, self._native_cache = None, check, {}
+        from braid.comm.policy import SplitPolicy
+        self.check = check
+        self.policy = SplitPolicy(2, False, check, lambda: ["gloo"], {}, None)
         self.cleared = 0
         self._prepared = type("P", (), {"clear": lambda _self: None})()
         path = self

@@ -302,7 +302,7 @@ def test_rate_step_time_at_or_below_latency_is_not_infinitely_fast():
     if noisy["b"] > want["b"] + 0.1:
         bad.append(("calibration: 1% under the latency", want, exact, noisy))
     # 2) OnlineBalancer with three lanes, one of which carried nothing this call: the communicator
-    #    reports 0.0 for it (comm._learn: o[2].get(k, 0.0)) while the other two are out of balance;
+    #    reports 0.0 for it (SplitPolicy.learn: o[2].get(k, 0.0)) while the other two are out of balance;
     #    the idle lane must not get most of the next call
     ob = OnlineBalancer(min_samples=1)
     key = ("all_gather", 24)

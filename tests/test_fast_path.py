@@ -315,10 +315,10 @@ def test_calibration_balances_the_split_before_timing_it(monkeypatch):
 def test_shares_for_uses_the_balanced_verdict():
     """A calibration table whose verdict is the balanced shares: the op starts from them; the
     buckets around it keep their own verdicts."""
-    from braid.comm import Communicator
+    from braid.comm.policy import SplitPolicy
     from braid.planner.model import LaneCost
-    c = Communicator.__new__(Communicator)
-    c.world_size, c.cuda, c.adapt, c._fixed, c._share_cache, c.calib_digest = 2, True, False, None, {}, "t"
+    c = SplitPolicy(2, True, False, lambda: ["ce", "host", "nccl"], {}, None)
+    c.adapt, c.digest = False, "t"
     costs = {"nccl": LaneCost(30.0, 500.0), "ce": LaneCost(80.0, 600.0), "host": LaneCost(230.0, 70.0)}
     c.calib = {"reduce_scatter/2": costs}
     c.pays = {"reduce_scatter/2": {30: {"ce": 0.92, "host": 0.08}, 28: "ce", 26: False}}
@@ -328,7 +328,7 @@ def test_shares_for_uses_the_balanced_verdict():
     assert c.shares_for("reduce_scatter", 1 << 30, lanes) == {"ce": 0.92, "host": 0.08}
     assert c.shares_for("reduce_scatter", 3 << 29, lanes) == {"ce": 0.92, "host": 0.08}   # nearest bucket
     assert c.shares_for("reduce_scatter", 1 << 28, lanes) == {"ce": 1.0}
-    assert c._split_verdict("reduce_scatter", 1 << 26, exact=True) is False
+    assert c.split_verdict("reduce_scatter", 1 << 26, exact=True) is False
 
 
 def test_a_lane_measured_alone_replaces_nccl_in_its_buckets_and_between_them():
@@ -336,10 +336,10 @@ def test_a_lane_measured_alone_replaces_nccl_in_its_buckets_and_between_them():
     alone faster at 4 and 16 MiB and NCCL at 1 MiB: the copy engines take 4-31 MiB (the 8 MiB
     bucket lies between two "ce" verdicts), NCCL keeps 1-2 MiB (between "ce" and False) and every
     size past the last measured bucket."""
-    from braid.comm import Communicator
+    from braid.comm.policy import SplitPolicy
     from braid.planner.model import LaneCost
-    c = Communicator.__new__(Communicator)
-    c.world_size, c.cuda, c.adapt, c._fixed, c._share_cache, c.calib_digest = 2, True, False, None, {}, "t"
+    c = SplitPolicy(2, True, False, lambda: ["ce", "host", "nccl"], {}, None)
+    c.adapt, c.digest = False, "t"
     costs = {"nccl": LaneCost(10.0, 320.0), "ce": LaneCost(40.0, 330.0), "host": LaneCost(230.0, 20.0)}
     c.calib = {"all_gather/2": costs}
     c.pays = {"all_gather/2": {20: False, 22: "ce", 24: "ce"}}

@@ -48,7 +48,7 @@ def worker(rank, world, port, size):
     comm._routed.plan = timed("routed.plan", comm._routed.plan)
     comm._routed.agree = timed("routed.agree", comm._routed.agree)
     comm._agree = timed("agree", comm._agree)
-    comm._learn = timed("learn", comm._learn)
+    comm.policy.learn = timed("learn", comm.policy.learn)
     comm.all_to_all_single = timed("total", comm.all_to_all_single)
     torch.cuda.synchronize(); dist.barrier()
     n = 60

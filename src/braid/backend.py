@@ -491,7 +491,7 @@ class BraidProcessGroup(dist.ProcessGroup):
         comm = self._comm if (self._comm is not None and tag == 0 and len(tensors) == 1) else None
         if comm is not None and self._braid_for(tensors) is not None:
             t = tensors[0]
-            if not (t.is_cuda and comm._native_for("send_recv", t.numel() * t.element_size())):
+            if not (t.is_cuda and comm.policy.native_for("send_recv", t.numel() * t.element_size())):
                 self.flush_p2p()
                 handle = comm.send(t, peer, async_op=True) if sending else comm.recv(t, peer, async_op=True)
                 return BraidWork(handle, [t])

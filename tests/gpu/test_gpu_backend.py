@@ -131,7 +131,7 @@ def _cases(rank, w, dev, pg):
             for wk in ws:
                 wk.wait()
             # braid's own send/recv where braid would split the message; else NCCL (queued, one group)
-            split = not pg._comm._native_for("send_recv", n * 4)
+            split = not pg._comm.policy.native_for("send_recv", n * 4)
             assert (pg._comm.last_handle is not before) == split, (n, split)
             _close(got, _data(20 + 1 - rank + n, n, torch.float32, dev), f"isend/irecv n={n}")
     yield "p2p_after", p2p_after

@@ -8,7 +8,7 @@
 - p2p.py: send/recv and batches
 - ledger.py: the call ledger, mismatch and timeout reports, abort, the watchdog
 """
-from .callpath import DEFAULT_COSTS
+from .policy import DEFAULT_COSTS
 from .communicator import OPS, Communicator
 from .p2p import PendingP2P
 from .routing import ROUTE_MIN_BYTES, SMALL_RUN

@@ -1,6 +1,6 @@
 """How a call is taken: by the native library whole (NCCL on GPUs, gloo on a CPU communicator) or
-split over braid's lanes, and with which shares. The shares come from the calibration's lane
-costs and the online balancer; the fast path keeps, per call shape, whether the native library
+split over braid's lanes. The shares are the split policy's (comm/policy.py: the calibration, fixed
+shares, the online balancer); the fast path keeps, per call shape, whether the native library
 takes it, so a repeated small call costs a few Python steps besides the library's own. The
 braid backend's forwarding reads the same answers (`whole_*`).
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-import math
 import time
 from typing import Iterator
 
@@ -18,22 +17,13 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d   # the options classes
 
 from .. import envs
-from ..errors import BraidError, BraidTimeoutError, LaneFailureError, LaneUnavailableError
+from ..errors import BraidError, BraidTimeoutError, LaneFailureError
 from ..executor import Handle
-from ..planner.model import LaneCost, choose_with_native
+from ..planner.model import LaneCost
 
 log = logging.getLogger("braid")
 
 GLOO_WAIT_STEP = datetime.timedelta(milliseconds=50)   # how often a wait inside gloo looks for aborts
-
-
-# Lane costs before any calibration (orders of magnitude from device probes on 4 x H200,
-# 2026-11-22; CPU: a guess the calibration replaces). Bandwidth is the op's algorithm bandwidth on
-# that lane alone.
-DEFAULT_COSTS = {
-    "ce": LaneCost(12.0, 360.0), "nccl": LaneCost(10.0, 320.0), "host": LaneCost(30.0, 30.0),
-    "gloo": LaneCost(150.0, 1.0), "shm": LaneCost(60.0, 2.0),
-}
 
 
 class _NativeDone(Handle):
@@ -86,9 +76,9 @@ class CallPath:
     def fixed_shares(self, shares: dict[str, float] | None, op: str = "*") -> Iterator[None]:
         """Use these shares for every op (or one op) inside the block (tests, calibration, bench)."""
         self._drain()
-        old = self._fixed
-        self._fixed = None if shares is None else {**(old or {}), op: dict(shares)}
-        self._native_cache.clear()
+        policy = self.policy
+        old = policy.fixed
+        policy.set_fixed(None if shares is None else {**(old or {}), op: dict(shares)})
         self.shortcuts.clear()
         self._prepared.clear()
         self._learn_update()
@@ -96,7 +86,7 @@ class CallPath:
             yield
         finally:
             self._drain(raising=False)
-            self._fixed = old
+            policy.set_fixed(old)
             self.shortcuts.clear()
             self._prepared.clear()
             self._learn_update()
@@ -121,7 +111,7 @@ class CallPath:
     def _learn_update(self) -> None:
         """Whole or split learned in the job (comm/arbiter.py) only where braid chooses the shares:
         not under fixed shares (tests, the calibration, `--shares`) nor in check mode."""
-        self.shortcuts.learn = self._arbiter.enabled and self._fixed is None and not self.check
+        self.shortcuts.learn = self._arbiter.enabled and self.policy.fixed is None and not self.check
 
     @contextlib.contextmanager
     def calibrated_verdict(self) -> Iterator[None]:
@@ -138,141 +128,15 @@ class CallPath:
             self._learn_update()
 
     def shares_for(self, op: str, nbytes: int, lanes: list[str]) -> dict[str, float]:
-        if not lanes:
-            raise LaneUnavailableError(f"{op}: no lane can move these tensors here "
-                                       f"(unavailable: {self.unavailable}, BRAID_LANES={self.wanted})")
-        if self._fixed is not None:
-            fixed = self._fixed.get(op, self._fixed.get("*"))
-            if fixed is not None:
-                missing = [k for k, v in fixed.items() if v > 0 and k not in lanes]
-                if missing:
-                    raise LaneUnavailableError(f"{op}: lanes {missing} were asked for but are not available here: "
-                                               f"{ {k: self.unavailable.get(k, 'not usable for this device') for k in missing} }")
-                return {k: v for k, v in fixed.items() if v > 0}
-        key = (op, nbytes, tuple(lanes), self.calib_digest)
-        shares = self._share_cache.get(key)
-        if shares is None:
-            table = self.calib.get(f"{op}/{self.world_size}", {})
-            costs = {k: table.get(k, DEFAULT_COSTS[k]) for k in lanes}
-            shares = self.split_rule(op, costs, nbytes)
-            if len(shares) > 1:
-                verdict = self._split_verdict(op, nbytes)
-            elif set(shares) <= {"nccl", "gloo"}:
-                # the model keeps NCCL alone: a lane measured faster alone in this size bucket
-                # (or in both buckets around it) replaces it; nothing else overrides the model
-                verdict = self._split_verdict(op, nbytes, exact=True)
-                verdict = verdict if isinstance(verdict, str) else True
-            else:
-                verdict = True
-            if isinstance(verdict, dict):               # the split, balanced at calibration
-                if len(shares) > 1 and set(verdict) <= set(lanes):
-                    shares = dict(verdict)
-            elif isinstance(verdict, str) and verdict in lanes:
-                shares = {verdict: 1.0}                 # a lane alone measured fastest here
-            elif verdict is not True and ("nccl" in lanes or "gloo" in lanes):
-                shares = {next(k for k in ("nccl", "gloo") if k in lanes): 1.0}
-            if len(self._share_cache) > 4096:
-                self._share_cache.clear()
-            self._share_cache[key] = shares
-        if len(shares) > 1 and self.adapt:
-            bkey = self._bucket(op, nbytes, shares)
-            self.balancer.start(bkey, shares)
-            return self.balancer.shares(bkey)
-        return shares
-
-    def _split_verdict(self, op: str, nbytes: int, exact: bool = False) -> bool | str | dict:
-        """The calibration's verdict for the nearest measured size bucket (with `exact`, only this
-        size's own bucket): True (nothing measured, or an old table's split), the split's shares as
-        balanced there (a dict: the split measured fastest), False (the native lane alone), or the
-        name of the lane that alone measured fastest (`calibrate.split_pays`; with `exact`, also
-        a lane that measured fastest alone in both buckets around this one)."""
-        pays = self.pays.get(f"{op}/{self.world_size}")
-        if not pays:
-            return True
-        b = max(0, int(math.log2(max(nbytes, 1))))
-        if exact:
-            if b in pays:
-                return pays[b]
-            # between two measured buckets that named the same lane alone: that lane
-            below, above = pays.get(b - 1), pays.get(b + 1)
-            return below if isinstance(below, str) and below == above else True
-        nearest = min(pays, key=lambda m: (abs(m - b), -m))
-        return pays[nearest]
-
-    def _balancer_key(self, op: str, nbytes: int, lanes: list[str]):
-        """The balancer bucket of this call: keyed by the model's split for it (the balancer may
-        have parked a lane since, so the shares in use can name fewer lanes)."""
-        model = self._share_cache.get((op, nbytes, tuple(lanes), self.calib_digest))
-        return self._bucket(op, nbytes, model) if model and len(model) > 1 else None
-
-    @staticmethod
-    def _bucket(op: str, nbytes: int, shares: dict[str, float]) -> tuple:
-        from ..planner.balancer import OnlineBalancer
-        return OnlineBalancer.bucket(op, nbytes) + (tuple(sorted(shares)),)
-
-    def _observation(self, op: str):
-        """The last split call of this op, if it has finished here: (bucket, shares, lane times)."""
-        pending = self._pending.pop(op, None)
-        if pending is None:
-            return None
-        bkey, used, handle = pending
-        if not handle.is_completed():
-            return None
-        return [list(bkey[:2]) + [list(bkey[2])], used, handle.lane_times_us()]
-
-    def _learn(self, descs: list) -> None:
-        """Feed the balancer the slowest rank's lane times of the previous split call, when every
-        rank reported it (so every rank makes the same move)."""
-        obs = [d.get("obs") for d in descs if d is not None]
-        if not obs or any(o is None for o in obs):
-            return
-        first = obs[0]
-        if any(o[0] != first[0] or o[1] != first[1] for o in obs):
-            return
-        bkey = (obs[0][0][0], obs[0][0][1], tuple(obs[0][0][2]))
-        times = {k: max(o[2].get(k, 0.0) for o in obs) for k in obs[0][1]}
-        self.balancer.observe(bkey, obs[0][1], times)
+        """This call's shares over `lanes` (comm/policy.py)."""
+        return self.policy.shares_for(op, nbytes, lanes)
 
     def split_rule(self, op: str, costs: dict[str, LaneCost], nbytes: int) -> dict[str, float]:
-        """Shares from lane costs. braid's broadcast lanes are stars from the root (every peer
-        reads the root), which only pays for 2 ranks; beyond that the copy engines sit out."""
-        exclude = ("ce",) if op == "broadcast" and self.world_size > 2 else ()
-        return choose_with_native(costs, nbytes, "nccl", exclude,
-                                  single_ok=op in ("all_reduce", "reduce_scatter"),
-                                  native_share=op == "all_reduce" and self.cuda)
-
-    def _native_ok(self, shares: dict[str, float]) -> bool:
-        """One lane that is a library of its own (NCCL, gloo): call its collective directly."""
-        return len(shares) == 1 and next(iter(shares)) in ("nccl", "gloo") and not self.check
+        """Shares from lane costs alone (comm/policy.py; the calibration asks it)."""
+        return self.policy.split_rule(op, costs, nbytes)
 
     def _native_group(self, shares: dict[str, float]):
         return self.native_group if "nccl" in shares else self.gloo_group
-
-    def _native_for(self, op: str, nbytes: int) -> bool:
-        """Cached: will this op at this size go to the native library's own call (NCCL on GPUs,
-        gloo on CPU communicators)? (the small-message fast path)"""
-        if self.check:
-            return False
-        if self.hier is not None and self.hier.wants(op, nbytes):
-            return False              # node steps and rail steps (comm/hier.py)
-        if self._fixed is not None:
-            if not self.cuda:
-                return False          # CPU: fixed shares drive the lanes themselves (the tests)
-            # shares fixed to NCCL alone (the calibration timing it): NCCL's own call, as a
-            # whole call takes it, so that NCCL is timed as users get it
-            fixed = self._fixed.get(op, self._fixed.get("*"))
-            only = {k: v for k, v in (fixed or {}).items() if v > 0}
-            return self._native_ok(only) and next(iter(only)) in self.lanes_for(self.device)
-        key = (op, nbytes, self.calib_digest)
-        hit = self._native_cache.get(key)
-        if hit is None:
-            lanes = self.lanes_for(self.device)
-            # a world of one rank has nothing to split: the native library's call is a local copy
-            hit = bool(lanes) and (self.world_size == 1 or self._native_ok(self.shares_for(op, nbytes, lanes)))
-            if len(self._native_cache) > 4096:
-                self._native_cache.clear()
-            self._native_cache[key] = hit
-        return hit
 
     def _fast_ok(self, *tensors) -> bool:
         """Cheap checks for the fast path: CUDA tensors on our device, contiguous. Anything else

@@ -8,8 +8,6 @@ until done (CPU), like torch.distributed.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import socket
@@ -23,7 +21,6 @@ from ..collectives import check_rank, input_bytes, output_bytes, same_dtype
 from ..errors import MisuseError
 from ..executor import Handle
 from ..node import Layout, NodeSegment
-from ..planner.model import LaneCost
 from ..planner.plan import CPU_LANES, GPU_LANES, LaneKind, all_gather_movement, broadcast_movement
 from ..planner.rings import COLL, PAIR, RingCursor, ring_id
 
@@ -38,6 +35,7 @@ from .ledger import Ledger, _Watchdog, _call
 from .p2p import PointToPoint
 from .reductions import Reductions
 from .routing import Routing
+from .policy import SplitPolicy
 from .shortcuts import Shortcuts
 
 
@@ -75,6 +73,11 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         self.lane_ctx = LaneContext(self.rank, self.world_size, self.device, self.segment, self.layout,
                                     self.segment_tensor, self.seg_dev_ptr, self.ring_cursors)
         self._lanes = self.lane_ctx.lanes = self._make_lanes()
+        # which lanes take a call and with what shares: the calibration, fixed shares, the balancer
+        me_ref = weakref.ref(self)
+        self.policy = SplitPolicy(self.world_size, self.cuda, self.check,
+                                  lambda: (c := me_ref()) is not None and c.lanes_for(c.device) or [],
+                                  self.unavailable, self.wanted, self.hier)
         from .prepared import PreparedCalls
         self._prepared = PreparedCalls(self.rank, self.world_size, self.device, self.cuda)
         if (self.cuda and self._prepared.enabled and self.segment is not None and "ce" in self._lanes
@@ -92,7 +95,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
                                 enabled=bool(envs.get("BRAID_LEARN_SPLIT")) and seg is not None
                                 and self.cuda and self.world_size > 1 and self.single_node)
         # whole or split per call shape, the hot path's one decision (comm/shortcuts.py)
-        self.shortcuts = Shortcuts(self._native_for, self._arbiter, lambda: not self.closed and not self.aborted)
+        self.shortcuts = Shortcuts(self.policy.native_for, self._arbiter, lambda: not self.closed and not self.aborted)
         self._learn_update()
         self._cpu = None            # whole CPU calls through the segment (comm/cpushm.py)
         self._cpu_done = _NativeDone("shm")
@@ -125,13 +128,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
     def _init_state(self, lanes) -> None:
         """Every attribute the ops keep between calls, and the lanes asked for."""
         self.closed = False
-        self._fixed: dict[str, dict[str, float]] | None = None
         self.last_handle: Handle | None = None
-        self.calib: dict[str, dict[str, LaneCost]] = {}
-        self.pays: dict[str, dict[int, bool | str | dict]] = {}
-        self.calib_digest = "default"
-        self._share_cache: dict = {}
-        self._native_cache: dict = {}
         self._pair_calls = 0         # two ranks' uneven calls decided alone (see _pair_whole)
         self._pair_hash = 0          # ... and the running hash of their sizes since the last round
         self._a2av_ce_min = envs.get("BRAID_A2AV_CE_MIN_MB") << 20
@@ -142,10 +139,6 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         self._desc_memo: dict = {}   # every rank's descriptor digest -> those descriptors (recent full exchanges)
         self._round = None           # a prepared call's round already posted by the fast path (exchange.py)
         self._rounds = None          # deferred prepared calls and their thread (comm/rounds.py)
-        from ..planner.balancer import OnlineBalancer
-        self.balancer = OnlineBalancer()
-        self.adapt = True                    # stage 2 on; comm.adapt = False freezes the shares
-        self._pending: dict[str, tuple] = {}   # op -> (bucket key, shares used, handle) of its last split call
         from ..collectives.routed import RoutedAllToAll
         self._routed = RoutedAllToAll(self.world_size)
         self._routed_seq = 0                    # skewed calls observed so far (same on every rank)
@@ -311,7 +304,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
     def _cpu_ok(self, *tensors) -> bool:
         """This call may run whole through the segment: a CPU communicator with that path, no
         explicit shares, plain contiguous CPU tensors."""
-        if self._cpu is None or self._fixed is not None or self.check:
+        if self._cpu is None or self.policy.fixed is not None or self.check:
             return False
         for t in tensors:
             if type(t) is not torch.Tensor or t.is_cuda or not t.is_contiguous() or t.layout is not torch.strided:
@@ -446,23 +439,40 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         self.set_calibration(box[0] or {})
 
     def set_calibration(self, table: dict) -> None:
+        """Take a calibration table: the shares start over from it (comm/policy.py), and the
+        answers and prepared calls made under the old one go."""
         self._drain()
-        self.pays = {op[: -len("/pays")]: {int(b): v if isinstance(v, (str, dict)) else bool(v) for b, v in t.items()}
-                     for op, t in table.items() if op.endswith("/pays")}
-        self.calib = {op: {k: LaneCost(**v) if isinstance(v, dict) else v for k, v in lanes.items()}
-                      for op, lanes in table.items() if not op.endswith(("/pays", "/timed"))}
-        text = json.dumps({"costs": {op: {k: c.to_dict() for k, c in v.items()} for op, v in self.calib.items()},
-                           "pays": self.pays}, sort_keys=True)
-        self.calib_digest = hashlib.sha1(text.encode()).hexdigest()[:12] if self.calib else "default"
-        self._native_cache.clear()
+        self.policy.set_table(table)
         if getattr(self, "shortcuts", None) is not None:
             self.shortcuts.clear()
         if getattr(self, "_prepared", None) is not None:
             self._prepared.clear()
-        if getattr(self, "balancer", None) is not None:   # a new calibration restarts stage 2
-            from ..planner.balancer import OnlineBalancer
-            self.balancer = OnlineBalancer()
-            self._pending.clear()
+
+    # the split policy's state, read through the communicator (comm/policy.py owns it)
+    @property
+    def calib(self) -> dict:
+        return self.policy.calib
+
+    @property
+    def pays(self) -> dict:
+        return self.policy.pays
+
+    @property
+    def calib_digest(self) -> str:
+        return self.policy.digest
+
+    @property
+    def balancer(self):
+        return self.policy.balancer
+
+    @property
+    def adapt(self) -> bool:
+        """Stage 2 on (the default); `comm.adapt = False` freezes the shares at the model's."""
+        return self.policy.adapt
+
+    @adapt.setter
+    def adapt(self, value: bool) -> None:
+        self.policy.adapt = bool(value)
 
     def close(self) -> None:
         """Release lanes, pinned memory and the shared segment. Idempotent; no collective calls."""

@@ -93,7 +93,7 @@ class Exchange:
         return descs
 
     def _exchange(self, desc: dict, inp: torch.Tensor | None, lanes: list[str], peer: int | None = None) -> list:
-        desc = dict(desc, lanes=lanes, calib=self.calib_digest, rank=self.rank)
+        desc = dict(desc, lanes=lanes, calib=self.policy.digest, rank=self.rank)
         if "ce" in lanes:
             desc.update(self._lanes["ce"].descriptor(inp))
         if self.segment is not None:
@@ -171,8 +171,8 @@ class Exchange:
             self._flush_p2p()
         device = (inp if inp is not None else outs[0]).device
         lanes = self.lanes_for(device)
-        shares = self.shares_for(op, size, lanes) if not always_exchange else None
-        whole = shares is not None and self._native_ok(shares) and native is not None
+        shares = self.policy.shares_for(op, size, lanes) if not always_exchange else None
+        whole = shares is not None and self.policy.native_ok(shares) and native is not None
         if peer is None and not redo:       # the rounds thread's rebuild: counted by its caller
             t = inp if inp is not None else outs[0]
             if not counted:
@@ -190,17 +190,17 @@ class Exchange:
             handle, entry = self._run_prepared(op, desc, inp, outs, movement_of, native, agree_keys, lanes,
                                                shares, multi, emit, async_op, device, ticket)
             if entry is not None and not entry.native and handle.runs:
-                self._note_pending(op, entry.size, entry.agreed, entry.shares, handle)
+                self.policy.note_pending(op, entry.size, entry.agreed, entry.shares, handle)
         else:
             if self.cuda:
                 self._prepared.dirty = True      # lanes post on their own streams
-            if self.adapt and peer is None:
-                desc = dict(desc, obs=self._observation(op), bal=self.balancer.version)
+            if self.policy.adapt and peer is None:
+                desc = dict(desc, obs=self.policy.observation(op), bal=self.policy.balancer.version)
             cycle = None
             descs = self._exchange(desc, inp, lanes, peer)
-            if self.adapt and peer is None:
+            if self.policy.adapt and peer is None:
                 self._agree(op, descs, ("bal",))
-                self._learn(descs)
+                self.policy.learn(descs)
             if peer is not None:
                 self._check_direction(desc, descs[peer], peer)
             self._agree(op, descs, agree_keys + ("calib",))
@@ -223,7 +223,7 @@ class Exchange:
             if routed is _DECLINED:        # routing measured against the native call and chose it
                 routed, shares = None, {"nccl" if device.type == "cuda" else "gloo": 1.0}
             else:
-                shares = self.shares_for(op, size, agreed) if routed is None else routed.shares
+                shares = self.policy.shares_for(op, size, agreed) if routed is None else routed.shares
             if routed is not None:
                 opened = self._ipc_maps()
                 handle = execute(self.lane_ctx, routed, inp, outs, descs, peer)
@@ -231,7 +231,7 @@ class Exchange:
                                           cold=self._routed.last_cold or self._ipc_maps() != opened,
                                           cls=self._routed.last_cls)
                 self._observe(handle, cycle)
-            elif self._native_ok(shares) and native is not None:
+            elif self.policy.native_ok(shares) and native is not None:
                 handle = self._whole(native, shares)
                 if cycle is not None:          # a skewed call that routing declined: timed too
                     self._observe(None, cycle)
@@ -243,7 +243,7 @@ class Exchange:
                 else:
                     handle = execute(self.lane_ctx, self._plan(mkey, build, shares, size, device), inp, outs, descs, peer)
             if peer is None and routed is None:
-                self._note_pending(op, size, agreed, shares, handle)
+                self.policy.note_pending(op, size, agreed, shares, handle)
         self.last_handle = handle
         if async_op:
             return handle
@@ -258,14 +258,6 @@ class Exchange:
             handle.waiter = self._wait_gloo
         return handle
 
-    def _note_pending(self, op: str, size: int, agreed: list[str], shares: dict[str, float], handle) -> None:
-        """Keep a split call's handle: the next split call reports its lane times to the balancer."""
-        if not self.adapt or (self._fixed is not None and self._fixed.get(op, self._fixed.get("*")) is not None):
-            return
-        bkey = self._balancer_key(op, size, agreed)
-        if bkey is not None and (len(shares) > 1 or self.balancer.parked(bkey)):
-            self._pending[op] = (bkey, dict(shares), handle)
-
     # prepared calls (comm/prepared.py) --------------------------------------------------------------
     def _fast_prepared(self, tkey, inp, outs: tuple, async_op: bool, redo=None):
         """A call whose shape last replayed a graph (a Ticket under the op's own arguments):
@@ -275,8 +267,8 @@ class Exchange:
         round). `redo()`: the op's own call with the same arguments (the thread's full path)."""
         prep = self._prepared
         tk = prep.tickets.get(tkey)
-        if (tk is None or not prep.enabled or self.closed or self.aborted or tk.bal != self.balancer.version
-                or self._p2p_pending or (self._pending and tk.op in self._pending)
+        if (tk is None or not prep.enabled or self.closed or self.aborted or tk.bal != self.policy.balancer.version
+                or self._p2p_pending or (self.policy.pending and tk.op in self.policy.pending)
                 or (self.watchdog is not None and self.watchdog.failed) or _capturing()):
             return None         # queued send/recv go first, a balancer report rides the full path
         rd = getattr(self, "_rounds", None)
@@ -352,19 +344,19 @@ class Exchange:
         entry every rank keeps under the same key (built by the full exchange on a miss)."""
         prep, seg = self._prepared, self.segment
         capturing = self.cuda and _capturing()
-        bal = self.balancer.version
-        base = prep.word_base(op, desc, inp, outs, lanes, shares, self.calib_digest, bal, capturing)
+        bal = self.policy.balancer.version
+        base = prep.word_base(op, desc, inp, outs, lanes, shares, self.policy.digest, bal, capturing)
         posted, self._round = self._round, None
         obs = None
         if posted is not None:           # the fast path posted this call's word and read the round
             got = posted[1]
         else:
             word = prep.finish_word(base, inp, lanes)
-            obs = self._observation(op) if self.adapt and not capturing else None
+            obs = self.policy.observation(op) if self.policy.adapt and not capturing else None
             got = seg.read_values(seg.post_values([word] + prep.obs_values(obs)), op)
         learned = prep.agreed_obs(obs, got)
         if learned is not None:
-            self.balancer.observe(*learned)
+            self.policy.balancer.observe(*learned)
         key = tuple(g[0] for g in got)
         entry = prep.get(key)
         if entry is None:
@@ -394,7 +386,7 @@ class Exchange:
                         prep.tickets.pop(ticket, None)
                     return _DONE, entry
                 prep.capture(entry, self._program(entry, inp, outs, emit))
-            if ticket is not None and bal == self.balancer.version:
+            if ticket is not None and bal == self.policy.balancer.version:
                 if posted is None or posted[0] == prep.finish_word(base, inp, lanes):
                     t = inp if inp is not None else outs[0]
                     prep.ticket(ticket, base, bal, key, entry, op,
@@ -413,22 +405,22 @@ class Exchange:
     def _prepare(self, op: str, desc: dict, inp, lanes, movement_of, native, agree_keys, device) -> Entry:
         """The full agreement of a call not prepared yet: every rank's JSON descriptor, the
         checks that they match, the agreed lanes, the shares and the plan."""
-        full = dict(desc, lanes=lanes, calib=self.calib_digest, rank=self.rank)
-        if self.adapt:
-            full["bal"] = self.balancer.version
+        full = dict(desc, lanes=lanes, calib=self.policy.digest, rank=self.rank)
+        if self.policy.adapt:
+            full["bal"] = self.policy.balancer.version
         if "ce" in lanes:
             full.update(self._lanes["ce"].descriptor(inp))
         # the segment's second channel: a rank whose call was deferred (comm/rounds.py) makes this
         # exchange on its rounds thread, after its caller may have posted the words of later calls
         # on the first; every rank comes here for the same call, whichever thread runs it
         descs = self.segment.exchange_collective(full, list(range(self.world_size)), channel=1)
-        if self.adapt:
+        if self.policy.adapt:
             self._agree(op, descs, ("bal",))
         self._agree(op, descs, agree_keys + ("calib",))
         size, mkey, build = movement_of(descs)
         agreed = self._agreed_lanes(descs)
-        shares = self.shares_for(op, size, agreed)
-        if self._native_ok(shares) and native is not None:
+        shares = self.policy.shares_for(op, size, agreed)
+        if self.policy.native_ok(shares) and native is not None:
             return Entry(descs, None, shares, agreed, size, native=True)
         return Entry(descs, self._plan(mkey, build, shares, size, device), shares, agreed, size, native=False)
 

@@ -125,7 +125,7 @@ class PointToPoint:
 
     def _p2p(self, tensor, peer, sending: bool, async_op: bool):
         op = "send_recv"
-        if (self._p2p_shm is not None and self._fixed is None and not self.check and type(tensor) is torch.Tensor
+        if (self._p2p_shm is not None and self.policy.fixed is None and not self.check and type(tensor) is torch.Tensor
                 and not tensor.is_cuda and tensor.layout is torch.strided and type(peer) is int
                 and 0 <= peer < self.world_size and peer != self.rank):
             # every CPU send/recv of a communicator with the segment's path, whatever its size or
@@ -153,7 +153,7 @@ class PointToPoint:
                     handle.wait()
                     return None
         if (not self._p2p_pending and self._fast_ok(tensor) and type(peer) is int and 0 <= peer < self.world_size
-                and peer != self.rank and self._native_for(op, tensor.numel() * tensor.element_size())):
+                and peer != self.rank and self.policy.native_for(op, tensor.numel() * tensor.element_size())):
             be = self._fast_be
             if be is not None:           # the backend's own send/recv (tag 0, as torch's isend/irecv)
                 work = be.send([tensor], peer, 0) if sending else be.recv([tensor], peer, 0)
@@ -185,8 +185,8 @@ class PointToPoint:
                              native, ("op", "dtype", "nbytes", "src", "dst"), async_op, peer=peer)
         self._check_open()
         lanes = self.lanes_for(dev)
-        shares = self.shares_for(op, n, lanes)
-        if self._native_ok(shares):
+        shares = self.policy.shares_for(op, n, lanes)
+        if self.policy.native_ok(shares):
             if any((h.src, h.dst) == (src, dst) for h in self._p2p_pending):
                 # an earlier split call of this direction has not started: the library's own
                 # call waits behind it, else the peer would pair the messages out of order
@@ -205,7 +205,7 @@ class PointToPoint:
         # (at the latest in wait()). So isend + irecv on both ranks of a pair works, as in
         # torch.distributed: neither call blocks on the other rank. The sender's shares, chosen
         # now, are the pair's: the receiver's balancer and calibration may see it otherwise.
-        calib = self.calib_digest        # as at the call (the descriptor may be built later)
+        calib = self.policy.digest        # as at the call (the descriptor may be built later)
 
         def full_of() -> dict:
             d = dict(desc, lanes=lanes, calib=calib, rank=self.rank, shares=shares if sending else None)

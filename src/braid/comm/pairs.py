@@ -133,7 +133,7 @@ class PendingP2P:
             self.error = exc
             raise
         shares = _pair_shares(descs[self.src], comm._agreed_lanes(descs))
-        if comm._native_ok(shares):
+        if comm.policy.native_ok(shares):
             g = comm._native_group(shares)
             tb = self.inp if self.src == me else self.outs[0]
             work = dist.isend(tb, group_dst=self.peer, group=g) if self.src == me else dist.irecv(tb, group_src=self.peer, group=g)
@@ -494,7 +494,7 @@ class Pairs:
         """The entry of a new shape from both descriptors (the same on both ranks)."""
         comm, me = self.comm, self.comm.rank
         shares = _pair_shares(descs[src], comm._agreed_lanes(descs))
-        if comm._native_ok(shares):
+        if comm.policy.native_ok(shares):
             return PairEntry(descs, None, shares, native=True, rw=rw)
         plan = comm._plan(("p2p", src, dst, n), lambda: p2p_movement(comm.world_size, src, dst, n), shares, n, dev)
         flags = dev.type == "cuda" and shares == {"ce": 1.0}

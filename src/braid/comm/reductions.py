@@ -156,7 +156,7 @@ class Reductions:
             return self._cpu_call("reduce", tensor, lambda: self._cpu.all_reduce(tensor, *red, root=dst), async_op)
         if (self._fast_ok(tensor) and type(dst) is int and 0 <= dst < self.world_size
                 and self._fast_reduce_ok(op, tensor.dtype)
-                and self._native_for("reduce", tensor.numel() * tensor.element_size())):
+                and self.policy.native_for("reduce", tensor.numel() * tensor.element_size())):
             return self._native_fast("reduce", ([tensor],), "reduce", async_op, op=op, root=dst, fallback=lambda a:
                                      dist.reduce(tensor, group_dst=dst, op=op, group=self.native_group, async_op=a))
         check_rank(dst, self.world_size, "dst", "reduce")

@@ -16,7 +16,7 @@ from ..errors import BraidTimeoutError, LaneFailureError, PeerMismatchError
 from ..planner.plan import all_to_all_movement
 
 from .a2av import UnevenCe, check_columns, matrix_of, word_of
-from .callpath import DEFAULT_COSTS
+from .policy import DEFAULT_COSTS
 
 log = logging.getLogger("braid")
 
@@ -134,7 +134,7 @@ class Routing:
             if h is not None:
                 return h if async_op else None
         if not agreed and not balanced and self.segment is not None and dev.type == "cuda" and not self.check \
-                and self._fixed is None and self.routing != "on" and len(self.lanes_for(dev)) > 1:
+                and self.policy.fixed is None and self.routing != "on" and len(self.lanes_for(dev)) > 1:
             # the same agreement for the uneven calls the block above leaves (one split list given)
             me = self.rank
             big = max([v for d, v in enumerate(ins) if d != me] + [v for s, v in enumerate(outs) if s != me] + [0])
@@ -195,7 +195,7 @@ class Routing:
             # posts the matrix's row in the round (the same width everywhere)
             lean = (base and self.cuda and self.single_node and "ce" in lanes and self._prepared.enabled
                     and self.world_size > 1)
-            ok = lean or (base and self._fixed is None and len(lanes) > 1 and "nccl" in lanes)
+            ok = lean or (base and self.policy.fixed is None and len(lanes) > 1 and "nccl" in lanes)
             esz = input.element_size()     # bytes per row; an empty side's splits are all 0
             ent = self.shortcuts.put("a2av", key, (dt, rin, rout, key[0] // max(rin, 1) * esz,
                                                          key[1] // max(rout, 1) * esz, lean), ok)
@@ -232,7 +232,7 @@ class Routing:
         on both ranks when they agreed): split sizes that disagreed in any of those calls raise
         PeerMismatchError on both ranks at the check (NCCL's own call with them may have hung
         until then; the error aborts it)."""
-        if self._fixed is not None or 2 * max(sent, received) >= self._a2av_ce_min:
+        if self.policy.fixed is not None or 2 * max(sent, received) >= self._a2av_ce_min:
             return False
         self._pair_calls += 1
         if self._pair_calls % PAIR_CHECK == 0:
@@ -307,7 +307,7 @@ class Routing:
         (the router may plan it, or a split over several lanes, or the ranks' calibrations or
         shares differ and the full path says how)."""
         op, w = "all_to_all_single", self.world_size
-        if self._fixed is None and max(g[0] for g in got) <= ROUTE_MIN_BYTES:
+        if self.policy.fixed is None and max(g[0] for g in got) <= ROUTE_MIN_BYTES:
             return "nccl", None
         agree = got[0][2]
         for g in got:
@@ -316,15 +316,15 @@ class Routing:
         matrix = matrix_of(got, w)
         size = max(max(map(sum, matrix)), max(map(sum, zip(*matrix))))
         lanes = self.lanes_for(self.device)
-        shares = self.shares_for(op, size, lanes)
-        if (self._fixed is None and "nccl" in lanes and set(shares) == {"ce"}
+        shares = self.policy.shares_for(op, size, lanes)
+        if (self.policy.fixed is None and "nccl" in lanes and set(shares) == {"ce"}
                 and size < self._a2av_ce_min):
             shares = {"nccl": 1.0}         # posted every call, the copy engines lose below this size
         if set(shares) == {"ce"}:
             return "ce", (matrix, tuple(g[1] for g in got))
         # two ranks have no relays: the router could only move the hot pair's bytes between the
         # lanes the shares already weigh, so their calls go by the shares
-        if (self.routing != "off" and w > 2 and skewed(matrix)) or not self._native_ok(shares):
+        if (self.routing != "off" and w > 2 and skewed(matrix)) or not self.policy.native_ok(shares):
             return "full", None
         return "nccl", None
 
@@ -347,7 +347,7 @@ class Routing:
         """What decides an uneven call's shares (calibration, balancer, fixed shares) as one
         number that is the same on every rank that agrees: a stable hash (Python's own hash of
         a string differs between processes), kept until one of them changes."""
-        key = (self.calib_digest, self.balancer.version, repr(self._fixed) if self._fixed else "")
+        key = (self.policy.digest, self.policy.balancer.version, repr(self.policy.fixed) if self.policy.fixed else "")
         memo = self._a2av_memo
         if memo is None or memo[0] != key:
             memo = self._a2av_memo = (key, zlib.crc32(repr(key).encode()))
@@ -410,7 +410,7 @@ class Routing:
                 self._routed_pending = [p for p in self._routed_pending if p[0] not in gone]
             self._routed.begin()
             mode = self.routing
-            if mode == "off" or (mode == "auto" and self._fixed is not None):
+            if mode == "off" or (mode == "auto" and self.policy.fixed is not None):
                 return None
             if not all(n in agreed for n in names.values()):
                 return None
@@ -419,7 +419,7 @@ class Routing:
             matrix = [list(descs[s]["in"]) for s in range(w)]
             if mode == "auto" and not skewed(matrix):
                 return None      # small or balanced: the share-based split (or NCCL) handles it
-            table = self.calib.get(f"{op}/{w}", {})
+            table = self.policy.calib.get(f"{op}/{w}", {})
             costs = {k: table.get(k, DEFAULT_COSTS[k]) for k in names.values()}
             native_name = "nccl" if kind == "cuda" else "gloo"
             native_cost = table.get(native_name, DEFAULT_COSTS[native_name]) if native_name in agreed else None
