@@ -12,6 +12,7 @@ import threading
 import pytest
 
 from braid.comm import routing as R
+from braid.comm.ledger import CallLedger
 from braid.errors import PeerMismatchError
 
 MiB = 1 << 20
@@ -81,6 +82,7 @@ class Rank(R.Routing):
         self._pair_hash, self._a2av_ce_min = 0, 32 * MiB
         self.routing, self.device = "auto", "cuda:0"
         self.policy = _Policy(agree_digest)
+        self.ledger = CallLedger(rank, True, None)
         self.gave_up, self.aborted_native = [], []
 
     def lanes_for(self, dev):
@@ -222,7 +224,7 @@ def test_two_ranks_tell_alone_that_small_uneven_calls_are_nccls_and_still_check_
     board = Board(2)
     ranks = [Rank(board, r) for r in range(2)]
     for rk in ranks:
-        rk._pair_calls, rk._a2av_ce_min, rk.ncalls = 0, 32 * MiB, 0
+        rk._pair_calls, rk._a2av_ce_min, rk.ledger.ncalls = 0, 32 * MiB, 0
         rk._check_open = lambda: None
     seq = [(3 * MiB, 7 * MiB), (15 * MiB, MiB), (16 * MiB, 0), (0, 40 * MiB)] * (R.PAIR_CHECK // 2)
     said = [[], []]
@@ -235,7 +237,7 @@ def test_two_ranks_tell_alone_that_small_uneven_calls_are_nccls_and_still_check_
     assert not any(w for w, s in zip(said[0], small) if not s)  # 16 MiB one way: not decided alone
     n_small = sum(small)
     assert said[0].count(True) == n_small - n_small // R.PAIR_CHECK   # every PAIR_CHECK-th: the round
-    assert ranks[0].ncalls == said[0].count(True)               # in the ledger
+    assert ranks[0].ledger.ncalls == said[0].count(True)               # in the ledger
     ranks[0].policy.fixed = {"nccl": 1.0}
     assert not ranks[0]._pair_whole(MiB, MiB)                  # fixed shares: the round decides
 
@@ -244,7 +246,7 @@ def _pair_world(views):
     """Two fake ranks making uneven calls the way _a2av_agree does: alone when _pair_whole says
     so, else the round. views[r][i]: (sent, received) of rank r's call i. Returns (errors, rounds)."""
     def body(rk):
-        rk._pair_calls, rk._a2av_ce_min, rk.ncalls = 0, 32 * MiB, 0
+        rk._pair_calls, rk._a2av_ce_min, rk.ledger.ncalls = 0, 32 * MiB, 0
         rk._check_open = lambda: None
         rounds = 0
         for sent, received in views[rk.rank]:

@@ -1,7 +1,7 @@
 """A call's exchanges that come before the ledger counts it: the prepared call's round on its fast
 path and the whole-or-split trials' agreement. While such an exchange waits, the call must be
 counted: a peer still at the previous call, which it took whole, then reads as late, not as a
-different call (Ledger._on_wait raised PeerMismatchError for it: a rank replaying a prepared
+different call (CallLedger.check_peer raised PeerMismatchError for it: a rank replaying a prepared
 all_reduce in DDP's set-up while its peer was still leaving an uneven all_to_all NCCL took whole,
 1 H200 shared by 2 ranks, 2026-11-26). After the exchange the count is what the call's own path
 makes it: one more on a hit, unchanged on a miss (the full path counts the call itself).
@@ -15,6 +15,7 @@ import pytest
 from braid.comm import exchange
 from braid.comm.callpath import CallPath
 from braid.comm.exchange import Exchange
+from braid.comm.ledger import CallLedger
 from braid.comm.prepared import Ticket
 
 
@@ -28,12 +29,19 @@ class _Segment:
         return (1, len(values))
 
     def read_values(self, token, what):
-        self.seen.append((what, self.comm.ncalls))
+        self.seen.append((what, self.comm.ledger.ncalls))
         return [[w] + [0] * (token[1] - 1) for w in self.words]
 
     def exchange_values(self, values, what):
-        self.seen.append((what, self.comm.ncalls))
+        self.seen.append((what, self.comm.ledger.ncalls))
         return [list(values)]
+
+
+def _ledger():
+    led = CallLedger(0, True, None)
+    led.count(("all_to_all_single", 64000, "torch.float32", "whole"))
+    led.ncalls = 81
+    return led
 
 
 def _comm(words, key):
@@ -46,9 +54,9 @@ def _comm(words, key):
         get=lambda k: entry if k == key else None,
         launch=lambda e, stream, async_op, tensors: "replayed")
     comm = SimpleNamespace(
-        _prepared=prep, closed=False, aborted=False, balancer=SimpleNamespace(version=0), _p2p_pending=[],
-        _pending={}, watchdog=None, _lanes={"ce": SimpleNamespace(stream=None)}, ncalls=81,
-        last_call=("all_to_all_single", 64000, "torch.float32", "whole"), last_handle=None, _round=None)
+        _prepared=prep, closed=False, aborted=False, _p2p_pending=[], watchdog=None,
+        policy=SimpleNamespace(balancer=SimpleNamespace(version=0), pending={}),
+        _lanes={"ce": SimpleNamespace(stream=None)}, ledger=_ledger(), last_handle=None, _round=None)
     comm.segment = _Segment(comm, words)
     comm._give_up = lambda exc: None
     return comm
@@ -63,26 +71,26 @@ def test_a_replay_counts_its_call_while_its_round_waits():
     comm = _comm(words=[7, 7], key=(7, 7))
     assert Exchange._fast_prepared(comm, "t", None, (), False) == "replayed"
     assert comm.segment.seen == [("all_reduce", 82)]      # counted while waiting: the peer at 81 is late
-    assert comm.ncalls == 82 and comm.last_call[0] == "all_reduce"
+    assert comm.ledger.ncalls == 82 and comm.ledger.last_call[0] == "all_reduce"
 
 
 def test_a_round_that_misses_leaves_the_count_to_the_full_path():
     comm = _comm(words=[7, 9], key=(7, 7))                  # the peer's word differs: a miss
     assert Exchange._fast_prepared(comm, "t", None, (), False) is None
     assert comm.segment.seen == [("all_reduce", 82)]
-    assert comm.ncalls == 81 and comm._round == (7, [[7, 0, 0, 0, 0, 0, 0], [9, 0, 0, 0, 0, 0, 0]])
+    assert comm.ledger.ncalls == 81 and comm._round == (7, [[7, 0, 0, 0, 0, 0, 0], [9, 0, 0, 0, 0, 0, 0]])
 
 
 def test_the_trials_agreement_counts_the_call_it_belongs_to():
-    comm = SimpleNamespace(ncalls=81)
+    comm = SimpleNamespace(ledger=_ledger())
     comm.segment = _Segment(comm, [])
     assert CallPath._trial_exchange(comm, [3, 4]) == [[3, 4]]
     assert comm.segment.seen == [("whole-or-split trial", 82)]
-    assert comm.ncalls == 81                                # the op's own path counts it after
+    assert comm.ledger.ncalls == 81                         # the op's own path counts it after
 
     def fail(values, what):
         raise RuntimeError("peer gone")
     comm.segment.exchange_values = fail
     with pytest.raises(RuntimeError):
         CallPath._trial_exchange(comm, [1])
-    assert comm.ncalls == 81
+    assert comm.ledger.ncalls == 81

@@ -186,8 +186,7 @@ class BraidProcessGroup(dist.ProcessGroup):
             comm._flush_p2p()
         comm.last_handle = comm._native_done
         t = args[1] if len(args) > 1 else args[0][0]      # the input (list forms: the tensor)
-        comm.ncalls += 1
-        comm.last_call = (_OP_OF.get(name, name), t.numel() * t.element_size(), t.dtype, "whole")
+        comm.ledger.count((_OP_OF.get(name, name), t.numel() * t.element_size(), t.dtype, "whole"))
         inner = self.nccl if comm.cuda else self.gloo
         if t.requires_grad:
             args = _detached(args)                  # as in _forward
@@ -307,8 +306,7 @@ class BraidProcessGroup(dist.ProcessGroup):
                 if self._p2p_queue or comm._p2p_pending:
                     return self._whole("allreduce", (tensors,), opts, comm)
                 comm.last_handle = comm._native_done
-                comm.ncalls += 1
-                comm.last_call = ("all_reduce", t.numel() * t.element_size(), t.dtype, "whole")
+                comm.ledger.count(("all_reduce", t.numel() * t.element_size(), t.dtype, "whole"))
                 work = self._inner_allreduce(tensors, opts)
                 return work if work is not None else _finished()
             if ent is not None and comm.whole_all_reduce(t, opts.reduceOp.op):   # a split shape's trial said whole

@@ -102,11 +102,11 @@ class CallPath:
         """The whole-or-split trials' agreement (comm/arbiter.py). A call asks the arbiter before
         the ledger counts it; while this exchange waits the call is counted, so that a peer still
         at the previous call, taken whole, reads as late, not as a different call (_on_wait)."""
-        self.ncalls += 1
+        self.ledger.ncalls += 1
         try:
             return self.segment.exchange_values(values, "whole-or-split trial")
         finally:
-            self.ncalls -= 1
+            self.ledger.ncalls -= 1
 
     def _learn_update(self) -> None:
         """Whole or split learned in the job (comm/arbiter.py) only where braid chooses the shares:
@@ -265,7 +265,7 @@ class CallPath:
             if time.monotonic() > deadline:
                 raise BraidTimeoutError(
                     f"rank {self.rank} waited {envs.get('BRAID_TIMEOUT_S'):.0f} s inside gloo's own "
-                    f"{self.last_call[0]} for its peers: {self._describe(f'rank {self.rank}', *self._status())}. "
+                    f"{self.ledger.last_call[0]} for its peers: {self.ledger.mine()}. "
                     f"Check that every rank makes the same calls in the same order (BRAID_TIMEOUT_S to change the limit).")
 
     def _opts(self, kind: str, async_op: bool, op=None, root: int = 0):
@@ -292,8 +292,8 @@ class CallPath:
         fast path made them once per call shape). Without that backend object: `fallback`."""
         x = args[1] if len(args) > 1 else (args[0][0] if type(args[0]) is list else args[0])
         if not counted:
-            self.ncalls += 1
-        self.last_call = (_OP_OF[kind], x.numel() * x.element_size(), x.dtype, "whole")
+            self.ledger.ncalls += 1
+        self.ledger.last_call = (_OP_OF[kind], x.numel() * x.element_size(), x.dtype, "whole")
         be = self._fast_be
         if be is None:
             if self._p2p_pending and not self.cuda:    # as _run does before a collective (CPU)

@@ -31,7 +31,7 @@ log = logging.getLogger("braid")
 from ..lanes.base import LaneContext
 from .callpath import CallPath, _NATIVE_DONE, _NativeDone, _backend_of
 from .exchange import Exchange
-from .ledger import Ledger, _Watchdog, _call
+from .ledger import CallLedger, Faults, _Watchdog, _call
 from .p2p import PointToPoint
 from .reductions import Reductions
 from .routing import Routing
@@ -44,7 +44,7 @@ from .shortcuts import Shortcuts
 CPU_AREA = 2 << 20
 OPS = ("send_recv", "broadcast", "all_gather", "all_to_all_single", "all_reduce", "reduce_scatter", "reduce")
 
-class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger):
+class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults):
     """braid over the default torch.distributed group (one process per GPU, or CPU processes).
 
     Lanes: nccl, ce and host for CUDA tensors; gloo and shm for CPU tensors. `lanes` (or
@@ -69,6 +69,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         self.hier = None       # the node and rail steps of a world of several nodes (comm/hier.py)
         self._init_state(lanes)
         self._init_groups()
+        # the calls made so far and the last one, published to the node segment (comm/ledger.py)
+        self.ledger = CallLedger(self.rank, self.cuda, self.segment)
         # what the lanes get of this communicator (they never see the communicator itself)
         self.lane_ctx = LaneContext(self.rank, self.world_size, self.device, self.segment, self.layout,
                                     self.segment_tensor, self.seg_dev_ptr, self.ring_cursors)
@@ -118,7 +120,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
             self.segment.on_wait = lambda *a: _call(me, "_on_wait", *a)
             self.segment.on_timeout = lambda *a: _call(me, "_on_timeout", *a)
             self.watchdog = _Watchdog(self.segment, self.rank, self.world_size, self.cuda,
-                                      status=lambda: _call(me, "_status"),
+                                      status=self.ledger.status,
                                       on_peer_abort=lambda why: _call(me, "_abort_native", why, False),
                                       overdue=lambda: _call(me, "_p2p_overdue") or "")
         self._closer = weakref.finalize(self, _finalize, self.segment, self.seg_dev_ptr, self.watchdog)
@@ -152,11 +154,6 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
         self._ce_red = None
         self._nccl_stream = None                # NCCL's share of split all_reduces
         self.check = envs.get("BRAID_CHECK")   # read once, when the communicator is created
-        # the call ledger: collective calls made so far (every path), and the last one as
-        # (op, bytes, dtype, path); published to the node segment so that peers can tell a
-        # mismatch from a slow rank and name both calls (see _on_wait)
-        self.ncalls = 0
-        self.last_call: tuple = ("", 0, None, "")
         self.aborted = ""                   # why abort() was called (the communicator is unusable)
         self._plan_cache: dict = {}
         wanted = lanes if lanes is not None else envs.get("BRAID_LANES")
@@ -320,7 +317,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
             for lane_run in list(last.values()):
                 if lane_run.thread is not None:
                     lane_run.thread.join()
-        self._enter(op, x, "shm")
+        self.ledger.enter(op, x, "shm")
 
     def _cpu_call(self, op: str, x: torch.Tensor, run, async_op: bool):
         """Run `run()` (a CpuShm op) as this communicator's call: open, pending sends/recvs and
@@ -447,6 +444,15 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Ledger
             self.shortcuts.clear()
         if getattr(self, "_prepared", None) is not None:
             self._prepared.clear()
+
+    # the ledger's count and last call, read through the communicator (comm/ledger.py owns them)
+    @property
+    def ncalls(self) -> int:
+        return self.ledger.ncalls
+
+    @property
+    def last_call(self) -> tuple:
+        return self.ledger.last_call
 
     # the split policy's state, read through the communicator (comm/policy.py owns it)
     @property

@@ -176,10 +176,10 @@ class Exchange:
         if peer is None and not redo:       # the rounds thread's rebuild: counted by its caller
             t = inp if inp is not None else outs[0]
             if not counted:
-                self.ncalls += 1
-            self.last_call = (op, t.numel() * t.element_size(), desc.get("dtype"), "whole" if whole else "split")
+                self.ledger.ncalls += 1
+            self.ledger.last_call = (op, t.numel() * t.element_size(), desc.get("dtype"), "whole" if whole else "split")
             if not whole and self.segment is not None:
-                self._publish()             # peers that wait in the exchange below can read it
+                self.ledger.publish()             # peers that wait in the exchange below can read it
         if whole and redo:
             raise LaneFailureError(f"{op}: a deferred call of a shape prepared on the copy engines came out "
                                    f"whole when rebuilt; its lanes or shares changed under it")
@@ -280,7 +280,7 @@ class Exchange:
         seg = self.segment
         # the round belongs to this call: counted while it waits, so that a peer still at the
         # previous call (taken whole) reads as late, not as a different call (Ledger._on_wait)
-        self.ncalls += 1
+        self.ledger.ncalls += 1
         t0 = time.perf_counter()
         try:
             got = seg.read_values(seg.post_values([word, *NO_OBS]), tk.op)
@@ -293,11 +293,11 @@ class Exchange:
         # every rank's cache keeps the same keys whichever way its calls came in
         if (len(got) == len(tk.key) and all(g[0] == k for g, k in zip(got, tk.key))
                 and prep.get(tk.key) is tk.entry):
-            self.last_call = tk.ledger
+            self.ledger.last_call = tk.ledger
             handle = prep.launch(tk.entry, self._lanes["ce"].stream, async_op, (inp, *outs))
             self.last_handle = handle
             return handle
-        self.ncalls -= 1                 # a miss: the full path counts the call
+        self.ledger.ncalls -= 1                 # a miss: the full path counts the call
         self._round = (word, got)        # and goes on from this round
         return None
 
@@ -307,8 +307,7 @@ class Exchange:
         for the call's end counter. Counted in the ledger here, in call order."""
         rd.room()
         word = prep.finish_word(tk.base, inp, tk.lanes)
-        self.ncalls += 1
-        self.last_call = tk.ledger
+        self.ledger.count(tk.ledger)
         try:
             token = self.segment.post_values([word, *NO_OBS], hook=False)
         except (PeerMismatchError, BraidTimeoutError, LaneFailureError) as exc:
@@ -320,7 +319,7 @@ class Exchange:
         tensors = (inp, *outs)
         # the words the program was built for, while the entry is the cache's (else the thread in
         # Python decides, as on a changed word)
-        rd.push(Job(token, word, tk, start, n, tensors, redo, self.ncalls, tk.op),
+        rd.push(Job(token, word, tk, start, n, tensors, redo, self.ledger.ncalls, tk.op),
                 tk.key if prep.entries.get(tk.key) is tk.entry else None)
         # the program runs on the lane stream, which only the caller's stream waits for: a later
         # call on another stream of the caller's (FSDP2's gathers and reductions) must not start
@@ -533,7 +532,7 @@ class Exchange:
         desc = {"op": op, "plan": digest, "dev": dev.type, "in": ib.numel(), "outs": [o.numel() for o in obs]}
         if "relay" in used:
             desc.update(self._lanes["relay"].descriptor(ib, dev.type))
-        self._enter(op, ib, "split")
+        self.ledger.enter(op, ib, "split")
         try:
             descs = self._exchange(desc, ib, used)
             self._agree(op, descs, ("op", "plan", "dev") + (("relay_geom",) if "relay" in used else ()))

@@ -264,8 +264,7 @@ class Hierarchy:
                 shares[lane] = shares.get(lane, 0.0) + f * b / total
         h = HierHandle(steps, shares)
         self.world.last_handle = h
-        self.world.ncalls += 1
-        self.world.last_call = (op, total, None, "steps")
+        self.world.ledger.count((op, total, None, "steps"))
         return h
 
     def _node_step(self, name: str, fn, nbytes: int, steps: list) -> None:

@@ -1,5 +1,5 @@
-"""Faults that reach every rank: the call ledger (calls made, the last one) published to the node
-segment, mismatch detection while waiting for a peer, timeouts that say what each side posted,
+"""Faults that reach every rank: the call ledger (CallLedger: calls made, the last one) published
+to the node segment, mismatch detection while waiting for a peer, timeouts that say what each side posted,
 and abort: marking the segment so peers raise at once, and aborting the NCCL communicators a peer
 could be blocked in. The watchdog thread does the polling.
 """
@@ -172,8 +172,89 @@ def _call(ref, name: str, *args):
     return getattr(obj, name)(*args) if obj is not None else None
 
 
-class Ledger:
-    """Part of braid.comm.Communicator (a mixin: state lives on the communicator)."""
+class CallLedger:
+    """The collective calls this rank has made (every path: whole, split, steps) and the last one
+    as (op, bytes, dtype, path), published to the node segment so that a peer waiting for this
+    rank can tell a mismatch from a slow rank and name both calls. `ncalls` is the one count of
+    calls that must advance alike on every rank; a call counts itself once, before it exchanges
+    anything with its peers."""
+
+    def __init__(self, rank: int, cuda: bool, segment: NodeSegment | None):
+        self.rank, self.cuda, self.segment = rank, cuda, segment
+        self.ncalls = 0
+        self.last_call: tuple = ("", 0, None, "")
+
+    def count(self, call: tuple) -> None:
+        """One more call: `call` is (op, bytes, dtype, path)."""
+        self.ncalls += 1
+        self.last_call = call
+
+    def enter(self, op: str, t: torch.Tensor, path: str) -> None:
+        """Count a call and publish it before it exchanges anything."""
+        self.count((op, t.numel() * t.element_size(), t.dtype, path))
+        self.publish()
+
+    def status(self) -> tuple:
+        """(calls, op, bytes, dtype, path), for the watchdog to publish."""
+        op, nbytes, dtype, path = self.last_call
+        name = _DTYPE_NAMES.get(dtype)
+        if name is None:
+            name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+        return self.ncalls, op, nbytes, name, path
+
+    def publish(self) -> None:
+        seg = self.segment
+        if seg is not None and not seg.closed:
+            seg.publish(*self.status())
+
+    def describe(self, who: str, calls: int, op: str, nbytes: int, dtype: str, path: str) -> str:
+        how = {"whole": f"taken whole by {'NCCL' if self.cuda else 'gloo'}",
+               "split": "on braid's lanes (it starts by exchanging descriptors)"}.get(path, path)
+        return f"{who} call #{calls} is {op} of {nbytes} bytes of {dtype}, {how}"
+
+    def mine(self) -> str:
+        """This rank's last call, described."""
+        return self.describe(f"rank {self.rank}", *self.status())
+
+    def peer_said(self, peer: int) -> str:
+        st = self.segment.status(peer) if self.segment is not None else None
+        if st is None:
+            return f"rank {peer} has published no call yet"
+        ago = max(time.time() - st["time"], 0.0)
+        return (self.describe(f"rank {peer}'s latest", st["calls"], st["op"], st["nbytes"], st["dtype"],
+                              st["path"]) + f" (reported {ago:.1f} s ago)")
+
+    def check_peer(self, peer: int, what: str, posted, mine: int) -> None:
+        """While this rank waits for `peer` in its call number `mine`: raise PeerMismatchError,
+        naming both calls, once the peer has shown that it made a different call at this point:
+        it reported a later call, or this very call taken whole by the native library (which
+        posts nothing here: the peer may then sit inside NCCL or gloo). An exchange a call makes
+        before its path counts it must count it while it waits (the prepared calls' round, the
+        whole-or-split trial), else a peer still at the previous call, taken whole, reads as a
+        mismatch."""
+        st = self.segment.status(peer)
+        if st is None or not (st["calls"] > mine or (st["calls"] == mine and st["path"] == "whole")):
+            return
+        if posted():            # the peer posted after all (its report raced the post): no mismatch
+            return
+        msg = (f"ranks {self.rank} and {peer} made different calls: {self.mine()} (waiting in {what}); "
+               f"{self.peer_said(peer)}. "
+               f"Every rank must make the same collective calls in the same order with matching "
+               f"sizes and dtypes.")
+        exc = PeerMismatchError(msg)
+        exc.peers_left_waiting = True       # see Faults._give_up
+        raise exc
+
+    def timeout(self, peer: int, what: str) -> BraidTimeoutError:
+        return BraidTimeoutError(
+            f"rank {self.rank} waited {envs.get('BRAID_TIMEOUT_S'):.0f} s for rank {peer} ({what}): "
+            f"{self.mine()}; {self.peer_said(peer)}. Check that "
+            f"every rank makes the same calls in the same order (BRAID_TIMEOUT_S to change the limit).")
+
+
+class Faults:
+    """Part of braid.comm.Communicator (a mixin over the communicator's ledger, segment, groups
+    and watchdog): what a call that went wrong on one rank does to every rank."""
 
     def _check_open(self) -> None:
         if self.closed:
@@ -185,14 +266,6 @@ class Ledger:
             raise LaneFailureError(f"braid communicator is broken: {self.watchdog.failed}; "
                                    f"create a new process group and communicator")
 
-    # faults: mismatches, timeouts and aborts that reach every rank -------------------------------
-    def _enter(self, op: str, t: torch.Tensor, path: str) -> None:
-        """Put a call in the ledger before it exchanges anything (then pass counted=True on)."""
-        self.ncalls += 1
-        self.last_call = (op, t.numel() * t.element_size(), t.dtype, path)
-        if self.segment is not None:
-            self._publish()
-
     def _p2p_overdue(self) -> str:
         """The watchdog's look at sends that ran ahead (comm/pairs.py): why to give up, or ""."""
         pairs = getattr(self, "_pairs", None)
@@ -200,66 +273,19 @@ class Ledger:
             return ""
         return pairs.overdue(envs.get("BRAID_TIMEOUT_S"))
 
-    def _status(self) -> tuple:
-        """(calls, op, bytes, dtype, path) of the ledger, for the watchdog to publish."""
-        op, nbytes, dtype, path = self.last_call
-        name = _DTYPE_NAMES.get(dtype)
-        if name is None:
-            name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
-        return self.ncalls, op, nbytes, name, path
-
-    def _publish(self) -> None:
-        seg = self.segment
-        if seg is not None and not seg.closed:
-            calls, op, nbytes, dtype, path = self._status()
-            seg.publish(calls, op, nbytes, dtype, path)
-
-    def _describe(self, who: str, calls: int, op: str, nbytes: int, dtype: str, path: str) -> str:
-        how = {"whole": f"taken whole by {'NCCL' if self.cuda else 'gloo'}",
-               "split": "on braid's lanes (it starts by exchanging descriptors)"}.get(path, path)
-        return f"{who} call #{calls} is {op} of {nbytes} bytes of {dtype}, {how}"
-
-    def _peer_said(self, peer: int) -> str:
-        st = self.segment.status(peer) if self.segment is not None else None
-        if st is None:
-            return f"rank {peer} has published no call yet"
-        ago = max(time.time() - st["time"], 0.0)
-        return (self._describe(f"rank {peer}'s latest", st["calls"], st["op"], st["nbytes"], st["dtype"],
-                               st["path"]) + f" (reported {ago:.1f} s ago)")
-
     def _on_wait(self, peer: int, what: str, posted) -> None:
-        """Called while this rank waits for `peer` in a collective exchange: raise
-        PeerMismatchError, naming both calls, once the peer has shown that it made a different
-        call at this point: it reported a later call, or this very call taken whole by the native
-        library (which posts nothing here: the peer may then sit inside NCCL or gloo). "This very
-        call" is `ncalls`: an exchange a call makes before its path counts it must count it while
-        it waits (Exchange._fast_prepared, CallPath._trial_exchange), else a peer still at the
-        previous call, taken whole, reads as a mismatch."""
+        """Called while this rank waits for `peer` in a collective exchange (CallLedger.check_peer);
+        the rounds thread reads an earlier call's round than the ledger's count."""
         if not what.startswith("collective #") or self.segment is None:
             return
-        st = self.segment.status(peer)
-        mine = self.ncalls
+        mine = self.ledger.ncalls
         rd = getattr(self, "_rounds", None)
-        if rd is not None and rd.ident == get_ident():     # the rounds thread reads an earlier call's round
+        if rd is not None and rd.ident == get_ident():
             mine = rd.reading
-        if st is None or not (st["calls"] > mine or (st["calls"] == mine and st["path"] == "whole")):
-            return
-        if posted():            # the peer posted after all (its report raced the post): no mismatch
-            return
-        msg = (f"ranks {self.rank} and {peer} made different calls: "
-               f"{self._describe(f'rank {self.rank}', *self._status())} (waiting in {what}); "
-               f"{self._peer_said(peer)}. "
-               f"Every rank must make the same collective calls in the same order with matching "
-               f"sizes and dtypes.")
-        exc = PeerMismatchError(msg)
-        exc.peers_left_waiting = True       # see _give_up
-        raise exc
+        self.ledger.check_peer(peer, what, posted, mine)
 
     def _on_timeout(self, peer: int, what: str) -> None:
-        raise BraidTimeoutError(
-            f"rank {self.rank} waited {envs.get('BRAID_TIMEOUT_S'):.0f} s for rank {peer} ({what}): "
-            f"{self._describe(f'rank {self.rank}', *self._status())}; {self._peer_said(peer)}. Check that "
-            f"every rank makes the same calls in the same order (BRAID_TIMEOUT_S to change the limit).")
+        raise self.ledger.timeout(peer, what)
 
     def _give_up(self, exc: BaseException) -> None:
         """Mark this rank aborted in the node segment with `exc` as the cause (peers waiting on it

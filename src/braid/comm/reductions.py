@@ -182,8 +182,7 @@ class Reductions:
             # NCCL reduces these and braid's own reductions do not: its call, whole (through
             # torch's front end, which turns complex tensors into float pairs where NCCL needs it)
             x = input if opname == "reduce_scatter" else output
-            self.ncalls += 1
-            self.last_call = (opname, x.numel() * x.element_size(), x.dtype, "whole")
+            self.ledger.count((opname, x.numel() * x.element_size(), x.dtype, "whole"))
             g = self.native_group
             if opname == "all_reduce":
                 work = dist.all_reduce(output, op=op, group=g, async_op=async_op)

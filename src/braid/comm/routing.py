@@ -140,7 +140,7 @@ class Routing:
             big = max([v for d, v in enumerate(ins) if d != me] + [v for s, v in enumerate(outs) if s != me] + [0])
             if "nccl" in self.lanes_for(dev):
                 self._check_open()
-                self._enter(op, ib, "agreeing")
+                self.ledger.enter(op, ib, "agreeing")
                 counted = True
                 if self._uneven_small(big, op):
                     return self._native_fast("alltoall_base", (ob, ib, list(outs), list(ins)), "alltoall",
@@ -211,7 +211,7 @@ class Routing:
             a[me] = b[me] = 0
             big = max(max(a) * ent[3], max(b) * ent[4])
             self._check_open()
-            self._enter(op, input, "agreeing")
+            self.ledger.enter(op, input, "agreeing")
             if not ent[5]:
                 return True, self._uneven_small(big, op), None
             recv = [x * ent[4] for x in output_split_sizes]
@@ -240,7 +240,7 @@ class Routing:
         self._check_open()
         a, b = (sent, received) if self.rank == 0 else (received, sent)     # rank 0's view on both
         self._pair_hash = ((self._pair_hash * PAIR_MUL + a) * PAIR_MUL + b) & MASK61
-        self.ncalls += 1                   # in the ledger (the caller passes counted=True on)
+        self.ledger.ncalls += 1                   # in the ledger (the caller passes counted=True on)
         return True
 
     def _a2av_round(self, op: str, big: int, values: list[int], recv: list[int]) -> tuple[bool, bool, tuple | None]:
