@@ -1,4 +1,4 @@
-"""The uneven all_to_all's round on GPUs (comm/routing.py, _a2av_round / _a2av_verdict), run on
+"""The uneven all_to_all's round on GPUs (comm/uneven.py, UnevenAgreement.round / verdict), run on
 fake ranks in threads over a fake node segment: every rank decides alike at every call; after
 SMALL_RUN calls in a row that went to NCCL whole the round is read one call late (no rank waits),
 a call that belongs to the copy engines ends that at the next call, split sizes that disagree
@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from braid.comm import routing as R
+from braid.comm import uneven as U
 from braid.comm.ledger import CallLedger
 from braid.errors import PeerMismatchError
 
@@ -73,33 +73,26 @@ class _Policy:
         return set(shares) == {"nccl"}
 
 
-class Rank(R.Routing):
-    """Just what the round needs of a communicator."""
+class Rank:
+    """One fake rank: its agreement (the real one) over the fake segment, with a policy that
+    gives the copy engines 64 MiB and more, and records of what it gave up and aborted."""
 
     def __init__(self, board, rank, agree_digest="calib"):
-        self.segment, self.rank, self.world_size = Seg(board, rank), rank, board.world
-        self._small_run, self._a2av_recv, self._a2av_memo = 0, None, None
-        self._pair_hash, self._a2av_ce_min = 0, 32 * MiB
-        self.routing, self.device = "auto", "cuda:0"
-        self.policy = _Policy(agree_digest)
+        self.rank, self.world_size = rank, board.world
+        self.segment = Seg(board, rank)
         self.ledger = CallLedger(rank, True, None)
         self.gave_up, self.aborted_native = [], []
-
-    def lanes_for(self, dev):
-        return ["ce", "nccl", "host"]
-
-    def _give_up(self, exc):
-        self.gave_up.append(exc)
-
-    def _abort_native(self, why, wait=True):
-        self.aborted_native.append(why)
+        self.uneven = U.UnevenAgreement(
+            rank, board.world, self.segment, _Policy(agree_digest), self.ledger, lambda: ["ce", "nccl", "host"],
+            lambda: "auto", lambda: None, self.gave_up.append, lambda why, wait=True: self.aborted_native.append(why),
+            32 * MiB)
 
     def call(self, matrix):
         """One uneven call with this matrix (bytes; rows: senders): (small, lean?)."""
         me, w = self.rank, self.world_size
         row, recv = list(matrix[me]), [matrix[s][me] for s in range(w)]
         big = max([v for d, v in enumerate(row) if d != me] + [v for s, v in enumerate(recv) if s != me])
-        _, small, lean = self._a2av_round("all_to_all_single", big, [1000 + me, self._a2av_agreement()] + row, recv)
+        _, small, lean = self.uneven.round("all_to_all_single", big, [1000 + me, self.uneven.agreement()] + row, recv)
         return small, lean is not None
 
 
@@ -135,16 +128,16 @@ def test_nccl_calls_stop_waiting_after_a_run_and_a_copy_engine_call_ends_it():
     assert errs == [None, None], errs
     (a, defers0), (b, defers1) = out
     assert a == b                                        # every rank decided alike at every call
-    assert all(small and not lean for small, lean in a[:R.SMALL_RUN]), a[:R.SMALL_RUN]
-    assert all(small for small, _ in a[R.SMALL_RUN:31])   # deferred: NCCL whole, the ce call too
+    assert all(small and not lean for small, lean in a[:U.SMALL_RUN]), a[:U.SMALL_RUN]
+    assert all(small for small, _ in a[U.SMALL_RUN:31])   # deferred: NCCL whole, the ce call too
     assert a[31:] == [(False, True)] * 3                 # read late, then the copy engines again
     # calls SMALL_RUN..30 did not wait for the peers' values: read at the next call
-    assert defers0 == defers1 == 31 - R.SMALL_RUN
+    assert defers0 == defers1 == 31 - U.SMALL_RUN
 
 
 def test_split_sizes_that_disagree_raise_on_every_rank_also_one_call_late():
     def body(rk):
-        for _ in range(R.SMALL_RUN + 2):
+        for _ in range(U.SMALL_RUN + 2):
             rk.call(m2(8 * MiB, 3 * MiB))
         bad = m2(8 * MiB, 3 * MiB) if rk.rank == 0 else m2(9 * MiB, 4 * MiB)   # both sides disagree
         rk.call(bad)                                     # deferred: NCCL's call already went
@@ -211,10 +204,10 @@ def test_small_demands_and_four_ranks_decide_alike():
 
 
 def test_skewed_is_the_routers_rule():
-    assert R.skewed([[0, 3 * MiB, MiB], [MiB, 0, MiB], [MiB, MiB, 0]])            # 3 MiB >= 1.5 x 1.33 MiB
-    assert not R.skewed([[0, 2 * MiB, 2 * MiB], [2 * MiB, 0, 2 * MiB], [2 * MiB, 2 * MiB, 0]])  # balanced
-    assert not R.skewed([[0, MiB], [0, 0]])                                        # not over 1 MiB
-    assert not R.skewed([[5]])                                                     # one rank: no pairs
+    assert U.skewed([[0, 3 * MiB, MiB], [MiB, 0, MiB], [MiB, MiB, 0]])            # 3 MiB >= 1.5 x 1.33 MiB
+    assert not U.skewed([[0, 2 * MiB, 2 * MiB], [2 * MiB, 0, 2 * MiB], [2 * MiB, 2 * MiB, 0]])  # balanced
+    assert not U.skewed([[0, MiB], [0, 0]])                                        # not over 1 MiB
+    assert not U.skewed([[5]])                                                     # one rank: no pairs
 
 
 def test_two_ranks_tell_alone_that_small_uneven_calls_are_nccls_and_still_check_every_so_often():
@@ -224,33 +217,31 @@ def test_two_ranks_tell_alone_that_small_uneven_calls_are_nccls_and_still_check_
     board = Board(2)
     ranks = [Rank(board, r) for r in range(2)]
     for rk in ranks:
-        rk._pair_calls, rk._a2av_ce_min, rk.ledger.ncalls = 0, 32 * MiB, 0
-        rk._check_open = lambda: None
-    seq = [(3 * MiB, 7 * MiB), (15 * MiB, MiB), (16 * MiB, 0), (0, 40 * MiB)] * (R.PAIR_CHECK // 2)
+        rk.uneven.pair_calls, rk.ledger.ncalls = 0, 0
+    seq = [(3 * MiB, 7 * MiB), (15 * MiB, MiB), (16 * MiB, 0), (0, 40 * MiB)] * (U.PAIR_CHECK // 2)
     said = [[], []]
     for m01, m10 in seq:
         for r, rk in enumerate(ranks):
             sent, received = (m01, m10) if r == 0 else (m10, m01)
-            said[r].append(rk._pair_whole(sent, received))
+            said[r].append(rk.uneven.pair_whole(sent, received))
     assert said[0] == said[1]                                  # alike, with no word exchanged
     small = [2 * max(p) < 32 * MiB for p in seq]
     assert not any(w for w, s in zip(said[0], small) if not s)  # 16 MiB one way: not decided alone
     n_small = sum(small)
-    assert said[0].count(True) == n_small - n_small // R.PAIR_CHECK   # every PAIR_CHECK-th: the round
+    assert said[0].count(True) == n_small - n_small // U.PAIR_CHECK   # every PAIR_CHECK-th: the round
     assert ranks[0].ledger.ncalls == said[0].count(True)               # in the ledger
-    ranks[0].policy.fixed = {"nccl": 1.0}
-    assert not ranks[0]._pair_whole(MiB, MiB)                  # fixed shares: the round decides
+    ranks[0].uneven.policy.fixed = {"nccl": 1.0}
+    assert not ranks[0].uneven.pair_whole(MiB, MiB)                  # fixed shares: the round decides
 
 
 def _pair_world(views):
-    """Two fake ranks making uneven calls the way _a2av_agree does: alone when _pair_whole says
+    """Two fake ranks making uneven calls the way _a2av_agree does: alone when pair_whole says
     so, else the round. views[r][i]: (sent, received) of rank r's call i. Returns (errors, rounds)."""
     def body(rk):
-        rk._pair_calls, rk._a2av_ce_min, rk.ledger.ncalls = 0, 32 * MiB, 0
-        rk._check_open = lambda: None
+        rk.uneven.pair_calls, rk.ledger.ncalls = 0, 0
         rounds = 0
         for sent, received in views[rk.rank]:
-            if rk._pair_whole(sent, received):
+            if rk.uneven.pair_whole(sent, received):
                 continue
             me = rk.rank
             m = [[MiB, 0], [0, MiB]]
@@ -263,7 +254,7 @@ def _pair_world(views):
 
 
 def test_two_ranks_that_agreed_alone_pass_the_check():
-    calls = [(3 * MiB + i, 2 * MiB - i) for i in range(3 * R.PAIR_CHECK)]
+    calls = [(3 * MiB + i, 2 * MiB - i) for i in range(3 * U.PAIR_CHECK)]
     views = [calls, [(b, a) for a, b in calls]]               # rank 1 sends what rank 0 receives
     errs, rounds, _ = _pair_world(views)
     assert errs == [None, None], errs
@@ -271,7 +262,7 @@ def test_two_ranks_that_agreed_alone_pass_the_check():
 
 
 def test_split_sizes_that_disagreed_in_a_call_decided_alone_raise_at_the_check_on_both_ranks():
-    calls = [(3 * MiB + i, 2 * MiB - i) for i in range(2 * R.PAIR_CHECK)]
+    calls = [(3 * MiB + i, 2 * MiB - i) for i in range(2 * U.PAIR_CHECK)]
     theirs = [(b, a) for a, b in calls]
     theirs[10] = (theirs[10][0] + 4096, theirs[10][1])      # one call, one direction, off by a page
     errs, _, ranks = _pair_world([calls, theirs])

@@ -375,7 +375,7 @@ def _split_values_worker(rank, w):
 
 
 def _small_run_worker(rank, w):
-    """The uneven all_to_all's agreement (Communicator._uneven_small) over a scripted sequence of
+    """The uneven all_to_all's agreement (UnevenAgreement.small) over a scripted sequence of
     each rank's largest demand, with descriptor exchanges where the real call would make them."""
     import braid
     comm = braid.init()
@@ -383,7 +383,7 @@ def _small_run_worker(rank, w):
     out = []
     for i in range(26):
         big = (2 << 20) if big_at.get(i) == rank else 1000 + i
-        small = comm._uneven_small(big, "all_to_all_single")
+        small = comm.uneven.small(big, "all_to_all_single")
         out.append(small)
         if not small:                       # the general path: a descriptor exchange
             comm.segment.exchange_collective({"op": "probe", "i": i}, list(range(w)))
@@ -420,7 +420,7 @@ def _defer_stress_worker(rank, w):
         who = script.randrange(w) if script.random() < 0.04 else None
         other = script.random() < 0.03
         big = (2 << 20) if who == rank else 1000 + i
-        small = comm._uneven_small(big, "all_to_all_single")
+        small = comm.uneven.small(big, "all_to_all_single")
         out.append(("call", small))
         if not small:
             descs = comm.segment.exchange_collective({"op": "probe", "i": i}, list(range(w)))

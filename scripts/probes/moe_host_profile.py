@@ -57,7 +57,7 @@ def worker(rank, world, port, sizes, profile_mb, out):
             for name, ws in got.items():
                 line.append(f"{name} host {statistics.median(h for h, _ in ws):.0f} us wall "
                             f"{statistics.median(w for _, w in ws):.0f} us")
-            print(f"moe {mb} MiB per layer: " + ", ".join(line) + f" | small_run {comm._small_run}"
+            print(f"moe {mb} MiB per layer: " + ", ".join(line) + f" | small_run {comm.uneven.small_run}"
                   f" last {comm.last_call}", flush=True)
         if mb == profile_mb:
             torch.cuda.synchronize()

@@ -126,10 +126,10 @@ def _changing_calls(rank, world, comm, dev, tag, calls: int, seed: int) -> None:
 def _nccl_whole(rank, world, comm, dev):
     """Shares that give the calls to NCCL: whole, and after SMALL_RUN of them in a row without
     waiting for the round (read one call late); right every call, the copy engines untouched."""
-    from braid.comm.routing import SMALL_RUN
+    from braid.comm.uneven import SMALL_RUN
     with comm.fixed_shares({"nccl": 1.0}):
         _changing_calls(rank, world, comm, dev, "n", SMALL_RUN * 3, 3)
-    assert comm._small_run >= SMALL_RUN                       # the round was read late at the end
+    assert comm.uneven.small_run >= SMALL_RUN                       # the round was read late at the end
     assert comm._a2av_ce is None or comm._a2av_ce.stats["calls"] == 0
 
 
@@ -142,10 +142,10 @@ def _pair_alone(rank, world, comm, dev):
     """Two ranks, braid's own shares: uneven calls whose cross traffic is below the copy engines'
     size are NCCL's whole, decided by each rank alone (every PAIR_CHECK-th after a round);
     right every call, with sizes and async changing."""
-    from braid.comm.routing import PAIR_CHECK
+    from braid.comm.uneven import PAIR_CHECK
     calls = 3 * PAIR_CHECK
     _changing_calls(rank, world, comm, dev, "p", calls, 5)
-    assert comm._pair_calls == calls                      # every call was small enough
+    assert comm.uneven.pair_calls == calls                      # every call was small enough
     assert comm._a2av_ce is None or comm._a2av_ce.stats["calls"] == 0
 
 
@@ -177,7 +177,7 @@ def _pair_mismatch(rank, world, comm, dev):
     """Two ranks decide small uneven calls alone: split sizes that disagree in one such call (NCCL's
     own call with them may hang on the GPU) raise on both ranks at the next check round, and NCCL
     is aborted (or the process ended), so nothing waits past it."""
-    from braid.comm.routing import PAIR_CHECK
+    from braid.comm.uneven import PAIR_CHECK
     from braid.errors import BraidError
     x = torch.randn(64, 1031, device=dev)
     y = torch.empty_like(x)
@@ -187,7 +187,7 @@ def _pair_mismatch(rank, world, comm, dev):
             if i == 5 and rank == 1:
                 outs = [31, 33]              # rank 1 expects 31 rows from rank 0, which sends 32
             comm.all_to_all_single(y, x, outs, ins)
-    assert comm._pair_calls <= PAIR_CHECK + 1     # raised at the first check after the bad call
+    assert comm.uneven.pair_calls <= PAIR_CHECK + 1     # raised at the first check after the bad call
 
 
 @needs(2)

@@ -11,6 +11,6 @@
 from .policy import DEFAULT_COSTS
 from .communicator import OPS, Communicator
 from .p2p import PendingP2P
-from .routing import ROUTE_MIN_BYTES, SMALL_RUN
+from .uneven import ROUTE_MIN_BYTES, SMALL_RUN
 
 __all__ = ["Communicator", "PendingP2P", "DEFAULT_COSTS", "OPS", "ROUTE_MIN_BYTES", "SMALL_RUN"]

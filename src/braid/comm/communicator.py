@@ -37,6 +37,7 @@ from .reductions import Reductions
 from .routing import Routing
 from .policy import SplitPolicy
 from .shortcuts import Shortcuts
+from .uneven import UnevenAgreement
 
 
 # each rank's area for a GPU communicator's whole calls on CPU tensors (two halves of 1 MiB; a
@@ -90,6 +91,13 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
             self.segment.before_post = lambda: (r := rd()) is not None and r.queue and r.drain()
         # prepared send/recv (comm/pairs.py): through the node segment, with prepared calls on
         self._pairs = Pairs(self) if self.segment is not None and self._prepared.enabled else None
+        # the uneven all_to_all's agreement and its counters (comm/uneven.py)
+        self.uneven = UnevenAgreement(
+            self.rank, self.world_size, self.segment, self.policy, self.ledger, self.policy.lanes_here,
+            lambda: (c := me_ref()) is not None and c.routing or "off",
+            lambda: _call(me_ref, "_check_open"), lambda exc: _call(me_ref, "_give_up", exc),
+            lambda why, wait=True: _call(me_ref, "_abort_native", why, wait),
+            envs.get("BRAID_A2AV_CE_MIN_MB") << 20)
         from .arbiter import Arbiter
         seg = self.segment
         # the trials of whole against split are agreed through the node segment: one node only
@@ -131,13 +139,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
         """Every attribute the ops keep between calls, and the lanes asked for."""
         self.closed = False
         self.last_handle: Handle | None = None
-        self._pair_calls = 0         # two ranks' uneven calls decided alone (see _pair_whole)
-        self._pair_hash = 0          # ... and the running hash of their sizes since the last round
-        self._a2av_ce_min = envs.get("BRAID_A2AV_CE_MIN_MB") << 20
-        self._small_run = 0          # uneven calls in a row agreed small (see _uneven_small)
         self._a2av_ce = None         # uneven all_to_all on the copy engines alone (comm/a2av.py), made at first use
-        self._a2av_memo = None       # (what decides its shares, their stable hash): _a2av_agreement
-        self._a2av_recv = None       # bytes this rank expected from each rank in a round read one call late
         self._desc_memo: dict = {}   # every rank's descriptor digest -> those descriptors (recent full exchanges)
         self._round = None           # a prepared call's round already posted by the fast path (exchange.py)
         self._rounds = None          # deferred prepared calls and their thread (comm/rounds.py)

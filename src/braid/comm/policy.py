@@ -43,7 +43,7 @@ class SplitPolicy:
     def __init__(self, world_size: int, cuda: bool, check: bool, lanes_here, unavailable: dict[str, str],
                  wanted: set[str] | None, hier=None):
         self.world_size, self.cuda, self.check = world_size, cuda, check
-        self._lanes_here, self._unavailable, self._wanted, self._hier = lanes_here, unavailable, wanted, hier
+        self.lanes_here, self._unavailable, self._wanted, self._hier = lanes_here, unavailable, wanted, hier
         self.fixed: dict[str, dict[str, float]] | None = None   # op (or "*") -> shares (fixed_shares)
         self.calib: dict[str, dict[str, LaneCost]] = {}         # "op/world" -> lane -> cost
         self.pays: dict[str, dict[int, bool | str | dict]] = {}  # "op/world" -> log2 bucket -> verdict
@@ -166,11 +166,11 @@ class SplitPolicy:
             # shares fixed to NCCL alone (the calibration timing it): NCCL's own call, as a
             # whole call takes it, so that NCCL is timed as users get it
             only = {k: v for k, v in (self.fixed_for(op) or {}).items() if v > 0}
-            return self.native_ok(only) and next(iter(only)) in self._lanes_here()
+            return self.native_ok(only) and next(iter(only)) in self.lanes_here()
         key = (op, nbytes, self.digest)
         hit = self._native_cache.get(key)
         if hit is None:
-            lanes = self._lanes_here()
+            lanes = self.lanes_here()
             # a world of one rank has nothing to split: the native library's call is a local copy
             hit = bool(lanes) and (self.world_size == 1 or self.native_ok(self.shares_for(op, nbytes, lanes)))
             if len(self._native_cache) > CACHE_MAX:

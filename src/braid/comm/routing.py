@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
 
 import torch
 import torch.distributed as dist
@@ -15,28 +14,14 @@ from ..collectives import input_bytes, output_bytes, same_dtype, split_bytes
 from ..errors import BraidTimeoutError, LaneFailureError, PeerMismatchError
 from ..planner.plan import all_to_all_movement
 
-from .a2av import UnevenCe, check_columns, matrix_of, word_of
+from .a2av import UnevenCe, word_of
 from .policy import DEFAULT_COSTS
+from .uneven import skewed
 
 log = logging.getLogger("braid")
 
 
-ROUTE_MIN_BYTES = 1 << 20    # NIMBLE: multipath off at or below 1 MB
-
-PAIR_MUL = 1_000_003          # the running hash of two ranks' calls decided alone (_pair_whole)
-MASK61 = (1 << 61) - 1
-PAIR_CHECK = 64              # two ranks: every PAIR_CHECK-th uneven call NCCL takes whole still agrees in a round
-SMALL_RUN = 16               # agreed-small uneven calls in a row after which their agreement is read one call late
-
 _DECLINED = object()         # a skewed call's routing decision: the native collective, not a share split
-
-
-def skewed(matrix: list[list[int]]) -> bool:
-    """A matrix the router may plan (NIMBLE's rule): some pair carries more than ROUTE_MIN_BYTES
-    and at least 1.5x the mean of the pairs between different ranks."""
-    w = len(matrix)
-    off = [matrix[s][d] for s in range(w) for d in range(w) if s != d]
-    return bool(off) and max(off) > ROUTE_MIN_BYTES and max(off) >= 1.5 * sum(off) / len(off)
 
 
 def _a2a_ticket(input: torch.Tensor, output: torch.Tensor) -> tuple:
@@ -142,7 +127,7 @@ class Routing:
                 self._check_open()
                 self.ledger.enter(op, ib, "agreeing")
                 counted = True
-                if self._uneven_small(big, op):
+                if self.uneven.small(big, op):
                     return self._native_fast("alltoall_base", (ob, ib, list(outs), list(ins)), "alltoall",
                                              async_op, counted=True, fallback=lambda a: dist.all_to_all_single(
                                                  ob, ib, list(outs), list(ins), group=self.native_group, async_op=a))
@@ -204,7 +189,7 @@ class Routing:
                 and sum(input_split_sizes) == rin and sum(output_split_sizes) == rout \
                 and min(input_split_sizes) >= 0 and min(output_split_sizes) >= 0:
             me = self.rank
-            if w == 2 and ent[5] and self._pair_whole(input_split_sizes[1 - me] * ent[3],
+            if w == 2 and ent[5] and self.uneven.pair_whole(input_split_sizes[1 - me] * ent[3],
                                                       output_split_sizes[1 - me] * ent[4]):
                 return True, True, None
             a, b = list(input_split_sizes), list(output_split_sizes)
@@ -213,120 +198,11 @@ class Routing:
             self._check_open()
             self.ledger.enter(op, input, "agreeing")
             if not ent[5]:
-                return True, self._uneven_small(big, op), None
+                return True, self.uneven.small(big, op), None
             recv = [x * ent[4] for x in output_split_sizes]
-            return self._a2av_round(op, big, [word_of(input), self._a2av_agreement()]
+            return self.uneven.round(op, big, [word_of(input), self.uneven.agreement()]
                                     + [x * ent[3] for x in input_split_sizes], recv)
         return False, False, None
-
-    def _pair_whole(self, sent: int, received: int) -> bool:
-        """Two ranks: both know every byte that crosses between them (what this rank sends is what
-        its peer receives), so both can tell alone, alike, that an uneven call is NCCL's own, whole:
-        its larger direction is below half of BRAID_A2AV_CE_MIN_MB (a balanced call moving as
-        much is below the size from which the copy engines take uneven calls). Such a call costs
-        NCCL's call and a few Python steps: the round before it held each call in lockstep with
-        the peer and took 20-40 us of Python (2 x H200: the MoE exchange at 1-16 MiB ran at
-        0.46-0.86 of NCCL's speed with nothing but NCCL's own call after the round). Every
-        PAIR_CHECK-th such call still takes the round, which checks the split sizes across
-        ranks, and a running hash of every call's two directions since the last check (the same
-        on both ranks when they agreed): split sizes that disagreed in any of those calls raise
-        PeerMismatchError on both ranks at the check (NCCL's own call with them may have hung
-        until then; the error aborts it)."""
-        if self.policy.fixed is not None or 2 * max(sent, received) >= self._a2av_ce_min:
-            return False
-        self._pair_calls += 1
-        if self._pair_calls % PAIR_CHECK == 0:
-            return False
-        self._check_open()
-        a, b = (sent, received) if self.rank == 0 else (received, sent)     # rank 0's view on both
-        self._pair_hash = ((self._pair_hash * PAIR_MUL + a) * PAIR_MUL + b) & MASK61
-        self.ledger.ncalls += 1                   # in the ledger (the caller passes counted=True on)
-        return True
-
-    def _a2av_round(self, op: str, big: int, values: list[int], recv: list[int]) -> tuple[bool, bool, tuple | None]:
-        """The uneven call's round where the copy engines may take it: every rank posts its
-        largest demand, its input's word, the agreement value and its row of the matrix, and
-        reads every rank's; all decide alike (_a2av_verdict). As for small calls
-        (_uneven_small), after SMALL_RUN calls in a row that went to NCCL whole the ranks take
-        the next ones whole without waiting and read each call's values at the next call; values
-        that say otherwise (or split sizes that disagree: PeerMismatchError, one call late) end
-        that from the next call on."""
-        seg, me = self.segment, self.rank
-        last = seg.settle()
-        if last is not None:
-            if len(last[0]) != 4 + self.world_size:         # a round of the small-call agreement
-                if max(last)[0] > ROUTE_MIN_BYTES:
-                    self._small_run = 0
-            else:
-                self._pair_check(last, op)
-                if [g[3 + me] for g in last] != self._a2av_recv:
-                    self._a2av_mismatch(last, self._a2av_recv, op)
-                if self._a2av_verdict(last)[0] != "nccl":
-                    self._small_run = 0
-        # the values end with the hash of the calls two ranks decided alone since the last round
-        token = seg.post_values([big] + values + [self._pair_hash])
-        self._pair_hash = 0
-        if self._small_run >= SMALL_RUN:
-            seg.defer(token, op)
-            self._a2av_recv = recv
-            return True, True, None
-        got = seg.read_values(token, op)
-        self._pair_check(got, op)
-        if [g[3 + me] for g in got] != recv:
-            self._a2av_mismatch(got, recv, op)
-        verdict, lean = self._a2av_verdict(got)
-        self._small_run = self._small_run + 1 if verdict == "nccl" else 0
-        return True, verdict == "nccl", lean
-
-    def _pair_check(self, got, op) -> None:
-        """The round's hashes of the calls decided alone since the last one must be equal."""
-        if len({g[-1] for g in got}) > 1:
-            exc = PeerMismatchError(
-                f"{op}: the ranks' split sizes disagreed in one of the last {PAIR_CHECK} uneven calls "
-                f"(each rank's input split sizes toward the other must equal the other's output split "
-                f"sizes from it)")
-            # NCCL's own call with those sizes may still sit on the GPU, waiting for bytes that
-            # never come: abort NCCL on this rank (on a thread of its own: NCCL's abort of such a
-            # call may not return, and then the watchdog ends the process after
-            # BRAID_ABORT_EXIT_S, as for a dead peer), and mark the abort for the peer's watchdog
-            exc.peers_left_waiting = True
-            self._abort_native(str(exc), wait=False)
-            self._give_up(exc)
-            raise exc
-
-    def _a2av_mismatch(self, got, recv, op) -> None:
-        try:
-            check_columns(matrix_of(got, self.world_size), self.rank, recv, op)
-        except PeerMismatchError as exc:
-            self._give_up(exc)
-            raise
-
-    def _a2av_verdict(self, got) -> tuple[str, tuple | None]:
-        """From every rank's values of the round, the same on every rank: ('nccl', None): NCCL
-        whole; ('ce', (matrix, words)): the copy engines alone; ('full', None): the full path
-        (the router may plan it, or a split over several lanes, or the ranks' calibrations or
-        shares differ and the full path says how)."""
-        op, w = "all_to_all_single", self.world_size
-        if self.policy.fixed is None and max(g[0] for g in got) <= ROUTE_MIN_BYTES:
-            return "nccl", None
-        agree = got[0][2]
-        for g in got:
-            if g[2] != agree:
-                return "full", None
-        matrix = matrix_of(got, w)
-        size = max(max(map(sum, matrix)), max(map(sum, zip(*matrix))))
-        lanes = self.lanes_for(self.device)
-        shares = self.policy.shares_for(op, size, lanes)
-        if (self.policy.fixed is None and "nccl" in lanes and set(shares) == {"ce"}
-                and size < self._a2av_ce_min):
-            shares = {"nccl": 1.0}         # posted every call, the copy engines lose below this size
-        if set(shares) == {"ce"}:
-            return "ce", (matrix, tuple(g[1] for g in got))
-        # two ranks have no relays: the router could only move the hot pair's bytes between the
-        # lanes the shares already weigh, so their calls go by the shares
-        if (self.routing != "off" and w > 2 and skewed(matrix)) or not self.policy.native_ok(shares):
-            return "full", None
-        return "nccl", None
 
     def _a2av_lean(self, output, input, matrix, words, async_op):
         """The uneven call on the copy engines alone (comm/a2av.py), after its round."""
@@ -342,45 +218,6 @@ class Routing:
             raise
         self.last_handle = handle
         return handle
-
-    def _a2av_agreement(self) -> int:
-        """What decides an uneven call's shares (calibration, balancer, fixed shares) as one
-        number that is the same on every rank that agrees: a stable hash (Python's own hash of
-        a string differs between processes), kept until one of them changes."""
-        key = (self.policy.digest, self.policy.balancer.version, repr(self.policy.fixed) if self.policy.fixed else "")
-        memo = self._a2av_memo
-        if memo is None or memo[0] != key:
-            memo = self._a2av_memo = (key, zlib.crc32(repr(key).encode()))
-        return memo[1]
-
-    def _uneven_small(self, big: int, op: str) -> bool:
-        """The agreement before an uneven all_to_all on GPUs: does no rank have a demand (to or
-        from another rank) over ROUTE_MIN_BYTES? Then the call is NCCL's own, whole.
-
-        Every rank posts its largest demand in the node segment and reads all (a rank whose own
-        demand is larger knows the answer and does not wait). That read holds each rank's call
-        until the slowest rank has posted: for calls of a few tens of microseconds this lockstep
-        was the larger part of braid's cost (4 x H200, 1 MiB hot: ~50 us per call against NCCL's
-        ~40). So after SMALL_RUN calls in a row agreed small, the ranks take the next calls as
-        small without waiting, and read each call's values at the next call (a peer has long
-        posted them by then). When those values show a large demand, that one call has already
-        run as NCCL's whole (correct, only not routed) and the ranks go back to waiting from the
-        next call. Every step depends only on values every rank read, so all ranks switch at the
-        same call."""
-        seg = self.segment
-        last = seg.settle()
-        if last is not None and max(last)[0] > ROUTE_MIN_BYTES:
-            self._small_run = 0
-        token = seg.post_values([big])
-        if self._small_run >= SMALL_RUN:
-            seg.defer(token, op)
-            return True
-        if big > ROUTE_MIN_BYTES:
-            self._small_run = 0
-            return False
-        small = max(seg.read_values(token, op))[0] <= ROUTE_MIN_BYTES
-        self._small_run = self._small_run + 1 if small else 0
-        return small
 
     def _a2a_rules(self, op: str, dev: torch.device):
         """The uneven all_to_all's matrix check and routing decision, from the exchanged
