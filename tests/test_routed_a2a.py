@@ -604,7 +604,7 @@ def _trial_worker(rank, w, matrix, calls):
         comm.all_to_all_single(y, x, outs, ins)
         assert torch.equal(y, exp)
         sides.append("r" if comm.last_handle.plan is not None else "n")
-        assert len(comm._routed_pending) <= comm._routed.IN_FLIGHT
+        assert len(comm.route_samples.pending) <= comm._routed.IN_FLIGHT
     samples = {repr(k): v for k, v in comm._routed.samples.items()}
     braid.close()
     return "".join(sides), samples

@@ -44,7 +44,7 @@ def worker(rank, world, port, size):
     dist.all_to_all_single = timed("nccl a2a", dist.all_to_all_single)
     ex.Handle.wait = timed("handle.wait", ex.Handle.wait)
     bc._Cycle.__init__ = timed("cycle", bc._Cycle.__init__)
-    comm._routed_observation = timed("observation", comm._routed_observation)
+    comm.route_samples.observation = timed("observation", comm.route_samples.observation)
     comm._routed.plan = timed("routed.plan", comm._routed.plan)
     comm._routed.agree = timed("routed.agree", comm._routed.agree)
     comm._agree = timed("agree", comm._agree)

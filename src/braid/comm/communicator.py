@@ -34,7 +34,7 @@ from .exchange import Exchange
 from .ledger import CallLedger, Faults, _Watchdog, _call
 from .p2p import PointToPoint
 from .reductions import Reductions
-from .routing import Routing
+from .routing import RouteSamples, Routing
 from .policy import SplitPolicy
 from .shortcuts import Shortcuts
 from .uneven import UnevenAgreement
@@ -145,9 +145,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
         self._rounds = None          # deferred prepared calls and their thread (comm/rounds.py)
         from ..collectives.routed import RoutedAllToAll
         self._routed = RoutedAllToAll(self.world_size)
-        self._routed_seq = 0                    # skewed calls observed so far (same on every rank)
-        self._routed_pending: list = []         # [seq, handle, cycle, times] of each observed call
-        self._cycle_open = None                 # the last skewed call's cycle, ended by the next one
+        self.route_samples = RouteSamples(self._routed)  # skewed calls timed for the router, until reported
         self.routing = envs.get("BRAID_ROUTE")      # skewed all_to_all through the router: auto/on/off
         self.last_route: tuple[float, float] | None = None
         self._p2p_pending: list["PendingP2P"] = []                  # posted, peer's side not read yet

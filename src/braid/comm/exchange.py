@@ -24,7 +24,7 @@ from .prepared import _DONE, _RAW, NO_OBS, Entry, graph_shares, not_capturable
 from .rounds import DeferredHandle, Job
 
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
-from .routing import _DECLINED, _Cycle
+from .routing import _DECLINED
 
 log = logging.getLogger("braid")
 
@@ -196,7 +196,6 @@ class Exchange:
                 self._prepared.dirty = True      # lanes post on their own streams
             if self.policy.adapt and peer is None:
                 desc = dict(desc, obs=self.policy.observation(op), bal=self.policy.balancer.version)
-            cycle = None
             descs = self._exchange(desc, inp, lanes, peer)
             if self.policy.adapt and peer is None:
                 self._agree(op, descs, ("bal",))
@@ -210,16 +209,8 @@ class Exchange:
             # late peer (one that opened buffers, or allocated) read up to 237 ms on 4 x H200
             t_call = time.perf_counter()
             routed = route(descs, agreed) if route is not None else None
-            sample = route is not None and self._routed.wants_sample(len(self._routed_pending))
-            if sample or self._cycle_open is not None:
-                # a skewed call timed as a sample of its decision (or the one after it): its start
-                # on the stream (nothing of this call is enqueued yet) ends the last one's cycle
-                cycle = _Cycle(device)
-                if self._cycle_open is not None:
-                    self._cycle_open.close(cycle)
-                    self._cycle_open = None
-                if not sample:
-                    cycle = None
+            samples = self.route_samples
+            cycle = samples.start(device, route is not None and self._routed.wants_sample(len(samples.pending)))
             if routed is _DECLINED:        # routing measured against the native call and chose it
                 routed, shares = None, {"nccl" if device.type == "cuda" else "gloo": 1.0}
             else:
@@ -230,11 +221,11 @@ class Exchange:
                 self._routed.observe_host((time.perf_counter() - t_call) * 1e6,
                                           cold=self._routed.last_cold or self._ipc_maps() != opened,
                                           cls=self._routed.last_cls)
-                self._observe(handle, cycle)
+                self.route_samples.observe(handle, cycle)
             elif self.policy.native_ok(shares) and native is not None:
                 handle = self._whole(native, shares)
                 if cycle is not None:          # a skewed call that routing declined: timed too
-                    self._observe(None, cycle)
+                    self.route_samples.observe(None, cycle)
             else:
                 if route is not None:          # a skewed call split by shares: neither side
                     self._routed.begin()

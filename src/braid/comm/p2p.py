@@ -99,7 +99,7 @@ class PointToPoint:
         if not zc:
             ib = ob = torch.empty(0, dtype=torch.uint8, device=dev)
         desc = {"op": op, "dtype": str(torch.uint8), "in": ins, "out": outs, "zc": zc,
-                **self._routed.report(self._routed_observation())}
+                **self.route_samples.report()}
 
         def native(g):
             ops = [dist.P2POp(dist.isend if snd else dist.irecv, t, group=g, group_peer=p) for snd, t, p in items if t.numel()]

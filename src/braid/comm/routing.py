@@ -60,6 +60,65 @@ class _Cycle:
         return (self.end - self.start) * 1e6
 
 
+class RouteSamples:
+    """The skewed all_to_all calls timed as samples of the routing decision (comm/routing.py's
+    router, `router`), from their start until every rank has reported their times in the same
+    call: their count (the same on every rank), each one's handle, cycle and lane times, and the
+    cycle still open (the last sample's, ended by the next skewed call's start)."""
+
+    def __init__(self, router):
+        self.router = router
+        self.seq = 0                 # skewed calls observed so far (same on every rank)
+        self.pending: list = []      # [seq, handle, cycle, times] of each observed call
+        self.open: _Cycle | None = None
+
+    def report(self) -> dict:
+        """What a descriptor carries of the samples (the router's form)."""
+        return self.router.report(self.observation())
+
+    def observation(self) -> list:
+        """[seq, lane times] of each observed skewed call that has finished here, oldest first
+        (reported in descriptors until every rank has reported it in the same call)."""
+        out = []
+        for p in self.pending:
+            seq, handle, cycle, times = p
+            if times is None:
+                if not cycle.done() or (handle is not None and not all(r.done() for r in handle.runs)):
+                    break
+                times = {k: round(v, 1) for k, v in handle.lane_times_us().items()} if handle is not None else {}
+                times["cycle"] = round(cycle.elapsed_us(), 1)
+                p[1:] = [None, None, times]          # drop the handle and events, keep the numbers
+            out.append([seq, times])
+        return out
+
+    def forget(self, learned) -> None:
+        """Every rank reported these samples: the router has them."""
+        gone = set(learned)
+        self.pending = [p for p in self.pending if p[0] not in gone]
+
+    def start(self, device: torch.device, sample: bool) -> _Cycle | None:
+        """A skewed call that is a sample of its decision (or the call after one): its start on the
+        stream (nothing of it is enqueued yet) ends the last sample's cycle; its own cycle when it
+        is a sample."""
+        if not sample and self.open is None:
+            return None
+        cycle = _Cycle(device)
+        if self.open is not None:
+            self.open.close(cycle)
+            self.open = None
+        return cycle if sample else None
+
+    def observe(self, handle, cycle) -> None:
+        """Time this skewed call (routed: `handle`'s lanes too) when the routing decision wants it
+        as a sample (`cycle` was made for it); its cycle ends at the next skewed call's start."""
+        self.open = cycle
+        if cycle is None:
+            return
+        self.seq += 1
+        self.pending.append([self.seq, handle, cycle, None])
+        self.router.expect(self.seq)
+
+
 class Routing:
     """Part of braid.comm.Communicator (a mixin: state lives on the communicator)."""
 
@@ -140,7 +199,7 @@ class Routing:
         desc = {"op": op, "dtype": str(input.dtype), "in": tuple(ins) if prepared else ins,
                 "out": tuple(outs) if prepared else outs}
         if not prepared:
-            desc.update(self._routed.report(self._routed_observation()))
+            desc.update(self.route_samples.report())
         tkey = _a2a_ticket(input, output) if prepared and input.is_contiguous() and output.is_contiguous() else None
 
         def native(g):
@@ -243,8 +302,7 @@ class Routing:
             names = PATH_LANE[kind]
             learned = self._routed.agree(descs, names)   # every rank reported these observations
             if learned:
-                gone = set(learned)
-                self._routed_pending = [p for p in self._routed_pending if p[0] not in gone]
+                self.route_samples.forget(learned)
             self._routed.begin()
             mode = self.routing
             if mode == "off" or (mode == "auto" and self.policy.fixed is not None):
@@ -275,32 +333,6 @@ class Routing:
             return plan
 
         return movement_of, route
-
-    def _routed_observation(self) -> list:
-        """[seq, lane times] of each observed skewed call that has finished here, oldest first
-        (reported in descriptors until every rank has reported it in the same call)."""
-        out = []
-        for p in self._routed_pending:
-            seq, handle, cycle, times = p
-            if times is None:
-                if not cycle.done() or (handle is not None and not all(r.done() for r in handle.runs)):
-                    break
-                times = {k: round(v, 1) for k, v in handle.lane_times_us().items()} if handle is not None else {}
-                times["cycle"] = round(cycle.elapsed_us(), 1)
-                p[1:] = [None, None, times]          # drop the handle and events, keep the numbers
-            out.append([seq, times])
-        return out
-
-    def _observe(self, handle, cycle) -> None:
-        """Time this skewed call (routed: `handle`'s lanes too) when the routing decision wants it
-        as a sample (`cycle` was made for it); its cycle ends at the next skewed call's start."""
-        rt = self._routed
-        self._cycle_open = cycle
-        if cycle is None:
-            return
-        self._routed_seq += 1
-        self._routed_pending.append([self._routed_seq, handle, cycle, None])
-        rt.expect(self._routed_seq)
 
     def _ipc_maps(self) -> int:
         """Peer buffers the copy-engine lane has opened so far (a routed call that opened one
