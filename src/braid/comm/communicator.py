@@ -33,7 +33,7 @@ from .callpath import CallPath, _NATIVE_DONE, _NativeDone, _backend_of
 from .exchange import Exchange
 from .ledger import CallLedger, Faults, _Watchdog, _call
 from .p2p import PointToPoint
-from .reductions import Reductions
+from .reductions import GpuReductionParts, Reductions
 from .routing import RouteSamples, Routing
 from .policy import SplitPolicy
 from .shortcuts import Shortcuts
@@ -76,6 +76,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
         self.lane_ctx = LaneContext(self.rank, self.world_size, self.device, self.segment, self.layout,
                                     self.segment_tensor, self.seg_dev_ptr, self.ring_cursors)
         self._lanes = self.lane_ctx.lanes = self._make_lanes()
+        # split reductions' GPU streams, scratch and the copy engines' reduction (comm/reductions.py)
+        self._gpu_parts = GpuReductionParts(self.device, self._lanes.get("ce"), self.lane_ctx)
         # which lanes take a call and with what shares: the calibration, fixed shares, the balancer
         me_ref = weakref.ref(self)
         self.policy = SplitPolicy(self.world_size, self.cuda, self.check,
@@ -149,10 +151,6 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
         self.routing = envs.get("BRAID_ROUTE")      # skewed all_to_all through the router: auto/on/off
         self.last_route: tuple[float, float] | None = None
         self._p2p_pending: list["PendingP2P"] = []                  # posted, peer's side not read yet
-        self._staged_buf = None                 # reductions' slot scratch on GPUs, reused
-        self._staged_end = None                 # the last staged reduction's end event
-        self._ce_red = None
-        self._nccl_stream = None                # NCCL's share of split all_reduces
         self.check = envs.get("BRAID_CHECK")   # read once, when the communicator is created
         self.aborted = ""                   # why abort() was called (the communicator is unusable)
         self._plan_cache: dict = {}
@@ -503,9 +501,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
             self._p2p_shm = None
         for lane in self._lanes.values():
             lane.close()
-        if self._ce_red is not None:
-            self._ce_red.close()
-        self._staged_buf = self._staged_end = self._ce_red = None
+        self._gpu_parts.close()
         if self.hier is not None:
             self.hier.close()
         self._closer()

@@ -76,6 +76,50 @@ def _nccl_takes(t, op, opname: str) -> bool:
     return t.is_complex() and opname in ("all_reduce", "reduce") and op_name(op) in ("sum", "avg")
 
 
+class GpuReductionParts:
+    """What split reductions on GPUs keep from call to call, each made at first use: the copy
+    engines' pipelined reduction, braid's op stream (the staged lanes' part and the join of the
+    parts' ends), the stream of NCCL's share, and the staged lanes' slot scratch with the event
+    after which it is free again. close() frees them."""
+
+    def __init__(self, device: torch.device, ce_lane, lane_ctx):
+        self.device, self._ce_lane, self._lane_ctx = device, ce_lane, lane_ctx
+        self._ce = self._op = self._nccl = self._scratch = None
+        self.staged_end = None          # the last staged reduction's end event
+
+    def ce(self) -> CeReduction:
+        if self._ce is None:
+            self._ce = CeReduction(self._ce_lane, self._lane_ctx)
+        return self._ce
+
+    def op_stream(self):
+        if self._op is None:
+            self._op = torch.cuda.Stream(device=self.device)
+        return self._op
+
+    def nccl_stream(self):
+        if self._nccl is None:
+            self._nccl = torch.cuda.Stream(self.device)
+        return self._nccl
+
+    def scratch(self, n: int, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+        """Slots of the staged reductions, kept from call to call on GPUs (a fresh allocation
+        per call went to cudaMalloc: the previous call's block is still held by our streams).
+        The next staged call starts after this one's end event (Reductions._reduce_split)."""
+        if dev.type != "cuda":
+            return torch.empty(n, dtype=dtype, device=dev)
+        need = n * torch.empty((), dtype=dtype).element_size()
+        if self._scratch is None or self._scratch.numel() < need:
+            self._scratch = None
+            self._scratch = torch.empty(max(need, 1), dtype=torch.uint8, device=dev)
+        return self._scratch[:need].view(dtype)
+
+    def close(self) -> None:
+        if self._ce is not None:
+            self._ce.close()
+        self._ce = self._scratch = self.staged_end = None
+
+
 class Reductions:
     """Part of braid.comm.Communicator (a mixin: state lives on the communicator)."""
 
@@ -278,7 +322,7 @@ class Reductions:
         rows are allocated in the program's own stream (inside a capture: from the graph's pool)."""
         cuts = self._reduce_cuts(rc, shares)
         assert cuts.ce_f > 0 and not cuts.rest and not cuts.base, cuts
-        red = self._ce_reduction()
+        red = self._gpu_parts.ce()
         peers = red.peer_ptrs(descs)
         w, me = self.world_size, self.rank
         my_len = cuts.ce_chunks[me][1]
@@ -349,21 +393,21 @@ class Reductions:
         runs = []
         if cuda:
             caller = torch.cuda.current_stream(rc.dev)
-            if self._staged_end is not None and cuts.rest:
-                caller.wait_event(self._staged_end)   # the staged scratch is free again
+            if self._gpu_parts.staged_end is not None and cuts.rest:
+                caller.wait_event(self._gpu_parts.staged_end)   # the staged scratch is free again
             start_event = torch.cuda.Event()
             start_event.record(caller)
         if cuts.base:
             runs.append(self._native_share(rc.output.reshape(-1)[:cuts.base], torch_op(rc.op, rc.name), start_event))
         if cuts.ce_f > 0:
-            runs.append(self._ce_reduction().post(
+            runs.append(self._gpu_parts.ce().post(
                 start_event=start_event, inp=rc.ib.view(rc.output.dtype), out=rc.output.reshape(-1),
                 chunks=cuts.ce_chunks, out_offsets=cuts.out_at, gather=rc.opname == "all_reduce", descs=descs,
                 name=rc.name, factor=rc.factor))
         if not cuts.rest or not any(n for _, n in cuts.rest_chunks):
             event = runs[0].end if cuda and runs else None
             if cuda and len(runs) > 1:         # join the lanes' ends on braid's op stream
-                join = self._op_stream()
+                join = self._gpu_parts.op_stream()
                 for r in runs:
                     join.wait_event(r.end)
                 event = torch.cuda.Event()
@@ -380,7 +424,7 @@ class Reductions:
         me, w, esz, dev, opname = self.rank, self.world_size, rc.esz, rc.dev, rc.opname
         output, rest, rest_chunks = rc.output, cuts.rest, cuts.rest_chunks
         cuda = dev.type == "cuda"
-        stream = self._op_stream() if cuda else None
+        stream = self._gpu_parts.op_stream() if cuda else None
         with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
             if cuda:
                 stream.wait_event(start_event)
@@ -390,7 +434,7 @@ class Reductions:
             p1 = self._plan(("rs", byte_chunks), lambda: reduce_scatter_chunks(w, list(byte_chunks)),
                             rest, rc.size, dev)
             o_me, n_me = rest_chunks[me]
-            slots = self._staged_scratch(w * n_me, output.dtype, dev)
+            slots = self._gpu_parts.scratch(w * n_me, output.dtype, dev)
             h1 = execute(self.lane_ctx, p1, rc.ib, [rc.ob, flat_bytes(slots)], descs)
             h1.wait()
             if opname == "reduce_scatter":
@@ -419,7 +463,7 @@ class Reductions:
                     stream.wait_event(r.end)
                 event = torch.cuda.Event()
                 event.record(stream)
-                self._staged_end = event
+                self._gpu_parts.staged_end = event
                 for t in (output, rc.input, slots):
                     if t.numel():
                         t.record_stream(stream)
@@ -430,9 +474,7 @@ class Reductions:
         call was made on the caller's stream), timed for the balancer. torch runs a synchronous
         NCCL call on the current stream (2.11: no Work is returned); older versions run it on
         their own stream and make the current one wait: either way the end event follows it."""
-        if self._nccl_stream is None:
-            self._nccl_stream = torch.cuda.Stream(self.device)
-        ns = self._nccl_stream
+        ns = self._gpu_parts.nccl_stream()
         t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(ns):
             ns.wait_event(start_event)
@@ -441,25 +483,3 @@ class Reductions:
             t1.record(ns)
         view.record_stream(ns)
         return LaneRun(LaneKind.NCCL, start=t0, end=t1)
-
-    def _staged_scratch(self, n: int, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
-        """Slots of the staged reductions, kept from call to call on GPUs (a fresh allocation
-        per call went to cudaMalloc: the previous call's block is still held by our streams).
-        The next staged call starts after this one's end event (see multi())."""
-        if dev.type != "cuda":
-            return torch.empty(n, dtype=dtype, device=dev)
-        need = n * torch.empty((), dtype=dtype).element_size()
-        if self._staged_buf is None or self._staged_buf.numel() < need:
-            self._staged_buf = None
-            self._staged_buf = torch.empty(max(need, 1), dtype=torch.uint8, device=dev)
-        return self._staged_buf[:need].view(dtype)
-
-    def _ce_reduction(self):
-        if self._ce_red is None:
-            self._ce_red = CeReduction(self._lanes["ce"], self.lane_ctx)
-        return self._ce_red
-
-    def _op_stream(self):
-        if getattr(self, "_opstream", None) is None:
-            self._opstream = torch.cuda.Stream(device=self.device)
-        return self._opstream
