@@ -24,14 +24,16 @@ class Clock:
 
 def run_job(split_us, whole_us, calls, peer=None, enabled=True, clock=None, extra=None):
     """One rank's calls of one shape; the job spends split_us / whole_us between calls depending
-    on the mode of the call (extra(i) more seconds after call i). Returns (answers, arbiter,
+    on the mode of the call (extra(i) more seconds after call i). `peer`: a second rank's values
+    at each exchange (a list, or a function of this rank's values). Returns (answers, arbiter,
     exchanges)."""
     clock = clock or Clock()
     seen = []
 
     def exchange(values):
         seen.append(list(values))
-        return [list(values)] + ([list(peer)] if peer is not None else [])
+        theirs = peer(values) if callable(peer) else peer
+        return [list(values)] + ([list(theirs)] if theirs is not None else [])
     arb = A.Arbiter(exchange, enabled=enabled, clock=clock)
     answers = []
     for i in range(calls):
@@ -41,7 +43,18 @@ def run_job(split_us, whole_us, calls, peer=None, enabled=True, clock=None, extr
     return answers, arb, seen
 
 
-FIRST = A.WARM + A.CHECK * 2 * A.BLOCK          # calls up to the first agreement
+FIRST = A.START + A.CHECK * 2 * A.BLOCK         # calls up to the first agreement of the paired blocks
+
+
+def probe_modes(trial=1):
+    """The probe pair's answers (True: whole) in the trial-th trial of a shape."""
+    split_first = trial % 2 == 1
+    return ([False] * A.PROBE + [True] * A.PROBE) if split_first else ([True] * A.PROBE + [False] * A.PROBE)
+
+
+def after_probe(values):
+    """A peer that saw no difference in the probe, then `values`' own numbers."""
+    return lambda mine: [1, A._OFF, 0, mine[3], mine[3]] if mine[0] == 1 and mine[2] == 0 else values
 
 
 def expected_modes(pairs):
@@ -58,18 +71,36 @@ def expected_modes(pairs):
 def test_schedule_warm_then_paired_blocks_then_the_verdict():
     got, arb, seen = run_job(100.0, 130.0, FIRST + 50)
     assert got[:A.WARM] == [False] * A.WARM                           # warm-up: split
-    assert got[A.WARM:FIRST] == expected_modes(A.CHECK)               # blocks in ORDER's order
-    assert sum(got[A.WARM:FIRST]) == A.CHECK * A.BLOCK                # as many whole calls as split
+    assert got[A.WARM:A.START] == probe_modes()                       # the probe pair
+    assert got[A.START:FIRST] == expected_modes(A.CHECK)              # blocks in ORDER's order
+    assert sum(got[A.START:FIRST]) == A.CHECK * A.BLOCK               # as many whole calls as split
     assert got[FIRST:] == [False] * 50                                # split kept: faster
-    assert len(seen) == 1 and len(arb.decisions) == 1
+    assert len(seen) == 2 and len(arb.decisions) == 1                 # the probe's and the pairs' agreements
     _, split_us, whole_us, whole = arb.decisions[0]
     assert split_us == pytest.approx(100.0, abs=0.2) and whole_us == pytest.approx(130.0, abs=0.2)
     assert whole is False
 
 
 def test_the_whole_call_wins_when_the_split_slows_the_job():
-    got, arb, _ = run_job(124.0, 100.0, FIRST + 10)
+    got, arb, seen = run_job(124.0, 100.0, FIRST + 10)
     assert got[FIRST:] == [True] * 10 and arb.decisions[0][3] is True
+    # the probe saw it: whole after WARM + PROBE split calls and one agreement
+    assert got[:A.START] == [False] * A.WARM + probe_modes() and got[A.START:] == [True] * (FIRST + 10 - A.START)
+    assert len(seen) == 1 and sum(not w for w in got) == A.WARM + A.PROBE
+
+
+def test_a_split_a_little_slower_than_the_probes_bar_is_left_to_the_pairs():
+    slower = 100.0 * (1 + A.EARLY / 2)
+    got, arb, seen = run_job(slower, 100.0, FIRST + 1)
+    assert got[A.START:FIRST] == expected_modes(A.CHECK) and len(seen) == 2
+    assert arb.decisions[0][3] is True and got[-1] is True
+
+
+def test_one_rank_that_saw_the_split_lose_in_the_probe_sends_every_rank_whole():
+    """This rank saw the split 10% faster in the probe; its peer 10% slower: whole at once."""
+    peer = [1, A._OFF + int(1e6 * math.log(0.9)), 0, int(1e7 * 110e-6), int(1e7 * 100e-6)]
+    got, arb, seen = run_job(90.0, 100.0, A.START + 5, peer=peer)
+    assert len(seen) == 1 and arb.decisions[0][3] is True and got[A.START:] == [True] * 5
 
 
 def test_a_tie_or_a_gain_under_the_margin_goes_whole():
@@ -79,26 +110,27 @@ def test_a_tie_or_a_gain_under_the_margin_goes_whole():
 
 
 def test_every_rank_must_see_the_gain():
-    """This rank saw the split 10% faster; its peer saw it 10% slower: whole."""
-    peer = [A.CHECK, A._OFF + int(1e6 * math.log(0.9)), 0, int(1e7 * 110e-6), int(1e7 * 100e-6)]
+    """This rank saw the split 10% faster; its peer, level in the probe, saw it 10% slower in the
+    pairs: whole."""
+    peer = after_probe([A.CHECK, A._OFF + int(1e6 * math.log(0.9)), 0, int(1e7 * 110e-6), int(1e7 * 100e-6)])
     got, arb, seen = run_job(90.0, 100.0, FIRST + 1, peer=peer)
     _, split_us, whole_us, whole = arb.decisions[0]
     assert (split_us, whole_us) == (pytest.approx(110.0, abs=0.2), pytest.approx(100.0, abs=0.2))
     assert whole is True and got[-1] is True
-    assert seen[0][0] == A.CHECK and seen[0][3] == pytest.approx(900, abs=2)   # its own pace, 0.1 us
+    assert seen[1][0] == A.CHECK and seen[1][3] == pytest.approx(900, abs=2)   # its own pace, 0.1 us
 
 
 def test_a_peer_with_too_few_pairs_delays_the_verdict():
     peer = [1, A._OFF + int(1e6 * 0.2), 0, 900, 1000]         # the peer kept one pair only
     got, arb, seen = run_job(90.0, 100.0, FIRST + 2 * A.BLOCK, peer=peer)
-    assert arb.decisions == [] and len(seen) == 1             # no verdict yet: the trial goes on
+    assert arb.decisions == [] and len(seen) == 2             # the probe, the pairs: no verdict yet
 
 
 def test_no_verdict_after_max_pairs_goes_whole():
     peer = [1, A._OFF, 0, 1000, 1000]                         # a peer that never has enough pairs
-    calls = A.WARM + A.MAX_PAIRS * 2 * A.BLOCK
+    calls = A.START + A.MAX_PAIRS * 2 * A.BLOCK
     got, arb, seen = run_job(50.0, 100.0, calls + 5, peer=peer)
-    assert len(seen) == A.MAX_PAIRS // A.CHECK
+    assert len(seen) == 1 + A.MAX_PAIRS // A.CHECK
     assert arb.decisions[0][3] is True and got[calls:] == [True] * 5
 
 
@@ -115,10 +147,10 @@ def test_trials_repeat_and_can_change_the_verdict():
         answers.append(w)
         clock.t += pace["whole" if w else "split"] * 1e-6
     assert [d[3] for d in arb.decisions] == [False, True]
-    start = FIRST + A.REPROBE                # the second trial: warm-up splits, then the pairs again
+    start = FIRST + A.REPROBE                # the second trial: its probe (whole block first) sees the split lose
     assert answers[start:start + A.WARM] == [False] * A.WARM
-    assert answers[start + A.WARM:start + FIRST] == expected_modes(A.CHECK)
-    assert answers[-1] is True
+    assert answers[start + A.WARM:start + A.START] == probe_modes(2)
+    assert answers[start + A.START:] == [True] * (total - start - A.START)
 
 
 def test_disabled_never_goes_whole_and_never_exchanges():
@@ -166,14 +198,14 @@ def test_ranks_answer_alike_at_every_call():
 def test_a_pause_inside_a_block_does_not_decide_the_trial():
     # the split is 10% faster per call, but one split block holds a pause (another model's
     # window, an evaluation) of 400 ms: its pair is left out and the split still wins
-    pause_at = A.WARM + 3           # inside the first pair's split block (ORDER bit 0 is set)
+    pause_at = A.START + 3          # inside the first pair's split block (ORDER bit 0 is set)
     assert A.ORDER & 1
     got, arb, _ = run_job(1000.0, 1100.0, FIRST + A.BLOCK * 8 + 1, extra=lambda i: 0.4 if i == pause_at else 0.0)
     key, split_us, whole_us, went_whole = arb.decisions[-1]
     assert not went_whole and split_us == pytest.approx(1000, rel=1e-3) and whole_us == pytest.approx(1100, rel=1e-3)
 
 
-def _noisy_job(gain, seed, calls=A.WARM + A.MAX_PAIRS * 2 * A.BLOCK + 1, period=0):
+def _noisy_job(gain, seed, calls=A.START + A.MAX_PAIRS * 2 * A.BLOCK + 1, period=0):
     """A job whose pace varies +-20% from call to call (and, with period, a step pattern of
     `period` calls: half fast, half three times slower); the split changes the pace by `gain`."""
     rng = random.Random(seed)
@@ -261,7 +293,7 @@ def test_trying_while_a_trial_has_no_verdict():
         clock.t += (100.0 if whole else 130.0) * 1e-6
         calls += 1
         assert arb.trying() or arb.count == 1
-        assert calls < A.WARM + A.MAX_PAIRS * 2 * A.BLOCK + 1
+        assert calls < A.START + A.MAX_PAIRS * 2 * A.BLOCK + 1
     assert not arb.trying()                                   # the verdict: whole
     for _ in range(A.REPROBE + 1):
         arb.whole(key)
@@ -297,7 +329,7 @@ def test_the_backend_asks_first_each_call_counts_once_and_whole_calls_are_forwar
     assert not p.whole_all_gather(out, inp)            # a shape not seen yet: the op's path decides
     p.shortcuts.ag[8] = (torch.float32, 16, False)     # the calibration splits this shape
     forwarded, said = 0, []
-    for _ in range(A.WARM + 2 * A.CHECK * 2 * A.BLOCK + 30):
+    for _ in range(A.START + 2 * A.CHECK * 2 * A.BLOCK + 30):
         if p.whole_all_gather(out, inp):
             forwarded += 1
             whole = True
@@ -334,7 +366,8 @@ def _trial_starts(answers_len_limit, pace):
 
 
 def test_a_verdict_that_repeats_is_looked_at_less_often():
-    starts, arb = _trial_starts(60_000, {"split": 150.0, "whole": 100.0})
+    # a split a little slower than the probe's bar: the paired blocks decide, whole every time
+    starts, arb = _trial_starts(60_000, {"split": 100.0 * (1 + A.EARLY / 2), "whole": 100.0})
     verdicts = [d[3] for d in arb.decisions]
     assert verdicts and all(verdicts)                        # whole every time
     gaps = [b - a for a, b in zip(starts, starts[1:])]
@@ -342,6 +375,38 @@ def test_a_verdict_that_repeats_is_looked_at_less_often():
     assert len(gaps) >= 3
     assert gaps[1] - gaps[0] == A.REPROBE and gaps[2] - gaps[1] == 2 * A.REPROBE
     assert arb._shapes["k"].reprobe <= A.REPROBE_MAX
+
+
+def test_the_probes_verdicts_keep_the_first_interval():
+    """A split that loses clearly goes whole at every probe: each trial costs WARM + PROBE split
+    calls, and the next one comes REPROBE calls later, never later than that."""
+    starts, arb = _trial_starts(40_000, {"split": 150.0, "whole": 100.0})
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert len(gaps) >= 5 and set(gaps) == {A.START + A.REPROBE}
+    assert all(d[3] for d in arb.decisions) and arb._shapes["k"].verdicts == 0
+
+
+def _window_cost(split_us, whole_us, calls, window=100):
+    """A job of `calls` calls of one shape whose split calls take split_us and whole ones
+    whole_us: the largest extra time of any `window` consecutive calls against all whole, as a
+    fraction of all-whole time, and the extra time over the whole job."""
+    got, _, _ = run_job(split_us, whole_us, calls)
+    extra = [(split_us - whole_us) if not w else 0.0 for w in got]
+    run = sum(extra[:window])
+    worst = run
+    for i in range(window, calls):
+        run += extra[i] - extra[i - window]
+        worst = max(worst, run)
+    return worst / (window * whole_us), sum(extra) / (calls * whole_us)
+
+
+@pytest.mark.parametrize("loss", [0.07, 0.1, 0.25, 0.5])
+def test_a_losing_split_costs_little_in_any_hundred_calls(loss):
+    """A split slower than the probe's bar: at most WARM + PROBE split calls per trial, so any
+    100 calls pay (WARM + PROBE) x loss % (3% for a split 50% slower) and a long job far less."""
+    worst, overall = _window_cost(100.0 * (1 + loss), 100.0, 3 * A.REPROBE)
+    assert worst == pytest.approx((A.WARM + A.PROBE) * loss / 100, rel=1e-6)
+    assert worst <= 0.03 + 1e-9 and overall < 0.002
 
 
 def test_a_changed_verdict_brings_the_first_interval_back():

@@ -10,22 +10,29 @@ copy engines' split, faster than NCCL alone by 4-13% at those sizes, made the st
 So, for a call shape the calibration splits, the job itself decides, from its own pace. Per shape
 (op and arguments, as the op's fast path keys them), counted in calls that every rank makes alike:
 
-- the first WARM calls split (the prepared call is built);
-- then pairs of blocks of BLOCK calls, one block split and one whole, in an order fixed per pair
-  (ORDER) so that a job whose step holds 2 x BLOCK calls of the shape does not always put the same
-  part of its step in the same mode; each rank keeps each block's mean time between consecutive
-  calls (the job's pace) and, per pair, the log of the whole block's pace over the split one's. A
-  pair whose two paces differ more than PAIR_RATIO times holds a pause (an evaluation, another
-  model's window in `braid bench`) and is left out;
+- the first WARM calls split (the first builds the prepared call);
+- then a probe pair: PROBE calls split and PROBE whole (split first in every other trial, so that
+  a job whose step repeats the shape a fixed number of times does not always probe the same part
+  of its step), and one agreement: where some rank saw the split slower by more than EARLY, the
+  shape goes whole at once. A split that loses then costs its trial WARM + PROBE split calls
+  against the REPROBE calls between trials (without the probe a trial ran 16 warm-up and 48
+  paired split calls before its first possible verdict); a probe can be wrong on a noisy step,
+  so its verdict never lengthens the interval to the next trial;
+- otherwise pairs of blocks of BLOCK calls, one block split and one whole, in an order fixed per
+  pair (ORDER) so that a job whose step holds 2 x BLOCK calls of the shape does not always put the
+  same part of its step in the same mode; each rank keeps each block's mean time between
+  consecutive calls (the job's pace) and, per pair, the log of the whole block's pace over the
+  split one's. A pair whose two paces differ more than PAIR_RATIO times holds a pause (an
+  evaluation, another model's window in `braid bench`) and is left out;
 - every CHECK pairs the ranks agree (one exchange of a few integers): the split is kept once every
   rank's mean gain, less its 95% margin of error (Student's t for its count of pairs times the
   standard error), beats MARGIN; the shape goes whole once one rank's gain plus that margin stays
   under MARGIN (the slowest rank sets the job's pace), or
   after MAX_PAIRS pairs without a verdict (ties go to the native library);
 - REPROBE calls after a verdict the trial runs again (the job may change, the machine may drift);
-  each trial that repeats the shape's last verdict doubles that interval, up to REPROBE_MAX (a
-  trial runs up to ~400 calls, half of them in the losing mode: in FSDP2's steps, ~16 calls of a
-  shape each, trials every 4096 calls took ~10% of its calls).
+  each full trial that repeats the last full trial's verdict doubles that interval, up to
+  REPROBE_MAX (a full trial runs up to ~400 calls, half of them in the losing mode: in FSDP2's
+  steps, ~16 calls of a shape each, trials every 4096 calls took ~10% of its calls).
 
 A trial whose shape has not been called for STALE calls of any shape (a shape of a job's set-up,
 DDP's first broadcast of its weights, say) does not count as under way (`trying`).
@@ -49,7 +56,10 @@ import math
 import time
 from dataclasses import dataclass, field
 
-WARM = 16           # split calls before the trial (the prepared call is built in the first)
+WARM = 1            # split calls before any timing (the first builds the prepared call)
+PROBE = 5           # calls per block of the probe pair
+EARLY = 0.05        # the probe: a split this much slower on some rank goes whole at once
+START = WARM + 2 * PROBE    # calls of a trial before its paired blocks
 BLOCK = 12          # calls per block
 ORDER = 0b1001_1010_1111_0001   # bit p: pair p runs its split block first
 CHECK = 4           # pairs between two agreements
@@ -77,7 +87,9 @@ class _Shape:
     logs: list = field(default_factory=list)                  # log(whole / split) of kept pairs
     sums: list = field(default_factory=lambda: [0.0, 0.0])   # kept pairs' paces summed: split, whole
     reprobe: int = REPROBE      # calls from a verdict to the next trial
-    verdicts: int = 0           # verdicts so far (the first one never doubles the interval)
+    verdicts: int = 0           # full trials' verdicts so far (the first never doubles the interval)
+    full: bool = False          # the last full trial's verdict
+    trials: int = 0             # trials begun (the probe's order alternates with it)
     seen: int = 0               # the arbiter's call count at this shape's last call
 
 
@@ -135,23 +147,49 @@ class Arbiter:
             if c < st.reprobe:
                 return st.whole
             st.start, st.trying, c = st.n - 1, True, 0      # a new trial of the same shape
+            st.trials += 1
         if c < WARM:
             return False
-        p, j = divmod(c - WARM, 2 * BLOCK)
+        if c < START:               # the probe pair, split block first in every other trial
+            j = c - WARM
+            split = (j < PROBE) == (st.trials % 2 == 0)
+            if self._tick(st, j % PROBE, PROBE, split) and j == 2 * PROBE - 1:
+                self._probe_done(key, st)
+            return not split
+        p, j = divmod(c - START, 2 * BLOCK)
         split = (j < BLOCK) == bool((ORDER >> (p % 16)) & 1)
-        pos = j % BLOCK
+        if self._tick(st, j % BLOCK, BLOCK, split) and j == 2 * BLOCK - 1:
+            self._pair_done(st)
+            if (p + 1) % CHECK == 0:
+                self._agree(key, st, p + 1)
+        return not split
+
+    def _tick(self, st: _Shape, pos: int, size: int, split: bool) -> bool:
+        """Time call `pos` of a block of `size` calls; True at the block's last call, when its
+        pace (mean seconds between its calls) is in st.pair."""
         now = self._clock()
         if pos:
             st.acc += now - st.last
         st.last = now
-        if pos == BLOCK - 1:
-            st.pair[0 if split else 1] = st.acc / (BLOCK - 1)
-            st.acc = 0.0
-            if j == 2 * BLOCK - 1:
-                self._pair_done(st)
-                if (p + 1) % CHECK == 0:
-                    self._agree(key, st, p + 1)
-        return not split
+        if pos < size - 1:
+            return False
+        st.pair[0 if split else 1] = st.acc / (size - 1)
+        st.acc = 0.0
+        return True
+
+    def _probe_done(self, key, st: _Shape) -> None:
+        """The probe pair's agreement: a split slower by more than EARLY on some rank goes whole
+        now, after WARM + PROBE split calls (a split that loses costs a trial that few calls);
+        otherwise the paired blocks decide. A probe that holds a pause says nothing. Its whole
+        verdict never lengthens the interval to the next trial (one short pair can be wrong)."""
+        s, w = st.pair
+        ok = s > 0 and w > 0 and max(s, w) <= PAIR_RATIO * min(s, w)
+        gain = math.log(w / s) if ok else 0.0
+        got = self._exchange([1, _OFF + int(1e6 * gain), 0, int(1e7 * s), int(1e7 * w)])
+        st.pair = [0.0, 0.0]
+        if min(g[1] - _OFF for g in got) / 1e6 >= -math.log1p(EARLY):
+            return                                           # not clearly slower: the paired blocks
+        self._verdict(key, st, True, got, probe=True)
 
     @staticmethod
     def _pair_done(st: _Shape) -> None:
@@ -177,12 +215,18 @@ class Arbiter:
             whole = True
         else:
             return                                           # not clear yet: more pairs
+        self._verdict(key, st, whole, got)
+
+    def _verdict(self, key, st: _Shape, whole: bool, got: list, probe: bool = False) -> None:
         split_us, whole_us = (max(g[i] for g in got) / 10.0 for i in (3, 4))
-        if st.verdicts and whole == st.whole:
+        if probe:
+            st.reprobe = REPROBE
+        elif st.verdicts and whole == st.full:
             st.reprobe = min(2 * st.reprobe, REPROBE_MAX)      # the same again: look less often
         else:
             st.reprobe = REPROBE
-        st.verdicts += 1
+        if not probe:
+            st.verdicts, st.full = st.verdicts + 1, whole
         st.whole, st.trying, st.start = whole, False, st.n
         st.logs, st.sums, st.acc, st.last = [], [0.0, 0.0], 0.0, 0.0
         self.decisions.append((key, split_us, whole_us, whole))
