@@ -14,7 +14,6 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
-from torch._C import _distributed_c10d as _c10d   # the options classes
 
 from .. import envs
 from ..errors import BraidError, BraidTimeoutError, LaneFailureError
@@ -26,50 +25,15 @@ log = logging.getLogger("braid")
 GLOO_WAIT_STEP = datetime.timedelta(milliseconds=50)   # how often a wait inside gloo looks for aborts
 
 
-class _NativeDone(Handle):
-    """last_handle after a synchronous fast-path call: the native library (NCCL on GPUs, gloo on a
-    CPU communicator) took the whole call, already waited."""
-
-    def __init__(self, lane: str):
-        super().__init__(native=None)
-        self.native_lane = lane
-        self._waited = True
-
-    @property
-    def shares(self) -> dict[str, float]:
-        return {self.native_lane: 1.0}
-
-_NATIVE_DONE = {True: _NativeDone("nccl"), False: _NativeDone("gloo")}    # by communicator.cuda
-
 NATIVE_SHARE_REDS = ("sum", "avg", "min", "max", "product")   # NCCL's own all_reduce may take a share
-
-# the fast path's kinds as braid's op names (the call ledger speaks braid's names)
-_OP_OF = {"allreduce": "all_reduce", "allgather": "all_gather", "reducescatter": "reduce_scatter",
-          "alltoall": "all_to_all_single", "broadcast": "broadcast", "reduce": "reduce"}
 
 _RED_T = type(dist.ReduceOp.SUM)    # plain reduce ops (premul-sum comes as another type); singletons
 
 _FAST_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT)
 
-_OPTS = {"allreduce": _c10d.AllreduceOptions, "reducescatter": _c10d.ReduceScatterOptions,
-         "allgather": _c10d.AllgatherOptions, "alltoall": _c10d.AllToAllOptions,
-         "broadcast": _c10d.BroadcastOptions, "reduce": _c10d.ReduceOptions}
-
-
-def _backend_of(group, device: torch.device):
-    """The backend object (ProcessGroupNCCL) behind `group` for `device`, when this torch exposes
-    it and its methods; None otherwise (the fast path then calls torch.distributed)."""
-    try:
-        be = group._get_backend(device)
-    except Exception:                                   # noqa: BLE001 (any torch without it)
-        return None
-    need = ("allreduce", "_reduce_scatter_base", "_allgather_base", "alltoall_base", "broadcast", "reduce",
-            "send", "recv")
-    return be if all(hasattr(be, m) for m in need) else None
-
 
 class CallPath:
-    """Part of braid.comm.Communicator (a mixin: state lives on the communicator)."""
+    """Part of braid.comm.Communicator (a mixin of the façade: the parts it composes own the state)."""
 
     # shares -----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -268,39 +232,14 @@ class CallPath:
                     f"{self.ledger.last_call[0]} for its peers: {self.ledger.mine()}. "
                     f"Check that every rank makes the same calls in the same order (BRAID_TIMEOUT_S to change the limit).")
 
-    def _opts(self, kind: str, async_op: bool, op=None, root: int = 0):
-        """torch's options object for a fast-path call, built once per (kind, op, root, async)."""
-        key = (kind, op, root, async_op)
-        o = self._fast_opts.get(key)
-        if o is None:
-            o = _OPTS[kind]()
-            if op is not None:
-                o.reduceOp = op
-            if kind in ("broadcast", "reduce"):
-                o.rootRank, o.rootTensor = root, 0
-            if hasattr(o, "asyncOp"):
-                o.asyncOp = async_op     # synchronous: NCCL runs on the caller's stream (torch >= 2.8)
-            if len(self._fast_opts) > 256:
-                self._fast_opts.clear()
-            self._fast_opts[key] = o
-        return o
-
     def _native_fast(self, method: str, args: tuple, kind: str, async_op: bool, op=None, root: int = 0,
                      fallback=None, counted: bool = False):
-        """The fast path's call: the NCCL backend's own method with cached options, as
-        torch.distributed's wrapper would make it, without the wrapper's per-call checks (the
-        fast path made them once per call shape). Without that backend object: `fallback`."""
-        x = args[1] if len(args) > 1 else (args[0][0] if type(args[0]) is list else args[0])
-        if not counted:
-            self.ledger.ncalls += 1
-        self.ledger.last_call = (_OP_OF[kind], x.numel() * x.element_size(), x.dtype, "whole")
-        be = self._fast_be
-        if be is None:
-            if self._p2p_pending and not self.cuda:    # as _run does before a collective (CPU)
-                self._flush_p2p()
-            work = fallback(async_op or not self.cuda)    # CPU: waited in steps (_wait_gloo)
-        else:
-            work = getattr(be, method)(*args, self._opts(kind, async_op, op, root))
+        """The fast path's call, whole, through the native library (comm/library.py), waited here
+        when synchronous (a CPU communicator's gloo call in steps that see a peer's abort)."""
+        lib = self.library
+        if lib.backend is None and self._p2p_pending and not self.cuda:   # as _run does before a collective
+            self._flush_p2p()
+        work = lib.start(method, args, kind, async_op, op, root, fallback, counted)
         if async_op:
             return self._finish(work, True)
         if work is not None:
@@ -308,5 +247,5 @@ class CallPath:
                 work.wait()
             else:
                 self._wait_gloo(work)
-        self.last_handle = self._native_done
+        self.last_handle = self.library.done
         return None

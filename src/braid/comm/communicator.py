@@ -29,7 +29,8 @@ from .pairs import Pairs, PendingP2P
 log = logging.getLogger("braid")
 
 from ..lanes.base import LaneContext
-from .callpath import CallPath, _NATIVE_DONE, _NativeDone, _backend_of
+from .callpath import CallPath
+from .library import LibraryCalls, NativeDone, backend_of
 from .exchange import Exchange
 from .ledger import CallLedger, Faults, _Watchdog, _call
 from .p2p import PointToPoint
@@ -72,6 +73,11 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
         self._init_groups()
         # the calls made so far and the last one, published to the node segment (comm/ledger.py)
         self.ledger = CallLedger(self.rank, self.cuda, self.segment)
+        # whole calls to the native library (comm/library.py): NCCL's group on GPUs; on a CPU
+        # communicator gloo's own (never the default group: under init_process_group("braid")
+        # that is braid itself)
+        self.library = LibraryCalls(self.cuda, self.native_group if self.cuda else self.gloo_group,
+                                    backend_of(self.native_group, self.device) if self.cuda else None, self.ledger)
         # what the lanes get of this communicator (they never see the communicator itself)
         self.lane_ctx = LaneContext(self.rank, self.world_size, self.device, self.segment, self.layout,
                                     self.segment_tensor, self.seg_dev_ptr, self.ring_cursors)
@@ -110,7 +116,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
         self.shortcuts = Shortcuts(self.policy.native_for, self._arbiter, lambda: not self.closed and not self.aborted)
         self._learn_update()
         self._cpu = None            # whole CPU calls through the segment (comm/cpushm.py)
-        self._cpu_done = _NativeDone("shm")
+        self._cpu_done = NativeDone("shm")
         if seg is not None and self.world_size > 1 and self.single_node and envs.get("BRAID_CPU_SHM"):
             from .cpushm import CpuShm
             # a GPU communicator's CPU tensors (object collectives, metrics) take an area of their own
@@ -196,12 +202,6 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
         self.native_group = self.nccl_group
         if self.cuda and "nccl" in str(dist.get_backend()).lower() and not node:
             self.native_group = dist.group.WORLD
-        self._fast_be = _backend_of(self.native_group, self.device) if self.cuda else None
-        # the fast path's library call: NCCL's group on GPUs; on a CPU communicator, gloo's own
-        # (never the default group: under init_process_group("braid") that is braid itself)
-        self._fast_group = self.native_group if self.cuda else self.gloo_group
-        self._fast_opts: dict = {}
-        self._native_done = _NATIVE_DONE[self.cuda]     # last_handle after a whole native call
         self.num_nodes = len(set(hosts))
         if not self.single_node and not node and envs.get("BRAID_HIER"):
             from .hier import Hierarchy
@@ -339,7 +339,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
             n = input.numel()
             if self.shortcuts.decide("ag", n, (input.dtype, output.numel()), self._rest_ag, output, input):
                 return self._native_fast("_allgather_base", (output, input), "allgather", async_op, fallback=lambda a:
-                                         dist.all_gather_into_tensor(output, input, group=self._fast_group, async_op=a))
+                                         dist.all_gather_into_tensor(output, input, group=self.library.group, async_op=a))
             if self.cuda:
                 tkey = ("ag", input.data_ptr(), output.data_ptr(), n, output.numel(), input.dtype, output.dtype)
                 if (h := self._fast_prepared(tkey, input, (output,), async_op,
@@ -394,7 +394,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
             n = tensor.numel()
             if self.shortcuts.decide("bc", n, (tensor.dtype, src), self._rest_bc, tensor, src):
                 return self._native_fast("broadcast", ([tensor],), "broadcast", async_op, root=src, fallback=lambda a:
-                                         dist.broadcast(tensor, group_src=src, group=self._fast_group, async_op=a))
+                                         dist.broadcast(tensor, group_src=src, group=self.library.group, async_op=a))
             if self.cuda:
                 tkey = ("bc", tensor.data_ptr(), n, tensor.dtype, src)
                 if (h := self._fast_prepared(tkey, tensor if self.rank == src else None, (tensor,), async_op,

@@ -67,7 +67,7 @@ def _check_plan_bounds(plan: Plan, descs: list) -> None:
 
 
 class Exchange:
-    """Part of braid.comm.Communicator (a mixin: state lives on the communicator)."""
+    """Part of braid.comm.Communicator (a mixin of the façade: the parts it composes own the state)."""
 
     # descriptor exchange --------------------------------------------------------------------------
     def _exchange_node(self, desc: dict) -> list:

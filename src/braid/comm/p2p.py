@@ -38,7 +38,7 @@ def _adjacent(views: list[torch.Tensor], dev: torch.device) -> torch.Tensor | No
 
 
 class PointToPoint:
-    """Part of braid.comm.Communicator (a mixin: state lives on the communicator)."""
+    """Part of braid.comm.Communicator (a mixin of the façade: the parts it composes own the state)."""
 
     def batch_isend_irecv(self, p2p_op_list, device: torch.device | None = None) -> list:
         """A batch of sends and receives; a skewed batch is routed as one uneven all_to_all (the
@@ -154,16 +154,11 @@ class PointToPoint:
                     return None
         if (not self._p2p_pending and self._fast_ok(tensor) and type(peer) is int and 0 <= peer < self.world_size
                 and peer != self.rank and self.policy.native_for(op, tensor.numel() * tensor.element_size())):
-            be = self._fast_be
-            if be is not None:           # the backend's own send/recv (tag 0, as torch's isend/irecv)
-                work = be.send([tensor], peer, 0) if sending else be.recv([tensor], peer, 0)
-            else:
-                g = self.native_group
-                work = dist.isend(tensor, group_dst=peer, group=g) if sending else dist.irecv(tensor, group_src=peer, group=g)
+            work = self.library.point(tensor, peer, sending, self.native_group)
             if async_op:
                 return self._finish(work, True)
             work.wait()
-            self.last_handle = self._native_done
+            self.last_handle = self.library.done
             return None
         dev = self._device_for(tensor)
         check_rank(peer, self.world_size, "dst" if sending else "src", "send" if sending else "recv", me=self.rank)

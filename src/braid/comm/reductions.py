@@ -121,7 +121,7 @@ class GpuReductionParts:
 
 
 class Reductions:
-    """Part of braid.comm.Communicator (a mixin: state lives on the communicator)."""
+    """Part of braid.comm.Communicator (a mixin of the façade: the parts it composes own the state)."""
 
     # reductions -----------------------------------------------------------------------------------
     def _fast_reduce_ok(self, op, dtype) -> bool:
@@ -142,7 +142,7 @@ class Reductions:
             n = tensor.numel()
             if self.shortcuts.decide("ar", n, (tensor.dtype, op), self._rest_ar, tensor, op):
                 return self._native_fast("allreduce", ([tensor],), "allreduce", async_op, op=op, fallback=lambda a:
-                                         dist.all_reduce(tensor, op=op, group=self._fast_group, async_op=a))
+                                         dist.all_reduce(tensor, op=op, group=self.library.group, async_op=a))
             if self.cuda:
                 tkey = ("ar", tensor.data_ptr(), n, tensor.dtype, op)
                 if (h := self._fast_prepared(tkey, tensor, (tensor,), async_op,
@@ -169,7 +169,7 @@ class Reductions:
             if self.shortcuts.decide("rs", n, (input.dtype, op, output.numel()), self._rest_rs, output, input, op):
                 return self._native_fast("_reduce_scatter_base", (output, input), "reducescatter", async_op, op=op,
                                          fallback=lambda a: dist.reduce_scatter_tensor(
-                                             output, input, op=op, group=self._fast_group, async_op=a))
+                                             output, input, op=op, group=self.library.group, async_op=a))
             if self.cuda:
                 tkey = ("rs", input.data_ptr(), output.data_ptr(), n, output.numel(), input.dtype, output.dtype, op)
                 if (h := self._fast_prepared(tkey, input, (output,), async_op,
@@ -236,7 +236,7 @@ class Reductions:
                 work = dist.reduce_scatter_tensor(output, input, op=op, group=g, async_op=async_op)
             if async_op:
                 return self._finish(work, True)
-            self.last_handle = self._native_done
+            self.last_handle = self.library.done
             return None
         rc = self._reduce_call(opname, output, input, op, root)
         desc = {"op": opname, "dtype": str(output.dtype), "nbytes": rc.size, "red": rc.name,

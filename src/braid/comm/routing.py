@@ -120,7 +120,7 @@ class RouteSamples:
 
 
 class Routing:
-    """Part of braid.comm.Communicator (a mixin: state lives on the communicator)."""
+    """Part of braid.comm.Communicator (a mixin of the façade: the parts it composes own the state)."""
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
                           input_split_sizes=None, async_op: bool = False):
@@ -138,7 +138,7 @@ class Routing:
             if self.shortcuts.decide("a2a", n, (input.dtype, input.size(0), output.numel()), self._rest_a2a,
                                      output, input):
                 return self._native_fast("alltoall_base", (output, input, [], []), "alltoall", async_op, fallback=lambda a:
-                                         dist.all_to_all_single(output, input, group=self._fast_group, async_op=a))
+                                         dist.all_to_all_single(output, input, group=self.library.group, async_op=a))
             if self.cuda and self.routing != "on":
                 if (h := self._fast_prepared(_a2a_ticket(input, output), input, (output,), async_op,
                                              lambda: self.all_to_all_single(output, input))) is not None:

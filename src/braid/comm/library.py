@@ -1,0 +1,109 @@
+"""The native library's own calls, taken whole: NCCL's on GPUs, gloo's on a CPU communicator.
+
+A call the fast path gives the library whole goes to the backend object's own method (the
+ProcessGroupNCCL behind the group) with an options object built once per kind, root, reduction
+and async flag, as torch.distributed's wrapper would make the call but without the wrapper's
+per-call checks (the fast path made them once per call shape). Where this torch exposes no
+backend object, the caller's `fallback` (torch.distributed's own function) makes the call.
+
+Rejected: the wrapper on every call (its argument checks and group lookups cost several
+microseconds per call of the 26-50 us NCCL's own call takes on the host).
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch._C import _distributed_c10d as _c10d   # the options classes
+
+from ..executor import Handle
+
+# the fast path's kinds as braid's op names (the call ledger speaks braid's names)
+OP_OF = {"allreduce": "all_reduce", "allgather": "all_gather", "reducescatter": "reduce_scatter",
+         "alltoall": "all_to_all_single", "broadcast": "broadcast", "reduce": "reduce"}
+
+_OPTS = {"allreduce": _c10d.AllreduceOptions, "reducescatter": _c10d.ReduceScatterOptions,
+         "allgather": _c10d.AllgatherOptions, "alltoall": _c10d.AllToAllOptions,
+         "broadcast": _c10d.BroadcastOptions, "reduce": _c10d.ReduceOptions}
+
+OPTS_MAX = 256           # options objects kept before the cache starts over
+
+
+class NativeDone(Handle):
+    """last_handle after a synchronous whole call: the native library (or braid's shared-memory
+    path on CPU tensors) took it, already waited."""
+
+    def __init__(self, lane: str):
+        super().__init__(native=None)
+        self.native_lane = lane
+        self._waited = True
+
+    @property
+    def shares(self) -> dict[str, float]:
+        return {self.native_lane: 1.0}
+
+
+def backend_of(group, device):
+    """The backend object (ProcessGroupNCCL) behind `group` for `device`, when this torch exposes
+    it and its methods; None otherwise (the calls then go through torch.distributed)."""
+    try:
+        be = group._get_backend(device)
+    except Exception:                                   # noqa: BLE001 (any torch without it)
+        return None
+    need = ("allreduce", "_reduce_scatter_base", "_allgather_base", "alltoall_base", "broadcast", "reduce",
+            "send", "recv")
+    return be if all(hasattr(be, m) for m in need) else None
+
+
+class LibraryCalls:
+    """One communicator's whole calls to its native library.
+
+    `group`: the process group they go to (on GPUs the default group when it is NCCL's: measured
+    ~10 us per call faster at 1-4 MiB than a second communicator; else braid's own); `backend`:
+    its backend object, or None; `ledger`: the call ledger, which counts each call.
+    """
+
+    def __init__(self, cuda: bool, group, backend, ledger):
+        self.cuda, self.group, self.backend, self.ledger = cuda, group, backend, ledger
+        self.lane = "nccl" if cuda else "gloo"
+        self.done = NativeDone(self.lane)
+        self._opts: dict = {}
+
+    def opts(self, kind: str, async_op: bool, op=None, root: int = 0):
+        """torch's options object for a call, built once per (kind, op, root, async)."""
+        key = (kind, op, root, async_op)
+        o = self._opts.get(key)
+        if o is None:
+            o = _OPTS[kind]()
+            if op is not None:
+                o.reduceOp = op
+            if kind in ("broadcast", "reduce"):
+                o.rootRank, o.rootTensor = root, 0
+            if hasattr(o, "asyncOp"):
+                o.asyncOp = async_op     # synchronous: NCCL runs on the caller's stream (torch >= 2.8)
+            if len(self._opts) > OPTS_MAX:
+                self._opts.clear()
+            self._opts[key] = o
+        return o
+
+    def start(self, method: str, args: tuple, kind: str, async_op: bool, op=None, root: int = 0,
+              fallback=None, counted: bool = False):
+        """Count the call (unless `counted`: the caller's agreement did) and start it: the
+        backend's `method` with cached options, or `fallback(async)` without a backend object
+        (a CPU communicator's gloo call is always asynchronous there: it is waited in steps).
+        Returns the library's Work (None for a synchronous NCCL call)."""
+        x = args[1] if len(args) > 1 else (args[0][0] if type(args[0]) is list else args[0])
+        if not counted:
+            self.ledger.ncalls += 1
+        self.ledger.last_call = (OP_OF[kind], x.numel() * x.element_size(), x.dtype, "whole")
+        be = self.backend
+        if be is None:
+            return fallback(async_op or not self.cuda)
+        return getattr(be, method)(*args, self.opts(kind, async_op, op, root))
+
+    def point(self, tensor, peer: int, sending: bool, fallback_group):
+        """A whole send or recv: the backend's own (tag 0, as torch's isend/irecv), else
+        torch.distributed's on `fallback_group`."""
+        be = self.backend
+        if be is not None:
+            return be.send([tensor], peer, 0) if sending else be.recv([tensor], peer, 0)
+        g = fallback_group
+        return dist.isend(tensor, group_dst=peer, group=g) if sending else dist.irecv(tensor, group_src=peer, group=g)
