@@ -705,7 +705,7 @@ def _threshold_worker(rank, w, mib_exact):
         if rank == w - 1:
             assert torch.equal(y, make(("thr", 0, big), big // 4, torch.float32))
         out.append(comm.last_route is not None and comm._routed.last_pred is not None)
-        comm.last_route = None
+        comm.route_samples.last = None
     braid.close()
     return out
 

@@ -155,7 +155,6 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
         self._routed = RoutedAllToAll(self.world_size)
         self.route_samples = RouteSamples(self._routed)  # skewed calls timed for the router, until reported
         self.routing = envs.get("BRAID_ROUTE")      # skewed all_to_all through the router: auto/on/off
-        self.last_route: tuple[float, float] | None = None
         self._p2p_pending: list["PendingP2P"] = []                  # posted, peer's side not read yet
         self.check = envs.get("BRAID_CHECK")   # read once, when the communicator is created
         self.aborted = ""                   # why abort() was called (the communicator is unusable)
@@ -451,6 +450,11 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
     @property
     def last_call(self) -> tuple:
         return self.ledger.last_call
+
+    @property
+    def last_route(self) -> tuple[float, float] | None:
+        """The router's last prediction for a skewed all_to_all: (routed us, native us)."""
+        return self.route_samples.last
 
     # the split policy's state, read through the communicator (comm/policy.py owns it)
     @property

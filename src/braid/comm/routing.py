@@ -71,6 +71,7 @@ class RouteSamples:
         self.seq = 0                 # skewed calls observed so far (same on every rank)
         self.pending: list = []      # [seq, handle, cycle, times] of each observed call
         self.open: _Cycle | None = None
+        self.last: tuple[float, float] | None = None   # the router's last prediction: (routed us, native us)
 
     def report(self) -> dict:
         """What a descriptor carries of the samples (the router's form)."""
@@ -319,7 +320,7 @@ class Routing:
             native_name = "nccl" if kind == "cuda" else "gloo"
             native_cost = table.get(native_name, DEFAULT_COSTS[native_name]) if native_name in agreed else None
             plan, routed_us, native_us = self._routed.plan(matrix, kind, costs, native_cost, force=mode == "on")
-            self.last_route = (routed_us, native_us)
+            self.route_samples.last = (routed_us, native_us)
             if log.isEnabledFor(logging.DEBUG):
                 rt = self._routed
                 st = rt._classes.get(rt.last_cls, {})
