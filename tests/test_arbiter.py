@@ -386,25 +386,11 @@ def test_the_probes_verdicts_keep_the_first_interval():
     assert all(d[3] for d in arb.decisions) and arb._shapes["k"].verdicts == 0
 
 
-def _window_cost(split_us, whole_us, calls, window=100):
-    """A job of `calls` calls of one shape whose split calls take split_us and whole ones
-    whole_us: the largest extra time of any `window` consecutive calls against all whole, as a
-    fraction of all-whole time, and the extra time over the whole job."""
-    got, _, _ = run_job(split_us, whole_us, calls)
-    extra = [(split_us - whole_us) if not w else 0.0 for w in got]
-    run = sum(extra[:window])
-    worst = run
-    for i in range(window, calls):
-        run += extra[i] - extra[i - window]
-        worst = max(worst, run)
-    return worst / (window * whole_us), sum(extra) / (calls * whole_us)
-
-
 @pytest.mark.parametrize("loss", [0.07, 0.1, 0.25, 0.5])
 def test_a_losing_split_costs_little_in_any_hundred_calls(loss):
     """A split slower than the probe's bar: at most WARM + PROBE split calls per trial, so any
     100 calls pay (WARM + PROBE) x loss % (3% for a split 50% slower) and a long job far less."""
-    worst, overall = _window_cost(100.0 * (1 + loss), 100.0, 3 * A.REPROBE)
+    worst, overall = A.trial_cost(100.0 * (1 + loss), 100.0, 3 * A.REPROBE)
     assert worst == pytest.approx((A.WARM + A.PROBE) * loss / 100, rel=1e-6)
     assert worst <= 0.03 + 1e-9 and overall < 0.002
 

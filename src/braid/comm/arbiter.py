@@ -233,3 +233,23 @@ class Arbiter:
         self.count += 1
         if len(self.decisions) > 2 * KEPT:          # a long job: the list must not grow without end
             del self.decisions[:-KEPT]
+
+
+def trial_cost(split_us: float, whole_us: float, calls: int, window: int = 100) -> tuple[float, float]:
+    """What the schedule costs a job on a model clock: one rank, `calls` calls of one shape that
+    take split_us split and whole_us whole. Returns the largest extra time of any `window`
+    consecutive calls against taking every call whole, and the extra time over the whole job, both
+    as fractions of the all-whole time (negative where the split wins)."""
+    t = [1.0]
+    arb = Arbiter(lambda values: [list(values)], clock=lambda: t[0])
+    extra = []
+    for _ in range(calls):
+        whole = arb.whole("shape")
+        t[0] += (whole_us if whole else split_us) * 1e-6
+        extra.append(0.0 if whole else split_us - whole_us)
+    run = sum(extra[:window])
+    worst = run
+    for i in range(window, calls):
+        run += extra[i] - extra[i - window]
+        worst = max(worst, run)
+    return worst / (window * whole_us), sum(extra) / (calls * whole_us)
