@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 REQUIRED = {"op", "nbytes", "world_size", "dtype", "time_us", "algbw_gbps", "busbw_gbps", "wrong", "shares",
             "baseline", "ratio", "host_us"}
 
@@ -41,7 +43,14 @@ def test_bench_every_op_on_cpu_lanes(tmp_path):
         else:
             assert "alternatives" not in p
         assert p["best_baseline"]["name"] == "gloo" and p["ratio_best"] == p["ratio"]
+        # the all_reduce's bound: gloo's time over one copy of the tensor on every rank at once
+        if p["op"] == "all_reduce":
+            assert p["copy_us"] > 0 and p["ratio_bound"] == pytest.approx(p["baseline"]["time_us"] / p["copy_us"])
+            assert p["host_summary"]["ratio_bound"] == [[256 << 10, p["ratio_bound"]]]
+        else:
+            assert "ratio_bound" not in p
     assert "# other baselines: symm_mem two_shot: unavailable (needs CUDA tensors" in proc.stdout
+    assert "the ratio could reach" in proc.stdout
     assert proc.stdout.count("# host per call: braid/gloo median") == len(points)
 
 

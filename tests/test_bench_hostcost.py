@@ -102,6 +102,18 @@ def test_cpu_tables_say_how_close_the_largest_size_gets_to_the_copy_ceiling():
     assert output._size(3 << 30) == "3 GiB" and output._size(1000) == "1000 B"
 
 
+def test_cpu_all_reduce_tables_say_the_ratio_one_copy_would_give():
+    """A CPU all_reduce point carries the baseline's time over one copy of its tensor (every rank
+    at once): the most any all_reduce could gain there. The summary lists it per size."""
+    pts = [dict(_pt(n, 50.0, 100.0), ratio_bound=b) for n, b in ((1 << 20, 20.44), (64 << 20, 4.96))]
+    pts.append(_pt(256 << 20, 50.0, 100.0))              # a point without it (not measured): left out
+    s = output.host_summary(pts)
+    assert s["ratio_bound"] == [(1 << 20, 20.44), (64 << 20, 4.96)]
+    assert output.summary_line(s).endswith(
+        "| at one copy's time (every rank copying its tensor at once) the ratio could reach 20.4 at 1 MiB, 5.0 at 64 MiB")
+    assert "ratio_bound" not in output.host_summary([_pt(1 << 20, 50.0, 100.0)])
+
+
 def test_plain_table_prints_the_summary_once_after_its_rows(capsys):
     ui = output.PlainUi(2)
     ui.start_op("all_reduce", "all_reduce  world 2", "nccl")

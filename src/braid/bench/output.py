@@ -155,6 +155,11 @@ def host_summary(points: list[dict]) -> dict | None:
         out["ceiling_fraction"] = top["algbw_gbps"] / ceiling
         if top["baseline"].get("algbw_gbps") is not None:
             out["baseline_ceiling_fraction"] = top["baseline"]["algbw_gbps"] / ceiling
+    bounds = [(p["nbytes"], p["ratio_bound"]) for p in points if p.get("ratio_bound") is not None]
+    if bounds:
+        # the most any all_reduce could gain over the baseline here: the baseline's time over one
+        # copy of the tensor on every rank at once, per size
+        out["ratio_bound"] = bounds
     for key, get in (("first_call_us", lambda p: p.get("first_call_us")),
                      ("baseline_first_call_us", lambda p: p["baseline"].get("first_call_us"))):
         vals = [v for v in map(get, points) if v is not None]
@@ -200,6 +205,9 @@ def summary_line(s: dict) -> str:
                  f"copy ceiling")
         if "baseline_ceiling_fraction" in s:
             line += f", {base}'s {100 * s['baseline_ceiling_fraction']:.0f}%"
+    if "ratio_bound" in s:
+        line += (" | at one copy's time (every rank copying its tensor at once) the ratio could reach "
+                 + ", ".join(f"{r:.1f} at {_size(n)}" for n, r in s["ratio_bound"]))
     return line
 
 

@@ -141,7 +141,13 @@ def run(comm, cfg: Config):
 def copy_ceiling(comm, nbytes: int = 64 << 20, reps: int = 3) -> float:
     """GB/s of one memory copy of `nbytes` on every rank at once (the slowest rank's best of
     `reps`): what a CPU collective's copies can reach on this machine with this many ranks."""
-    a = torch.ones(nbytes, dtype=torch.uint8)
+    return nbytes / copy_seconds(comm, nbytes, reps) / 1e9
+
+
+def copy_seconds(comm, nbytes: int, reps: int = 3) -> float:
+    """Seconds of one memory copy of `nbytes` on every rank at once, the slowest rank's best of
+    `reps` (a collective call on every rank)."""
+    a = torch.ones(max(nbytes, 1), dtype=torch.uint8)
     b = torch.empty_like(a)
     b.copy_(a)
     best = float("inf")
@@ -152,7 +158,7 @@ def copy_ceiling(comm, nbytes: int = 64 << 20, reps: int = 3) -> float:
         best = min(best, time.perf_counter() - t0)
     t = torch.tensor([best], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=comm.gloo_group)
-    return nbytes / float(t.item()) / 1e9
+    return float(t.item())
 
 
 def _check_fixed_shares(comm, cfg: Config, lanes: list[str]) -> None:
@@ -207,9 +213,16 @@ def _sweep(comm, cfg: Config, plan, common: dict, info: dict, baseline: str, ui,
         comm.last_handle = None
         t_base, t_braid, common["host_us"] = _time_point(comm, cfg, load, alts)
         got = _lane_views(comm, load)
+        # a CPU all_reduce reads each input byte and writes each output byte at least once: it
+        # cannot beat one copy of its tensor on every rank at once, which bounds its ratio
+        copy_us = (copy_seconds(comm, load.nbytes) * 1e6
+                   if not comm.cuda and op == "all_reduce" and nbytes is not None and hot is None else None)
         if r0:
             point = _point(op, load, esz, cfg.dtype, comm.world_size, t_braid, t_base, wrong, got,
                            baseline, BUS_FACTOR[op](comm.world_size), common, first)
+            if copy_us is not None:
+                point["copy_us"] = copy_us
+                point["ratio_bound"] = t_base / copy_us
             _add_alternatives(point, alts, baseline, t_base, t_braid)
             _record(comm, cfg, point, hot, ui, results, table)
         bad += wrong or 0
