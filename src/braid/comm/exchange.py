@@ -270,7 +270,7 @@ class Exchange:
         word = prep.finish_word(tk.base, inp, tk.lanes)
         seg = self.segment
         # the round belongs to this call: counted while it waits, so that a peer still at the
-        # previous call (taken whole) reads as late, not as a different call (Ledger._on_wait)
+        # previous call (taken whole) reads as late, not as a different call (CallLedger.check_peer)
         self.ledger.ncalls += 1
         t0 = time.perf_counter()
         try:
