@@ -1,0 +1,113 @@
+"""The split policy (braid.comm.policy) on its own: a new calibration table and fixed shares
+invalidate what they touch (the per-shape answers, the balancer, the pending observations),
+errors name the lanes that are missing, and the balancer's observations round-trip from a split
+call's handle to its next move. No processes: the policy is plain state."""
+from __future__ import annotations
+
+import pytest
+
+from braid.comm.policy import SplitPolicy
+from braid.errors import LaneUnavailableError
+from braid.planner.model import LaneCost
+
+GPU = ["ce", "host", "nccl"]
+
+
+def _policy(world=2, cuda=True, check=False, lanes=GPU, unavailable=None):
+    return SplitPolicy(world, cuda, check, lambda: list(lanes), unavailable or {}, None)
+
+
+def _table(nccl_bw, ce_bw, pays=None):
+    t = {"all_gather/2": {"nccl": LaneCost(10.0, nccl_bw).to_dict(), "ce": LaneCost(12.0, ce_bw).to_dict(),
+                          "host": LaneCost(30.0, 20.0).to_dict()}}
+    if pays is not None:
+        t["all_gather/2/pays"] = pays
+    return t
+
+
+class _Done:
+    """A finished split call's handle: its lanes' times."""
+
+    def __init__(self, times):
+        self.times = times
+
+    def is_completed(self):
+        return True
+
+    def lane_times_us(self):
+        return dict(self.times)
+
+
+def test_a_new_table_changes_the_digest_and_the_answers_and_restarts_the_balancer():
+    p = _policy()
+    assert p.digest == "default" and p.native_for("all_gather", 1 << 20) in (True, False)
+    p.set_table(_table(320.0, 330.0, {"20": False}))          # the calibration: NCCL alone at 1 MiB
+    first = p.digest
+    assert first != "default" and p.native_for("all_gather", 1 << 20) is True
+    bal = p.balancer
+    p.pending["all_gather"] = ("bucket", {"ce": 1.0}, _Done({}))
+    p.set_table(_table(320.0, 330.0, {"20": "ce"}))           # now the copy engines alone there
+    assert p.digest != first and p.balancer is not bal and p.pending == {}
+    assert p.native_for("all_gather", 1 << 20) is False       # the cached answer did not survive
+    assert p.shares_for("all_gather", 1 << 20, GPU) == {"ce": 1.0}
+    p.set_table({})
+    assert p.digest == "default" and p.calib == {} and p.pays == {}
+
+
+def test_fixed_shares_override_the_table_and_clear_the_cached_answers():
+    p = _policy()
+    p.set_table(_table(320.0, 330.0, {"20": False}))
+    assert p.native_for("all_gather", 1 << 20) is True
+    p.set_fixed({"all_gather": {"ce": 0.7, "host": 0.3, "nccl": 0.0}})
+    assert p.fixed_for("all_gather") == {"ce": 0.7, "host": 0.3, "nccl": 0.0} and p.fixed_for("broadcast") is None
+    assert p.shares_for("all_gather", 1 << 20, GPU) == {"ce": 0.7, "host": 0.3}   # zero shares dropped
+    assert p.native_for("all_gather", 1 << 20) is False
+    p.set_fixed({"*": {"nccl": 1.0}})                        # NCCL alone: its own call, as users get it
+    assert p.native_for("broadcast", 1 << 20) is True
+    cpu = _policy(cuda=False, lanes=["gloo", "shm"])
+    cpu.set_fixed({"*": {"gloo": 1.0}})
+    assert cpu.native_for("all_gather", 1 << 20) is False    # CPU: fixed shares drive the lanes themselves
+    p.set_fixed(None)
+    assert p.fixed_for("all_gather") is None and p.native_for("all_gather", 1 << 20) is True
+
+
+def test_missing_lanes_are_named():
+    p = _policy(unavailable={"host": "no pinned memory"})
+    with pytest.raises(LaneUnavailableError, match="no lane can move"):
+        p.shares_for("all_gather", 1 << 20, [])
+    p.set_fixed({"*": {"ce": 0.5, "host": 0.5}})
+    with pytest.raises(LaneUnavailableError, match=r"lanes \['host'\].*no pinned memory"):
+        p.shares_for("all_gather", 1 << 20, ["ce", "nccl"])
+
+
+def test_check_mode_never_gives_a_call_to_the_native_library():
+    p = _policy(check=True)
+    assert p.native_for("all_gather", 1 << 10) is False and not p.native_ok({"nccl": 1.0})
+
+
+def test_a_split_calls_times_reach_the_balancer_once_every_rank_reported_them():
+    p = _policy()
+    table = {"all_gather/2": {"ce": LaneCost(12.0, 300.0).to_dict(), "host": LaneCost(30.0, 60.0).to_dict(),
+                              "nccl": LaneCost(10.0, 1.0).to_dict()}}
+    p.set_table(table)
+    n = 256 << 20
+    shares = p.shares_for("all_gather", n, GPU)
+    assert set(shares) == {"ce", "host"}                     # the model splits it
+    version = p.balancer.version
+    p.learn([{"obs": None}, {"obs": None}])                 # nothing reported: nothing to learn
+    for _ in range(p.balancer.min_samples):                 # the host lane finishes last every call
+        p.note_pending("all_gather", n, GPU, shares, _Done({"ce": 900.0, "host": 1500.0}))
+        obs = p.observation("all_gather")
+        assert obs is not None and p.observation("all_gather") is None      # taken once
+        p.learn([{"obs": obs}, {"obs": None}])               # a rank without it: no sample
+    assert p.balancer.version == version
+    for _ in range(p.balancer.min_samples):
+        p.note_pending("all_gather", n, GPU, shares, _Done({"ce": 900.0, "host": 1500.0}))
+        obs = p.observation("all_gather")
+        p.learn([{"obs": obs}, {"obs": obs}])                # both ranks reported the same call
+    assert p.balancer.version != version                     # a move, alike on every rank
+    moved = p.shares_for("all_gather", n, GPU)
+    assert moved["host"] < shares["host"]
+    p.adapt = False                                          # stage 2 off: nothing kept to report
+    p.note_pending("all_gather", n, GPU, moved, _Done({"ce": 1.0, "host": 2.0}))
+    assert p.observation("all_gather") is None
