@@ -111,3 +111,4 @@ def test_a_split_calls_times_reach_the_balancer_once_every_rank_reported_them():
     p.adapt = False                                          # stage 2 off: nothing kept to report
     p.note_pending("all_gather", n, GPU, moved, _Done({"ce": 1.0, "host": 2.0}))
     assert p.observation("all_gather") is None
+
