@@ -286,3 +286,75 @@ def test_the_threads_end_with_the_communicator():
         assert first == 2.0
         assert during >= before + 2         # the pool's workers (3 threads a rank: 2 workers)
         assert after <= during - 2
+
+
+def test_waits_that_find_their_core_wanted_switch_to_large_chunks_and_back():
+    """NativePool.after_call: BUSY_YIELDS slow yields over two calls in a row switch this rank's
+    offer to BUSY_CHUNK_KB chunks (its thread count stays) for BUSY_CALLS calls; one alone does
+    not; quiet calls bring the usual offer back."""
+    from braid.comm import native_cpu as N
+
+    class Lib:
+        busy = 0
+
+        def cpucoll_busy(self, h):
+            return self.busy
+
+    pool = N.NativePool.__new__(N.NativePool)
+    pool.lib, pool._h = Lib(), 1
+    pool.idle_offer, pool.busy_offer = (3, 256, 1024), (3, max(256, N.BUSY_CHUNK_KB), 1024)
+    pool.offer, pool._busy_calls, pool._last_busy = pool.idle_offer, 0, 0
+    seen = []
+    for busy in [1, 0, 0, 1, 1] + [0] * (N.BUSY_CALLS + 1):
+        pool.lib.busy = busy
+        pool.after_call()
+        seen.append(pool.offer)
+    assert seen[:4] == [pool.idle_offer] * 4                 # one slow yield in two calls: noise
+    assert seen[4] == pool.busy_offer and pool.busy_offer[1] == N.BUSY_CHUNK_KB and pool.busy_offer[0] == 3
+    busy_run = [o == pool.busy_offer for o in seen[4:]]
+    assert busy_run == [True] * N.BUSY_CALLS + [False] * 2  # BUSY_CALLS calls from the second one, then back
+    assert pool.offer == pool.idle_offer
+
+
+def _busy_cores_worker(rank, w):
+    """Calls while other processes keep every core busy: every result right, the same bits on
+    every rank (the waits may sleep on the counters, the ranks may agree on larger chunks)."""
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+    import braid
+    comm = braid.init()
+    spinners = []
+    if rank == 0:                                       # a busy loop per core, for the length of the calls
+        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                    for _ in range(len(os.sched_getaffinity(0)))]
+    dist.barrier()
+    bad, digests, busy = [], [], 0
+    try:
+        for i in range(24):
+            n = (1 << 18) + 4099 * i                    # 1-1.4 MiB of float32, sizes changing
+            xs = [data(r, n, torch.float32, i) for r in range(w)]
+            t = xs[rank].clone()
+            comm.all_reduce(t)
+            if not close(t, reference(xs, "sum", 1.0), xs, "sum"):
+                bad.append(f"all_reduce {i}: wrong")
+            digests.append(_digest(t))
+            busy = max(busy, comm._cpu._native._busy_calls)     # (on a 2-core container: 16, the busy offer)
+            out = torch.empty(n * w)
+            comm.all_gather_into_tensor(out, xs[rank])
+            if not torch.equal(out, torch.cat(xs)):
+                bad.append(f"all_gather {i}: wrong")
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    comm.close()
+    return bad, digests, busy
+
+
+def test_calls_stay_right_while_other_processes_keep_the_cores_busy():
+    res = run_world(_busy_cores_worker, 2, timeout=240, env={"BRAID_CPU_THREADS": "1", "BRAID_CPU_CHUNK_KB": "64"})
+    for bad, _, _ in res:
+        assert bad == []
+    assert res[0][1] == res[1][1]                           # the same bits on both ranks

@@ -25,12 +25,23 @@
  * The reduce_scatter is steps 1 and 2 with the reduction written to the output alone
  * (run_scatter_stripe); the all_to_all is the same movement with a copy in place of the reduction,
  * the all_gather the same with one chunk per rank that every rank copies out. Each element is
- * reduced by one rank in rank order, so every rank ends with the same bits, run after run. A wait spins, then yields the core, then sleeps; while it lasts it looks at every
- * rank's abort word, at the peer's process and at the deadline, and any of them ends the call
- * with a code Python turns into braid's error.
+ * reduced by one rank in rank order, so every rank ends with the same bits, run after run.
+ *
+ * A wait spins, then yields the core, then sleeps; while it lasts it looks at every rank's abort
+ * word, at the peer's process and at the deadline, and any of them ends the call with a code
+ * Python turns into braid's error. A yield that took long says that other threads want the core
+ * (other processes busy on the host, more threads than cores): from then on the wait sleeps on
+ * the counter (a futex, shared between the processes) and the rank that raises it wakes it, so a
+ * waiter no longer takes turns on the core with the rank it waits for (2 ranks on 2 busy cores:
+ * a 1 MiB all_reduce took 24 ms against gloo's 4). After BUSY_YIELDS such yields in two calls in a
+ * row the waits of the next BUSY_CALLS calls sleep right after their spin, and Python offers larger
+ * chunks (fewer hand-offs). Each counter's cache line holds, beside it, the count of threads
+ * sleeping on it; a rank that raises a counter nobody sleeps on makes no system call.
  *
  * Build: cc -O3 -march=native -shared -fPIC -pthread (native_cpu.build). */
 #include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
@@ -38,6 +49,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <sys/types.h>
 #include <time.h>
 #include <unistd.h>
@@ -48,6 +60,14 @@
 #define BLK 1024                /* elements reduced per block (a block's sums stay in registers/L1) */
 #define SPIN_NS 20000LL         /* a wait spins this long, then yields the core... */
 #define YIELD_NS 5000000LL      /* ...until this long, then sleeps in short steps */
+#define SLOW_YIELD_NS 500000LL  /* a yield this long: another thread held the core for a time slice */
+#define FUTEX_NS 1000000LL      /* longest sleep on a futex between two looks at aborts and peers */
+#define BUSY_CALLS 16           /* calls whose waits sleep at once after two calls in a row with... */
+#define BUSY_YIELDS 2           /* ...this many slow yields between them (one alone may be noise) */
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the futex waits on a counter's low 32 bits: little-endian only"
+#endif
 #define CHECK_NS 1000000LL      /* abort words and the deadline: this often while waiting */
 #define ALIVE_NS 200000000LL    /* the peer's process: this often */
 
@@ -86,6 +106,9 @@ struct ctx {
     pthread_cond_t cv;
     uint64_t gen;               /* raised once per call (atomics) */
     int sleepers, remaining, quit;
+    uint64_t busy;              /* slow yields of the last call (atomics; read by cpucoll_busy) */
+    uint64_t busy_before;       /* ... and of the call before it */
+    int sleepy;                 /* calls left whose waits sleep on the counter after their spin */
     job_t job;
     int fail, fail_peer;
 };
@@ -106,6 +129,31 @@ static inline void relax(void) {
 
 static volatile uint64_t *ctr(ctx_t *c, int r, int t, int kind) {
     return (volatile uint64_t *)(c->ctrs[r] + (uint64_t)(t * 3 + kind) * 64);
+}
+
+/* the threads (of any rank) asleep on a counter: the next 32 bits of its cache line */
+static inline volatile uint32_t *sleepers_of(volatile uint64_t *p) {
+    return (volatile uint32_t *)((volatile uint8_t *)p + 8);
+}
+
+/* raise a counter, and wake whoever sleeps on it (no system call when nobody does) */
+static inline void post(volatile uint64_t *p, uint64_t v) {
+    __atomic_store_n(p, v, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(sleepers_of(p), __ATOMIC_SEQ_CST))
+        syscall(SYS_futex, (uint32_t *)p, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+/* sleep on a counter until it changes, a wake, or `ns`; the counter's low 32 bits are the word
+ * the futex compares (they change at every raise within a call) */
+static void sleep_on(volatile uint64_t *p, uint64_t v, int64_t ns) {
+    volatile uint32_t *s = sleepers_of(p);
+    __atomic_add_fetch(s, 1, __ATOMIC_SEQ_CST);
+    uint64_t cur = __atomic_load_n(p, __ATOMIC_SEQ_CST);
+    if (cur < v) {
+        struct timespec ts = {0, ns};
+        syscall(SYS_futex, (uint32_t *)p, FUTEX_WAIT, (uint32_t)cur, &ts, NULL, 0);
+    }
+    __atomic_sub_fetch(s, 1, __ATOMIC_SEQ_CST);
 }
 
 static uint8_t *slot(ctx_t *c, int r, int t, int s) {
@@ -137,6 +185,9 @@ static int dead(pid_t pid) {
 static int wait_ge(ctx_t *c, volatile uint64_t *p, uint64_t v, int peer) {
     if (__atomic_load_n(p, __ATOMIC_ACQUIRE) >= v) return 0;
     int64_t t0 = now_ns(), t = t0, next_check = t0 + CHECK_NS, next_alive = t0 + ALIVE_NS;
+    /* a yield took long (here, or BUSY_YIELDS times in a call of the last BUSY_CALLS): other
+     * threads want this core, and each further yield would give it away for a time slice */
+    int busy = __atomic_load_n(&c->sleepy, __ATOMIC_RELAXED) > 0;
     for (uint64_t i = 1;; i++) {
         if (__atomic_load_n(p, __ATOMIC_ACQUIRE) >= v) return 0;
         if (__atomic_load_n(&c->fail, __ATOMIC_RELAXED)) return -1;
@@ -145,8 +196,15 @@ static int wait_ge(ctx_t *c, volatile uint64_t *p, uint64_t v, int peer) {
             relax();
             continue;
         }
-        if (t - t0 < YIELD_NS) {
+        if (busy) {
+            sleep_on(p, v, FUTEX_NS);
+            t = now_ns();
+        } else if (t - t0 < YIELD_NS) {
+            int64_t y = t;
             sched_yield();
+            t = now_ns();
+            busy = t - y > SLOW_YIELD_NS;
+            if (busy) __atomic_add_fetch(&c->busy, 1, __ATOMIC_RELAXED);
         } else {
             struct timespec ts = {0, 100000};
             nanosleep(&ts, NULL);
@@ -285,7 +343,7 @@ static void run_stripe(ctx_t *c, int t) {
                 if (r != me && wait_ge(c, ctr(c, r, t, C_OUT), E | (uint64_t)(k - SLOTS + 1), r)) return;
         for (int r = 0; r < n; r++)
             if (r != me) memcpy(mine + bd[r] * esz, base + bd[r] * esz, (bd[r + 1] - bd[r]) * esz);
-        __atomic_store_n(ctr(c, me, t, C_IN), E | (uint64_t)(k + 1), __ATOMIC_RELEASE);
+        post(ctr(c, me, t, C_IN), E | (uint64_t)(k + 1));
         for (int r = 0; r < n; r++) {
             if (r == me) { src[r] = base + bd[me] * esz; continue; }
             if (wait_ge(c, ctr(c, r, t, C_IN), E | (uint64_t)(k + 1), r)) return;
@@ -295,13 +353,13 @@ static void run_stripe(ctx_t *c, int t) {
         uint8_t *own = base + bd[me] * esz, *handed = mine + bd[me] * esz;
         uint8_t *d1 = j->root < 0 || j->root == me ? own : handed, *d2 = j->root < 0 ? handed : d1;
         red(src, n, bd[me + 1] - bd[me], d1, d2, j->op);
-        __atomic_store_n(ctr(c, me, t, C_RED), E | (uint64_t)(k + 1), __ATOMIC_RELEASE);
+        post(ctr(c, me, t, C_RED), E | (uint64_t)(k + 1));
         for (int i = 1; i < n && (j->root < 0 || j->root == me); i++) {
             int r = (me + i) % n;
             if (wait_ge(c, ctr(c, r, t, C_RED), E | (uint64_t)(k + 1), r)) return;
             memcpy(base + bd[r] * esz, slot(c, r, t, s) + bd[r] * esz, (bd[r + 1] - bd[r]) * esz);
         }
-        __atomic_store_n(ctr(c, me, t, C_OUT), E | (uint64_t)(k + 1), __ATOMIC_RELEASE);
+        post(ctr(c, me, t, C_OUT), E | (uint64_t)(k + 1));
     }
     for (int r = 0; r < n; r++)     /* nobody reads this rank's area after the call */
         if (r != me && wait_ge(c, ctr(c, r, t, C_OUT), E | (uint64_t)chunks, r)) return;
@@ -332,7 +390,7 @@ static void run_scatter_stripe(ctx_t *c, int t) {
         else
             for (int d = 0; d < n; d++)
                 if (d != me) memcpy(mine + d * L * esz, j->buf + (d * m + a) * esz, len * esz);
-        __atomic_store_n(ctr(c, me, t, C_IN), E | (uint64_t)(k + 1), __ATOMIC_RELEASE);
+        post(ctr(c, me, t, C_IN), E | (uint64_t)(k + 1));
         if (j->scatter == 3) {      /* all_gather: every rank's chunk, copied into its block */
             memcpy(j->out + (me * m + a) * esz, j->buf + a * esz, len * esz);
             for (int i = 1; i < n; i++) {
@@ -340,7 +398,7 @@ static void run_scatter_stripe(ctx_t *c, int t) {
                 if (wait_ge(c, ctr(c, r, t, C_IN), E | (uint64_t)(k + 1), r)) return;
                 memcpy(j->out + (r * m + a) * esz, slot(c, r, t, s), len * esz);
             }
-            __atomic_store_n(ctr(c, me, t, C_RED), E | (uint64_t)(k + 1), __ATOMIC_RELEASE);
+            post(ctr(c, me, t, C_RED), E | (uint64_t)(k + 1));
             continue;
         }
         if (j->scatter == 2) {      /* all_to_all: every rank's block for this rank, copied */
@@ -350,7 +408,7 @@ static void run_scatter_stripe(ctx_t *c, int t) {
                 if (wait_ge(c, ctr(c, r, t, C_IN), E | (uint64_t)(k + 1), r)) return;
                 memcpy(j->out + (r * m + a) * esz, slot(c, r, t, s) + me * L * esz, len * esz);
             }
-            __atomic_store_n(ctr(c, me, t, C_RED), E | (uint64_t)(k + 1), __ATOMIC_RELEASE);
+            post(ctr(c, me, t, C_RED), E | (uint64_t)(k + 1));
             continue;
         }
         for (int r = 0; r < n; r++) {
@@ -359,7 +417,7 @@ static void run_scatter_stripe(ctx_t *c, int t) {
             src[r] = slot(c, r, t, s) + me * L * esz;
         }
         red(src, n, len, j->out + a * esz, j->out + a * esz, j->op);
-        __atomic_store_n(ctr(c, me, t, C_RED), E | (uint64_t)(k + 1), __ATOMIC_RELEASE);
+        post(ctr(c, me, t, C_RED), E | (uint64_t)(k + 1));
     }
     for (int r = 0; r < n; r++)
         if (r != me && wait_ge(c, ctr(c, r, t, C_RED), E | (uint64_t)chunks, r)) return;
@@ -423,6 +481,9 @@ void *cpucoll_new(int world, int me, const uint64_t *areas, const uint64_t *ctrs
 
 int cpucoll_workers(void *h) { return ((ctx_t *)h)->nworkers; }
 
+/* the last call's slow yields (waits that found their core wanted) */
+uint64_t cpucoll_busy(void *h) { return __atomic_load_n(&((ctx_t *)h)->busy, __ATOMIC_RELAXED); }
+
 int cpucoll_has_f16(void) {
 #ifdef __FLT16_MAX__
     return 1;
@@ -436,6 +497,8 @@ static int go(ctx_t *c, void *buf, void *out, int64_t count, int esz, int dtype,
               int64_t chunk, int scatter, int root, int *peer) {
     *peer = -1;
     if (getpid() != c->owner) return E_FORKED;
+    if (c->sleepy > 0) c->sleepy--;
+    c->busy_before = __atomic_exchange_n(&c->busy, 0, __ATOMIC_RELAXED);
     if (stripes < 1) stripes = 1;
     if (stripes > c->nworkers + 1) stripes = c->nworkers + 1;
     job_t *j = &c->job;
@@ -470,6 +533,7 @@ static int go(ctx_t *c, void *buf, void *out, int64_t count, int esz, int dtype,
             if (now_ns() - t0 < SPIN_NS) relax(); else sched_yield();
         }
     }
+    if (__atomic_load_n(&c->busy, __ATOMIC_RELAXED) + c->busy_before >= BUSY_YIELDS) c->sleepy = BUSY_CALLS;
     *peer = c->fail_peer;
     return c->fail;
 }

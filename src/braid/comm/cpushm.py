@@ -403,6 +403,7 @@ class CpuShm:
         else:
             rc, peer = nat.reduce_scatter(out, inp, name, self.seq, stripes, max(1, chunk // self.world))
         self.native_calls += 1
+        nat.after_call()
         if root is None or root == self.rank:
             _written(out)       # C wrote it: autograd's count of in-place writes, as torch's own ops keep
         if rc:
