@@ -318,7 +318,8 @@ def test_waits_that_find_their_core_wanted_switch_to_large_chunks_and_back():
 
 def _busy_cores_worker(rank, w):
     """Calls while other processes keep every core busy: every result right, the same bits on
-    every rank (the waits may sleep on the counters, the ranks may agree on larger chunks)."""
+    every rank (the native waits and the rounds' waits in Python may sleep on their counters,
+    woken by the rank that raises them; the ranks may agree on larger chunks)."""
     import subprocess
     import sys
 
@@ -345,6 +346,13 @@ def _busy_cores_worker(rank, w):
             comm.all_gather_into_tensor(out, xs[rank])
             if not torch.equal(out, torch.cat(xs)):
                 bad.append(f"all_gather {i}: wrong")
+            m = 1000 + 37 * i                           # small calls: the rounds in Python, their waits
+            ys = [data(r, m, torch.float32, 50 + i) for r in range(w)]
+            u = ys[rank].clone()
+            comm.all_reduce(u)
+            if not close(u, reference(ys, "sum", 1.0), ys, "sum"):
+                bad.append(f"small all_reduce {i}: wrong")
+            digests.append(_digest(u))
     finally:
         for p in spinners:
             p.kill()

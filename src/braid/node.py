@@ -271,13 +271,14 @@ class NodeSegment:
         self.u32[off // 4] = value & 0xFFFFFFFF
 
     def wait_geq(self, off: int, value: int, what: str, peer: int, deadline: float | None,
-                 spin_s: float | None = None) -> None:
+                 spin_s: float | None = None, sleep=None) -> None:
         """Poll a counter until it reaches value; raise on timeout or a dead peer (deadline None:
         BRAID_TIMEOUT_S from the first check).
 
         Spins for the first `spin_s` (peers usually arrive within microseconds, and a sleep costs
-        60-80 us on Linux however short it is asked to be), then sleeps in 0.5 ms steps. CPU-only
-        communicators spin briefly: their ranks share few cores with the lanes' own threads."""
+        60-80 us on Linux however short it is asked to be), then sleeps in 0.5 ms steps (or calls
+        `sleep()`, which returns at the latest ~1 ms later: comm/cpushm.py's sleep on the counter).
+        CPU-only communicators spin briefly: their ranks share few cores with the lanes' own threads."""
         if geq(self.get(off), value):
             return
         if deadline is None:
@@ -291,7 +292,10 @@ class NodeSegment:
                     return
         checks = 0
         while not geq(self.get(off), value):
-            time.sleep(0.0005)
+            if sleep is None:
+                time.sleep(0.0005)
+            else:
+                sleep()
             checks += 1
             if checks % 64 == 0 and not geq(self.get(off), value):
                 self.check_alive(peer)

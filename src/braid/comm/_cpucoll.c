@@ -481,6 +481,28 @@ void *cpucoll_new(int world, int me, const uint64_t *areas, const uint64_t *ctrs
 
 int cpucoll_workers(void *h) { return ((ctx_t *)h)->nworkers; }
 
+/* the segment's 32-bit counters, for the rounds in Python (comm/cpushm.py): sleep on one until it
+ * reaches v (compared across wrap-around), a wake or `ns`, counting this thread among its sleepers
+ * (the next 32 bits); 1 when it reached v */
+int cpucoll_sleep32(uint64_t addr, uint32_t v, int64_t ns) {
+    volatile uint32_t *p = (volatile uint32_t *)(uintptr_t)addr;
+    __atomic_add_fetch(p + 1, 1, __ATOMIC_SEQ_CST);
+    uint32_t cur = __atomic_load_n(p, __ATOMIC_SEQ_CST);
+    int reached = (uint32_t)(cur - v) < 0x80000000u;
+    if (!reached) {
+        struct timespec ts = {ns / 1000000000LL, ns % 1000000000LL};
+        syscall(SYS_futex, (uint32_t *)p, FUTEX_WAIT, cur, &ts, NULL, 0);
+        reached = (uint32_t)(__atomic_load_n(p, __ATOMIC_SEQ_CST) - v) < 0x80000000u;
+    }
+    __atomic_sub_fetch(p + 1, 1, __ATOMIC_SEQ_CST);
+    return reached;
+}
+
+/* wake every thread asleep on a 32-bit counter (after its owner raised it) */
+void cpucoll_wake32(uint64_t addr) {
+    syscall(SYS_futex, (uint32_t *)(uintptr_t)addr, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
 /* the last call's slow yields (waits that found their core wanted) */
 uint64_t cpucoll_busy(void *h) { return __atomic_load_n(&((ctx_t *)h)->busy, __ATOMIC_RELAXED); }
 

@@ -55,7 +55,11 @@ A2A_BLOCK = 64 << 10        # a native all_to_all's least bytes per destination 
 # 16 MiB 9.9-10.1 ms in one 16 MiB piece, 6.7-6.8 ms in 2 MiB pieces; 64 MiB 27.8-28.0 -> 25.6-26.1;
 # 4 MiB 1.78-1.86 -> 1.58-1.68). The symmetric ops gain nothing from pieces (every rank copies alike).
 BCAST_CHUNK = 2 << 20
-YIELD_S = 0.05              # a wait spins (yielding the core) this long before it sleeps
+YIELD_S = 0.05              # a wait spins (yielding the core) this long before it sleeps...
+SLOW_YIELD_S = 0.0005       # ...or until a yield gives the core away this long (other threads want it:
+                            # then it sleeps on the stamp, woken by its rank, for BUSY_ROUNDS rounds)
+BUSY_ROUNDS = 16
+SLEEP_NS = 1_000_000        # the longest sleep on a stamp between two looks at aborts and peers
 _OPS = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3, "broadcast": 4, "reduce": 5,
         "all_to_all_single": 6, "barrier": 7}
 _NAMES = {"sum": 1, "avg": 2, "product": 3, "min": 4, "max": 5, "band": 6, "bor": 7, "bxor": 8, "premul_sum": 9}
@@ -141,6 +145,7 @@ class CpuShm:
         # the native all_reduce and reduce_scatter (comm/native_cpu.py): their area is each rank's
         # half 0 past the first page (the headers of both parities stay out of it); made on first use
         self._native = None
+        self._busy_rounds = 0       # rounds left whose waits sleep on the stamp at once (_wait)
         self.native_calls = 0       # calls the native pool ran
         self._native_tried = not (self.ok and envs.get("BRAID_CPU_NATIVE") and self.half >= NATIVE_AREA_MIN)
 
@@ -221,7 +226,10 @@ class CpuShm:
         h = hdr[self.rank]
         self.head[h // 8: h // 8 + 5 + len(extra)] = (s, _OPS[op], nbytes, _dtype_code(dtype), detail, *extra)
         u32, stamp = self.seg.u32, self._stamp
-        u32[stamp[self.rank]] = s & 0xFFFFFFFF
+        me = stamp[self.rank]
+        u32[me] = s & 0xFFFFFFFF
+        if u32[me + 1]:                         # a peer sleeps on the stamp (_wait): wake it
+            self._lib32().cpucoll_wake32(self.seg.address + 4 * me)
         far = False
         for r in self._others:
             d = (int(u32[stamp[r]]) - s) & 0xFFFFFFFF
@@ -249,28 +257,54 @@ class CpuShm:
         head = self.head
         return [tuple(int(v) for v in head[o // 8 + first: o // 8 + first + count]) for o in self._hdr[p]]
 
+    @staticmethod
+    def _lib32():
+        """The native library (its sleep and wake on the segment's stamps), None where it cannot
+        be built: the waits then sleep in steps."""
+        from . import native_cpu
+        return native_cpu.build() if envs.get("BRAID_CPU_NATIVE") else None
+
     def _wait(self, r: int, s: int, op: str) -> None:
         """Until rank r stamped round s: spin, giving the core away between looks (ranks may
         outnumber cores), for up to YIELD_S; then the segment's wait (sleeps, a dead peer, an
-        abort, BRAID_TIMEOUT_S)."""
+        abort, BRAID_TIMEOUT_S). A look whose yield gave the core away for a time slice (other
+        processes busy on the host) makes the wait, and those of the next BUSY_ROUNDS rounds,
+        sleep on the stamp, which its rank's `_round` wakes (2 ranks on 2 busy cores: each yield
+        had given the peer's turn away)."""
         off = self.ready[r]
         u32, idx = self.seg.u32, off // 4
-        end = time.perf_counter() + YIELD_S
+        now = time.perf_counter()
+        end = now + (YIELD_S if not self._busy_rounds else 0.0)
         p2p = self.p2p
+        slow = False
         while True:
             for _ in range(16):
                 if ((int(u32[idx]) - s) & 0xFFFFFFFF) < 0x80000000:
+                    self._busy_rounds = max(self._busy_rounds - 1, 0)
                     return
             if p2p is not None and p2p.pending:
                 p2p.progress()
-            if time.perf_counter() > end:
+            if now > end:
                 break
             os.sched_yield()
+            t = time.perf_counter()
+            if t - now > SLOW_YIELD_S:          # the core went to another thread for a time slice
+                slow = True
+                break
+            now = t
         if p2p is not None and p2p.pending:
             # a peer may be waiting in a recv for this rank's pending send before it gets here
             p2p.wait_while(lambda: ((int(u32[idx]) - s) & 0xFFFFFFFF) >= 0x80000000, r, op)
             return
-        self.seg.wait_geq(off, s, op, r, None)
+        lib = self._lib32() if slow or self._busy_rounds else None
+        if lib is None:
+            self.seg.wait_geq(off, s, op, r, None)
+            return
+        # other threads want the cores: sleep on the stamp until its rank raises it (and wakes us),
+        # and do so at once for the next BUSY_ROUNDS rounds
+        self._busy_rounds = BUSY_ROUNDS
+        addr, value = self.seg.address + off, s & 0xFFFFFFFF
+        self.seg.wait_geq(off, s, op, r, None, spin_s=0.0, sleep=lambda: lib.cpucoll_sleep32(addr, value, SLEEP_NS))
 
     @staticmethod
     def _say(x: tuple) -> str:

@@ -67,6 +67,10 @@ def build() -> ctypes.CDLL | None:
     lib.cpucoll_workers.argtypes = [_vp]
     lib.cpucoll_busy.restype = _u64
     lib.cpucoll_busy.argtypes = [_vp]
+    lib.cpucoll_sleep32.restype = _int
+    lib.cpucoll_sleep32.argtypes = [_u64, ctypes.c_uint32, _i64]
+    lib.cpucoll_wake32.restype = None
+    lib.cpucoll_wake32.argtypes = [_u64]
     lib.cpucoll_has_f16.restype = _int
     lib.cpucoll_free.restype = None
     lib.cpucoll_free.argtypes = [_vp]
