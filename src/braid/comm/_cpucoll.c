@@ -131,6 +131,16 @@ static volatile uint64_t *ctr(ctx_t *c, int r, int t, int kind) {
     return (volatile uint64_t *)(c->ctrs[r] + (uint64_t)(t * 3 + kind) * 64);
 }
 
+/* the futex of a shared 32-bit word: sleep while it holds `seen` (at most `ns`), wake every sleeper */
+static void futex_wait(volatile uint32_t *w, uint32_t seen, int64_t ns) {
+    struct timespec ts = {ns / 1000000000LL, ns % 1000000000LL};
+    syscall(SYS_futex, (uint32_t *)w, FUTEX_WAIT, seen, &ts, NULL, 0);
+}
+
+static void futex_wake(volatile uint32_t *w) {
+    syscall(SYS_futex, (uint32_t *)w, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
 /* the threads (of any rank) asleep on a counter: the next 32 bits of its cache line */
 static inline volatile uint32_t *sleepers_of(volatile uint64_t *p) {
     return (volatile uint32_t *)((volatile uint8_t *)p + 8);
@@ -139,8 +149,7 @@ static inline volatile uint32_t *sleepers_of(volatile uint64_t *p) {
 /* raise a counter, and wake whoever sleeps on it (no system call when nobody does) */
 static inline void post(volatile uint64_t *p, uint64_t v) {
     __atomic_store_n(p, v, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(sleepers_of(p), __ATOMIC_SEQ_CST))
-        syscall(SYS_futex, (uint32_t *)p, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+    if (__atomic_load_n(sleepers_of(p), __ATOMIC_SEQ_CST)) futex_wake((volatile uint32_t *)p);
 }
 
 /* sleep on a counter until it changes, a wake, or `ns`; the counter's low 32 bits are the word
@@ -149,10 +158,7 @@ static void sleep_on(volatile uint64_t *p, uint64_t v, int64_t ns) {
     volatile uint32_t *s = sleepers_of(p);
     __atomic_add_fetch(s, 1, __ATOMIC_SEQ_CST);
     uint64_t cur = __atomic_load_n(p, __ATOMIC_SEQ_CST);
-    if (cur < v) {
-        struct timespec ts = {0, ns};
-        syscall(SYS_futex, (uint32_t *)p, FUTEX_WAIT, (uint32_t)cur, &ts, NULL, 0);
-    }
+    if (cur < v) futex_wait((volatile uint32_t *)p, (uint32_t)cur, ns);
     __atomic_sub_fetch(s, 1, __ATOMIC_SEQ_CST);
 }
 
@@ -490,8 +496,7 @@ int cpucoll_sleep32(uint64_t addr, uint32_t v, int64_t ns) {
     uint32_t cur = __atomic_load_n(p, __ATOMIC_SEQ_CST);
     int reached = (uint32_t)(cur - v) < 0x80000000u;
     if (!reached) {
-        struct timespec ts = {ns / 1000000000LL, ns % 1000000000LL};
-        syscall(SYS_futex, (uint32_t *)p, FUTEX_WAIT, cur, &ts, NULL, 0);
+        futex_wait(p, cur, ns);
         reached = (uint32_t)(__atomic_load_n(p, __ATOMIC_SEQ_CST) - v) < 0x80000000u;
     }
     __atomic_sub_fetch(p + 1, 1, __ATOMIC_SEQ_CST);
@@ -499,9 +504,7 @@ int cpucoll_sleep32(uint64_t addr, uint32_t v, int64_t ns) {
 }
 
 /* wake every thread asleep on a 32-bit counter (after its owner raised it) */
-void cpucoll_wake32(uint64_t addr) {
-    syscall(SYS_futex, (uint32_t *)(uintptr_t)addr, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
-}
+void cpucoll_wake32(uint64_t addr) { futex_wake((volatile uint32_t *)(uintptr_t)addr); }
 
 /* the last call's slow yields (waits that found their core wanted) */
 uint64_t cpucoll_busy(void *h) { return __atomic_load_n(&((ctx_t *)h)->busy, __ATOMIC_RELAXED); }

@@ -57,8 +57,8 @@ A2A_BLOCK = 64 << 10        # a native all_to_all's least bytes per destination 
 BCAST_CHUNK = 2 << 20
 YIELD_S = 0.05              # a wait spins (yielding the core) this long before it sleeps...
 SLOW_YIELD_S = 0.0005       # ...or until a yield gives the core away this long (other threads want it:
-                            # then it sleeps on the stamp, woken by its rank, for BUSY_ROUNDS rounds)
-BUSY_ROUNDS = 16
+                            # then it, and the next BUSY_WAITS waits, sleep on the stamp, woken by its rank)
+BUSY_WAITS = 16
 SLEEP_NS = 1_000_000        # the longest sleep on a stamp between two looks at aborts and peers
 _OPS = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3, "broadcast": 4, "reduce": 5,
         "all_to_all_single": 6, "barrier": 7}
@@ -145,7 +145,7 @@ class CpuShm:
         # the native all_reduce and reduce_scatter (comm/native_cpu.py): their area is each rank's
         # half 0 past the first page (the headers of both parities stay out of it); made on first use
         self._native = None
-        self._busy_rounds = 0       # rounds left whose waits sleep on the stamp at once (_wait)
+        self._busy_waits = 0        # waits left that sleep on the stamp at once (_wait)
         self.native_calls = 0       # calls the native pool ran
         self._native_tried = not (self.ok and envs.get("BRAID_CPU_NATIVE") and self.half >= NATIVE_AREA_MIN)
 
@@ -228,7 +228,9 @@ class CpuShm:
         u32, stamp = self.seg.u32, self._stamp
         me = stamp[self.rank]
         u32[me] = s & 0xFFFFFFFF
-        if u32[me + 1]:                         # a peer sleeps on the stamp (_wait): wake it
+        # a peer sleeps on the stamp (_wait): wake it (a wake missed between the store and this
+        # look costs the sleeper SLEEP_NS at most, after which it looks again)
+        if u32[me + 1]:
             self._lib32().cpucoll_wake32(self.seg.address + 4 * me)
         far = False
         for r in self._others:
@@ -268,23 +270,26 @@ class CpuShm:
         """Until rank r stamped round s: spin, giving the core away between looks (ranks may
         outnumber cores), for up to YIELD_S; then the segment's wait (sleeps, a dead peer, an
         abort, BRAID_TIMEOUT_S). A look whose yield gave the core away for a time slice (other
-        processes busy on the host) makes the wait, and those of the next BUSY_ROUNDS rounds,
-        sleep on the stamp, which its rank's `_round` wakes (2 ranks on 2 busy cores: each yield
-        had given the peer's turn away)."""
+        processes busy on the host) makes the wait, and the next BUSY_WAITS waits, sleep on the
+        stamp, which its rank's `_round` wakes (2 ranks on 2 busy cores: each yield had given the
+        peer's turn away); the first wait after them yields again, and renews them if its core is
+        still wanted."""
         off = self.ready[r]
         u32, idx = self.seg.u32, off // 4
+        busy = self._busy_waits > 0            # a recent wait found the core wanted: no yields
+        if busy:
+            self._busy_waits -= 1              # counted per wait: the mode ends unless a yield renews it
         now = time.perf_counter()
-        end = now + (YIELD_S if not self._busy_rounds else 0.0)
+        end = now + YIELD_S
         p2p = self.p2p
         slow = False
         while True:
             for _ in range(16):
                 if ((int(u32[idx]) - s) & 0xFFFFFFFF) < 0x80000000:
-                    self._busy_rounds = max(self._busy_rounds - 1, 0)
                     return
             if p2p is not None and p2p.pending:
                 p2p.progress()
-            if now > end:
+            if busy or now > end:
                 break
             os.sched_yield()
             t = time.perf_counter()
@@ -296,13 +301,13 @@ class CpuShm:
             # a peer may be waiting in a recv for this rank's pending send before it gets here
             p2p.wait_while(lambda: ((int(u32[idx]) - s) & 0xFFFFFFFF) >= 0x80000000, r, op)
             return
-        lib = self._lib32() if slow or self._busy_rounds else None
+        if slow:
+            self._busy_waits = BUSY_WAITS
+        lib = self._lib32() if slow or busy else None
         if lib is None:
             self.seg.wait_geq(off, s, op, r, None)
             return
-        # other threads want the cores: sleep on the stamp until its rank raises it (and wakes us),
-        # and do so at once for the next BUSY_ROUNDS rounds
-        self._busy_rounds = BUSY_ROUNDS
+        # other threads want the cores: sleep on the stamp until its rank raises it (and wakes us)
         addr, value = self.seg.address + off, s & 0xFFFFFFFF
         self.seg.wait_geq(off, s, op, r, None, spin_s=0.0, sleep=lambda: lib.cpucoll_sleep32(addr, value, SLEEP_NS))
 
