@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from braid.comm.policy import SplitPolicy
+from braid.comm.policy import DEFAULT_COSTS, SplitPolicy
 from braid.errors import LaneUnavailableError
 from braid.planner.model import LaneCost
 
@@ -71,6 +71,28 @@ def test_fixed_shares_override_the_table_and_clear_the_cached_answers():
     assert p.fixed_for("all_gather") is None and p.native_for("all_gather", 1 << 20) is True
 
 
+def test_what_the_calibration_has_not_measured_goes_to_nccl_whole_on_gpus(monkeypatch):
+    """No calibration, or one without the op: a GPU call goes to NCCL whole (the built-in model
+    alone split DDP's buckets over ce, host and NCCL, 1.9x slower steps on 2 x H200), a measured op
+    keeps its verdicts; BRAID_SPLIT_UNMEASURED=1 and CPU lanes keep the model's split."""
+    n = 256 << 20
+    p = _policy()
+    assert p.split_rule("all_gather", {k: DEFAULT_COSTS[k] for k in GPU}, n) != {"nccl": 1.0}   # the model splits
+    assert p.shares_for("all_gather", n, GPU) == {"nccl": 1.0} and p.native_for("all_gather", n) is True
+    assert p.shares_for("all_reduce", n, GPU) == {"nccl": 1.0}
+    assert p.shares_for("all_gather", n, ["ce", "host"]) != {"nccl": 1.0}   # no NCCL among the lanes asked for
+    p.set_table(_table(320.0, 330.0, {"28": "ce"}))
+    assert p.shares_for("all_gather", n, GPU) == {"ce": 1.0}                 # measured: its verdict
+    assert p.shares_for("reduce_scatter", n, GPU) == {"nccl": 1.0}          # another op, not measured
+    monkeypatch.setenv("BRAID_SPLIT_UNMEASURED", "1")
+    m = _policy()
+    assert len(m.shares_for("all_gather", n, GPU)) > 1 and m.native_for("all_gather", n) is False
+    monkeypatch.delenv("BRAID_SPLIT_UNMEASURED")
+    cpu = _policy(cuda=False, lanes=["gloo", "shm"])
+    assert cpu.model_unmeasured and cpu.shares_for("all_gather", n, ["gloo", "shm"]) == \
+        cpu.split_rule("all_gather", {k: DEFAULT_COSTS[k] for k in ("gloo", "shm")}, n)
+
+
 def test_missing_lanes_are_named():
     p = _policy(unavailable={"host": "no pinned memory"})
     with pytest.raises(LaneUnavailableError, match="no lane can move"):
@@ -88,7 +110,8 @@ def test_check_mode_never_gives_a_call_to_the_native_library():
 def test_a_split_calls_times_reach_the_balancer_once_every_rank_reported_them():
     p = _policy()
     table = {"all_gather/2": {"ce": LaneCost(12.0, 300.0).to_dict(), "host": LaneCost(30.0, 60.0).to_dict(),
-                              "nccl": LaneCost(10.0, 1.0).to_dict()}}
+                              "nccl": LaneCost(10.0, 1.0).to_dict()},
+             "all_gather/2/pays": {"28": True}}                     # measured: the model's split pays
     p.set_table(table)
     n = 256 << 20
     shares = p.shares_for("all_gather", n, GPU)

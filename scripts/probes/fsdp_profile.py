@@ -1,8 +1,13 @@
-"""Where an FSDP2 step spends its host time under the `braid` backend against NCCL: the same
-replicas `braid bench --workload fsdp` trains, timed in alternating windows (wall and process CPU
-time per step), then profiled with cProfile on every rank (rank 0's tables are printed).
+"""Where an FSDP2 (or DDP) step spends its time under the `braid` backend against NCCL: the same
+replicas `braid bench --workload fsdp` (`ddp`) trains, timed in alternating windows (wall and
+process CPU time per step), then profiled with cProfile on every rank (rank 0's tables are
+printed); with --kernels the GPU's side per kind of kernel or copy.
 
-    torchrun --nproc-per-node 2 scripts/probes/fsdp_profile.py [--steps 20] [--rounds 4] [--kernels] [--second-nccl] [--out DIR]
+    torchrun --nproc-per-node 2 scripts/probes/fsdp_profile.py [--job fsdp|ddp] [--shares ce=1]
+        [--steps 20] [--rounds 4] [--kernels [--trace]] [--second-nccl] [--out DIR]
+
+--shares fixes braid's shares for every call (the in-job trial then keeps them): how a split the
+job would not choose behaves inside its steps.
 """
 import argparse
 import cProfile
@@ -23,6 +28,8 @@ from braid import jobs
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--job", choices=("fsdp", "ddp"), default="fsdp")
+    ap.add_argument("--shares", default=None, help="fixed shares for braid's calls, e.g. ce=1 (default: braid decides)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -31,6 +38,8 @@ def main() -> None:
                     help="a third and fourth replica, braid's (braid2) and one on another NCCL group made like the baseline's (nccl2)")
     ap.add_argument("--kernels", action="store_true",
                     help="also the GPU's side: time per step of each kernel kind (torch.profiler), per replica")
+    ap.add_argument("--time-calls", action="store_true",
+                    help="host time of braid's graph launches, rounds of words and whole calls in the braid replica's windows")
     ap.add_argument("--no-profile", action="store_true", help="windows only, no cProfile")
     ap.add_argument("--trace", action="store_true", help="with --kernels: a chrome trace per replica and rank in --out")
     a = ap.parse_args()
@@ -50,21 +59,31 @@ def main() -> None:
     s = jobs.settings(SimpleNamespace(dtype=None, warmup=None), True)
     comm = SimpleNamespace(rank=rank, world_size=world, cuda=True, device=dev)
     ctx = jobs.make_ctx(comm, s)
-    reps = {r.name: r for r in jobs.fsdp_replicas(ctx)}
+    make = jobs.fsdp_replicas if a.job == "fsdp" else jobs.ddp_replicas
+    reps = {r.name: r for r in make(ctx)}
+    if a.shares:
+        shares = {k: float(v) for k, v in (kv.split("=") for kv in a.shares.split(","))}
+        fixed = braid.init().fixed_shares(shares)     # for the whole run (kept: a dropped context would close)
+        fixed.__enter__()
     if a.second_nccl:
         # another NCCL group made as the baseline's was: under a default group bound to a device,
         # torch makes both by splitting the default group's CUDA backend (braid's inner NCCL group)
         import dataclasses
-        pair = jobs.fsdp_replicas(dataclasses.replace(ctx, base=dist.new_group(backend="nccl")))
+        pair = make(dataclasses.replace(ctx, base=dist.new_group(backend="nccl")))
         pair[0].name, pair[1].name = "braid2", "nccl2"
         reps["braid2"], reps["nccl2"] = pair     # built third and fourth: tells build order from backend
     names = list(reps)
+    if rank == 0:
+        comm_ = braid.init()
+        print(f"braid: calibration {comm_.calib_digest}, fixed shares {comm_.policy.fixed}, "
+              f"lanes {comm_.lanes_for(dev)}", flush=True)
     for r in reps.values():
         r.run(3)
     wall = {k: [] for k in reps}
     cpu = {k: [] for k in reps}
     gcs = {k: [0.0, 0] for k in reps}
     tail = {k: [] for k in reps}     # ms the host waited for the GPU after queuing a window
+    timed = _time_calls() if a.time_calls else None
     for k in range(a.rounds):
         j = k % len(names)           # each replica in every position in turn
         for name in names[j:] + names[:j]:
@@ -74,7 +93,11 @@ def main() -> None:
                 gc.disable()
             g0, n0 = gc_time[0], gc_time[1]
             t0, c0 = time.perf_counter(), time.process_time()
+            if timed is not None:
+                timed["on"] = name == "braid"
             reps[name].run(a.steps)
+            if timed is not None:
+                timed["on"] = False
             t1 = time.perf_counter()
             ctx.sync()
             tail[name].append((time.perf_counter() - t1) * 1e3)
@@ -88,6 +111,12 @@ def main() -> None:
             print(f"{name:9s} wall ms/step {statistics.median(wall[name]):.2f} {[round(x, 2) for x in wall[name]]}  "
                   f"process cpu ms/step {statistics.median(cpu[name]):.2f}  gc ms/step {gcs[name][0]:.2f} "
                   f"({gcs[name][1]} collections)  GPU tail after queuing ms {statistics.median(tail[name]):.2f}", flush=True)
+    if timed is not None and rank == 0:
+        for what, xs in timed["us"].items():
+            xs = sorted(xs)
+            if xs:
+                print(f"braid {what}: {len(xs)} calls, host us p50 {xs[len(xs) // 2]:.1f} p90 {xs[len(xs) * 9 // 10]:.1f} "
+                      f"max {xs[-1]:.1f} total {sum(xs) / 1e3 / a.steps / a.rounds:.2f} ms/step", flush=True)
     if a.kernels:
         gpu_time(reps, ctx, a.steps, rank, a.out if a.trace else "")
     for name in ([] if a.no_profile else names):
@@ -103,11 +132,39 @@ def main() -> None:
             st = pstats.Stats(prof, stream=buf)
             st.sort_stats("tottime").print_stats(30)
             st.sort_stats("cumulative").print_stats(40)
-            path = os.path.join(a.out, f"fsdp_profile_{name}.txt")
+            path = os.path.join(a.out, f"{a.job}_profile_{name}.txt")
             with open(path, "w") as f:
                 f.write(buf.getvalue())
             print(f"{name}: profile of {a.steps} steps in {path}", flush=True)
     dist.destroy_process_group()
+
+
+def _time_calls() -> dict:
+    """Wrap braid's graph launch, round of words and the communicator's all_reduce / all_gather /
+    reduce_scatter with host clocks (kept while timed["on"])."""
+    from braid import node
+    from braid.comm import communicator
+    from braid.lanes import _cuda
+    timed = {"on": False, "us": {}}
+
+    def wrap(owner, attr, what):
+        fn = getattr(owner, attr)
+        timed["us"][what] = []
+
+        def timed_fn(*args, **kw):
+            if not timed["on"]:
+                return fn(*args, **kw)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                timed["us"][what].append((time.perf_counter() - t0) * 1e6)
+        setattr(owner, attr, timed_fn)
+    wrap(_cuda, "graph_launch", "graph launch")
+    wrap(node.NodeSegment, "read_values", "round (read)")
+    for op in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
+        wrap(communicator.Communicator, op, op)
+    return timed
 
 
 def gpu_time(reps, ctx, steps: int, rank: int, out: str = "") -> None:
@@ -127,8 +184,10 @@ def gpu_time(reps, ctx, steps: int, rank: int, out: str = "") -> None:
         for ev in prof.events():
             if ev.device_type != torch.autograd.DeviceType.CUDA:
                 continue
-            key = ev.name if "nccl" in ev.name.lower() else (
-                "memcpy" if "memcpy" in ev.name.lower() else "memset" if "memset" in ev.name.lower() else "other")
+            low = ev.name.lower()
+            key = (ev.name if "nccl" in low else "memcpy" if "memcpy" in low else "memset" if "memset" in low
+                   else "gemm" if any(k in low for k in ("gemm", "nvjet", "cutlass", "xmma")) else
+                   "elementwise" if "elementwise" in low else "reduce_kernel" if "reduce_kernel" in low else "other")
             n, t = kinds.get(key, (0, 0.0))
             kinds[key] = (n + 1, t + ev.time_range.elapsed_us())
         if rank == 0:

@@ -1,7 +1,7 @@
 """Where a prepared split call's host time goes: each step of the call path timed on its own
 (wrapped functions, nested times included in their callers), ranks sharing one GPU (2, or --nproc).
 
-    PYTHONPATH=src python3 scripts/probes/prepared_profile.py [--op all_gather] [--nbytes 1048576] [--nproc 4] [--first [--first-only]]
+    PYTHONPATH=src python3 scripts/probes/prepared_profile.py [--op all_gather] [--nbytes 1048576] [--nproc 4] [--async-op] [--first [--first-only]]
 
 BRAID_WARM=0 leaves out the communicator's warm-up (see comm/prepared.py) for comparison. With
 BRAID_DEFER=1 the deferred call's steps are timed too (comm/rounds.py); --gap-us spins that long
@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _calls(comm, op, nbytes, world):
+def _calls(comm, op, nbytes, world, async_op=False):
     """The call of `op` on bfloat16 buffers of `nbytes` per rank, made once."""
     n = nbytes // 2
     x = torch.randn(n, device="cuda").to(torch.bfloat16)
@@ -28,7 +28,7 @@ def _calls(comm, op, nbytes, world):
     rs_out = torch.empty(n // world, device="cuda", dtype=torch.bfloat16)
     calls = {
         "all_gather": lambda: comm.all_gather_into_tensor(out, x),
-        "all_reduce": lambda: comm.all_reduce(y),
+        "all_reduce": (lambda: comm.all_reduce(y, async_op=True).wait()) if async_op else (lambda: comm.all_reduce(y)),
         "reduce_scatter": lambda: comm.reduce_scatter_tensor(rs_out, x),
         "broadcast": lambda: comm.broadcast(y, 0),
     }
@@ -61,7 +61,7 @@ def worker(rank, world, port, args):
                 cnt[label] += 1
         setattr(owner, name, timed)
 
-    fn = _calls(comm, args.op, args.nbytes, world)
+    fn = _calls(comm, args.op, args.nbytes, world, args.async_op)
     if args.first:                  # the first call of the shape under cProfile (rank 0's top entries)
         import cProfile
         import pstats
@@ -161,6 +161,7 @@ if __name__ == "__main__":
     ap.add_argument("--sync-every", type=int, default=0)
     ap.add_argument("--gap-us", type=int, default=0, help="spin this long between calls")
     ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--async-op", action="store_true", help="all_reduce: async_op=True, then wait() (DDP's form)")
     ap.add_argument("--first", action="store_true", help="profile the shape's first call (cProfile) before timing repeats")
     ap.add_argument("--first-only", action="store_true", help="with --first: stop after the first calls")
     a = ap.parse_args()

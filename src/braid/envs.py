@@ -95,7 +95,14 @@ _define("BRAID_CACHE_DIR", str, os.path.join(os.path.expanduser("~"), ".cache", 
         "Where lane calibrations are cached (one JSON per machine/software key).")
 _define("BRAID_CALIBRATE", str, "auto",
         "auto: use the cached calibration when there is one for this machine (made by `braid "
-        "calibrate` or `braid bench`), else the built-in lane model; force/off: ignore the cache.")
+        "calibrate` or `braid bench`), else none (GPU calls then go to NCCL whole, see "
+        "BRAID_SPLIT_UNMEASURED); force/off: ignore the cache.")
+_define("BRAID_SPLIT_UNMEASURED", _bool, False,
+        "0 (default): on GPUs, an op and size the calibration has not measured (no calibration cached "
+        "for this machine, or one without that op) goes to NCCL whole: the built-in lane model alone "
+        "split DDP's 25 MiB all_reduce over the copy engines, host staging and NCCL and made its steps "
+        "1.9x slower on 2 x H200. 1: the built-in lane model splits such calls (CPU lanes always use "
+        "it). Must be the same on every rank.")
 _define("BRAID_MIN_SPLIT_KB", _positive_int, 256,
         "Pieces of a transfer smaller than this are not split across lanes.")
 def _nonneg_int(text: str) -> int:

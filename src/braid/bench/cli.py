@@ -164,7 +164,7 @@ def _add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shares", type=parse_shares, default=None, metavar="LANE=FRAC,...",
                    help="fixed shares, e.g. ce=0.9,host=0.1: bypass the model (and the calibration)")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
-                   help="do not measure the lanes first: use the cached calibration, or the built-in model")
+                   help="do not measure the lanes first: use the cached calibration (none: NCCL whole on GPUs, the built-in lane model on CPU lanes)")
 
 
 def _add_skew_arguments(p: argparse.ArgumentParser) -> None:

@@ -43,6 +43,13 @@ def _sum_over_ranks(comm, value: int) -> int:
     return int(t.item())
 
 
+def _unmeasured(comm) -> str:
+    """What a call the calibration has not measured does (comm/policy.py)."""
+    if comm.cuda and not comm.policy.model_unmeasured:
+        return "NCCL whole for every call (BRAID_SPLIT_UNMEASURED=1: the built-in lane model's splits)"
+    return "built-in lane model"
+
+
 def calibrate_for_bench(comm, cfg: Config, say) -> str:
     """Calibrate the benched ops once (merged into the cache); returns a line for the header."""
     from .. import calibrate as cal
@@ -50,9 +57,9 @@ def calibrate_for_bench(comm, cfg: Config, say) -> str:
     if cfg.shares:
         return f"calibration: skipped, fixed shares {format_shares(cfg.shares)}"
     if not cfg.calibrate:
-        return f"calibration: {'cached ' + comm.calib_digest if comm.calib else 'none cached: built-in lane model'} (--no-calibrate)"
+        return f"calibration: {'cached ' + comm.calib_digest if comm.calib else 'none cached: ' + _unmeasured(comm)} (--no-calibrate)"
     if envs.get("BRAID_CALIBRATE") == "off":
-        return "calibration: BRAID_CALIBRATE=off: built-in lane model"
+        return f"calibration: BRAID_CALIBRATE=off: {_unmeasured(comm)}"
     if len(comm.lanes_for(comm.device)) < 2:
         return f"calibration: not needed, one lane ({', '.join(comm.lanes_for(comm.device))})"
     ops = tuple(dict.fromkeys("all_to_all_single" if op == "moe" else op for op in cfg.ops))  # moe runs all_to_all

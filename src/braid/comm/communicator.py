@@ -431,6 +431,9 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
         box = [load(self) if self.rank == 0 else None]
         dist.broadcast_object_list(box, group_src=0, group=self.gloo_group)
         self.set_calibration(box[0] or {})
+        if not box[0] and self.cuda and self.rank == 0 and self.world_size > 1 and not self.policy.model_unmeasured:
+            log.info("braid: no calibration cached for this machine: GPU calls go to NCCL whole until "
+                     "`braid calibrate` (or `braid bench`) measures where splitting them pays")
 
     def set_calibration(self, table: dict) -> None:
         """Take a calibration table: the shares start over from it (comm/policy.py), and the

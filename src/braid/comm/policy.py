@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 
+from .. import envs
 from ..errors import LaneUnavailableError
 from ..planner.balancer import OnlineBalancer
 from ..planner.model import LaneCost, choose_with_native
@@ -49,6 +50,9 @@ class SplitPolicy:
         self.pays: dict[str, dict[int, bool | str | dict]] = {}  # "op/world" -> log2 bucket -> verdict
         self.digest = "default"                                  # the table's identity (descriptors, words)
         self.balancer = OnlineBalancer()
+        # what the calibration has not measured: the built-in model's split (CPU lanes, or on GPUs
+        # with BRAID_SPLIT_UNMEASURED=1), else the native library whole
+        self.model_unmeasured = not cuda or bool(envs.get("BRAID_SPLIT_UNMEASURED"))
         self.adapt = True                   # stage 2 on; False freezes the shares at the model's
         self.pending: dict[str, tuple] = {}  # op -> (bucket key, shares used, handle) of its last split call
         self._share_cache: dict = {}
@@ -97,7 +101,9 @@ class SplitPolicy:
             table = self.calib.get(f"{op}/{self.world_size}", {})
             costs = {k: table.get(k, DEFAULT_COSTS[k]) for k in lanes}
             shares = self.split_rule(op, costs, nbytes)
-            if len(shares) > 1:
+            if not self.model_unmeasured and not self.pays.get(f"{op}/{self.world_size}"):
+                verdict = set(shares) <= {"nccl", "gloo"}     # nothing measured: the native library whole
+            elif len(shares) > 1:
                 verdict = self.split_verdict(op, nbytes)
             elif set(shares) <= {"nccl", "gloo"}:
                 # the model keeps NCCL alone: a lane measured faster alone in this size bucket
