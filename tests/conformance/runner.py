@@ -69,6 +69,7 @@ def _configure_environment(backend: str, device: str, timeout: int) -> None:
     os.environ["DISTRIBUTED_TESTS_DEFAULT_TIMEOUT"] = str(timeout)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("BRAID_CALIBRATE", "off")      # braid's built-in lane model, no cache
+    os.environ.setdefault("BRAID_SPLIT_UNMEASURED", "1")  # ... splitting GPU calls too
     os.environ.setdefault("BRAID_TIMEOUT_S", "60")
     if device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""           # braid then is a CPU backend, like gloo

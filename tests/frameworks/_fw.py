@@ -48,6 +48,7 @@ FW_ENV = {
     # its gloo and shm lanes), so the training runs go through braid's own paths, not only
     # through the calls it forwards whole
     "BRAID_MIN_SPLIT_KB": "1",
+    "BRAID_SPLIT_UNMEASURED": "1",      # on GPUs too, with no calibration cached
 }
 if DEVICE == "cpu":           # no GPU, one thread per rank
     FW_ENV.update({"CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "true"})

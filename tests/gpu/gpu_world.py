@@ -16,7 +16,9 @@ import pytest
 import torch
 
 BASE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-            "BRAID_HOST_BUFFER_MB": "8", "BRAID_HOST_CHUNK_KB": "512", "BRAID_TIMEOUT_S": "60"}
+            "BRAID_HOST_BUFFER_MB": "8", "BRAID_HOST_CHUNK_KB": "512", "BRAID_TIMEOUT_S": "60",
+            # no calibration here: the built-in model's splits, so that calls go through braid's lanes
+            "BRAID_SPLIT_UNMEASURED": "1"}
 
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
