@@ -129,6 +129,10 @@ _define("BRAID_CPU_STRIPE_KB", _positive_int, 128,
 _define("BRAID_CPU_CHUNK_KB", _positive_int, 256,
         "Native CPU collectives: KiB of data per rank and chunk of a thread's stripe (small enough to "
         "stay in the caches between a rank's copy in and the others' reduction).")
+_define("BRAID_CPU_SLOW_YIELD_US", _nonneg_int, 500,
+        "CPU collectives through shared memory: a wait whose yield gave the core away this long "
+        "(other processes or threads want the cores) sleeps on its counter from then on, for a few "
+        "calls, woken by the rank that raises it; 0: waits never switch to sleeping.")
 _define("BRAID_CPU_ROUND_KB", _nonneg_int, 0,
         "CPU tensors through the node segment: data per rank in one round of all_reduce and "
         "reduce_scatter, in KiB (smaller rounds keep a round's data in the CPU's caches between "

@@ -60,7 +60,8 @@
 #define BLK 1024                /* elements reduced per block (a block's sums stay in registers/L1) */
 #define SPIN_NS 20000LL         /* a wait spins this long, then yields the core... */
 #define YIELD_NS 5000000LL      /* ...until this long, then sleeps in short steps */
-#define SLOW_YIELD_NS 500000LL  /* a yield this long: another thread held the core for a time slice */
+static int64_t slow_yield_ns = 500000;  /* a yield this long: another thread held the core for a
+                                          * time slice (0: never; cpucoll_set_slow_yield) */
 #define FUTEX_NS 1000000LL      /* longest sleep on a futex between two looks at aborts and peers */
 #define BUSY_CALLS 16           /* calls whose waits sleep at once after two calls in a row with... */
 #define BUSY_YIELDS 2           /* ...this many slow yields between them (one alone may be noise) */
@@ -209,7 +210,7 @@ static int wait_ge(ctx_t *c, volatile uint64_t *p, uint64_t v, int peer) {
             int64_t y = t;
             sched_yield();
             t = now_ns();
-            busy = t - y > SLOW_YIELD_NS;
+            busy = slow_yield_ns > 0 && t - y > slow_yield_ns;
             if (busy) __atomic_add_fetch(&c->busy, 1, __ATOMIC_RELAXED);
         } else {
             struct timespec ts = {0, 100000};
@@ -507,6 +508,8 @@ int cpucoll_sleep32(uint64_t addr, uint32_t v, int64_t ns) {
 void cpucoll_wake32(uint64_t addr) { futex_wake((volatile uint32_t *)(uintptr_t)addr); }
 
 /* the last call's slow yields (waits that found their core wanted) */
+void cpucoll_set_slow_yield(int64_t ns) { slow_yield_ns = ns; }
+
 uint64_t cpucoll_busy(void *h) { return __atomic_load_n(&((ctx_t *)h)->busy, __ATOMIC_RELAXED); }
 
 int cpucoll_has_f16(void) {

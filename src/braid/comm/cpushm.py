@@ -56,8 +56,8 @@ A2A_BLOCK = 64 << 10        # a native all_to_all's least bytes per destination 
 # 4 MiB 1.78-1.86 -> 1.58-1.68). The symmetric ops gain nothing from pieces (every rank copies alike).
 BCAST_CHUNK = 2 << 20
 YIELD_S = 0.05              # a wait spins (yielding the core) this long before it sleeps...
-SLOW_YIELD_S = 0.0005       # ...or until a yield gives the core away this long (other threads want it:
-                            # then it, and the next BUSY_WAITS waits, sleep on the stamp, woken by its rank)
+# ...or until a yield gives the core away for BRAID_CPU_SLOW_YIELD_US (other threads want it: then
+# it, and the next BUSY_WAITS waits, sleep on the stamp, woken by its rank)
 BUSY_WAITS = 16
 SLEEP_NS = 1_000_000        # the longest sleep on a stamp between two looks at aborts and peers
 _OPS = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3, "broadcast": 4, "reduce": 5,
@@ -146,6 +146,7 @@ class CpuShm:
         # half 0 past the first page (the headers of both parities stay out of it); made on first use
         self._native = None
         self._busy_waits = 0        # waits left that sleep on the stamp at once (_wait)
+        self._slow_yield_s = envs.get("BRAID_CPU_SLOW_YIELD_US") / 1e6 or float("inf")
         self.native_calls = 0       # calls the native pool ran
         self._native_tried = not (self.ok and envs.get("BRAID_CPU_NATIVE") and self.half >= NATIVE_AREA_MIN)
 
@@ -293,7 +294,7 @@ class CpuShm:
                 break
             os.sched_yield()
             t = time.perf_counter()
-            if t - now > SLOW_YIELD_S:          # the core went to another thread for a time slice
+            if t - now > self._slow_yield_s:    # the core went to another thread for a time slice
                 slow = True
                 break
             now = t

@@ -71,6 +71,9 @@ def build() -> ctypes.CDLL | None:
     lib.cpucoll_sleep32.argtypes = [_u64, ctypes.c_uint32, _i64]
     lib.cpucoll_wake32.restype = None
     lib.cpucoll_wake32.argtypes = [_u64]
+    lib.cpucoll_set_slow_yield.restype = None
+    lib.cpucoll_set_slow_yield.argtypes = [_i64]
+    lib.cpucoll_set_slow_yield(envs.get("BRAID_CPU_SLOW_YIELD_US") * 1000)
     lib.cpucoll_has_f16.restype = _int
     lib.cpucoll_free.restype = None
     lib.cpucoll_free.argtypes = [_vp]
