@@ -1,5 +1,5 @@
 """Where a prepared split call's host time goes: each step of the call path timed on its own
-(wrapped functions, nested times included in their callers), ranks sharing one GPU (2, or --nproc).
+(wrapped functions, nested times included in their callers), ranks sharing one GPU (2, or --nproc), or a GPU each (--own-gpus).
 
     PYTHONPATH=src python3 scripts/probes/prepared_profile.py [--op all_gather] [--nbytes 1048576] [--nproc 4] [--async-op] [--first [--first-only]]
 
@@ -36,10 +36,14 @@ def _calls(comm, op, nbytes, world, async_op=False):
 
 
 def worker(rank, world, port, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), BRAID_SHARED_GPU="1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import braid
-    braid.share_gpu(rank)
-    torch.cuda.set_device(0)
+    if args.own_gpus:               # a GPU per rank
+        torch.cuda.set_device(rank)
+    else:                           # the ranks share GPU 0 (host-cost figures)
+        os.environ["BRAID_SHARED_GPU"] = "1"
+        braid.share_gpu(rank)
+        torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=rank, world_size=world)
     comm = braid.init()
     from braid.comm import exchange, prepared, communicator
@@ -105,11 +109,11 @@ def worker(rank, world, port, args):
                      "_reduce_call", "_fast_prepared", "_deferred"):
             if hasattr(C, name):
                 wrap(C, name)
-        for name in ("word_base", "finish_word", "launch", "get"):
+        for name in ("word_base", "finish_word", "launch", "get", "fork", "join"):
             wrap(prepared.PreparedCalls, name)
         for name in ("post_values", "read_values"):
             wrap(node.NodeSegment, name)
-        for name in ("buffer_id", "event_record", "stream_wait_event", "graph_launch", "wait_value"):
+        for name in ("buffer_id", "event_record", "stream_wait_event", "graph_launch", "wait_value", "event_query"):
             wrap(_cuda, name)
         if comm._rounds is not None:
             from braid.comm import native_rounds, rounds
@@ -117,10 +121,16 @@ def worker(rank, world, port, args):
                 wrap(rounds.Rounds, name)
             wrap(native_rounds.Launcher, "push", "Launcher.push")
         prepared._cuda = _cuda
+        from braid.comm import policy as policy_mod, shortcuts as shortcuts_mod
+        wrap(policy_mod.SplitPolicy, "observation")
+        wrap(shortcuts_mod.Shortcuts, "decide")
+        wrap(prepared.PreparedHandle, "wait")
         wrap(exchange, "_capturing", "is_capturing")
         dist.barrier()
         total = []
         for i in range(args.calls):
+            if args.busy_cycles:            # the caller's stream busy, as inside a training step
+                torch.cuda._sleep(args.busy_cycles)
             t0 = time.perf_counter_ns()
             fn()
             t1 = time.perf_counter_ns()
@@ -161,6 +171,9 @@ if __name__ == "__main__":
     ap.add_argument("--sync-every", type=int, default=0)
     ap.add_argument("--gap-us", type=int, default=0, help="spin this long between calls")
     ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--own-gpus", action="store_true", help="a GPU per rank (default: the ranks share GPU 0)")
+    ap.add_argument("--busy-cycles", type=int, default=0,
+                    help="queue a GPU sleep of this many cycles on the caller's stream before each call")
     ap.add_argument("--async-op", action="store_true", help="all_reduce: async_op=True, then wait() (DDP's form)")
     ap.add_argument("--first", action="store_true", help="profile the shape's first call (cProfile) before timing repeats")
     ap.add_argument("--first-only", action="store_true", help="with --first: stop after the first calls")
