@@ -46,10 +46,18 @@ def run_job(split_us, whole_us, calls, peer=None, enabled=True, clock=None, extr
 FIRST = A.START + A.CHECK * 2 * A.BLOCK         # calls up to the first agreement of the paired blocks
 
 
-def probe_modes(trial=1):
-    """The probe pair's answers (True: whole) in the trial-th trial of a shape."""
+def quick_modes(trial=1):
+    """The quick pair's answers (True: whole) in the trial-th trial of a shape."""
     split_first = trial % 2 == 1
-    return ([False] * A.PROBE + [True] * A.PROBE) if split_first else ([True] * A.PROBE + [False] * A.PROBE)
+    return ([False] * A.QUICK + [True] * A.QUICK) if split_first else ([True] * A.QUICK + [False] * A.QUICK)
+
+
+def probe_modes(trial=1):
+    """The probe pair's answers (True: whole) in the trial-th trial of a shape: its quick pair,
+    then the rest of each block in the same order."""
+    split_first = trial % 2 == 1
+    rest = ([False] * A.REST + [True] * A.REST) if split_first else ([True] * A.REST + [False] * A.REST)
+    return quick_modes(trial) + rest
 
 
 def after_probe(values):
@@ -75,7 +83,7 @@ def test_schedule_warm_then_paired_blocks_then_the_verdict():
     assert got[A.START:FIRST] == expected_modes(A.CHECK)              # blocks in ORDER's order
     assert sum(got[A.START:FIRST]) == A.CHECK * A.BLOCK               # as many whole calls as split
     assert got[FIRST:] == [False] * 50                                # split kept: faster
-    assert len(seen) == 2 and len(arb.decisions) == 1                 # the probe's and the pairs' agreements
+    assert len(seen) == 3 and len(arb.decisions) == 1                 # the quick pair's, the probe's, the pairs' agreements
     _, split_us, whole_us, whole = arb.decisions[0]
     assert split_us == pytest.approx(100.0, abs=0.2) and whole_us == pytest.approx(130.0, abs=0.2)
     assert whole is False
@@ -84,23 +92,38 @@ def test_schedule_warm_then_paired_blocks_then_the_verdict():
 def test_the_whole_call_wins_when_the_split_slows_the_job():
     got, arb, seen = run_job(124.0, 100.0, FIRST + 10)
     assert got[FIRST:] == [True] * 10 and arb.decisions[0][3] is True
-    # the probe saw it: whole after WARM + PROBE split calls and one agreement
+    # 24% slower, under the quick pair's bar: the probe saw it, whole after WARM + PROBE split
+    # calls and two agreements (the quick pair's, the probe's)
     assert got[:A.START] == [False] * A.WARM + probe_modes() and got[A.START:] == [True] * (FIRST + 10 - A.START)
-    assert len(seen) == 1 and sum(not w for w in got) == A.WARM + A.PROBE
+    assert len(seen) == 2 and sum(not w for w in got) == A.WARM + A.PROBE
+
+
+def test_a_split_that_loses_by_more_than_the_quick_bar_goes_whole_after_the_quick_pair():
+    slower = 100.0 * (1 + 2 * A.QUICK_BAR)
+    got, arb, seen = run_job(slower, 100.0, FIRST)
+    quick_end = A.WARM + 2 * A.QUICK
+    assert got[:quick_end] == [False] * A.WARM + quick_modes() and got[quick_end:] == [True] * (FIRST - quick_end)
+    assert len(seen) == 1 and sum(not w for w in got) == A.WARM + A.QUICK
+    _, split_us, whole_us, whole = arb.decisions[0]
+    assert whole is True and split_us == pytest.approx(slower, abs=0.2) and whole_us == pytest.approx(100.0, abs=0.2)
+    # a split that loses by less goes on to the rest of the probe
+    got, _, seen = run_job(100.0 * (1 + A.QUICK_BAR / 2), 100.0, A.START)
+    assert got[quick_end:A.START] == probe_modes()[2 * A.QUICK:] and len(seen) == 2
 
 
 def test_a_split_a_little_slower_than_the_probes_bar_is_left_to_the_pairs():
     slower = 100.0 * (1 + A.EARLY / 2)
     got, arb, seen = run_job(slower, 100.0, FIRST + 1)
-    assert got[A.START:FIRST] == expected_modes(A.CHECK) and len(seen) == 2
+    assert got[A.START:FIRST] == expected_modes(A.CHECK) and len(seen) == 3
     assert arb.decisions[0][3] is True and got[-1] is True
 
 
 def test_one_rank_that_saw_the_split_lose_in_the_probe_sends_every_rank_whole():
-    """This rank saw the split 10% faster in the probe; its peer 10% slower: whole at once."""
+    """This rank saw the split 10% faster in the probe; its peer 10% slower (under the quick
+    pair's bar, over the probe's): whole at the probe's agreement."""
     peer = [1, A._OFF + int(1e6 * math.log(0.9)), 0, int(1e7 * 110e-6), int(1e7 * 100e-6)]
     got, arb, seen = run_job(90.0, 100.0, A.START + 5, peer=peer)
-    assert len(seen) == 1 and arb.decisions[0][3] is True and got[A.START:] == [True] * 5
+    assert len(seen) == 2 and arb.decisions[0][3] is True and got[A.START:] == [True] * 5
 
 
 def test_a_tie_or_a_gain_under_the_margin_goes_whole():
@@ -117,20 +140,20 @@ def test_every_rank_must_see_the_gain():
     _, split_us, whole_us, whole = arb.decisions[0]
     assert (split_us, whole_us) == (pytest.approx(110.0, abs=0.2), pytest.approx(100.0, abs=0.2))
     assert whole is True and got[-1] is True
-    assert seen[1][0] == A.CHECK and seen[1][3] == pytest.approx(900, abs=2)   # its own pace, 0.1 us
+    assert seen[2][0] == A.CHECK and seen[2][3] == pytest.approx(900, abs=2)   # its own pace, 0.1 us
 
 
 def test_a_peer_with_too_few_pairs_delays_the_verdict():
     peer = [1, A._OFF + int(1e6 * 0.2), 0, 900, 1000]         # the peer kept one pair only
     got, arb, seen = run_job(90.0, 100.0, FIRST + 2 * A.BLOCK, peer=peer)
-    assert arb.decisions == [] and len(seen) == 2             # the probe, the pairs: no verdict yet
+    assert arb.decisions == [] and len(seen) == 3             # the quick pair, the probe, the pairs: no verdict yet
 
 
 def test_no_verdict_after_max_pairs_goes_whole():
     peer = [1, A._OFF, 0, 1000, 1000]                         # a peer that never has enough pairs
     calls = A.START + A.MAX_PAIRS * 2 * A.BLOCK
     got, arb, seen = run_job(50.0, 100.0, calls + 5, peer=peer)
-    assert len(seen) == 1 + A.MAX_PAIRS // A.CHECK
+    assert len(seen) == 2 + A.MAX_PAIRS // A.CHECK
     assert arb.decisions[0][3] is True and got[calls:] == [True] * 5
 
 
@@ -147,10 +170,11 @@ def test_trials_repeat_and_can_change_the_verdict():
         answers.append(w)
         clock.t += pace["whole" if w else "split"] * 1e-6
     assert [d[3] for d in arb.decisions] == [False, True]
-    start = FIRST + A.REPROBE                # the second trial: its probe (whole block first) sees the split lose
+    start = FIRST + A.REPROBE                # the second trial: its quick pair (whole block first) sees the split lose
+    quick_end = start + A.WARM + 2 * A.QUICK
     assert answers[start:start + A.WARM] == [False] * A.WARM
-    assert answers[start + A.WARM:start + A.START] == probe_modes(2)
-    assert answers[start + A.START:] == [True] * (total - start - A.START)
+    assert answers[start + A.WARM:quick_end] == quick_modes(2)
+    assert answers[quick_end:] == [True] * (total - quick_end)
 
 
 def test_disabled_never_goes_whole_and_never_exchanges():
@@ -378,20 +402,22 @@ def test_a_verdict_that_repeats_is_looked_at_less_often():
 
 
 def test_the_probes_verdicts_keep_the_first_interval():
-    """A split that loses clearly goes whole at every probe: each trial costs WARM + PROBE split
-    calls, and the next one comes REPROBE calls later, never later than that."""
+    """A split that loses clearly goes whole at every quick pair: each trial costs WARM + QUICK
+    split calls, and the next one comes REPROBE calls later, never later than that."""
     starts, arb = _trial_starts(40_000, {"split": 150.0, "whole": 100.0})
     gaps = [b - a for a, b in zip(starts, starts[1:])]
-    assert len(gaps) >= 5 and set(gaps) == {A.START + A.REPROBE}
+    assert len(gaps) >= 5 and set(gaps) == {A.WARM + 2 * A.QUICK + A.REPROBE}
     assert all(d[3] for d in arb.decisions) and arb._shapes["k"].verdicts == 0
 
 
-@pytest.mark.parametrize("loss", [0.07, 0.1, 0.25, 0.5])
+@pytest.mark.parametrize("loss", [0.07, 0.1, 0.25, 0.3, 0.5, 0.75, 1.0])
 def test_a_losing_split_costs_little_in_any_hundred_calls(loss):
-    """A split slower than the probe's bar: at most WARM + PROBE split calls per trial, so any
-    100 calls pay (WARM + PROBE) x loss % (3% for a split 50% slower) and a long job far less."""
+    """A split slower than the probe's bar: at most WARM + PROBE split calls per trial (WARM +
+    QUICK beyond the quick pair's bar), so any 100 calls pay that many calls' loss (at most 3%
+    for a split up to twice as slow) and a long job far less."""
     worst, overall = A.trial_cost(100.0 * (1 + loss), 100.0, 3 * A.REPROBE)
-    assert worst == pytest.approx((A.WARM + A.PROBE) * loss / 100, rel=1e-6)
+    split_calls = A.WARM + (A.QUICK if loss > A.QUICK_BAR else A.PROBE)
+    assert worst == pytest.approx(split_calls * loss / 100, rel=1e-6)
     assert worst <= 0.03 + 1e-9 and overall < 0.002
 
 

@@ -14,8 +14,11 @@ So, for a call shape the calibration splits, the job itself decides, from its ow
 - then a probe pair: PROBE calls split and PROBE whole (split first in every other trial, so that
   a job whose step repeats the shape a fixed number of times does not always probe the same part
   of its step), and one agreement: where some rank saw the split slower by more than EARLY, the
-  shape goes whole at once. A split that loses then costs its trial WARM + PROBE split calls
-  against the REPROBE calls between trials (without the probe a trial ran 16 warm-up and 48
+  shape goes whole at once. The pair opens with a quick pair of QUICK calls of each mode and an
+  agreement of its own: a split slower by more than QUICK_BAR on some rank goes whole there
+  (a 100% loss then costs WARM + QUICK split calls, 3 of any 100 calls); the probe's verdict pools
+  both parts' paces. A split that loses then costs its trial WARM + QUICK or WARM + PROBE split
+  calls against the REPROBE calls between trials (without the probe a trial ran 16 warm-up and 48
   paired split calls before its first possible verdict); a probe can be wrong on a noisy step,
   so its verdict never lengthens the interval to the next trial;
 - otherwise pairs of blocks of BLOCK calls, one block split and one whole, in an order fixed per
@@ -57,8 +60,11 @@ import time
 from dataclasses import dataclass, field
 
 WARM = 1            # split calls before any timing (the first builds the prepared call)
-PROBE = 5           # calls per block of the probe pair
+PROBE = 6           # calls per block of the probe pair (the quick pair's included)
 EARLY = 0.05        # the probe: a split this much slower on some rank goes whole at once
+QUICK = 2           # calls per block of the quick pair that opens the probe pair
+QUICK_BAR = 0.3     # the quick pair: a split this much slower on some rank goes whole at once
+REST = PROBE - QUICK    # calls per block of the probe pair after its quick pair
 START = WARM + 2 * PROBE    # calls of a trial before its paired blocks
 BLOCK = 12          # calls per block
 ORDER = 0b1001_1010_1111_0001   # bit p: pair p runs its split block first
@@ -84,6 +90,7 @@ class _Shape:
     last: float = 0.0           # this rank's clock at the previous call of the block
     acc: float = 0.0            # this block's seconds between calls so far
     pair: list = field(default_factory=lambda: [0.0, 0.0])   # this pair's paces: split, whole
+    quick: list = field(default_factory=lambda: [0.0, 0.0])  # the quick pair's paces (pooled into the probe's)
     logs: list = field(default_factory=list)                  # log(whole / split) of kept pairs
     sums: list = field(default_factory=lambda: [0.0, 0.0])   # kept pairs' paces summed: split, whole
     reprobe: int = REPROBE      # calls from a verdict to the next trial
@@ -150,11 +157,21 @@ class Arbiter:
             st.trials += 1
         if c < WARM:
             return False
-        if c < START:               # the probe pair, split block first in every other trial
+        if c < START:               # the probe pair, split blocks first in every other trial
             j = c - WARM
-            split = (j < PROBE) == (st.trials % 2 == 0)
-            if self._tick(st, j % PROBE, PROBE, split) and j == 2 * PROBE - 1:
-                self._probe_done(key, st)
+            first = st.trials % 2 == 0
+            if j < 2 * QUICK:       # its quick pair
+                split = (j < QUICK) == first
+                if self._tick(st, j % QUICK, QUICK, split) and j == 2 * QUICK - 1:
+                    st.quick = list(st.pair)
+                    self._probe_done(key, st, QUICK_BAR)
+                return not split
+            j -= 2 * QUICK          # the rest of it
+            split = (j < REST) == first
+            if self._tick(st, j % REST, REST, split) and j == 2 * REST - 1:
+                # both parts' intervals between calls, pooled
+                st.pair = [(q * (QUICK - 1) + r * (REST - 1)) / (PROBE - 2) for q, r in zip(st.quick, st.pair)]
+                self._probe_done(key, st, EARLY)
             return not split
         p, j = divmod(c - START, 2 * BLOCK)
         split = (j < BLOCK) == bool((ORDER >> (p % 16)) & 1)
@@ -177,18 +194,19 @@ class Arbiter:
         st.acc = 0.0
         return True
 
-    def _probe_done(self, key, st: _Shape) -> None:
-        """The probe pair's agreement: a split slower by more than EARLY on some rank goes whole
-        now, after WARM + PROBE split calls (a split that loses costs a trial that few calls);
-        otherwise the paired blocks decide. A probe that holds a pause says nothing. Its whole
-        verdict never lengthens the interval to the next trial (one short pair can be wrong)."""
+    def _probe_done(self, key, st: _Shape, bar: float) -> None:
+        """The quick pair's or the probe pair's agreement: a split slower by more than `bar` on
+        some rank goes whole now, after WARM + QUICK or WARM + PROBE split calls (a split that
+        loses costs a trial that few calls); otherwise the probe goes on, then the paired blocks
+        decide. A probe that holds a pause says nothing. Its whole verdict never lengthens the
+        interval to the next trial (one short pair can be wrong)."""
         s, w = st.pair
         ok = s > 0 and w > 0 and max(s, w) <= PAIR_RATIO * min(s, w)
         gain = math.log(w / s) if ok else 0.0
         got = self._exchange([1, _OFF + int(1e6 * gain), 0, int(1e7 * s), int(1e7 * w)])
         st.pair = [0.0, 0.0]
-        if min(g[1] - _OFF for g in got) / 1e6 >= -math.log1p(EARLY):
-            return                                           # not clearly slower: the paired blocks
+        if min(g[1] - _OFF for g in got) / 1e6 >= -math.log1p(bar):
+            return                                           # not clearly slower: on to the next part
         self._verdict(key, st, True, got, probe=True)
 
     @staticmethod
