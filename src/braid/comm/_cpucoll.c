@@ -507,9 +507,10 @@ int cpucoll_sleep32(uint64_t addr, uint32_t v, int64_t ns) {
 /* wake every thread asleep on a 32-bit counter (after its owner raised it) */
 void cpucoll_wake32(uint64_t addr) { futex_wake((volatile uint32_t *)(uintptr_t)addr); }
 
-/* the last call's slow yields (waits that found their core wanted) */
+/* the yield that says other threads want the core (BRAID_CPU_SLOW_YIELD_US; 0: never) */
 void cpucoll_set_slow_yield(int64_t ns) { slow_yield_ns = ns; }
 
+/* the last call's slow yields (waits that found their core wanted) */
 uint64_t cpucoll_busy(void *h) { return __atomic_load_n(&((ctx_t *)h)->busy, __ATOMIC_RELAXED); }
 
 int cpucoll_has_f16(void) {
