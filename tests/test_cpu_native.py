@@ -332,6 +332,7 @@ def _busy_cores_worker(rank, w):
                     for _ in range(len(os.sched_getaffinity(0)))]
     dist.barrier()
     bad, digests, busy = [], [], 0
+    waits = 0                                           # the rounds' waits in sleeping mode, at most
     try:
         for i in range(24):
             n = (1 << 18) + 4099 * i                    # 1-1.4 MiB of float32, sizes changing
@@ -353,16 +354,25 @@ def _busy_cores_worker(rank, w):
             if not close(u, reference(ys, "sum", 1.0), ys, "sum"):
                 bad.append(f"small all_reduce {i}: wrong")
             digests.append(_digest(u))
+            waits = max(waits, comm._cpu._busy_waits)
     finally:
         for p in spinners:
             p.kill()
             p.wait()
     comm.close()
-    return bad, digests, busy
+    return bad, digests, (busy, waits)
 
 
-def test_calls_stay_right_while_other_processes_keep_the_cores_busy():
-    res = run_world(_busy_cores_worker, 2, timeout=240, env={"BRAID_CPU_THREADS": "1", "BRAID_CPU_CHUNK_KB": "64"})
+@pytest.mark.parametrize("slow_yield_us", [None, "0"])
+def test_calls_stay_right_while_other_processes_keep_the_cores_busy(slow_yield_us):
+    """Also with the switch to sleeping waits off (BRAID_CPU_SLOW_YIELD_US=0): right, and no wait
+    of either kind ever switched."""
+    env = {"BRAID_CPU_THREADS": "1", "BRAID_CPU_CHUNK_KB": "64"}
+    if slow_yield_us is not None:
+        env["BRAID_CPU_SLOW_YIELD_US"] = slow_yield_us
+    res = run_world(_busy_cores_worker, 2, timeout=240, env=env)
     for bad, _, _ in res:
         assert bad == []
     assert res[0][1] == res[1][1]                           # the same bits on both ranks
+    if slow_yield_us == "0":
+        assert [tuple(r[2]) for r in res] == [(0, 0), (0, 0)]

@@ -135,3 +135,13 @@ def test_a_split_calls_times_reach_the_balancer_once_every_rank_reported_them():
     p.note_pending("all_gather", n, GPU, moved, _Done({"ce": 1.0, "host": 2.0}))
     assert p.observation("all_gather") is None
 
+
+
+def test_the_bench_header_says_what_unmeasured_calls_do(monkeypatch):
+    from types import SimpleNamespace
+    from braid.bench.sweep import _unmeasured
+    gpu, cpu = _policy(), _policy(cuda=False, lanes=["gloo", "shm"])
+    assert "NCCL whole" in _unmeasured(SimpleNamespace(cuda=True, policy=gpu))
+    assert _unmeasured(SimpleNamespace(cuda=False, policy=cpu)) == "built-in lane model"
+    monkeypatch.setenv("BRAID_SPLIT_UNMEASURED", "1")
+    assert _unmeasured(SimpleNamespace(cuda=True, policy=_policy())) == "built-in lane model"
