@@ -145,3 +145,23 @@ def test_the_bench_header_says_what_unmeasured_calls_do(monkeypatch):
     assert _unmeasured(SimpleNamespace(cuda=False, policy=cpu)) == "built-in lane model"
     monkeypatch.setenv("BRAID_SPLIT_UNMEASURED", "1")
     assert _unmeasured(SimpleNamespace(cuda=True, policy=_policy())) == "built-in lane model"
+
+
+def _unmeasured_worker(rank, w):
+    """Rank 1 says otherwise than rank 0 about unmeasured calls: the calibration's load, which
+    every rank makes together, gives it rank 0's."""
+    import braid
+    comm = braid.init()
+    before = comm.policy.model_unmeasured
+    if rank == 1:
+        comm.policy.model_unmeasured = not before
+    comm.load_calibration()
+    got = comm.policy.model_unmeasured
+    comm.close()
+    return before, got
+
+
+def test_every_rank_takes_rank_0s_answer_for_unmeasured_calls():
+    from conftest import run_world
+    res = run_world(_unmeasured_worker, 2, timeout=120)
+    assert res[0][1] == res[0][0] and res[1][1] == res[0][0]

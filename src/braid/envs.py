@@ -102,7 +102,7 @@ _define("BRAID_SPLIT_UNMEASURED", _bool, False,
         "for this machine, or one without that op) goes to NCCL whole: the built-in lane model alone "
         "split DDP's 25 MiB all_reduce over the copy engines, host staging and NCCL and made its steps "
         "1.9x slower on 2 x H200. 1: the built-in lane model splits such calls (CPU lanes always use "
-        "it). Must be the same on every rank.")
+        "it). Rank 0's setting applies on every rank.")
 _define("BRAID_MIN_SPLIT_KB", _positive_int, 256,
         "Pieces of a transfer smaller than this are not split across lanes.")
 def _nonneg_int(text: str) -> int:

@@ -426,12 +426,19 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
         return machine_key(self)
 
     def load_calibration(self) -> None:
-        """Rank 0 reads the cached calibration (if any) and every rank takes the same copy."""
+        """Rank 0 reads the cached calibration (if any) and every rank takes the same copy, and
+        rank 0's BRAID_SPLIT_UNMEASURED with it (ranks that split unmeasured calls differently
+        would wait for each other in different libraries)."""
         from ..calibrate import load
-        box = [load(self) if self.rank == 0 else None]
+        box = [(load(self), self.policy.model_unmeasured) if self.rank == 0 else None]
         dist.broadcast_object_list(box, group_src=0, group=self.gloo_group)
-        self.set_calibration(box[0] or {})
-        if not box[0] and self.cuda and self.rank == 0 and self.world_size > 1 and not self.policy.model_unmeasured:
+        table, model = box[0]
+        if model != self.policy.model_unmeasured:
+            log.warning("braid: BRAID_SPLIT_UNMEASURED differs from rank 0's on rank %d; rank 0's applies",
+                        self.rank)
+            self.policy.model_unmeasured = model
+        self.set_calibration(table or {})
+        if not table and self.cuda and self.rank == 0 and self.world_size > 1 and not self.policy.model_unmeasured:
             log.info("braid: no calibration cached for this machine: GPU calls go to NCCL whole until "
                      "`braid calibrate` (or `braid bench`) measures where splitting them pays")
 
