@@ -69,7 +69,8 @@ class SplitPolicy:
         text = json.dumps({"costs": {op: {k: c.to_dict() for k, c in v.items()} for op, v in self.calib.items()},
                            "pays": self.pays}, sort_keys=True)
         self.digest = hashlib.sha1(text.encode()).hexdigest()[:12] if self.calib else "default"
-        self._native_cache.clear()
+        self._share_cache.clear()       # (keyed by the digest too, but what decides them may have
+        self._native_cache.clear()      # changed with the same digest: model_unmeasured)
         self.balancer = OnlineBalancer()
         self.pending.clear()
 
