@@ -49,7 +49,7 @@ def _comm(words, key):
     tk = Ticket(base=5, bal=0, key=key, entry=entry, op="all_reduce",
                 ledger=("all_reduce", 4096, "torch.float32", "split"), lanes=["ce"])
     prep = SimpleNamespace(
-        tickets={"t": tk}, enabled=True, stats={"round_us": 0.0},
+        tickets={"t": tk}, enabled=True, stats={"round_us": 0.0}, fast=None,
         finish_word=lambda base, inp, lanes: 7,
         get=lambda k: entry if k == key else None,
         launch=lambda e, stream, async_op, tensors: "replayed")

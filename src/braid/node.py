@@ -461,16 +461,21 @@ class NodeSegment:
         read_values takes. A caller may do its own work between the two (the peers' posts land
         meanwhile); every post must be read or followed by a waiting exchange (see COLL_SLOTS).
         `hook` False: not through before_post (the deferred call's own post)."""
-        if hook and self.before_post is not None:
-            self.before_post()
-        self._settle_deferred()
-        self.coll_seq += 1
-        seq = self.coll_seq
+        seq = self.next_seq(hook)
         n = len(values)
         struct.pack_into(_VALUE_FMT[n] if n < len(_VALUE_FMT) else f"<I{n}Q", self.mm,
                          self._coll_slots[self.rank][seq % COLL_SLOTS], n, *values)
         self.u32[self._coll_ctr[self.rank] // 4] = seq & 0xFFFFFFFF
         return seq, n
+
+    def next_seq(self, hook: bool = True) -> int:
+        """The sequence number of this rank's next post, taken (post_values, and the native call
+        that writes its post itself: comm/native_rounds.py FastCalls)."""
+        if hook and self.before_post is not None:
+            self.before_post()
+        self._settle_deferred()
+        self.coll_seq += 1
+        return self.coll_seq
 
     def posted(self, token: tuple) -> bool:
         """Has every rank posted the exchange `token` (read_values would not wait)?"""

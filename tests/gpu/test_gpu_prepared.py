@@ -155,6 +155,9 @@ def _repeated(rank, world, comm, dev):
     assert not wrong, f"rank {rank}: {len(wrong)} of {calls} calls wrong, first {wrong[:5]}"
     st = prep.stats
     assert st["graphs"] > 0 and st["replays"] >= calls - 50, st    # tiny calls may go to NCCL whole
+    if comm._rounds is None and prep.fast is not False:
+        # the native call (BRAID_NATIVE_CALL, default on) took the repeats whose round matched
+        assert prep.fast is not None and st["native_calls"] > st["hits"] // 2, st
     if comm._rounds is not None:
         # BRAID_DEFER=1: most cache hits were deferred (about 360 of the 1,000 calls hit: the rest
         # are new shapes and reallocations), and most of those launched by the native launcher

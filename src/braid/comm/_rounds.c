@@ -292,3 +292,133 @@ void rounds_free(rounds_t *r) {
     pthread_cond_destroy(&r->py);
     free(r);
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * The caller's own repeated call (comm/exchange.py Exchange._fast_prepared, native_rounds.FastCalls):
+ * what the Python fast path of a prepared call on the copy engines does between the op's checks and
+ * its handle, in one call without the interpreter lock: the capture check, the word (with the id of
+ * the input's allocation), its post in the node segment, the read and compare of every rank's word,
+ * and on a hit the launch on the caller's stream or, forked, on the lane stream with its end event.
+ * Anything else goes back to Python, which goes on from where this stopped (the round posted or not,
+ * as the code says). */
+
+typedef int (*ptr_attr_fn)(void *data, int attr, uint64_t ptr);
+typedef int (*event_record_fn)(void *event, void *stream);
+typedef int (*is_capturing_fn)(void *stream, int *status);
+
+#define BUFFER_ID_ATTR 7            /* CU_POINTER_ATTRIBUTE_BUFFER_ID */
+
+typedef struct {
+    int world, me, nslots, nvals;
+    volatile uint32_t *ctr[MAXW];   /* each rank's collective mailbox counter */
+    uint8_t *slots[MAXW];           /* each rank's first collective slot */
+    uint64_t slot_bytes;
+    ptr_attr_fn ptr_attr;
+    event_record_fn event_record;
+    wait_event_fn wait_event;
+    graph_launch_fn graph_launch;
+    is_capturing_fn is_capturing;
+} fast_t;
+
+/* One call shape (a Ticket), filled by Python once; native_rounds.TicketC mirrors it. */
+typedef struct {
+    uint64_t base;                  /* the word's base: this rank's facts of the call */
+    void *exec, *stream, *start;    /* the program, the lane stream, the fork's event */
+    uint64_t expect[MAXW];          /* every rank's word the program was built for */
+} ticket_t;
+
+/* The word from its base and the id of the input's allocation (0: none); prepared.mix_word is the
+ * same function in Python, which the full path uses. */
+uint64_t mix_word(uint64_t base, uint64_t id) {
+    if (!id) return base & 0x7FFFFFFFFFFFFFFFULL;
+    uint64_t h = base ^ (id * 0x9E3779B97F4A7C15ULL);
+    h ^= h >> 31;
+    h *= 0xBF58476D1CE4E5B9ULL;
+    h ^= h >> 29;
+    return h & 0x7FFFFFFFFFFFFFFFULL;
+}
+
+fast_t *fast_new(int world, int me, int nslots, int nvals, uint64_t slot_bytes, const uint64_t *ctr_addrs,
+                 const uint64_t *slot_addrs, void *ptr_attr, void *event_record, void *wait_event, void *graph_launch,
+                 void *is_capturing) {
+    if (world < 1 || world > MAXW || nvals < 1) return NULL;
+    fast_t *f = calloc(1, sizeof(fast_t));
+    if (!f) return NULL;
+    f->world = world; f->me = me; f->nslots = nslots; f->nvals = nvals; f->slot_bytes = slot_bytes;
+    for (int p = 0; p < world; p++) {
+        f->ctr[p] = (volatile uint32_t *)(uintptr_t)ctr_addrs[p];
+        f->slots[p] = (uint8_t *)(uintptr_t)slot_addrs[p];
+    }
+    f->ptr_attr = (ptr_attr_fn)ptr_attr;
+    f->event_record = (event_record_fn)event_record;
+    f->wait_event = (wait_event_fn)wait_event;
+    f->graph_launch = (graph_launch_fn)graph_launch;
+    f->is_capturing = (is_capturing_fn)is_capturing;
+    return f;
+}
+
+void fast_free(fast_t *f) { free(f); }
+
+/* What fast_call returns. */
+#define FAST_HIT 0          /* every word matched; launched */
+#define FAST_DIFF 1         /* posted; a word (or a count) differs: Python reads the round */
+#define FAST_LATE 2         /* posted; a peer has not posted within spin_ns: Python reads (and waits) */
+#define FAST_ID_ERR 3       /* nothing posted: the allocation id's driver call failed (*rc) */
+#define FAST_CAPTURING 4    /* nothing posted: the caller's stream is capturing (or the check failed) */
+#define FAST_LAUNCH_ERR 5   /* posted and matched; a driver call of the launch failed (*rc) */
+
+/* One repeated call of `t` as round `seq` of the segment. inp: the input's address where its
+ * allocation's id goes into the word, else 0. mode 0: launch on `caller`; 1: fork onto the lane
+ * stream, launch, record `end` there and make `caller` wait for it; 2: the same without the wait
+ * (async). *word: the word posted; *round_ns: post to the last peer's word read. */
+int fast_call(fast_t *f, const ticket_t *t, uint32_t seq, uint64_t inp, void *caller, void *end, int mode,
+              int64_t spin_ns, uint64_t *word, int *rc, int64_t *round_ns) {
+    int status = 0;
+    *rc = 0;
+    if (f->is_capturing(caller, &status) != 0 || status != 0) return FAST_CAPTURING;
+    uint64_t id = 0;
+    if (inp) {
+        int e = f->ptr_attr(&id, BUFFER_ID_ATTR, inp);
+        if (e) { *rc = e; return FAST_ID_ERR; }
+    }
+    uint64_t w = mix_word(t->base, id);
+    *word = w;
+    /* the post: the count, the word and nothing observed, then this rank's counter */
+    uint64_t k = seq % (uint64_t)f->nslots;
+    uint8_t *mine = f->slots[f->me] + k * f->slot_bytes;
+    uint32_t n = (uint32_t)f->nvals;
+    memcpy(mine, &n, 4);
+    memcpy(mine + 4, &w, 8);
+    memset(mine + 12, 0, 8 * (size_t)(f->nvals - 1));
+    __atomic_store_n(f->ctr[f->me], seq, __ATOMIC_RELEASE);
+    int64_t t0 = now_ns();
+    for (int p = 0; p < f->world; p++) {
+        if (p == f->me) continue;
+        while (!reached(f->ctr[p], seq)) {
+            if (now_ns() - t0 > spin_ns) return FAST_LATE;
+            for (int i = 0; i < 16; i++) relax();
+        }
+    }
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    *round_ns = now_ns() - t0;
+    for (int p = 0; p < f->world; p++) {
+        const uint8_t *slot = f->slots[p] + k * f->slot_bytes;
+        uint32_t count;
+        uint64_t got;
+        memcpy(&count, slot, 4);
+        memcpy(&got, slot + 4, 8);
+        if (count != n || got != t->expect[p]) return FAST_DIFF;
+    }
+    int e;
+    if (mode == 0) {
+        e = f->graph_launch(t->exec, caller);
+    } else {
+        e = f->event_record(t->start, caller);
+        if (!e) e = f->wait_event(t->stream, t->start, 0);
+        if (!e) e = f->graph_launch(t->exec, t->stream);
+        if (!e) e = f->event_record(end, t->stream);
+        if (!e && mode == 1) e = f->wait_event(caller, end, 0);
+    }
+    if (e) { *rc = e; return FAST_LAUNCH_ERR; }
+    return FAST_HIT;
+}

@@ -20,6 +20,8 @@ from ..planner.plan import Plan, split
 
 from ..lanes import _cuda
 from ..lanes.signals import Flags
+from ..node import COLL_MBOX_BYTES, COLL_SLOTS
+from . import native_rounds
 from .prepared import _DONE, _RAW, NO_OBS, Entry, graph_shares, not_capturable
 from .rounds import DeferredHandle, Job
 
@@ -260,21 +262,58 @@ class Exchange:
         tk = prep.tickets.get(tkey)
         if (tk is None or not prep.enabled or self.closed or self.aborted or tk.bal != self.policy.balancer.version
                 or self._p2p_pending or (self.policy.pending and tk.op in self.policy.pending)
-                or (self.watchdog is not None and self.watchdog.failed) or _capturing()):
+                or (self.watchdog is not None and self.watchdog.failed) or (not prep.fast and _capturing())):
             return None         # queued send/recv go first, a balancer report rides the full path
         rd = getattr(self, "_rounds", None)
         if rd is not None and redo is not None and tk.entry.exec_ptr:
             if self.shortcuts.rebuilding():     # the rounds thread's own rebuild: the full path
                 return None
             return self._deferred(rd, prep, tk, inp, outs, async_op, redo)
-        word = prep.finish_word(tk.base, inp, tk.lanes)
         seg = self.segment
+        fast = prep.fast if prep.fast is not False else self._native_calls()
         # the round belongs to this call: counted while it waits, so that a peer still at the
         # previous call (taken whole) reads as late, not as a different call (CallLedger.check_peer)
         self.ledger.ncalls += 1
+        token = None
+        if fast is not None and tk.entry.exec_ptr and prep.entries.get(tk.key) is tk.entry:
+            # the word, its post, the round and the launch in native code (native_rounds.FastCalls)
+            caller = _RAW(self.device.index)
+            mode = 2 if async_op else 1 if prep.dirty else 0
+            end = prep.end_event() if mode else 0
+            t = tk.native
+            if t is None:
+                t = tk.native = fast.ticket(tk.base, tk.entry.exec_ptr, self._lanes["ce"].stream.cuda_stream,
+                                            prep.fork_event(), tk.key)
+            seq = seg.next_seq()
+            ptr = inp.data_ptr() if inp is not None and inp.numel() and "ce" in tk.lanes else 0
+            code = fast.call(t, seq, ptr, caller, end, mode)
+            if code == native_rounds.HIT:
+                prep.stats["round_us"] += fast.round_ns.value * 1e-3
+                prep.get(tk.key)
+                prep.stats["replays"] += 1
+                prep.stats["native_calls"] += 1
+                self.ledger.last_call = tk.ledger
+                handle = prep.joined(mode == 2, end, self._lanes["ce"].stream, (inp, *outs), tk.entry.plan) \
+                    if mode else _DONE
+                self.last_handle = handle
+                return handle
+            if code in (native_rounds.CAPTURING, native_rounds.ID_ERR):     # nothing posted
+                seg.coll_seq -= 1
+                self.ledger.ncalls -= 1
+                if code == native_rounds.ID_ERR:
+                    _cuda.check(fast.rc.value, "cuPointerGetAttribute(BUFFER_ID)")
+                return None
+            if code != native_rounds.DIFF and code != native_rounds.LATE:
+                _cuda.check(fast.rc.value or -1, "the launch of a prepared call")
+            word, token = fast.word.value, (seq, 1 + len(NO_OBS))     # posted: the round goes on here
+        else:
+            if fast is not None and _capturing():       # the native call's check did not run
+                self.ledger.ncalls -= 1
+                return None
+            word = prep.finish_word(tk.base, inp, tk.lanes)
         t0 = time.perf_counter()
         try:
-            got = seg.read_values(seg.post_values([word, *NO_OBS]), tk.op)
+            got = seg.read_values(token if token is not None else seg.post_values([word, *NO_OBS]), tk.op)
         except (PeerMismatchError, BraidTimeoutError, LaneFailureError) as exc:
             self._give_up(exc)
             raise
@@ -291,6 +330,26 @@ class Exchange:
         self.ledger.ncalls -= 1                 # a miss: the full path counts the call
         self._round = (word, got)        # and goes on from this round
         return None
+
+    def _native_calls(self):
+        """The communicator's native repeated calls (native_rounds.FastCalls), made at the first
+        call that could take them; None where BRAID_NATIVE_CALL is 0 or they did not build."""
+        prep = self._prepared
+        prep.fast = None
+        if not envs.get("BRAID_NATIVE_CALL"):
+            return None
+        lib = native_rounds.build()
+        if lib is None:
+            return None
+        seg = self.segment
+        try:
+            prep.fast = native_rounds.FastCalls(
+                lib, self.world_size, self.rank, COLL_SLOTS, 1 + len(NO_OBS), COLL_MBOX_BYTES,
+                [seg.address + c for c in seg._coll_ctr], [seg.address + s[0] for s in seg._coll_slots],
+                _cuda.native_fns(), seg.spin_s)
+        except (OSError, LaneFailureError) as exc:
+            log.info("braid: repeated calls stay in Python (%s)", exc)
+        return prep.fast
 
     def _deferred(self, rd, prep, tk, inp, outs: tuple, async_op: bool, redo):
         """Post this rank's word and queue the rest of the call on the rounds thread

@@ -1,8 +1,11 @@
-"""The native launcher of deferred calls (`_rounds.c`), built on first use with the system's C
-compiler and loaded with ctypes. Its thread waits for the peers' words, checks them and launches
-without Python's interpreter lock (comm/rounds.py says why that matters); what it cannot decide
-it hands back to the rounds thread in Python. No compiler, or a build that fails: None, and the
-Python thread does everything (one log line says why)."""
+"""The native side of repeated prepared calls (`_rounds.c`), built on first use with the system's C
+compiler and loaded with ctypes:
+- the launcher of deferred calls (Launcher): its thread waits for the peers' words, checks them and
+  launches without Python's interpreter lock (comm/rounds.py says why that matters); what it cannot
+  decide it hands back to the rounds thread in Python;
+- the caller's own repeated call (FastCalls): the word, its post, the read and compare of every
+  rank's word and the launch, in one call (comm/exchange.py Exchange._fast_prepared).
+No compiler, or a build that fails: None, and Python does everything (one log line says why)."""
 from __future__ import annotations
 
 import ctypes
@@ -81,9 +84,17 @@ def build() -> ctypes.CDLL | None:
     lib.rounds_poll.restype = _u64
     lib.rounds_poll.argtypes = [_vp, _u64, _i64, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int),
                                 ctypes.POINTER(_i64)]
-    for name in ("rounds_resume", "rounds_handback", "rounds_clear", "rounds_free"):
+    for name in ("rounds_resume", "rounds_handback", "rounds_clear", "rounds_free", "fast_free"):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = None, [_vp]
+    lib.fast_new.restype = _vp
+    lib.fast_new.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, _u64, ctypes.POINTER(_u64),
+                             ctypes.POINTER(_u64), _vp, _vp, _vp, _vp, _vp]
+    lib.fast_call.restype = ctypes.c_int
+    lib.fast_call.argtypes = [_vp, ctypes.POINTER(TicketC), ctypes.c_uint32, _u64, _vp, _vp, ctypes.c_int, _i64,
+                              ctypes.POINTER(_u64), ctypes.POINTER(ctypes.c_int), ctypes.POINTER(_i64)]
+    lib.mix_word.restype = _u64
+    lib.mix_word.argtypes = [_u64, _u64]
     _lib = lib
     return lib
 
@@ -131,4 +142,55 @@ class Launcher:
     def close(self) -> None:
         if self._h:
             self.lib.rounds_free(self._h)
+            self._h = None
+
+
+MAXW = 64       # ranks a node segment's round holds (`_rounds.c` MAXW)
+M64 = (1 << 64) - 1
+# what fast_call returns (`_rounds.c` FAST_*)
+HIT, DIFF, LATE, ID_ERR, CAPTURING, LAUNCH_ERR = range(6)
+
+
+class TicketC(ctypes.Structure):
+    """One call shape as `_rounds.c`'s ticket_t: the word's base, the program, the lane stream,
+    the fork's event and every rank's word the program was built for."""
+    _fields_ = [("base", _u64), ("exec", _vp), ("stream", _vp), ("start", _vp), ("expect", _u64 * MAXW)]
+
+
+class FastCalls:
+    """One communicator's native repeated calls (`_rounds.c` fast_call) over its node segment's
+    round of words. `fns`: the driver functions as addresses (lanes/_cuda.native_fns)."""
+
+    def __init__(self, lib, world: int, me: int, nslots: int, nvals: int, slot_bytes: int, ctr_addrs: list[int],
+                 slot_addrs: list[int], fns: dict, spin_s: float):
+        if world > MAXW:
+            raise OSError(f"the native call holds at most {MAXW} ranks")
+        self.lib = lib
+        arr = _u64 * world
+        self._h = lib.fast_new(world, me, nslots, nvals, slot_bytes, arr(*ctr_addrs), arr(*slot_addrs),
+                               fns["ptr_attr"], fns["event_record"], fns["wait_event"], fns["graph_launch"],
+                               fns["is_capturing"])
+        if not self._h:
+            raise OSError("the native call's state could not be made")
+        self.spin_ns = int(spin_s * 1e9)
+        # out-arguments made once (the caller's thread only)
+        self.word, self.rc, self.round_ns = _u64(), ctypes.c_int(), _i64()
+        self._refs = (ctypes.byref(self.word), ctypes.byref(self.rc), ctypes.byref(self.round_ns))
+
+    @staticmethod
+    def ticket(base: int, exec_ptr: int, stream: int, start: int, expect) -> TicketC:
+        t = TicketC(base & M64, exec_ptr, stream, start)
+        for i, w in enumerate(expect):
+            t.expect[i] = w & M64
+        return t
+
+    def call(self, t: TicketC, seq: int, inp: int, caller: int, end: int, mode: int) -> int:
+        """One round `seq` of ticket `t` (see `_rounds.c` fast_call); the word posted, the driver's
+        error code and the round's ns are then in self.word, self.rc and self.round_ns."""
+        w, rc, rn = self._refs
+        return self.lib.fast_call(self._h, t, seq & 0xFFFFFFFF, inp, caller, end, mode, self.spin_ns, w, rc, rn)
+
+    def close(self) -> None:
+        if self._h:
+            self.lib.fast_free(self._h)
             self._h = None

@@ -58,9 +58,22 @@ from ..lanes.ce import lane_stream
 log = logging.getLogger("braid")
 
 MASK63 = (1 << 63) - 1
+M64 = (1 << 64) - 1
 OBS_LANES = ("ce", "host", "nccl", "gloo", "shm")   # lane times in the round, in this order
 NO_OBS = (0,) * (1 + len(OBS_LANES))                # the round's values after the word, nothing observed
 EVENT_RING = 16          # end events of async replays (reused in turn)
+
+
+def mix_word(base: int, ident: int) -> int:
+    """A call's word from its base and the id of its input's allocation (0: none); the native
+    call (`_rounds.c` mix_word) computes the same, so either path's word meets the other's."""
+    if not ident:
+        return base & MASK63
+    h = (base & M64) ^ ((ident * 0x9E3779B97F4A7C15) & M64)
+    h ^= h >> 31
+    h = (h * 0xBF58476D1CE4E5B9) & M64
+    h ^= h >> 29
+    return h & MASK63
 
 
 def graph_shares(shares: dict[str, float]) -> bool:
@@ -97,11 +110,12 @@ class Ticket:
     straight to the round and the launch (Communicator._fast_prepared). Valid while the cache's
     epoch (calibration, fixed shares) and the balancer's version are those it was made under."""
 
-    __slots__ = ("base", "bal", "key", "entry", "op", "ledger", "lanes")
+    __slots__ = ("base", "bal", "key", "entry", "op", "ledger", "lanes", "native")
 
     def __init__(self, base: int, bal: int, key: tuple, entry: Entry, op: str, ledger: tuple, lanes):
         self.base, self.bal, self.key, self.entry, self.op, self.ledger, self.lanes = \
             base, bal, key, entry, op, ledger, lanes
+        self.native = None          # its native_rounds.TicketC, made at its first native call
 
 
 class PreparedHandle(Handle):
@@ -160,7 +174,7 @@ class PreparedCalls:
         # launching on the caller's stream (two programs on the same flags must never overlap)
         self.dirty = False
         self.stats = {"built": 0, "hits": 0, "graphs": 0, "replays": 0, "captured": 0, "round_us": 0.0,
-                      "p2p_built": 0, "p2p_hits": 0}
+                      "p2p_built": 0, "p2p_hits": 0, "native_calls": 0}
         self._pool = None
         self._cap = None            # the capture stream and two side streams (reductions)
         self._anchor = None
@@ -169,6 +183,9 @@ class PreparedCalls:
         self._ev_ring: list[int] = []
         self._ev_next = 0
         self._dev_index = device.index if cuda else -1
+        # the native repeated call (native_rounds.FastCalls): False until its first use, None
+        # where it is off or did not build (Exchange._native_calls)
+        self.fast = False
         if cuda and self.enabled:
             self.streams()          # made now: not inside a user's capture
 
@@ -188,7 +205,7 @@ class PreparedCalls:
     def finish_word(self, base: int, inp, lanes) -> int:
         """The word: the base and, where peers map the input, the id of its allocation."""
         if self.cuda and "ce" in lanes and inp is not None and inp.numel():
-            return hash((base, _cuda.buffer_id(inp.data_ptr()))) & MASK63
+            return mix_word(base, _cuda.buffer_id(inp.data_ptr()))
         return base & MASK63
 
     @staticmethod
@@ -355,14 +372,30 @@ class PreparedCalls:
         _cuda.stream_wait_event(stream.cuda_stream, self._ev_start)
         return caller
 
+    def fork_event(self) -> int:
+        """The event the caller's stream records for a lane stream to wait on (fork)."""
+        self.streams()
+        return self._ev_start
+
+    def end_event(self) -> int:
+        """The next end event of the ring (reused in turn)."""
+        end = self._ev_ring[self._ev_next]
+        self._ev_next = (self._ev_next + 1) % EVENT_RING
+        return end
+
     def join(self, caller: int, stream, async_op: bool, tensors: tuple, plan=None):
         """The end of a call posted on `stream` after fork(): synchronous, the caller's stream
         waits for it; async, a handle whose wait() does that."""
-        end = self._ev_ring[self._ev_next]
-        self._ev_next = (self._ev_next + 1) % EVENT_RING
+        end = self.end_event()
         _cuda.event_record(end, stream.cuda_stream)
         if not async_op:
             _cuda.stream_wait_event(caller, end)
+        return self.joined(async_op, end, stream, tensors, plan)
+
+    def joined(self, async_op: bool, end: int, stream, tensors: tuple, plan=None):
+        """After the end event of a forked call was recorded on `stream` (and, synchronous, the
+        caller's stream made to wait for it): the handle, and what braid's streams now owe."""
+        if not async_op:
             self.dirty = False          # the caller's stream is now after everything braid posted
             return _DONE
         self.dirty = True
@@ -372,6 +405,9 @@ class PreparedCalls:
         return PreparedHandle(end, plan, tensors, self._dev_index)
 
     def close(self) -> None:
+        if self.fast:
+            self.fast.close()
+        self.fast = None
         self.entries.clear()
         for ev in ([self._ev_start] if self._ev_start else []) + self._ev_ring:
             try:

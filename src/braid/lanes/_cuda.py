@@ -67,6 +67,7 @@ def lib() -> ctypes.CDLL:
         "cuEventQuery": [_vp],
         "cuStreamWaitEvent": [_vp, _vp, ctypes.c_uint],
         "cuGraphLaunch": [_vp, _vp],
+        "cuStreamIsCapturing": [_vp, ctypes.POINTER(ctypes.c_int)],
         "cuCtxGetCurrent": [ctypes.POINTER(_vp)],
         "cuCtxSetCurrent": [_vp],
         "cuStreamBatchMemOp_v2": [_vp, ctypes.c_uint, ctypes.POINTER(MemOp), ctypes.c_uint],
@@ -222,7 +223,7 @@ def event_query(event: int) -> bool:
 
 
 def native_fns() -> dict:
-    """The driver functions a native thread calls (comm/native_rounds.py), as addresses, and the
+    """The driver functions native code calls (comm/native_rounds.py), as addresses, and the
     calling thread's current context (the native thread makes it current on itself)."""
     cu = lib()
     ctx = _vp()
@@ -230,4 +231,5 @@ def native_fns() -> dict:
     addr = lambda fn: ctypes.cast(fn, _vp).value     # noqa: E731
     return {"wait_event": addr(cu.cuStreamWaitEvent), "graph_launch": addr(cu.cuGraphLaunch),
             "write_value": addr(cu.cuStreamWriteValue32_v2), "set_ctx": addr(cu.cuCtxSetCurrent),
-            "ctx": ctx.value or 0}
+            "ptr_attr": addr(cu.cuPointerGetAttribute), "event_record": addr(cu.cuEventRecord),
+            "is_capturing": addr(cu.cuStreamIsCapturing), "ctx": ctx.value or 0}

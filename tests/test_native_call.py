@@ -1,0 +1,294 @@
+"""The native repeated call (comm/_rounds.c fast_call, native_rounds.FastCalls) on CPU, over a real
+node segment of two ranks, with the driver calls it makes simulated by callbacks that record them.
+What is checked: its word is the Python path's word (mix_word, on many values); its post is read
+by the Python round and it reads the Python round's post (either rank may take either path); a
+round whose words match launches the program on the caller's stream (synchronous), or forked on
+the lane stream with its end event (and the caller's wait when synchronous); a word that differs,
+a count that differs and a late peer leave the round posted and readable; a capture, and a driver
+error in the allocation's id, post nothing; a driver error in the launch is reported with its
+code. Then Exchange._fast_prepared with it: a hit books the call as the Python path does, a miss
+hands the round to the full path, a capture undoes the count and the sequence number."""
+from __future__ import annotations
+
+import ctypes
+import random
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from braid.comm import exchange, native_rounds
+from braid.comm.exchange import Exchange
+from braid.comm.ledger import CallLedger
+from braid.comm.prepared import NO_OBS, Entry, Ticket, mix_word
+from braid.errors import LaneFailureError, PeerMismatchError
+from braid.node import COLL_MBOX_BYTES, COLL_SLOTS, Layout, NodeSegment
+
+NV = 1 + len(NO_OBS)
+_vp, _u64, _int = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int
+
+
+class Driver:
+    """Records every driver call (name, arguments) per calling thread's rank, answers with the ids
+    and errors set here."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.ids: dict[int, int] = {}       # pointer -> allocation id
+        self.capturing = False
+        self.fail: dict[str, int] = {}      # driver function -> error code it returns
+        self.lock = threading.Lock()
+        self.keep = []
+
+    def _rec(self, name, *args):
+        with self.lock:
+            self.calls.append((name, *[a or 0 for a in args]))
+        return self.fail.get(name, 0)
+
+    def fns(self) -> dict:
+        def ptr_attr(data, attr, ptr):
+            if attr != 7:
+                return 1
+            ctypes.c_uint64.from_address(data).value = self.ids[ptr]
+            return self._rec("ptr_attr", ptr)
+
+        def is_capturing(stream, status):
+            status[0] = 1 if self.capturing else 0
+            return self.fail.get("is_capturing", 0)
+        cbs = {
+            "ptr_attr": ctypes.CFUNCTYPE(_int, _vp, _int, _u64)(ptr_attr),
+            "event_record": ctypes.CFUNCTYPE(_int, _vp, _vp)(lambda e, s: self._rec("event_record", e, s)),
+            "wait_event": ctypes.CFUNCTYPE(_int, _vp, _vp, ctypes.c_uint)(lambda s, e, f: self._rec("wait_event", s, e)),
+            "graph_launch": ctypes.CFUNCTYPE(_int, _vp, _vp)(lambda x, s: self._rec("graph_launch", x, s)),
+            "is_capturing": ctypes.CFUNCTYPE(_int, _vp, ctypes.POINTER(_int))(is_capturing),
+        }
+        self.keep.append(cbs)
+        return {k: ctypes.cast(f, _vp).value for k, f in cbs.items()}
+
+
+@pytest.fixture
+def world(tmp_path, monkeypatch):
+    monkeypatch.setenv("BRAID_CACHE_DIR", str(tmp_path))
+    lib = native_rounds.build()
+    if lib is None:
+        pytest.skip("no C compiler for the native call")
+    layout = Layout(2, 1 << 16, 4096)
+    name = NodeSegment.new_name()
+    segs = [NodeSegment(name, layout, 0, create=True), NodeSegment(name, layout, 1, create=False)]
+    segs[0].unlink()
+    drv = Driver()
+    fns = drv.fns()
+    fasts = [native_rounds.FastCalls(lib, 2, r, COLL_SLOTS, NV, COLL_MBOX_BYTES,
+                                     [seg.address + c for c in seg._coll_ctr],
+                                     [seg.address + s[0] for s in seg._coll_slots], fns, 0.05)
+             for r, seg in enumerate(segs)]
+    yield lib, segs, fasts, drv
+    for f in fasts:
+        f.close()
+    for s in segs:
+        s.close()
+
+
+def test_the_word_is_the_python_paths_word(world):
+    lib = world[0]
+    rng = random.Random(5)
+    for _ in range(2000):
+        base = rng.getrandbits(64) - (1 << 63)          # a Python hash: signed
+        ident = rng.choice([0, 1, rng.getrandbits(16), rng.getrandbits(64)])
+        assert lib.mix_word(base & ((1 << 64) - 1), ident) == mix_word(base, ident)
+    assert mix_word(-1, 0) == (1 << 63) - 1
+
+
+def _ticket(fast, base, key, exec_ptr=0x5000, stream=0x77, start=0x31):
+    return fast.ticket(base, exec_ptr, stream, start, key)
+
+
+def test_a_native_post_meets_a_python_post_both_ways(world):
+    _, segs, fasts, drv = world
+    drv.ids = {0xA000: 11, 0xB000: 12}
+    w0, w1 = mix_word(3, 11), mix_word(-4, 12)
+    # rank 1 posts in Python first, rank 0 calls natively: its round is complete, it launches
+    token1 = segs[1].post_values([w1, *NO_OBS])
+    t0 = _ticket(fasts[0], 3, (w0, w1))
+    seq = segs[0].next_seq()
+    assert seq == token1[0]
+    assert fasts[0].call(t0, seq, 0xA000, 0x900, 0, 0) == native_rounds.HIT
+    assert fasts[0].word.value == w0
+    assert drv.calls == [("ptr_attr", 0xA000), ("graph_launch", 0x5000, 0x900)]
+    assert segs[1].read_values(token1, "t") == [[w0, *NO_OBS], [w1, *NO_OBS]]
+    # the other way round: rank 0 native first (rank 1 not there yet: late, posted), rank 1 in Python
+    drv.calls.clear()
+    seq = segs[0].next_seq()
+    assert fasts[0].call(t0, seq, 0xA000, 0x900, 0, 0) == native_rounds.LATE
+    assert drv.calls == [("ptr_attr", 0xA000)]          # no launch
+    token1 = segs[1].post_values([w1, *NO_OBS])
+    assert segs[1].read_values(token1, "t") == [[w0, *NO_OBS], [w1, *NO_OBS]]
+    assert segs[0].read_values((seq, NV), "t") == [[w0, *NO_OBS], [w1, *NO_OBS]]
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_both_ranks_native_launch_as_the_mode_says(world, mode):
+    _, segs, fasts, drv = world
+    drv.ids = {0xA000: 1, 0xB000: 2}
+    key = (mix_word(10, 1), mix_word(20, 2))
+    tks = [_ticket(fasts[0], 10, key, exec_ptr=0x5000, stream=0x70), _ticket(fasts[1], 20, key, exec_ptr=0x6000,
+                                                                             stream=0x71)]
+    codes = [None, None]
+
+    def rank(r):
+        for _ in range(50):
+            seq = segs[r].next_seq()
+            codes[r] = fasts[r].call(tks[r], seq, (0xA000, 0xB000)[r], 0x900 + r, 0xE0 + r, mode)
+            if codes[r] != native_rounds.HIT:
+                return
+    th = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join(30)
+    assert codes == [native_rounds.HIT, native_rounds.HIT]
+    mine = [c for c in drv.calls if c[0] != "ptr_attr" and (0x900 in c or 0x70 in c or 0xE0 in c)]
+    one = {0: [("graph_launch", 0x5000, 0x900)],
+           1: [("event_record", 0x31, 0x900), ("wait_event", 0x70, 0x31), ("graph_launch", 0x5000, 0x70),
+               ("event_record", 0xE0, 0x70), ("wait_event", 0x900, 0xE0)],
+           2: [("event_record", 0x31, 0x900), ("wait_event", 0x70, 0x31), ("graph_launch", 0x5000, 0x70),
+               ("event_record", 0xE0, 0x70)]}[mode]
+    assert mine == one * 50
+    assert fasts[0].round_ns.value >= 0
+
+
+def test_a_differing_word_or_count_leaves_the_round_to_python(world):
+    _, segs, fasts, drv = world
+    drv.ids = {0xA000: 1}
+    w0 = mix_word(10, 1)
+    token1 = segs[1].post_values([999, *NO_OBS])            # rank 1 made another call
+    seq = segs[0].next_seq()
+    assert fasts[0].call(_ticket(fasts[0], 10, (w0, 5)), seq, 0xA000, 0x900, 0, 0) == native_rounds.DIFF
+    assert not [c for c in drv.calls if c[0] == "graph_launch"]
+    assert segs[0].read_values((seq, NV), "t")[1][0] == 999
+    segs[1].read_values(token1, "t")
+    # a peer whose post has another count: not launched, and the Python read names the mismatch
+    segs[1].post_values([5, 0])
+    seq = segs[0].next_seq()
+    assert fasts[0].call(_ticket(fasts[0], 10, (w0, 5)), seq, 0xA000, 0x900, 0, 0) == native_rounds.DIFF
+    with pytest.raises(PeerMismatchError):
+        segs[0].read_values((seq, NV), "t")
+
+
+def test_a_capture_or_an_id_error_posts_nothing(world):
+    _, segs, fasts, drv = world
+    drv.ids = {0xA000: 1}
+    t = _ticket(fasts[0], 10, (1, 2))
+    before = segs[0].u32[segs[0]._coll_ctr[0] // 4]
+    drv.capturing = True
+    assert fasts[0].call(t, 1, 0xA000, 0x900, 0, 0) == native_rounds.CAPTURING
+    drv.capturing = False
+    drv.fail = {"is_capturing": 900}                        # a check that fails counts as capturing
+    assert fasts[0].call(t, 1, 0xA000, 0x900, 0, 0) == native_rounds.CAPTURING
+    drv.fail = {"ptr_attr": 400}
+    assert fasts[0].call(t, 1, 0xA000, 0x900, 0, 0) == native_rounds.ID_ERR
+    assert fasts[0].rc.value == 400
+    assert segs[0].u32[segs[0]._coll_ctr[0] // 4] == before
+    assert not [c for c in drv.calls if c[0] != "ptr_attr"]
+
+
+def test_a_launch_error_comes_back_with_its_code(world):
+    _, segs, fasts, drv = world
+    key = (mix_word(10, 0), mix_word(20, 0))
+    token1 = segs[1].post_values([key[1], *NO_OBS])
+    drv.fail = {"graph_launch": 719}
+    seq = segs[0].next_seq()
+    assert fasts[0].call(_ticket(fasts[0], 10, key), seq, 0, 0x900, 0, 1) == native_rounds.LAUNCH_ERR
+    assert fasts[0].rc.value == 719
+    assert [c[0] for c in drv.calls] == ["event_record", "wait_event", "graph_launch"]
+    segs[1].read_values(token1, "t")
+
+
+# Exchange._fast_prepared with the native call ------------------------------------------------------
+
+class _Prep(SimpleNamespace):
+    pass
+
+
+def _comm(seg, fast, key, monkeypatch):
+    entry = Entry(None, "plan", {"ce": 1.0}, ["ce"], 1, native=False)
+    entry.exec_ptr = 0x5000
+    tk = Ticket(base=10, bal=0, key=key, entry=entry, op="all_reduce",
+                ledger=("all_reduce", 4096, "torch.float32", "split"), lanes=["ce"])
+    stats = {"round_us": 0.0, "replays": 0, "hits": 0, "native_calls": 0}
+    prep = _Prep(tickets={"t": tk}, enabled=True, stats=stats, fast=fast, dirty=False, entries={key: entry},
+                 end_event=lambda: 0xE0, fork_event=lambda: 0x31)
+    prep.get = lambda k: (stats.__setitem__("hits", stats["hits"] + 1), prep.entries.get(k))[1]
+    prep.joined = lambda async_op, end, stream, tensors, plan: ("joined", async_op, end)
+    led = CallLedger(0, True, None)
+    led.ncalls = 40
+    comm = SimpleNamespace(
+        _prepared=prep, closed=False, aborted=False, _p2p_pending=[], watchdog=None, segment=seg,
+        policy=SimpleNamespace(balancer=SimpleNamespace(version=0), pending={}), device=torch.device("cpu"),
+        _lanes={"ce": SimpleNamespace(stream=SimpleNamespace(cuda_stream=0x70))}, ledger=led, last_handle=None,
+        _round=None, gave_up=[])
+    comm._give_up = comm.gave_up.append
+    monkeypatch.setattr(exchange, "_RAW", lambda dev: 0x900)
+    monkeypatch.setattr(exchange, "_capturing", lambda: False)
+    return comm, tk
+
+
+class _Inp:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def data_ptr(self):
+        return self.ptr
+
+    def numel(self):
+        return 4
+
+
+def test_fast_prepared_books_a_native_hit_as_the_python_path(world, monkeypatch):
+    _, segs, fasts, drv = world
+    drv.ids = {0xA000: 7}
+    key = (mix_word(10, 7), 55)
+    comm, tk = _comm(segs[0], fasts[0], key, monkeypatch)
+    token1 = segs[1].post_values([55, *NO_OBS])
+    assert Exchange._fast_prepared(comm, "t", _Inp(0xA000), (), False) is exchange._DONE
+    assert comm.ledger.ncalls == 41 and comm.ledger.last_call == tk.ledger
+    st = comm._prepared.stats
+    assert st["replays"] == 1 and st["hits"] == 1 and st["native_calls"] == 1
+    assert tk.native is not None and [c[0] for c in drv.calls] == ["ptr_attr", "graph_launch"]
+    segs[1].read_values(token1, "t")
+    # async: forked, the handle from the cache's bookkeeping
+    token1 = segs[1].post_values([55, *NO_OBS])
+    assert Exchange._fast_prepared(comm, "t", _Inp(0xA000), (), True) == ("joined", True, 0xE0)
+    segs[1].read_values(token1, "t")
+
+
+def test_fast_prepared_hands_a_miss_to_the_full_path(world, monkeypatch):
+    _, segs, fasts, drv = world
+    drv.ids = {0xA000: 7}
+    key = (mix_word(10, 7), 55)
+    comm, tk = _comm(segs[0], fasts[0], key, monkeypatch)
+    segs[1].post_values([56, *NO_OBS])                      # rank 1's buffer changed
+    assert Exchange._fast_prepared(comm, "t", _Inp(0xA000), (), False) is None
+    assert comm.ledger.ncalls == 40                          # the full path counts the call
+    assert comm._round == (key[0], [[key[0], *NO_OBS], [56, *NO_OBS]])
+    assert not [c for c in drv.calls if c[0] == "graph_launch"]
+
+
+def test_fast_prepared_under_capture_undoes_its_count(world, monkeypatch):
+    _, segs, fasts, drv = world
+    drv.ids = {0xA000: 7}
+    comm, tk = _comm(segs[0], fasts[0], (mix_word(10, 7), 55), monkeypatch)
+    drv.capturing = True
+    seq = segs[0].coll_seq
+    assert Exchange._fast_prepared(comm, "t", _Inp(0xA000), (), False) is None
+    assert segs[0].coll_seq == seq and comm.ledger.ncalls == 40
+    drv.capturing = False
+    drv.fail = {"ptr_attr": 1}
+
+    def check(rc, what):                                     # the driver's error names (no libcuda here)
+        raise LaneFailureError(f"CUDA driver call {what} failed ({rc})")
+    monkeypatch.setattr(exchange._cuda, "check", check)
+    with pytest.raises(LaneFailureError, match="BUFFER_ID"):
+        Exchange._fast_prepared(comm, "t", _Inp(0xA000), (), False)
+    assert segs[0].coll_seq == seq and comm.ledger.ncalls == 40
