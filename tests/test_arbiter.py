@@ -451,3 +451,83 @@ def test_a_shape_not_called_any_more_is_not_a_trial_under_way():
     assert not arb.trying()                 # the set-up shape's trial is stale
     arb.whole("setup")                      # called again: under way again
     assert arb.trying()
+
+
+class HostAheadClock:
+    """A job whose host runs ahead of its GPU: the host's time between calls is the call's host
+    cost (split calls cost more host time), while the GPU's time between the calls' marks is the
+    step's (the split's steps are faster). span() reads the GPU's, as GpuPace does."""
+
+    def __init__(self):
+        self.host = 1.0
+        self.gpu = 1.0
+        self.dropped = 0
+
+    def __call__(self):
+        return (self.gpu, self.host)
+
+    def span(self, a, b):
+        return b[0] - a[0]
+
+    def drop(self, mark):
+        self.dropped += mark is not None
+
+
+@pytest.mark.parametrize("gpu_pace", [True, False])
+def test_the_gpus_pace_decides_where_the_host_runs_ahead(gpu_pace):
+    clock = HostAheadClock()
+    if not gpu_pace:                                  # the host's clock alone: the split looks slower
+        clock.span = lambda a, b: b[1] - a[1]
+    arb = A.Arbiter(lambda v: [list(v)], clock=clock)
+    for _ in range(600):
+        whole = arb.whole(("ar", 1 << 24, "bf16"))
+        clock.host += (40.0 if whole else 90.0) * 1e-6     # host time a call: NCCL's 40 us, the split's 90
+        clock.gpu += (700.0 if whole else 620.0) * 1e-6    # GPU time between calls: the split 11% faster
+    assert arb.decisions, "no verdict"
+    assert arb.decisions[-1][3] is (not gpu_pace)          # kept split on the GPU's pace, whole on the host's
+
+
+def test_gpu_pace_marks_are_events_on_the_callers_stream(monkeypatch):
+    calls = []
+
+    class FakeCuda:
+        capturing = False
+        fail = False
+        made = 0
+
+        def stream_capturing(self, stream):
+            return self.capturing
+
+        def event_create(self, timing=False):
+            assert timing
+            FakeCuda.made += 1
+            return 100 + FakeCuda.made
+
+        def event_record(self, ev, stream):
+            calls.append(("record", ev, stream))
+
+        def event_elapsed_s(self, a, b):
+            if self.fail:
+                raise RuntimeError("driver")
+            return 0.25
+
+        def event_destroy(self, ev):
+            calls.append(("destroy", ev))
+    pace = A.GpuPace(0)
+    fake = FakeCuda()
+    pace._cuda, pace._raw = fake, lambda dev: 77
+    a, b = pace(), pace()
+    assert calls == [("record", 101, 77), ("record", 102, 77)]
+    assert pace.span(a, b) == 0.25 and sorted(pace._free) == [101, 102]     # events go back for reuse
+    c = pace()
+    assert calls[-1] == ("record", 102, 77)                                 # reused, none made
+    fake.capturing = True                                                   # a capture: the host's clock
+    d = pace()
+    assert isinstance(d, float) and len(calls) == 3
+    assert pace.span(c, d) == pytest.approx(d - c[1]) and pace._free == [101, 102]
+    fake.capturing = False
+    fake.fail = True                                                        # a driver error: the host's too
+    e, f = pace(), pace()
+    assert pace.span(e, f) == pytest.approx(f[1] - e[1])
+    pace.close()
+    assert sorted(c[1] for c in calls if c[0] == "destroy") == [101, 102] and pace._free == []

@@ -152,16 +152,72 @@ def _unmeasured_worker(rank, w):
     every rank makes together, gives it rank 0's."""
     import braid
     comm = braid.init()
-    before = comm.policy.model_unmeasured
+    pol = comm.policy
+    before = (pol.model_unmeasured, pol.near_factor)
     if rank == 1:
-        comm.policy.model_unmeasured = not before
+        pol.model_unmeasured, pol.near_factor = not before[0], before[1] + 1.0
     comm.load_calibration()
-    got = comm.policy.model_unmeasured
+    got = (pol.model_unmeasured, pol.near_factor)
     comm.close()
     return before, got
 
 
-def test_every_rank_takes_rank_0s_answer_for_unmeasured_calls():
+def test_every_rank_takes_rank_0s_answer_for_unmeasured_calls_and_near_trials():
     from conftest import run_world
     res = run_world(_unmeasured_worker, 2, timeout=120)
     assert res[0][1] == res[0][0] and res[1][1] == res[0][0]
+
+
+def _near_table(op, nccl_us, ce_us, bucket=24):
+    """NCCL alone won the calibration's timing at 2**bucket bytes, against the copy engines' `ce_us`."""
+    t = _table(320.0, 330.0)
+    t[f"{op}/2"] = t.pop("all_gather/2")
+    t[f"{op}/2/pays"] = {str(bucket): False}
+    t[f"{op}/2/timed"] = {str(bucket): {"nccl": nccl_us, "ce": ce_us, "split": 2 * nccl_us,
+                                        "split_shares": {"ce": 0.6, "nccl": 0.4}}}
+    return t
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_gather"])
+def test_nccls_near_wins_go_on_trial_in_the_job_only(op):
+    p = _policy()
+    p.set_table(_near_table(op, 80.0, 97.0))               # NCCL won by 21%
+    n = 25 << 20
+    assert p.native_for(op, n) is True                      # trials off (the op sweep, fixed verdicts): NCCL
+    assert p.shares_for(op, n, GPU) == {"nccl": 1.0}
+    assert p.set_near_trials(True) is True and p.set_near_trials(True) is False
+    assert p.native_for(op, n) is False                     # the cached answer went with the change
+    assert p.shares_for(op, n, GPU) == {"ce": 1.0}
+    assert p.shares_for(op, n, ["host", "nccl"]) == {"nccl": 1.0}     # no copy engines here: NCCL
+    p.set_near_trials(False)
+    assert p.native_for(op, n) is True and p.shares_for(op, n, GPU) == {"nccl": 1.0}
+
+
+def test_a_clear_nccl_win_an_untimed_op_and_cpu_stay_whole():
+    p = _policy()
+    p.set_table(_near_table("all_reduce", 80.0, 130.0))    # NCCL won by 62%: beyond NEAR_TRIAL
+    p.set_near_trials(True)
+    assert p.native_for("all_reduce", 25 << 20) is True
+    p.set_table(_near_table("broadcast", 80.0, 90.0))      # not an op whose calls share SMs with compute
+    assert p.native_for("broadcast", 25 << 20) is True
+    t = _near_table("all_reduce", 80.0, 90.0)
+    del t["all_reduce/2/timed"]                             # nothing timed: nothing on trial
+    p.set_table(t)
+    assert p.native_for("all_reduce", 25 << 20) is True
+    cpu = _policy(cuda=False, lanes=["gloo", "shm"])
+    cpu.set_table(_near_table("all_reduce", 80.0, 90.0))
+    cpu.set_near_trials(True)
+    assert cpu.near("all_reduce", 25 << 20) is False
+
+
+def test_near_trials_off_by_setting(monkeypatch):
+    monkeypatch.setenv("BRAID_NEAR_TRIAL", "0")
+    p = _policy()
+    p.set_table(_near_table("all_reduce", 80.0, 81.0))
+    p.set_near_trials(True)
+    assert p.native_for("all_reduce", 25 << 20) is True
+    monkeypatch.setenv("BRAID_NEAR_TRIAL", "1.02")        # a tighter factor: 81 against 80 is within it
+    p = _policy()
+    p.set_table(_near_table("all_reduce", 80.0, 81.0))
+    p.set_near_trials(True)
+    assert p.native_for("all_reduce", 25 << 20) is False

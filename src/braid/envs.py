@@ -105,6 +105,14 @@ _define("BRAID_SPLIT_UNMEASURED", _bool, False,
         "it). Rank 0's setting applies on every rank.")
 _define("BRAID_MIN_SPLIT_KB", _positive_int, 256,
         "Pieces of a transfer smaller than this are not split across lanes.")
+_define("BRAID_NEAR_TRIAL", _nonneg_float, 1.5,
+        "On GPUs, an all_reduce, reduce_scatter or all_gather size where the calibration timed NCCL alone "
+        "faster than the copy engines alone, but by less than this factor, goes to the copy engines on "
+        "trial inside the job: the job's own pace decides whole or split per call shape (in a training "
+        "step NCCL's kernels share the SMs with the compute, the copy engines do not). 0: such sizes stay "
+        "NCCL's. Rank 0's value applies on every rank.")
+
+
 def _nonneg_int(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -249,6 +257,17 @@ _define("BRAID_LEARN_SPLIT", _bool, True,
         "again 4096 calls after a verdict), and the shape keeps whichever kept the job's pace; fixed "
         "shares and the op rows of `braid bench` keep the calibration's verdict. 0: the calibration "
         "alone decides. Must be the same on every rank.")
+def _pace(text: str) -> str:
+    value = text.strip().lower()
+    if value not in ("gpu", "host"):
+        raise ValueError(f"BRAID_TRIAL_PACE must be gpu or host (got {text!r})")
+    return value
+
+
+_define("BRAID_TRIAL_PACE", _pace, "gpu",
+        "How the in-job trials time a block of calls: gpu (default), the GPU's time between timing "
+        "events recorded on the caller's stream at the block's first and last calls (a job whose host "
+        "runs ahead of its GPU shows its speed there); host, the host's clock between those calls.")
 _define("BRAID_WARM", _bool, True,
         "1 (default): a GPU communicator, when made, captures and replays one small program (a copy, "
         "flag operations, the float32 and bfloat16 sum kernels) so that the process's first split "

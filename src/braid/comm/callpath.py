@@ -76,6 +76,8 @@ class CallPath:
         """Whole or split learned in the job (comm/arbiter.py) only where braid chooses the shares:
         not under fixed shares (tests, the calibration, `--shares`) nor in check mode."""
         self.shortcuts.learn = self._arbiter.enabled and self.policy.fixed is None and not self.check
+        if self.policy.set_near_trials(self.shortcuts.learn):
+            self.shortcuts.clear()          # the kept answers of shapes NCCL won by little
 
     @contextlib.contextmanager
     def calibrated_verdict(self) -> Iterator[None]:

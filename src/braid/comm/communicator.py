@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 import weakref
 
 import torch
@@ -106,12 +107,13 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
             lambda: _call(me_ref, "_check_open"), lambda exc: _call(me_ref, "_give_up", exc),
             lambda why, wait=True: _call(me_ref, "_abort_native", why, wait),
             envs.get("BRAID_A2AV_CE_MIN_MB") << 20)
-        from .arbiter import Arbiter
+        from .arbiter import Arbiter, GpuPace
         seg = self.segment
         # the trials of whole against split are agreed through the node segment: one node only
-        self._arbiter = Arbiter(self._trial_exchange,
-                                enabled=bool(envs.get("BRAID_LEARN_SPLIT")) and seg is not None
-                                and self.cuda and self.world_size > 1 and self.single_node)
+        learn = bool(envs.get("BRAID_LEARN_SPLIT")) and seg is not None and self.cuda and self.world_size > 1 \
+            and self.single_node
+        self._pace = GpuPace(self.device.index) if learn and envs.get("BRAID_TRIAL_PACE") == "gpu" else None
+        self._arbiter = Arbiter(self._trial_exchange, enabled=learn, clock=self._pace or time.perf_counter)
         # whole or split per call shape, the hot path's one decision (comm/shortcuts.py)
         self.shortcuts = Shortcuts(self.policy.native_for, self._arbiter, lambda: not self.closed and not self.aborted)
         self._learn_update()
@@ -427,16 +429,18 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
 
     def load_calibration(self) -> None:
         """Rank 0 reads the cached calibration (if any) and every rank takes the same copy, and
-        rank 0's BRAID_SPLIT_UNMEASURED with it (ranks that split unmeasured calls differently
-        would wait for each other in different libraries)."""
+        rank 0's BRAID_SPLIT_UNMEASURED and BRAID_NEAR_TRIAL with it (ranks that decide calls
+        differently would wait for each other in different libraries)."""
         from ..calibrate import load
-        box = [(load(self), self.policy.model_unmeasured) if self.rank == 0 else None]
+        pol = self.policy
+        box = [(load(self), pol.model_unmeasured, pol.near_factor) if self.rank == 0 else None]
         dist.broadcast_object_list(box, group_src=0, group=self.gloo_group)
-        table, model = box[0]
-        if model != self.policy.model_unmeasured:
-            log.warning("braid: BRAID_SPLIT_UNMEASURED differs from rank 0's on rank %d; rank 0's applies",
-                        self.rank)
-            self.policy.model_unmeasured = model
+        table, model, near = box[0]
+        for name, attr, value in (("BRAID_SPLIT_UNMEASURED", "model_unmeasured", model),
+                                  ("BRAID_NEAR_TRIAL", "near_factor", near)):
+            if value != getattr(pol, attr):
+                log.warning("braid: %s differs from rank 0's on rank %d; rank 0's applies", name, self.rank)
+                setattr(pol, attr, value)
         self.set_calibration(table or {})
         if not table and self.cuda and self.rank == 0 and self.world_size > 1 and not self.policy.model_unmeasured:
             log.info("braid: no calibration cached for this machine: GPU calls go to NCCL whole until "
@@ -503,6 +507,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self._prepared.close()
+        if getattr(self, "_pace", None) is not None:
+            self._pace.close()
         if self._a2av_ce is not None:
             self._a2av_ce.close()
         if getattr(self, "_pairs", None) is not None:

@@ -31,6 +31,12 @@ DEFAULT_COSTS = {
 }
 
 CACHE_MAX = 4096         # answers kept per cache before it starts over
+# The copy engines go on trial in the job where NCCL won alone by less than BRAID_NEAR_TRIAL (the
+# calibration's times of both alone, per size bucket): in a training step NCCL's kernels share the
+# SMs with the compute and the copy engines do not (DDP's 25 MiB buckets on the copy engines alone
+# ran its steps at 1.11-1.13x NCCL's on 2 x H200, 2026-11-27, where NCCL's all_reduce alone was
+# faster). The job's own trial (comm/arbiter.py) keeps them only where its steps go faster.
+NEAR_OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
 
 class SplitPolicy:
@@ -48,6 +54,10 @@ class SplitPolicy:
         self.fixed: dict[str, dict[str, float]] | None = None   # op (or "*") -> shares (fixed_shares)
         self.calib: dict[str, dict[str, LaneCost]] = {}         # "op/world" -> lane -> cost
         self.pays: dict[str, dict[int, bool | str | dict]] = {}  # "op/world" -> log2 bucket -> verdict
+        self.timed: dict[str, dict[int, dict]] = {}             # "op/world" -> log2 bucket -> lane -> us
+        # the job's trials are on (CallPath._learn_update): NCCL's near wins go to them
+        self.near_trials = False
+        self.near_factor = envs.get("BRAID_NEAR_TRIAL") if cuda else 0.0
         self.digest = "default"                                  # the table's identity (descriptors, words)
         self.balancer = OnlineBalancer()
         # what the calibration has not measured: the built-in model's split (CPU lanes, or on GPUs
@@ -64,6 +74,8 @@ class SplitPolicy:
         stage 2 (its shares moved from the old table's)."""
         self.pays = {op[: -len("/pays")]: {int(b): v if isinstance(v, (str, dict)) else bool(v) for b, v in t.items()}
                      for op, t in table.items() if op.endswith("/pays")}
+        self.timed = {op[: -len("/timed")]: {int(b): dict(v) for b, v in t.items() if isinstance(v, dict)}
+                      for op, t in table.items() if op.endswith("/timed")}
         self.calib = {op: {k: LaneCost(**v) if isinstance(v, dict) else v for k, v in lanes.items()}
                       for op, lanes in table.items() if not op.endswith(("/pays", "/timed"))}
         text = json.dumps({"costs": {op: {k: c.to_dict() for k, c in v.items()} for op, v in self.calib.items()},
@@ -96,7 +108,7 @@ class SplitPolicy:
                 raise LaneUnavailableError(f"{op}: lanes {missing} were asked for but are not available here: "
                                            f"{ {k: self._unavailable.get(k, 'not usable for this device') for k in missing} }")
             return {k: v for k, v in fixed.items() if v > 0}
-        key = (op, nbytes, tuple(lanes), self.digest)
+        key = (op, nbytes, tuple(lanes), self.digest, self.near_trials)
         shares = self._share_cache.get(key)
         if shares is None:
             table = self.calib.get(f"{op}/{self.world_size}", {})
@@ -120,6 +132,8 @@ class SplitPolicy:
                 shares = {verdict: 1.0}                 # a lane alone measured fastest here
             elif verdict is not True and ("nccl" in lanes or "gloo" in lanes):
                 shares = {next(k for k in ("nccl", "gloo") if k in lanes): 1.0}
+            if set(shares) == {"nccl"} and "ce" in lanes and self.near(op, nbytes):
+                shares = {"ce": 1.0}                    # on trial in the job (near)
             if len(self._share_cache) > CACHE_MAX:
                 self._share_cache.clear()
             self._share_cache[key] = shares
@@ -148,6 +162,29 @@ class SplitPolicy:
         nearest = min(pays, key=lambda m: (abs(m - b), -m))
         return pays[nearest]
 
+    def near(self, op: str, nbytes: int) -> bool:
+        """Does the copy engines' call of `op` at this size go on trial in the job? Only while the
+        job's trials are on, on GPUs, where the calibration timed NCCL and the copy engines alone
+        in the nearest size bucket and NCCL won by less than BRAID_NEAR_TRIAL."""
+        if not (self.near_trials and self.cuda and self.near_factor and op in NEAR_OPS):
+            return False
+        timed = self.timed.get(f"{op}/{self.world_size}")
+        if not timed:
+            return False
+        b = max(0, int(math.log2(max(nbytes, 1))))
+        t = timed[min(timed, key=lambda m: (abs(m - b), -m))]
+        nccl, ce = t.get("nccl"), t.get("ce")
+        return bool(nccl and ce and ce <= self.near_factor * nccl)
+
+    def set_near_trials(self, on: bool) -> bool:
+        """The job's trials on or off; True when that changed the answers (cached answers of
+        other parts must go too)."""
+        if on == self.near_trials:
+            return False
+        self.near_trials = on
+        self._native_cache.clear()
+        return True
+
     def split_rule(self, op: str, costs: dict[str, LaneCost], nbytes: int) -> dict[str, float]:
         """Shares from lane costs. braid's broadcast lanes are stars from the root (every peer
         reads the root), which only pays for 2 ranks; beyond that the copy engines sit out."""
@@ -174,7 +211,7 @@ class SplitPolicy:
             # whole call takes it, so that NCCL is timed as users get it
             only = {k: v for k, v in (self.fixed_for(op) or {}).items() if v > 0}
             return self.native_ok(only) and next(iter(only)) in self.lanes_here()
-        key = (op, nbytes, self.digest)
+        key = (op, nbytes, self.digest, self.near_trials)
         hit = self._native_cache.get(key)
         if hit is None:
             lanes = self.lanes_here()
@@ -193,7 +230,7 @@ class SplitPolicy:
     def balancer_key(self, op: str, nbytes: int, lanes: list[str]):
         """The balancer bucket of this call: keyed by the model's split for it (the balancer may
         have parked a lane since, so the shares in use can name fewer lanes)."""
-        model = self._share_cache.get((op, nbytes, tuple(lanes), self.digest))
+        model = self._share_cache.get((op, nbytes, tuple(lanes), self.digest, self.near_trials))
         return self.bucket(op, nbytes, model) if model and len(model) > 1 else None
 
     def note_pending(self, op: str, size: int, agreed: list[str], shares: dict[str, float], handle) -> None:

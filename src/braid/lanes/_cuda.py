@@ -65,6 +65,8 @@ def lib() -> ctypes.CDLL:
         "cuEventDestroy_v2": [_vp],
         "cuEventRecord": [_vp, _vp],
         "cuEventQuery": [_vp],
+        "cuEventSynchronize": [_vp],
+        "cuEventElapsedTime": [ctypes.POINTER(ctypes.c_float), _vp, _vp],
         "cuStreamWaitEvent": [_vp, _vp, ctypes.c_uint],
         "cuGraphLaunch": [_vp, _vp],
         "cuStreamIsCapturing": [_vp, ctypes.POINTER(ctypes.c_int)],
@@ -184,11 +186,26 @@ def buffer_id(ptr: int) -> int:
     return _OUT.value.value
 
 
-def event_create() -> int:
-    """An event without timing (ordering between streams only); `event_destroy` frees it."""
+def event_create(timing: bool = False) -> int:
+    """An event, without timing unless asked (ordering between streams only); `event_destroy`
+    frees it."""
     ev = _vp()
-    check(lib().cuEventCreate(ctypes.byref(ev), CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+    check(lib().cuEventCreate(ctypes.byref(ev), 0 if timing else CU_EVENT_DISABLE_TIMING), "cuEventCreate")
     return ev.value
+
+
+def event_elapsed_s(start: int, end: int) -> float:
+    """Seconds between two timing events on the GPU, once `end` has happened (waits for it)."""
+    check(lib().cuEventSynchronize(end), "cuEventSynchronize")
+    ms = ctypes.c_float()
+    check(lib().cuEventElapsedTime(ctypes.byref(ms), start, end), "cuEventElapsedTime")
+    return ms.value * 1e-3
+
+
+def stream_capturing(stream: int) -> bool:
+    """Is `stream` capturing a graph (or can that not be told)?"""
+    status = ctypes.c_int()
+    return lib().cuStreamIsCapturing(stream, ctypes.byref(status)) != 0 or status.value != 0
 
 
 def event_destroy(event: int) -> None:
