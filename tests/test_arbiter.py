@@ -531,3 +531,34 @@ def test_gpu_pace_marks_are_events_on_the_callers_stream(monkeypatch):
     assert pace.span(e, f) == pytest.approx(f[1] - e[1])
     pace.close()
     assert sorted(c[1] for c in calls if c[0] == "destroy") == [101, 102] and pace._free == []
+
+
+def test_paired_blocks_are_read_a_block_late_but_decide_at_the_same_calls():
+    """On GPUs reading a block's pace waits for its last mark: a paired block is read at the end
+    of the block after it, and only the pair that ends at an agreement is read at once."""
+    reads = []
+
+    class LateClock(Clock):
+        call = 0
+
+        def __call__(self):
+            return (self.call, self.t)
+
+        def span(self, a, b):
+            reads.append((b[0], self.call))       # (the call of the block's last mark, the call reading it)
+            return b[1] - a[1]
+    clock = LateClock()
+    arb = A.Arbiter(lambda v: [list(v)], clock=clock)
+    ref_got, _, _ = run_job(100.0, 130.0, FIRST + 50)        # the plain clock: every block read at its end
+    got = []
+    for i in range(FIRST + 50):
+        clock.call = i
+        w = arb.whole(("ag", 1 << 20, "bf16"))
+        got.append(w)
+        clock.t += (130.0 if w else 100.0) * 1e-6
+    assert got == ref_got and arb.decisions[0][3] is False   # the same answers, call for call
+    paired = [(m, r) for m, r in reads if m >= A.START]
+    agreement = A.START + A.CHECK * 2 * A.BLOCK - 1
+    assert (agreement, agreement) in paired                   # the pair ending at the agreement: at once
+    late = [(m, r) for m, r in paired if m != agreement]
+    assert late and all(r == m + A.BLOCK for m, r in late)    # every other block: a block later

@@ -88,6 +88,7 @@ class _Shape:
     trying: bool = True
     whole: bool = False         # the verdict between trials
     first: object = None        # this rank's clock mark at the block's first call
+    held: tuple | None = None   # a paired block whose pace is read at the next block's end
     pair: list = field(default_factory=lambda: [0.0, 0.0])   # this pair's paces: split, whole
     quick: list = field(default_factory=lambda: [0.0, 0.0])  # the quick pair's paces (pooled into the probe's)
     logs: list = field(default_factory=list)                  # log(whole / split) of kept pairs
@@ -147,7 +148,9 @@ class Arbiter:
         st = self._shapes.get(key)
         if st is None:
             if len(self._shapes) >= MAX_SHAPES:
-                self._drop(self._shapes.pop(next(iter(self._shapes))).first)
+                old = self._shapes.pop(next(iter(self._shapes)))
+                for mark in (old.first, *(old.held[:2] if old.held else ())):
+                    self._drop(mark)
             st = self._shapes[key] = _Shape()
         c = st.n - st.start
         st.n += 1
@@ -178,11 +181,36 @@ class Arbiter:
             return not split
         p, j = divmod(c - START, 2 * BLOCK)
         split = (j < BLOCK) == bool((ORDER >> (p % 16)) & 1)
-        if self._tick(st, j % BLOCK, BLOCK, split) and j == 2 * BLOCK - 1:
-            self._pair_done(st)
-            if (p + 1) % CHECK == 0:
-                self._agree(key, st, p + 1)
+        self._tick_paired(key, st, j % BLOCK, split, p, j // BLOCK)
         return not split
+
+    def _tick_paired(self, key, st: _Shape, pos: int, split: bool, p: int, k: int) -> None:
+        """Call `pos` of block k (0, 1) of pair p. A block's pace is read at the end of the block
+        after it (by then its last mark has long happened on the GPU: no wait for it there); at an
+        agreement, the pair that ends there is read at once (the one wait of CHECK pairs). So the
+        verdicts come at the same calls as when each block was read at its end."""
+        if pos == 0:
+            self._drop(st.first)
+            st.first = self._clock()
+            return
+        if pos < BLOCK - 1 or st.first is None:
+            return
+        cur = (st.first, self._clock(), split, k)
+        st.first = None
+        if st.held is not None:
+            held, st.held = st.held, None
+            self._read_block(st, held)
+        if k == 1 and (p + 1) % CHECK == 0:
+            self._read_block(st, cur)
+            self._agree(key, st, p + 1)
+        else:
+            st.held = cur
+
+    def _read_block(self, st: _Shape, block: tuple) -> None:
+        first, last, split, k = block
+        st.pair[0 if split else 1] = self._span(first, last) / (BLOCK - 1)
+        if k == 1:
+            self._pair_done(st)
 
     def _tick(self, st: _Shape, pos: int, size: int, split: bool) -> bool:
         """Time call `pos` of a block of `size` calls; True at the block's last call, when its
@@ -252,7 +280,10 @@ class Arbiter:
         st.whole, st.trying, st.start = whole, False, st.n
         st.logs, st.sums = [], [0.0, 0.0]
         self._drop(st.first)
-        st.first = None
+        if st.held is not None:
+            self._drop(st.held[0])
+            self._drop(st.held[1])
+        st.first = st.held = None
         self.decisions.append((key, split_us, whole_us, whole))
         self.count += 1
         if len(self.decisions) > 2 * KEPT:          # a long job: the list must not grow without end
