@@ -178,8 +178,20 @@ def _near_table(op, nccl_us, ce_us, bucket=24):
     return t
 
 
+@pytest.fixture
+def near(monkeypatch):
+    monkeypatch.setenv("BRAID_NEAR_TRIAL", "1.5")
+
+
+def test_near_trials_are_off_by_default():
+    p = _policy()
+    p.set_table(_near_table("all_reduce", 80.0, 81.0))
+    p.set_near_trials(True)
+    assert p.near_factor == 0 and p.native_for("all_reduce", 25 << 20) is True
+
+
 @pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_gather"])
-def test_nccls_near_wins_go_on_trial_in_the_job_only(op):
+def test_nccls_near_wins_go_on_trial_in_the_job_only(op, near):
     p = _policy()
     p.set_table(_near_table(op, 80.0, 97.0))               # NCCL won by 21%
     n = 25 << 20
@@ -193,7 +205,7 @@ def test_nccls_near_wins_go_on_trial_in_the_job_only(op):
     assert p.native_for(op, n) is True and p.shares_for(op, n, GPU) == {"nccl": 1.0}
 
 
-def test_a_clear_nccl_win_an_untimed_op_and_cpu_stay_whole():
+def test_a_clear_nccl_win_an_untimed_op_and_cpu_stay_whole(near):
     p = _policy()
     p.set_table(_near_table("all_reduce", 80.0, 130.0))    # NCCL won by 62%: beyond NEAR_TRIAL
     p.set_near_trials(True)

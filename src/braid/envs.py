@@ -105,12 +105,13 @@ _define("BRAID_SPLIT_UNMEASURED", _bool, False,
         "it). Rank 0's setting applies on every rank.")
 _define("BRAID_MIN_SPLIT_KB", _positive_int, 256,
         "Pieces of a transfer smaller than this are not split across lanes.")
-_define("BRAID_NEAR_TRIAL", _nonneg_float, 1.5,
+_define("BRAID_NEAR_TRIAL", _nonneg_float, 0.0,
         "On GPUs, an all_reduce, reduce_scatter or all_gather size where the calibration timed NCCL alone "
-        "faster than the copy engines alone, but by less than this factor, goes to the copy engines on "
-        "trial inside the job: the job's own pace decides whole or split per call shape (in a training "
-        "step NCCL's kernels share the SMs with the compute, the copy engines do not). 0: such sizes stay "
-        "NCCL's. Rank 0's value applies on every rank.")
+        "faster than the copy engines alone, but by less than this factor (1.5, say), goes to the copy "
+        "engines on trial inside the job: the job's own pace decides whole or split per call shape (in a "
+        "training step NCCL's kernels share the SMs with the compute, the copy engines do not). 0 "
+        "(default): such sizes stay NCCL's (no job measured faster with it yet). Rank 0's value applies "
+        "on every rank.")
 
 
 def _nonneg_int(text: str) -> int:

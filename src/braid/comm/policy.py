@@ -31,11 +31,13 @@ DEFAULT_COSTS = {
 }
 
 CACHE_MAX = 4096         # answers kept per cache before it starts over
-# The copy engines go on trial in the job where NCCL won alone by less than BRAID_NEAR_TRIAL (the
-# calibration's times of both alone, per size bucket): in a training step NCCL's kernels share the
-# SMs with the compute and the copy engines do not (DDP's 25 MiB buckets on the copy engines alone
-# ran its steps at 1.11-1.13x NCCL's on 2 x H200, 2026-11-27, where NCCL's all_reduce alone was
-# faster). The job's own trial (comm/arbiter.py) keeps them only where its steps go faster.
+# With BRAID_NEAR_TRIAL set, the copy engines go on trial in the job where NCCL won alone by less
+# than that factor (the calibration's times of both alone, per size bucket): in a training step
+# NCCL's kernels share the SMs with the compute and the copy engines do not. The job's own trial
+# (comm/arbiter.py) keeps them only where its steps go faster. Off by default: on 2 x H200
+# (2026-11-27) DDP's and FSDP2's shapes were on trial from the calibration's own verdicts already
+# and every trial sent them whole, though DDP with every bucket forced onto the copy engines ran
+# 1.11-1.13x NCCL's steps (docs/design.md, "the in-job trial and DDP").
 NEAR_OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
 
