@@ -98,6 +98,9 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
             self._rounds = Rounds(self)
             rd = weakref.ref(self._rounds)
             self.segment.before_post = lambda: (r := rd()) is not None and r.queue and r.drain()
+        elif self.cuda and self._prepared.enabled and self.segment is not None and envs.get("BRAID_NATIVE_CALL"):
+            from . import native_rounds
+            native_rounds.build()       # compiled (once per machine) and loaded now, not in a job's first replay
         # prepared send/recv (comm/pairs.py): through the node segment, with prepared calls on
         self._pairs = Pairs(self) if self.segment is not None and self._prepared.enabled else None
         # the uneven all_to_all's agreement and its counters (comm/uneven.py)

@@ -260,11 +260,12 @@ class Exchange:
         round). `redo()`: the op's own call with the same arguments (the thread's full path)."""
         prep = self._prepared
         tk = prep.tickets.get(tkey)
+        rd = getattr(self, "_rounds", None)
         if (tk is None or not prep.enabled or self.closed or self.aborted or tk.bal != self.policy.balancer.version
                 or self._p2p_pending or (self.policy.pending and tk.op in self.policy.pending)
-                or (self.watchdog is not None and self.watchdog.failed) or (not prep.fast and _capturing())):
+                or (self.watchdog is not None and self.watchdog.failed)
+                or ((rd is not None or not prep.fast) and _capturing())):   # (else the native call checks)
             return None         # queued send/recv go first, a balancer report rides the full path
-        rd = getattr(self, "_rounds", None)
         if rd is not None and redo is not None and tk.entry.exec_ptr:
             if self.shortcuts.rebuilding():     # the rounds thread's own rebuild: the full path
                 return None
