@@ -117,17 +117,22 @@ static int await_round(rounds_t *r, uint32_t seq) {
     return 0;
 }
 
-static int words_match(rounds_t *r, const job_t *j) {
-    uint64_t k = j->slot % (uint64_t)r->nslots;
-    for (int p = 0; p < r->world; p++) {
-        const uint8_t *slot = r->slots[p] + k * r->slot_bytes;
+/* Did every rank post `nvals` values whose first is its word in `expect`, in slot k? */
+static int slots_match(uint8_t *const *slots, uint64_t slot_bytes, int world, uint64_t k, int nvals,
+                       const uint64_t *expect) {
+    for (int p = 0; p < world; p++) {
+        const uint8_t *slot = slots[p] + k * slot_bytes;
         uint32_t count;
         uint64_t word;
         memcpy(&count, slot, 4);
         memcpy(&word, slot + 4, 8);
-        if ((int)count != r->nvals || word != j->expect[p]) return 0;
+        if ((int)count != nvals || word != expect[p]) return 0;
     }
     return 1;
+}
+
+static int words_match(rounds_t *r, const job_t *j) {
+    return slots_match(r->slots, r->slot_bytes, r->world, j->slot % (uint64_t)r->nslots, r->nvals, j->expect);
 }
 
 static void *run(void *arg) {
@@ -176,6 +181,15 @@ static void *run(void *arg) {
     return NULL;
 }
 
+/* Each rank's collective counter and first slot, from their addresses in this process. */
+static void map_round(volatile uint32_t **ctr, uint8_t **slots, int world, const uint64_t *ctr_addrs,
+                      const uint64_t *slot_addrs) {
+    for (int p = 0; p < world; p++) {
+        ctr[p] = (volatile uint32_t *)(uintptr_t)ctr_addrs[p];
+        slots[p] = (uint8_t *)(uintptr_t)slot_addrs[p];
+    }
+}
+
 rounds_t *rounds_new(int world, int me, int nslots, int nvals, uint64_t slot_bytes, const uint64_t *ctr_addrs,
                      const uint64_t *slot_addrs, void *stream, void *ctx, uint64_t end_addr, void *wait_event,
                      void *graph_launch, void *write_value, void *set_ctx, int64_t handoff_ns) {
@@ -183,10 +197,7 @@ rounds_t *rounds_new(int world, int me, int nslots, int nvals, uint64_t slot_byt
     rounds_t *r = calloc(1, sizeof(rounds_t));
     if (!r) return NULL;
     r->world = world; r->me = me; r->nslots = nslots; r->nvals = nvals; r->slot_bytes = slot_bytes;
-    for (int p = 0; p < world; p++) {
-        r->ctr[p] = (volatile uint32_t *)(uintptr_t)ctr_addrs[p];
-        r->slots[p] = (uint8_t *)(uintptr_t)slot_addrs[p];
-    }
+    map_round(r->ctr, r->slots, world, ctr_addrs, slot_addrs);
     r->stream = stream; r->ctx = ctx; r->end_addr = end_addr;
     r->wait_event = (wait_event_fn)wait_event;
     r->graph_launch = (graph_launch_fn)graph_launch;
@@ -345,10 +356,7 @@ fast_t *fast_new(int world, int me, int nslots, int nvals, uint64_t slot_bytes, 
     fast_t *f = calloc(1, sizeof(fast_t));
     if (!f) return NULL;
     f->world = world; f->me = me; f->nslots = nslots; f->nvals = nvals; f->slot_bytes = slot_bytes;
-    for (int p = 0; p < world; p++) {
-        f->ctr[p] = (volatile uint32_t *)(uintptr_t)ctr_addrs[p];
-        f->slots[p] = (uint8_t *)(uintptr_t)slot_addrs[p];
-    }
+    map_round(f->ctr, f->slots, world, ctr_addrs, slot_addrs);
     f->ptr_attr = (ptr_attr_fn)ptr_attr;
     f->event_record = (event_record_fn)event_record;
     f->wait_event = (wait_event_fn)wait_event;
@@ -401,14 +409,7 @@ int fast_call(fast_t *f, const ticket_t *t, uint32_t seq, uint64_t inp, void *ca
     }
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
     *round_ns = now_ns() - t0;
-    for (int p = 0; p < f->world; p++) {
-        const uint8_t *slot = f->slots[p] + k * f->slot_bytes;
-        uint32_t count;
-        uint64_t got;
-        memcpy(&count, slot, 4);
-        memcpy(&got, slot + 4, 8);
-        if (count != n || got != t->expect[p]) return FAST_DIFF;
-    }
+    if (!slots_match(f->slots, f->slot_bytes, f->world, k, f->nvals, t->expect)) return FAST_DIFF;
     int e;
     if (mode == 0) {
         e = f->graph_launch(t->exec, caller);
