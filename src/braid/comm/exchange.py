@@ -275,43 +275,16 @@ class Exchange:
         # the round belongs to this call: counted while it waits, so that a peer still at the
         # previous call (taken whole) reads as late, not as a different call (CallLedger.check_peer)
         self.ledger.ncalls += 1
-        token = None
         if fast is not None and tk.entry.exec_ptr and prep.entries.get(tk.key) is tk.entry:
-            # the word, its post, the round and the launch in native code (native_rounds.FastCalls)
-            caller = _RAW(self.device.index)
-            mode = 2 if async_op else 1 if prep.dirty else 0
-            end = prep.end_event() if mode else 0
-            t = tk.native
-            if t is None:
-                t = tk.native = fast.ticket(tk.base, tk.entry.exec_ptr, self._lanes["ce"].stream.cuda_stream,
-                                            prep.fork_event(), tk.key)
-            seq = seg.next_seq()
-            ptr = inp.data_ptr() if inp is not None and inp.numel() and "ce" in tk.lanes else 0
-            code = fast.call(t, seq, ptr, caller, end, mode)
-            if code == native_rounds.HIT:
-                prep.stats["round_us"] += fast.round_ns.value * 1e-3
-                prep.get(tk.key)
-                prep.stats["replays"] += 1
-                prep.stats["native_calls"] += 1
-                self.ledger.last_call = tk.ledger
-                handle = prep.joined(mode == 2, end, self._lanes["ce"].stream, (inp, *outs), tk.entry.plan) \
-                    if mode else _DONE
-                self.last_handle = handle
-                return handle
-            if code in (native_rounds.CAPTURING, native_rounds.ID_ERR):     # nothing posted
-                seg.coll_seq -= 1
-                self.ledger.ncalls -= 1
-                if code == native_rounds.ID_ERR:
-                    _cuda.check(fast.rc.value, "cuPointerGetAttribute(BUFFER_ID)")
-                return None
-            if code != native_rounds.DIFF and code != native_rounds.LATE:
-                _cuda.check(fast.rc.value or -1, "the launch of a prepared call")
-            word, token = fast.word.value, (seq, 1 + len(NO_OBS))     # posted: the round goes on here
+            done, posted = self._native_replay(fast, prep, seg, tk, inp, outs, async_op)
+            if posted is None:
+                return done         # a handle (launched), or None (nothing posted: the full path)
+            word, token = posted    # posted, the round not settled: it goes on here
+        elif fast is not None and _capturing():     # (the native call's own check did not run)
+            self.ledger.ncalls -= 1
+            return None
         else:
-            if fast is not None and _capturing():       # the native call's check did not run
-                self.ledger.ncalls -= 1
-                return None
-            word = prep.finish_word(tk.base, inp, tk.lanes)
+            word, token = prep.finish_word(tk.base, inp, tk.lanes), None
         t0 = time.perf_counter()
         try:
             got = seg.read_values(token if token is not None else seg.post_values([word, *NO_OBS]), tk.op)
@@ -331,6 +304,41 @@ class Exchange:
         self.ledger.ncalls -= 1                 # a miss: the full path counts the call
         self._round = (word, got)        # and goes on from this round
         return None
+
+    def _native_replay(self, fast, prep, seg, tk, inp, outs: tuple, async_op: bool):
+        """The word, its post, the round and the launch of a Ticket's call in one native call
+        (native_rounds.FastCalls). Returns (handle, None) where it launched, (None, None) where it
+        posted nothing (a capture: the full path takes the call), else (None, (word, token)): the
+        word is posted and the caller reads the round (a word that differs, a late peer)."""
+        caller = _RAW(self.device.index)
+        mode = 2 if async_op else 1 if prep.dirty else 0     # async; forked; on the caller's stream
+        end = prep.end_event() if mode else 0
+        t = tk.native
+        if t is None:
+            t = tk.native = fast.ticket(tk.base, tk.entry.exec_ptr, self._lanes["ce"].stream.cuda_stream,
+                                        prep.fork_event(), tk.key)
+        seq = seg.next_seq()
+        code = fast.call(t, seq, inp.data_ptr() if inp is not None and inp.numel() and "ce" in tk.lanes else 0,
+                         caller, end, mode)
+        if code == native_rounds.HIT:
+            prep.stats["round_us"] += fast.round_ns.value * 1e-3
+            prep.get(tk.key)
+            prep.stats["replays"] += 1
+            prep.stats["native_calls"] += 1
+            self.ledger.last_call = tk.ledger
+            handle = prep.joined(mode == 2, end, self._lanes["ce"].stream, (inp, *outs), tk.entry.plan) \
+                if mode else _DONE
+            self.last_handle = handle
+            return handle, None
+        if code in (native_rounds.CAPTURING, native_rounds.ID_ERR):     # nothing posted: undone
+            seg.coll_seq -= 1
+            self.ledger.ncalls -= 1
+            if code == native_rounds.ID_ERR:
+                _cuda.check(fast.rc.value, "cuPointerGetAttribute(BUFFER_ID)")
+            return None, None
+        if code != native_rounds.DIFF and code != native_rounds.LATE:
+            _cuda.check(fast.rc.value or -1, "the launch of a prepared call")
+        return None, (fast.word.value, (seq, 1 + len(NO_OBS)))
 
     def _native_calls(self):
         """The communicator's native repeated calls (native_rounds.FastCalls), made at the first
