@@ -8,6 +8,12 @@ printed); with --kernels the GPU's side per kind of kernel or copy.
 
 --shares fixes braid's shares for every call (the in-job trial then keeps them): how a split the
 job would not choose behaves inside its steps.
+
+--trial (no --shares): the braid replica runs --trial-steps steps while the in-job trial
+(comm/arbiter.py) alternates split and whole blocks, and rank 0 prints, per mode, the host time
+of each call through the backend, the round of words inside it, and the host's time from the
+previous call of the shape, for a block's first call and for the rest apart (a block's first
+split call is where the ranks' hosts meet again after a whole block).
 """
 import argparse
 import cProfile
@@ -42,6 +48,9 @@ def main() -> None:
                     help="host time of braid's graph launches, rounds of words and whole calls in the braid replica's windows")
     ap.add_argument("--no-profile", action="store_true", help="windows only, no cProfile")
     ap.add_argument("--trace", action="store_true", help="with --kernels: a chrome trace per replica and rank in --out")
+    ap.add_argument("--trial", action="store_true",
+                    help="host times of the calls inside the in-job trial's split and whole blocks (see above)")
+    ap.add_argument("--trial-steps", type=int, default=200)
     a = ap.parse_args()
     gc_time = [0.0, 0, 0.0]          # seconds in collections, collections, start of the current one
 
@@ -79,6 +88,8 @@ def main() -> None:
               f"lanes {comm_.lanes_for(dev)}", flush=True)
     for r in reps.values():
         r.run(3)
+    if a.trial:
+        trial_calls(reps["braid"], a.trial_steps, rank)
     wall = {k: [] for k in reps}
     cpu = {k: [] for k in reps}
     gcs = {k: [0.0, 0] for k in reps}
@@ -137,6 +148,79 @@ def main() -> None:
                 f.write(buf.getvalue())
             print(f"{name}: profile of {a.steps} steps in {path}", flush=True)
     dist.destroy_process_group()
+
+
+def trial_calls(rep, steps: int, rank: int) -> None:
+    """Run `steps` steps of the braid replica with every backend call of a shape on trial timed
+    (see the module docstring); rank 0 prints the table."""
+    from braid.backend import BraidProcessGroup
+    from braid.comm import arbiter
+    comm = braid.init()
+    prep = comm._prepared
+    rows = []                       # (key, whole, first of its block, call us, round us, gap us)
+    state = {"answer": None, "last": {}, "mode": {}, "depth": 0}
+    whole_of = arbiter.Arbiter.whole
+
+    def whole(self, key):
+        w = whole_of(self, key)
+        state["answer"] = (key, w)
+        return w
+    arbiter.Arbiter.whole = whole
+    saved = {}
+
+    def wrap(name):
+        fn = saved[name] = getattr(BraidProcessGroup, name)
+
+        def timed(self, *args, **kw):
+            if state["depth"]:                  # a coalesced call's own inner calls: counted once
+                return fn(self, *args, **kw)
+            state["answer"] = None
+            state["depth"] += 1
+            r0, t0 = prep.stats["round_us"], time.perf_counter()
+            try:
+                return fn(self, *args, **kw)
+            finally:
+                state["depth"] -= 1
+                t1 = time.perf_counter()
+                ans = state["answer"]
+                if ans is not None:
+                    key, w = ans
+                    last = state["last"].get(key)
+                    first = state["mode"].get(key) != w
+                    state["mode"][key] = w
+                    state["last"][key] = t0
+                    rows.append((key, w, first, (t1 - t0) * 1e6, prep.stats["round_us"] - r0,
+                                 (t0 - last) * 1e6 if last is not None else None))
+        setattr(BraidProcessGroup, name, timed)
+    for name in ("allreduce", "_allgather_base", "_reduce_scatter_base", "allgather_into_tensor_coalesced",
+                 "reduce_scatter_tensor_coalesced"):
+        if hasattr(BraidProcessGroup, name):
+            wrap(name)
+    try:
+        rep.run(steps)
+        torch.cuda.synchronize()
+    finally:
+        arbiter.Arbiter.whole = whole_of
+        for name, fn in saved.items():
+            setattr(BraidProcessGroup, name, fn)
+    if rank != 0:
+        return
+    print(f"trial: {len(rows)} calls of shapes on trial in {steps} steps; verdicts "
+          f"{[(str(k), round(sp), round(wh), 'whole' if w else 'split') for k, sp, wh, w in comm._arbiter.decisions]}",
+          flush=True)
+
+    def pct(xs, q):
+        xs = sorted(x for x in xs if x is not None)
+        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+    for w in (False, True):
+        for first in (True, False):
+            sel = [r for r in rows if r[1] is w and r[2] is first]
+            if sel:
+                print(f"  {'whole' if w else 'split'} {'first of block' if first else 'rest':14s} {len(sel):5d} calls: "
+                      f"call us p50 {pct([r[3] for r in sel], .5):.0f} p90 {pct([r[3] for r in sel], .9):.0f}; "
+                      f"round us p50 {pct([r[4] for r in sel], .5):.0f} p90 {pct([r[4] for r in sel], .9):.0f}; "
+                      f"from the previous call us p50 {pct([r[5] for r in sel], .5):.0f} "
+                      f"p90 {pct([r[5] for r in sel], .9):.0f}", flush=True)
 
 
 def _time_calls() -> dict:
