@@ -562,3 +562,27 @@ def test_paired_blocks_are_read_a_block_late_but_decide_at_the_same_calls():
     assert (agreement, agreement) in paired                   # the pair ending at the agreement: at once
     late = [(m, r) for m, r in paired if m != agreement]
     assert late and all(r == m + A.BLOCK for m, r in late)    # every other block: a block later
+
+
+@pytest.mark.parametrize("settle", [0, 1])
+def test_settle_leaves_the_cost_of_a_switch_out_of_the_pace(settle):
+    """A job where the first split call after whole calls pays a one-off wait (the ranks' hosts
+    meeting again) and split calls are otherwise 8% faster: the plain pace sees a loss, the
+    pace without each block's first interval sees the gain."""
+    clock = Clock()
+    arb = A.Arbiter(lambda v: [list(v)], clock=clock, settle=settle)
+    prev = True
+    for _ in range(2 * A.REPROBE + 1200):          # the second trial (whole blocks first) too
+        whole = arb.whole(("ar", 1 << 26, "bf16"))
+        clock.t += (700.0 if whole else 644.0) * 1e-6
+        if prev and not whole:
+            clock.t += 3000e-6                  # the switch's one-off wait, in the interval after the call
+        prev = whole
+    assert len(arb.decisions) >= 2
+    assert all(d[3] is (settle == 0) for d in arb.decisions)    # settle 1: split kept; 0: sent whole
+
+
+def test_settle_leaves_small_blocks_whole():
+    arb = A.Arbiter(lambda v: [list(v)], clock=Clock(), settle=1)
+    assert arb._skip(A.QUICK) == 0 and arb._skip(A.REST) == 1 and arb._skip(A.BLOCK) == 1
+    assert A.Arbiter(lambda v: [list(v)], clock=Clock(), settle=3)._skip(A.REST) == 0

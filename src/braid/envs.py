@@ -269,6 +269,11 @@ _define("BRAID_TRIAL_PACE", _pace, "gpu",
         "How the in-job trials time a block of calls: gpu (default), the GPU's time between timing "
         "events recorded on the caller's stream at the block's first and last calls (a job whose host "
         "runs ahead of its GPU shows its speed there); host, the host's clock between those calls.")
+_define("BRAID_TRIAL_SETTLE", _nonneg_int, 0,
+        "The in-job trials leave this many intervals at the head of each block of calls out of its pace "
+        "(blocks of 4 and 12 calls; 0, the default: none). Where the trial switches from whole to split "
+        "calls, the ranks' hosts, free to drift apart under NCCL's calls, meet again at the first split "
+        "call, a cost a job that stays split does not pay. Not yet measured in a job.")
 _define("BRAID_WARM", _bool, True,
         "1 (default): a GPU communicator, when made, captures and replays one small program (a copy, "
         "flag operations, the float32 and bfloat16 sum kernels) so that the process's first split "

@@ -122,9 +122,13 @@ def _stats(logs: list) -> tuple[float, float]:
 class Arbiter:
     """Per call shape: split or whole now (the same answer on every rank, at the same call)."""
 
-    def __init__(self, exchange, enabled: bool = True, clock=time.perf_counter):
+    def __init__(self, exchange, enabled: bool = True, clock=time.perf_counter, settle: int = 0):
         self._exchange = exchange           # values -> every rank's values (a node-segment round)
         self.enabled = enabled
+        # a block's first `settle` intervals are left out of its pace where it has at least two
+        # more (BRAID_TRIAL_SETTLE: where the modes switch, the ranks' hosts, free to drift apart
+        # under the native library's calls, meet again at the first split call)
+        self.settle = settle
         # clock() makes a mark, clock.span(a, b) the seconds between two (a plain clock: b - a);
         # on GPUs the marks are events on the caller's stream (GpuPace)
         self._clock = clock
@@ -166,8 +170,8 @@ class Arbiter:
         if c < START:               # the probe pair, split blocks first in every other trial
             j = c - WARM
             first = st.trials % 2 == 0
-            if j < 2 * QUICK:       # its quick pair
-                split = (j < QUICK) == first
+            if j < 2 * QUICK:       # its quick pair (split first where blocks settle: its split block
+                split = (j < QUICK) == (first or bool(self.settle))   # then follows the trial's first call)
                 if self._tick(st, j % QUICK, QUICK, split) and j == 2 * QUICK - 1:
                     st.quick = list(st.pair)
                     self._probe_done(key, st, QUICK_BAR)
@@ -176,7 +180,8 @@ class Arbiter:
             split = (j < REST) == first
             if self._tick(st, j % REST, REST, split) and j == 2 * REST - 1:
                 # both parts' intervals between calls, pooled
-                st.pair = [(q * (QUICK - 1) + r * (REST - 1)) / (PROBE - 2) for q, r in zip(st.quick, st.pair)]
+                nr = REST - 1 - self._skip(REST)
+                st.pair = [(q * (QUICK - 1) + r * nr) / (QUICK - 1 + nr) for q, r in zip(st.quick, st.pair)]
                 self._probe_done(key, st, EARLY)
             return not split
         p, j = divmod(c - START, 2 * BLOCK)
@@ -189,7 +194,8 @@ class Arbiter:
         after it (by then its last mark has long happened on the GPU: no wait for it there); at an
         agreement, the pair that ends there is read at once (the one wait of CHECK pairs). So the
         verdicts come at the same calls as when each block was read at its end."""
-        if pos == 0:
+        skip = self._skip(BLOCK)
+        if pos == skip:
             self._drop(st.first)
             st.first = self._clock()
             return
@@ -208,21 +214,26 @@ class Arbiter:
 
     def _read_block(self, st: _Shape, block: tuple) -> None:
         first, last, split, k = block
-        st.pair[0 if split else 1] = self._span(first, last) / (BLOCK - 1)
+        st.pair[0 if split else 1] = self._span(first, last) / (BLOCK - 1 - self._skip(BLOCK))
         if k == 1:
             self._pair_done(st)
+
+    def _skip(self, size: int) -> int:
+        """Intervals at the head of a block of `size` calls left out of its pace."""
+        return self.settle if size - 1 - self.settle >= 2 else 0
 
     def _tick(self, st: _Shape, pos: int, size: int, split: bool) -> bool:
         """Time call `pos` of a block of `size` calls; True at the block's last call, when its
         pace (mean seconds between its calls, from a mark at its first and one at its last) is
         in st.pair."""
-        if pos == 0:
+        skip = self._skip(size)
+        if pos == skip:
             self._drop(st.first)
             st.first = self._clock()
             return False
         if pos < size - 1 or st.first is None:
             return False
-        st.pair[0 if split else 1] = self._span(st.first, self._clock()) / (size - 1)
+        st.pair[0 if split else 1] = self._span(st.first, self._clock()) / (size - 1 - skip)
         st.first = None
         return True
 

@@ -116,7 +116,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
         learn = bool(envs.get("BRAID_LEARN_SPLIT")) and seg is not None and self.cuda and self.world_size > 1 \
             and self.single_node
         self._pace = GpuPace(self.device.index) if learn and envs.get("BRAID_TRIAL_PACE") == "gpu" else None
-        self._arbiter = Arbiter(self._trial_exchange, enabled=learn, clock=self._pace or time.perf_counter)
+        self._arbiter = Arbiter(self._trial_exchange, enabled=learn, clock=self._pace or time.perf_counter,
+                                settle=envs.get("BRAID_TRIAL_SETTLE"))
         # whole or split per call shape, the hot path's one decision (comm/shortcuts.py)
         self.shortcuts = Shortcuts(self.policy.native_for, self._arbiter, lambda: not self.closed and not self.aborted)
         self._learn_update()
