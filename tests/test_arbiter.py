@@ -533,6 +533,17 @@ def test_gpu_pace_marks_are_events_on_the_callers_stream(monkeypatch):
     assert sorted(c[1] for c in calls if c[0] == "destroy") == [101, 102] and pace._free == []
 
 
+def test_marks_held_by_unfinished_blocks_go_back_at_close():
+    clock = HostAheadClock()
+    arb = A.Arbiter(lambda v: [list(v)], clock=clock)
+    for i in range(A.START + A.BLOCK + 3):       # into the second paired block: one held, one open
+        arb.whole(("ar", 1, "bf16"))
+    st = arb._shapes[("ar", 1, "bf16")]
+    assert st.first is not None and st.held is not None
+    arb.close()
+    assert clock.dropped == 3 and st.first is None and st.held is None
+
+
 def test_paired_blocks_are_read_a_block_late_but_decide_at_the_same_calls():
     """On GPUs reading a block's pace waits for its last mark: a paired block is read at the end
     of the block after it, and only the pair that ends at an agreement is read at once."""

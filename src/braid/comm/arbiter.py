@@ -189,6 +189,13 @@ class Arbiter:
         self._tick_paired(key, st, j % BLOCK, split, p, j // BLOCK)
         return not split
 
+    def close(self) -> None:
+        """Give every mark still held back to the clock (before the clock's own close)."""
+        for st in self._shapes.values():
+            for mark in (st.first, *(st.held[:2] if st.held else ())):
+                self._drop(mark)
+            st.first = st.held = None
+
     def _tick_paired(self, key, st: _Shape, pos: int, split: bool, p: int, k: int) -> None:
         """Call `pos` of block k (0, 1) of pair p. A block's pace is read at the end of the block
         after it (by then its last mark has long happened on the GPU: no wait for it there); at an
@@ -309,8 +316,9 @@ class GpuPace:
     call's extra host time looked like a loss (the probe sent DDP's buckets whole, split/whole
     host pace 850/307 and 1076/758 us, 2 x H200, 2026-11-27, while the copy engines ran its steps
     1.11-1.13x faster). A host-bound job's GPU waits for its host, so its GPU pace is the host's.
-    Reading a span waits for the block's last mark to happen on the GPU (once a block). Where
-    events cannot be used (a capturing stream, a driver error) the mark is the host's clock."""
+    Reading a span waits for the block's last mark to happen on the GPU (a paired block is read
+    at the end of the block after it, when that mark has usually happened). Where events cannot
+    be used (a capturing stream, a driver error) the mark is the host's clock."""
 
     def __init__(self, device_index: int):
         from ..lanes import _cuda
@@ -326,8 +334,12 @@ class GpuPace:
             if cu.stream_capturing(stream):
                 return now
             ev = self._free.pop() if self._free else cu.event_create(timing=True)
-            cu.event_record(ev, stream)
         except Exception:          # noqa: BLE001 (the host's clock instead)
+            return now
+        try:
+            cu.event_record(ev, stream)
+        except Exception:          # noqa: BLE001
+            self._free.append(ev)
             return now
         return (ev, now)
 

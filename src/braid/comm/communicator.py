@@ -512,6 +512,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
             torch.cuda.synchronize(self.device)
         self._prepared.close()
         if getattr(self, "_pace", None) is not None:
+            self._arbiter.close()       # its marks' events go back to the clock, which frees them all
             self._pace.close()
         if self._a2av_ce is not None:
             self._a2av_ce.close()
