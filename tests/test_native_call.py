@@ -229,6 +229,7 @@ def _comm(seg, fast, key, monkeypatch):
         _lanes={"ce": SimpleNamespace(stream=SimpleNamespace(cuda_stream=0x70))}, ledger=led, last_handle=None,
         _round=None, gave_up=[])
     comm._give_up = comm.gave_up.append
+    comm._native_replay = lambda *args: Exchange._native_replay(comm, *args)
     monkeypatch.setattr(exchange, "_RAW", lambda dev: 0x900)
     monkeypatch.setattr(exchange, "_capturing", lambda: False)
     return comm, tk
