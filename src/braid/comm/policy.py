@@ -37,7 +37,7 @@ CACHE_MAX = 4096         # answers kept per cache before it starts over
 # (comm/arbiter.py) keeps them only where its steps go faster. Off by default: on 2 x H200
 # (2026-11-27) DDP's and FSDP2's shapes were on trial from the calibration's own verdicts already
 # and every trial sent them whole, though DDP with every bucket forced onto the copy engines ran
-# 1.11-1.13x NCCL's steps (docs/design.md, "the in-job trial and DDP").
+# 1.11-1.13x NCCL's steps (docs/design.md, "The trials' clock").
 NEAR_OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
 
