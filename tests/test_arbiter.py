@@ -597,3 +597,41 @@ def test_settle_leaves_small_blocks_whole():
     arb = A.Arbiter(lambda v: [list(v)], clock=Clock(), settle=1)
     assert arb._skip(A.QUICK) == 0 and arb._skip(A.REST) == 1 and arb._skip(A.BLOCK) == 1
     assert A.Arbiter(lambda v: [list(v)], clock=Clock(), settle=3)._skip(A.REST) == 0
+
+
+def test_a_longer_block_and_the_block_log(tmp_path):
+    """BRAID_TRIAL_BLOCK sets the paired blocks' length (the schedule and the verdict's call move
+    with it); BRAID_TRIAL_LOG gets one line per paired block read, with its mode and pace."""
+    block = 20
+    log = A.trial_log(str(tmp_path / "trial"), 3)
+    clock = Clock()
+    arb = A.Arbiter(lambda values: [list(values)], clock=clock, block=block, log=log)
+    got = []
+    first = A.START + A.CHECK * 2 * block
+    for i in range(first + 10):
+        whole = arb.whole(("ar", 7))
+        got.append(whole)
+        clock.t += (100.0 if not whole else 130.0) * 1e-6
+    modes = []
+    for p in range(A.CHECK):
+        pair = [False, True] if (A.ORDER >> p) & 1 else [True, False]
+        for whole in pair:
+            modes += [whole] * block
+    assert got[A.START:first] == modes
+    assert got[first:] == [False] * 10 and arb.decisions[-1][3] is False
+    lines = (tmp_path / "trial.3").read_text().split("\n")[:-1]
+    assert len(lines) == 2 * A.CHECK
+    for line, whole in zip(lines, modes[::block]):
+        mode, pace = line.split()[-2:]
+        assert mode == ("whole" if whole else "split")
+        assert float(pace) == pytest.approx(130.0 if whole else 100.0, abs=0.5)
+    assert A.trial_log("", 0) is None
+
+
+def test_trial_block_setting_is_checked(monkeypatch):
+    from braid import envs
+    monkeypatch.setenv("BRAID_TRIAL_BLOCK", "48")
+    assert envs.get("BRAID_TRIAL_BLOCK") == 48
+    monkeypatch.setenv("BRAID_TRIAL_BLOCK", "2")
+    with pytest.raises(ValueError, match="BRAID_TRIAL_BLOCK"):
+        envs.get("BRAID_TRIAL_BLOCK")

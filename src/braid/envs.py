@@ -274,6 +274,21 @@ _define("BRAID_TRIAL_SETTLE", _nonneg_int, 0,
         "(blocks of 4 and 12 calls; 0, the default: none). Where the trial switches from whole to split "
         "calls, the ranks' hosts, free to drift apart under NCCL's calls, meet again at the first split "
         "call, a cost a job that stays split does not pay. Not yet measured in a job.")
+def _block(text: str) -> int:
+    value = int(text)
+    if value < 4:
+        raise ValueError(f"BRAID_TRIAL_BLOCK must be at least 4 (got {value})")
+    return value
+
+
+_define("BRAID_TRIAL_BLOCK", _block, 12,
+        "Calls per block of the in-job trials' paired blocks (one block split, one whole; at least 4). "
+        "A block that spans whole steps of the job times them alike in both modes; a step that holds "
+        "calls of both modes mixes them.")
+_define("BRAID_TRIAL_LOG", str, "",
+        "A file name: each rank appends every paired block's pace of the in-job trials to it, the "
+        "rank's number added to the name (one line a block: shape, call number, mode, us between "
+        "calls). Empty (default): no log.")
 _define("BRAID_WARM", _bool, True,
         "1 (default): a GPU communicator, when made, captures and replays one small program (a copy, "
         "flag operations, the float32 and bfloat16 sum kernels) so that the process's first split "

@@ -21,7 +21,7 @@ So, for a call shape the calibration splits, the job itself decides, from its ow
   calls against the REPROBE calls between trials (without the probe a trial ran 16 warm-up and 48
   paired split calls before its first possible verdict); a probe can be wrong on a noisy step,
   so its verdict never lengthens the interval to the next trial;
-- otherwise pairs of blocks of BLOCK calls, one block split and one whole, in an order fixed per
+- otherwise pairs of blocks of BLOCK calls (BRAID_TRIAL_BLOCK), one block split and one whole, in an order fixed per
   pair (ORDER) so that a job whose step holds 2 x BLOCK calls of the shape does not always put the
   same part of its step in the same mode; each rank keeps each block's mean time between
   consecutive calls (the job's pace) and, per pair, the log of the whole block's pace over the
@@ -122,9 +122,13 @@ def _stats(logs: list) -> tuple[float, float]:
 class Arbiter:
     """Per call shape: split or whole now (the same answer on every rank, at the same call)."""
 
-    def __init__(self, exchange, enabled: bool = True, clock=time.perf_counter, settle: int = 0):
+    def __init__(self, exchange, enabled: bool = True, clock=time.perf_counter, settle: int = 0,
+                 block: int = BLOCK, log=None):
         self._exchange = exchange           # values -> every rank's values (a node-segment round)
         self.enabled = enabled
+        self.block = block                  # calls per paired block (BRAID_TRIAL_BLOCK)
+        # log(line): each paired block's pace as it is read (BRAID_TRIAL_LOG), else None
+        self._log = log
         # a block's first `settle` intervals are left out of its pace where it has at least two
         # more (BRAID_TRIAL_SETTLE: where the modes switch, the ranks' hosts, free to drift apart
         # under the native library's calls, meet again at the first split call)
@@ -184,9 +188,10 @@ class Arbiter:
                 st.pair = [(q * (QUICK - 1) + r * nr) / (QUICK - 1 + nr) for q, r in zip(st.quick, st.pair)]
                 self._probe_done(key, st, EARLY)
             return not split
-        p, j = divmod(c - START, 2 * BLOCK)
-        split = (j < BLOCK) == bool((ORDER >> (p % 16)) & 1)
-        self._tick_paired(key, st, j % BLOCK, split, p, j // BLOCK)
+        b = self.block
+        p, j = divmod(c - START, 2 * b)
+        split = (j < b) == bool((ORDER >> (p % 16)) & 1)
+        self._tick_paired(key, st, j % b, split, p, j // b)
         return not split
 
     def close(self) -> None:
@@ -201,27 +206,29 @@ class Arbiter:
         after it (by then its last mark has long happened on the GPU: no wait for it there); at an
         agreement, the pair that ends there is read at once (the one wait of CHECK pairs). So the
         verdicts come at the same calls as when each block was read at its end."""
-        skip = self._skip(BLOCK)
+        skip = self._skip(self.block)
         if pos == skip:
             self._drop(st.first)
             st.first = self._clock()
             return
-        if pos < BLOCK - 1 or st.first is None:
+        if pos < self.block - 1 or st.first is None:
             return
         cur = (st.first, self._clock(), split, k)
         st.first = None
         if st.held is not None:
             held, st.held = st.held, None
-            self._read_block(st, held)
+            self._read_block(key, st, held)
         if k == 1 and (p + 1) % CHECK == 0:
-            self._read_block(st, cur)
+            self._read_block(key, st, cur)
             self._agree(key, st, p + 1)
         else:
             st.held = cur
 
-    def _read_block(self, st: _Shape, block: tuple) -> None:
+    def _read_block(self, key, st: _Shape, block: tuple) -> None:
         first, last, split, k = block
-        st.pair[0 if split else 1] = self._span(first, last) / (BLOCK - 1 - self._skip(BLOCK))
+        st.pair[0 if split else 1] = pace = self._span(first, last) / (self.block - 1 - self._skip(self.block))
+        if self._log is not None:
+            self._log(f"{key} {st.n} {'split' if split else 'whole'} {pace * 1e6:.1f}")
         if k == 1:
             self._pair_done(st)
 
@@ -366,6 +373,18 @@ class GpuPace:
             except Exception:      # noqa: BLE001
                 pass
         self._free = []
+
+
+def trial_log(path: str, rank: int):
+    """A log(line) that appends a line to `path`.`rank` (BRAID_TRIAL_LOG), or None for no path."""
+    if not path:
+        return None
+    name = f"{path}.{rank}"
+
+    def log(line: str) -> None:
+        with open(name, "a") as f:
+            f.write(line + "\n")
+    return log
 
 
 def trial_cost(split_us: float, whole_us: float, calls: int, window: int = 100) -> tuple[float, float]:

@@ -110,14 +110,15 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
             lambda: _call(me_ref, "_check_open"), lambda exc: _call(me_ref, "_give_up", exc),
             lambda why, wait=True: _call(me_ref, "_abort_native", why, wait),
             envs.get("BRAID_A2AV_CE_MIN_MB") << 20)
-        from .arbiter import Arbiter, GpuPace
+        from .arbiter import Arbiter, GpuPace, trial_log
         seg = self.segment
         # the trials of whole against split are agreed through the node segment: one node only
         learn = bool(envs.get("BRAID_LEARN_SPLIT")) and seg is not None and self.cuda and self.world_size > 1 \
             and self.single_node
         self._pace = GpuPace(self.device.index) if learn and envs.get("BRAID_TRIAL_PACE") == "gpu" else None
         self._arbiter = Arbiter(self._trial_exchange, enabled=learn, clock=self._pace or time.perf_counter,
-                                settle=envs.get("BRAID_TRIAL_SETTLE"))
+                                settle=envs.get("BRAID_TRIAL_SETTLE"), block=envs.get("BRAID_TRIAL_BLOCK"),
+                                log=trial_log(envs.get("BRAID_TRIAL_LOG"), self.rank) if learn else None)
         # whole or split per call shape, the hot path's one decision (comm/shortcuts.py)
         self.shortcuts = Shortcuts(self.policy.native_for, self._arbiter, lambda: not self.closed and not self.aborted)
         self._learn_update()
