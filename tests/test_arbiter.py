@@ -1,8 +1,11 @@
-"""The whole-or-split trial of a call shape inside a job (braid.comm.arbiter): its schedule, its
-agreed verdict (the slowest rank's pace decides), ties going to the native library, trials again
-later, and every rank answering alike at every call."""
+"""The whole-or-split trial of a call shape inside a job (braid.comm.arbiter): the job's period
+found in its first whole calls, its schedule (warm-up, the period's search, the quick pair, the
+probe pair's rest, paired blocks of whole periods), its agreed verdict (the slowest rank's pace
+decides), ties going to the native library, trials again later, every rank answering alike at
+every call, and every clock mark given back once."""
 import math
 import random
+import re
 import threading
 
 import pytest
@@ -10,6 +13,8 @@ import pytest
 from braid.comm import arbiter as A
 from braid.comm.callpath import CallPath
 from braid.comm.shortcuts import Shortcuts
+
+KEY = ("ag", 1 << 20, "bf16")
 
 
 class Clock:
@@ -22,139 +27,294 @@ class Clock:
         return self.t
 
 
-def run_job(split_us, whole_us, calls, peer=None, enabled=True, clock=None, extra=None):
+class Seen(list):
+    """The values this rank gave at each exchange; `at`: the call (of the shape) of each."""
+
+    def __init__(self):
+        super().__init__()
+        self.at = []
+
+
+def run_job(split_us, whole_us, calls, peer=None, enabled=True, clock=None, extra=None, job=None,
+            spy=None, key=KEY, **kw):
     """One rank's calls of one shape; the job spends split_us / whole_us between calls depending
-    on the mode of the call (extra(i) more seconds after call i). `peer`: a second rank's values
-    at each exchange (a list, or a function of this rank's values). Returns (answers, arbiter,
-    exchanges)."""
+    on the mode of the call (extra(i) more seconds after call i), or job(i, answers) seconds
+    after call i where given. `peer`: a second rank's values at each exchange (a list, or a
+    function of this rank's values). `spy(arb)` sees the arbiter before its first call; kw go to
+    the Arbiter (block, log, builds). Returns (answers, arbiter, exchanges)."""
     clock = clock or Clock()
-    seen = []
+    seen = Seen()
+    answers = []
 
     def exchange(values):
         seen.append(list(values))
+        seen.at.append(len(answers))
         theirs = peer(values) if callable(peer) else peer
         return [list(values)] + ([list(theirs)] if theirs is not None else [])
-    arb = A.Arbiter(exchange, enabled=enabled, clock=clock)
-    answers = []
+    arb = A.Arbiter(exchange, enabled=enabled, clock=clock, **kw)
+    if spy is not None:
+        spy(arb)
     for i in range(calls):
-        whole = arb.whole(("ag", 1 << 20, "bf16"))
+        whole = arb.whole(key)
         answers.append(whole)
-        clock.t += (whole_us if whole else split_us) * 1e-6 + (extra(i) if extra else 0.0)
+        if job is not None:
+            clock.t += job(i, answers)
+        else:
+            clock.t += (whole_us if whole else split_us) * 1e-6
+        clock.t += extra(i) if extra else 0.0
     return answers, arb, seen
 
 
-FIRST = A.START + A.CHECK * 2 * A.BLOCK         # calls up to the first agreement of the paired blocks
+def whole_periods(calls, period):
+    return period * -(-calls // period)
 
 
-def quick_modes(trial=1):
-    """The quick pair's answers (True: whole) in the trial-th trial of a shape."""
+def timed_modes(pairs, trial=1, period=1, block=A.BLOCK):
+    """The answers (True: whole) of a trial's timed blocks, from the call that opens them: the
+    quick pair, the probe pair's rest (split first in the first trial, then every other one),
+    then `pairs` pairs in ORDER's order; every block a whole number of periods (the rest's two
+    at least where the job has a period)."""
+    q, r, length = whole_periods(A.QUICK, period), A._rest(period), whole_periods(block, period)
+
+    def pair(n, split_first):
+        return [not split_first] * n + [split_first] * n
     split_first = trial % 2 == 1
-    return ([False] * A.QUICK + [True] * A.QUICK) if split_first else ([True] * A.QUICK + [False] * A.QUICK)
-
-
-def probe_modes(trial=1):
-    """The probe pair's answers (True: whole) in the trial-th trial of a shape: its quick pair,
-    then the rest of each block in the same order."""
-    split_first = trial % 2 == 1
-    rest = ([False] * A.REST + [True] * A.REST) if split_first else ([True] * A.REST + [False] * A.REST)
-    return quick_modes(trial) + rest
-
-
-def after_probe(values):
-    """A peer that saw no difference in the probe, then `values`' own numbers."""
-    return lambda mine: [1, A._OFF, 0, mine[3], mine[3]] if mine[0] == 1 and mine[2] == 0 else values
-
-
-def expected_modes(pairs):
-    """The trial's answers (True: whole) for its first `pairs` pairs, from ORDER."""
-    out = []
+    out = pair(q, split_first) + pair(r, split_first)
     for p in range(pairs):
-        split_first = bool((A.ORDER >> p) & 1)
-        blocks = [False, True] if split_first else [True, False]
-        for whole in blocks:
-            out += [whole] * A.BLOCK
+        out += pair(length, bool((A.ORDER >> (p % 16)) & 1))
     return out
 
 
-def test_schedule_warm_then_paired_blocks_then_the_verdict():
-    got, arb, seen = run_job(100.0, 130.0, FIRST + 50)
+# a job of period 1 (every interval alike), first trial:
+SEG0 = A.WARM + A.DETECT + 1                    # the timed blocks open right after the period's search
+PAIRS0 = SEG0 + 2 * (A.QUICK + A.REST)          # the first paired block
+# the first agreement with MIN_PAIRS kept pairs (pair 0 warms up and is left out): pair 8
+EARLIEST = A.CHECK * -(-(A.MIN_PAIRS + 1) // A.CHECK)
+VERDICT = PAIRS0 + EARLIEST * 2 * A.BLOCK       # the first call of pair EARLIEST: the earliest verdict
+
+
+def step_job(period, opens, host, comm, base=2000.0, noise=None):
+    """A model job whose step holds `period` calls of the shape, the step's first at a call index
+    that is `opens` modulo the period. After call i the job spends the call's host cost
+    (host[whole]); after a step's last call, the step's other work (base) and its communication,
+    which waits for all the step's calls (the sum of comm[whole] over them): the split's gain or
+    loss shows only in the interval at the step's boundary. noise(i): a factor on each interval.
+    Returns job(i, answers) for run_job, in seconds."""
+    def job(i, answers):
+        us = host[answers[i]]
+        if (i + 1) % period == opens % period:
+            us += base + sum(comm[w] for w in answers[max(0, i - period + 1):i + 1])
+        return us * (noise(i) if noise else 1.0) * 1e-6
+    return job
+
+
+def test_schedule_warm_detect_probe_then_paired_blocks_then_the_verdict():
+    got, arb, seen = run_job(100.0, 130.0, VERDICT + 50)
     assert got[:A.WARM] == [False] * A.WARM                           # warm-up: split
-    assert got[A.WARM:A.START] == probe_modes()                       # the probe pair
-    assert got[A.START:FIRST] == expected_modes(A.CHECK)              # blocks in ORDER's order
-    assert sum(got[A.START:FIRST]) == A.CHECK * A.BLOCK               # as many whole calls as split
-    assert got[FIRST:] == [False] * 50                                # split kept: faster
-    assert len(seen) == 3 and len(arb.decisions) == 1                 # the quick pair's, the probe's, the pairs' agreements
+    assert got[A.WARM:SEG0] == [True] * (A.DETECT + 1)                # the period's search: whole
+    assert got[SEG0:VERDICT] == timed_modes(EARLIEST)                 # quick, rest, pairs in ORDER's order
+    assert sum(got[PAIRS0:VERDICT]) == EARLIEST * A.BLOCK             # as many whole calls as split
+    assert got[VERDICT:] == [False] * 50                              # split kept: faster
+    st = arb._shapes[KEY]
+    assert (st.period, st.seg0, st.start) == (1, SEG0, VERDICT + 1)
+    # the period's exchange, the quick pair's, the probe's, the pairs' agreements (pairs 4 and 8)
+    assert seen.at == [SEG0 - 1, SEG0 + 2 * A.QUICK, PAIRS0, PAIRS0 + A.CHECK * 2 * A.BLOCK, VERDICT]
+    assert seen[0] == [1, 0]
+    # kept pairs at each agreement: pair 0 (the split's warm-up) is left out, so 3, not 4, at pair 4
+    assert [v[0] for v in seen[3:]] == [A.CHECK - 1, EARLIEST - 1]
+    assert len(arb.decisions) == 1
     _, split_us, whole_us, whole = arb.decisions[0]
     assert split_us == pytest.approx(100.0, abs=0.2) and whole_us == pytest.approx(130.0, abs=0.2)
     assert whole is False
 
 
+def test_a_periodic_job_times_whole_steps():
+    """A step of 8 calls whose first call is at index 3 (mod 8). The split costs more host time
+    per call (60 us against 50) but its calls' communication is shorter (100 us against 130),
+    which shows only at the step's boundary: blocks of whole steps, opening at a step's first
+    call, see the step 5% faster and keep the split."""
+    P, opens = 8, 3
+    q, r, length = whole_periods(A.QUICK, P), A._rest(P), whole_periods(A.BLOCK, P)
+    assert (q, r, length) == (8, 16, 16)          # one step, two, and the block's 12 calls as 2 steps
+    job = step_job(P, opens, host={False: 60.0, True: 50.0}, comm={False: 100.0, True: 130.0})
+    seg0 = SEG0 + (opens - SEG0) % P                  # the first step's first call after the search
+    verdict = seg0 + 2 * (q + r) + EARLIEST * 2 * length
+    got, arb, seen = run_job(0.0, 0.0, verdict + 20, job=job)
+    st = arb._shapes[KEY]
+    assert seen[0] == [P, opens] and st.period == P and st.seg0 == seg0 and seg0 % P == opens
+    assert got[A.WARM:seg0] == [True] * (seg0 - A.WARM)              # whole up to a step's first call
+    assert got[seg0:verdict] == timed_modes(EARLIEST, period=P)
+    assert seen.at[1:] == [seg0 + 2 * q, seg0 + 2 * (q + r), verdict - A.CHECK * 2 * length, verdict]
+    assert got[verdict:] == [False] * 20
+    _, split_us, whole_us, whole = arb.decisions[0]
+    assert whole is False
+    assert split_us == pytest.approx((P * 60 + 2000 + P * 100) / P, abs=0.2)     # 410 us a call
+    assert whole_us == pytest.approx((P * 50 + 2000 + P * 130) / P, abs=0.2)     # 430 us a call
+    # the same job where the split lengthens the step's boundary: whole (at the probe: 15%)
+    job = step_job(P, opens, host={False: 50.0, True: 50.0}, comm={False: 160.0, True: 100.0})
+    assert A.EARLY < (P * 60.0 / (2000 + P * 150.0)) < A.QUICK_BAR
+    got, arb, seen = run_job(0.0, 0.0, verdict, job=job)
+    assert arb.decisions[0][3] is True and len(seen) == 3
+    assert got[seg0 + 2 * (q + r):] == [True] * (verdict - seg0 - 2 * (q + r))
+    assert got.count(False) == A.WARM + q + r
+    # and one that loses more than the quick pair's bar: whole after WARM + q split calls
+    job = step_job(P, opens, host={False: 50.0, True: 50.0}, comm={False: 400.0, True: 100.0})
+    got, arb, seen = run_job(0.0, 0.0, verdict, job=job)
+    assert arb.decisions[0][3] is True and len(seen) == 2 and got.count(False) == A.WARM + q
+
+
+def test_blocks_of_whole_steps_see_no_difference_where_there_is_none(monkeypatch):
+    """A step of 8 calls whose split and whole calls cost the same: blocks of whole steps (16
+    calls) hold as many step boundaries each, every pair's log ratio is 0, and ties go whole.
+    Blocks of 12 calls out of step with the job (the period's search made to find nothing)
+    hold one boundary in one block of a pair and two in the other: each pair's ratio is far from
+    0 whatever its modes, the difference that sent DDP's buckets wrong."""
+    job = step_job(8, 5, host={False: 50.0, True: 50.0}, comm={False: 100.0, True: 100.0})
+    kept = []
+
+    def spy(arb):
+        agree = arb._agree
+
+        def recorded(key, st, pairs):
+            kept.append(list(st.logs))
+            agree(key, st, pairs)
+        arb._agree = recorded
+    _, arb, _ = run_job(0.0, 0.0, 800, job=job, spy=spy)
+    assert arb._shapes[KEY].period == 8 and kept[-1]
+    assert all(abs(x) < 1e-9 for x in kept[-1])
+    assert arb.decisions[0][3] is True                                # a tie: whole
+    kept.clear()
+    monkeypatch.setattr(A, "find_period", lambda xs, max_period=A.MAX_PERIOD: (1, 0))
+    _, arb, _ = run_job(0.0, 0.0, 800, job=job, spy=spy, block=12)
+    assert arb._shapes[KEY].period == 1 and kept and kept[0]
+    assert all(abs(x) > 0.3 for x in kept[0])
+
+
+def test_each_trial_searches_the_period_again():
+    """The job's period changes between trials: the next trial finds the new one."""
+    jobs = [step_job(8, 0, {False: 50.0, True: 50.0}, {False: 100.0, True: 150.0}),
+            step_job(4, 1, {False: 50.0, True: 50.0}, {False: 100.0, True: 150.0})]
+    arb_ref = []
+
+    def job(i, answers):
+        return jobs[min(arb_ref[0]._shapes[KEY].trials, 1)](i, answers)
+    periods = []
+
+    def spy(arb):
+        arb_ref.append(arb)
+        find = arb._find_period
+
+        def recorded(key, st, i):
+            find(key, st, i)
+            periods.append((st.period, st.seg0 % st.period, st.seg0 - i))
+        arb._find_period = recorded
+    _, arb, _ = run_job(0.0, 0.0, 2 * VERDICT + A.REPROBE + 200, job=job, spy=spy)
+    assert [p[:2] for p in periods] == [(8, 0), (4, 1)]
+    assert all(1 <= ahead <= p for p, _, ahead in periods)          # the next step's first call
+    assert [d[3] for d in arb.decisions] == [False, False]
+
+
 def test_the_whole_call_wins_when_the_split_slows_the_job():
-    got, arb, seen = run_job(124.0, 100.0, FIRST + 10)
-    assert got[FIRST:] == [True] * 10 and arb.decisions[0][3] is True
-    # 24% slower, under the quick pair's bar: the probe saw it, whole after WARM + PROBE split
-    # calls and two agreements (the quick pair's, the probe's)
-    assert got[:A.START] == [False] * A.WARM + probe_modes() and got[A.START:] == [True] * (FIRST + 10 - A.START)
-    assert len(seen) == 2 and sum(not w for w in got) == A.WARM + A.PROBE
+    got, arb, seen = run_job(124.0, 100.0, VERDICT + 10)
+    assert got[VERDICT:] == [True] * 10 and arb.decisions[0][3] is True
+    # 24% slower, under the quick pair's bar: the probe saw it, whole after WARM + QUICK + REST
+    # split calls and the probe's agreement
+    assert got[:PAIRS0] == [False] * A.WARM + [True] * (A.DETECT + 1) + timed_modes(0)
+    assert got[PAIRS0:] == [True] * (VERDICT + 10 - PAIRS0)
+    assert len(seen) == 3 and seen.at[-1] == PAIRS0 and got.count(False) == A.WARM + A.QUICK + A.REST
 
 
 def test_a_split_that_loses_by_more_than_the_quick_bar_goes_whole_after_the_quick_pair():
     slower = 100.0 * (1 + 2 * A.QUICK_BAR)
-    got, arb, seen = run_job(slower, 100.0, FIRST)
-    quick_end = A.WARM + 2 * A.QUICK
-    assert got[:quick_end] == [False] * A.WARM + quick_modes() and got[quick_end:] == [True] * (FIRST - quick_end)
-    assert len(seen) == 1 and sum(not w for w in got) == A.WARM + A.QUICK
+    got, arb, seen = run_job(slower, 100.0, VERDICT)
+    quick_end = SEG0 + 2 * A.QUICK
+    assert got[SEG0:quick_end] == timed_modes(0)[:2 * A.QUICK] and got[quick_end:] == [True] * (VERDICT - quick_end)
+    assert len(seen) == 2 and seen.at[-1] == quick_end and got.count(False) == A.WARM + A.QUICK
     _, split_us, whole_us, whole = arb.decisions[0]
     assert whole is True and split_us == pytest.approx(slower, abs=0.2) and whole_us == pytest.approx(100.0, abs=0.2)
     # a split that loses by less goes on to the rest of the probe
-    got, _, seen = run_job(100.0 * (1 + A.QUICK_BAR / 2), 100.0, A.START)
-    assert got[quick_end:A.START] == probe_modes()[2 * A.QUICK:] and len(seen) == 2
+    got, _, seen = run_job(100.0 * (1 + A.QUICK_BAR / 2), 100.0, PAIRS0)
+    assert got[quick_end:PAIRS0] == timed_modes(0)[2 * A.QUICK:] and len(seen) == 2
 
 
 def test_a_split_a_little_slower_than_the_probes_bar_is_left_to_the_pairs():
     slower = 100.0 * (1 + A.EARLY / 2)
-    got, arb, seen = run_job(slower, 100.0, FIRST + 1)
-    assert got[A.START:FIRST] == expected_modes(A.CHECK) and len(seen) == 3
+    got, arb, seen = run_job(slower, 100.0, VERDICT + 1)
+    assert got[SEG0:VERDICT] == timed_modes(EARLIEST) and len(seen) == 5
     assert arb.decisions[0][3] is True and got[-1] is True
 
 
+def test_the_probe_pools_both_parts_by_their_calls():
+    """The split slower than the whole call by 0.8 x EARLY (under the probe's bar), but slower
+    by more in the quick pair (a late call there, under the quick pair's bar): the probe pools
+    both parts' paces by their calls, 1.2 x EARLY slower, and goes whole."""
+    q, r = A.QUICK, A.REST
+    rest, pooled = 100.0 * (1 + 0.8 * A.EARLY), 100.0 * (1 + 1.2 * A.EARLY)
+    quick = ((q + r) * pooled - r * rest) / q                      # the quick pair's split pace
+    assert quick < 100.0 * (1 + A.QUICK_BAR)
+    late = q * (quick - rest)
+    got, arb, seen = run_job(rest, 100.0, PAIRS0 + 1, extra=lambda i: late * 1e-6 if i == SEG0 else 0.0)
+    assert seen.at[-1] == PAIRS0 and arb.decisions[0][3] is True
+    _, split_us, whole_us, _ = arb.decisions[0]
+    assert split_us == pytest.approx(pooled, abs=0.2) and whole_us == pytest.approx(100.0, abs=0.2)
+    got, arb, seen = run_job(rest, 100.0, PAIRS0 + 1)                # the rest's pace alone: on to the pairs
+    assert arb.decisions == [] and got[PAIRS0] == timed_modes(1)[2 * (q + r)]
+
+
 def test_one_rank_that_saw_the_split_lose_in_the_probe_sends_every_rank_whole():
-    """This rank saw the split 10% faster in the probe; its peer 10% slower (under the quick
-    pair's bar, over the probe's): whole at the probe's agreement."""
-    peer = [1, A._OFF + int(1e6 * math.log(0.9)), 0, int(1e7 * 110e-6), int(1e7 * 100e-6)]
-    got, arb, seen = run_job(90.0, 100.0, A.START + 5, peer=peer)
-    assert len(seen) == 2 and arb.decisions[0][3] is True and got[A.START:] == [True] * 5
+    """This rank saw the split 10% faster in the probe; its peer 1.5 x EARLY slower (under the
+    quick pair's bar, over the probe's): whole at the probe's agreement."""
+    loss = 1.5 * A.EARLY
+    assert loss < A.QUICK_BAR
+    theirs = [1, A._OFF + int(1e6 * -math.log1p(loss)), 0, int(1e7 * 100e-6 * (1 + loss)), int(1e7 * 100e-6)]
+    got, arb, seen = run_job(90.0, 100.0, PAIRS0 + 5, peer=lambda mine: mine if len(mine) == 2 else theirs)
+    assert len(seen) == 3 and arb.decisions[0][3] is True and got[PAIRS0:] == [True] * 5
 
 
 def test_a_tie_or_a_gain_under_the_margin_goes_whole():
     for split in (100.0, 100.0 * (1 - A.MARGIN / 2)):
-        got, arb, _ = run_job(split, 100.0, FIRST + 1)
-        assert got[-1] is True and arb.decisions[0][3] is True, split
+        got, arb, seen = run_job(split, 100.0, VERDICT + 1)
+        assert got[-1] is True and arb.decisions[0][3] is True and seen.at[-1] == VERDICT, split
+    got, arb, _ = run_job(100.0 * (1 - 2 * A.MARGIN), 100.0, VERDICT + 1)      # a gain over the margin
+    assert got[-1] is False and arb.decisions[0][3] is False
+
+
+def after_probe(values):
+    """A peer that found this rank's period, saw no difference in the probe, then `values`."""
+    def peer(mine):
+        if len(mine) == 2:
+            return mine
+        if mine[0] == 1 and mine[2] == 0:
+            return [1, A._OFF, 0, mine[3], mine[3]]
+        return values
+    return peer
 
 
 def test_every_rank_must_see_the_gain():
     """This rank saw the split 10% faster; its peer, level in the probe, saw it 10% slower in the
     pairs: whole."""
     peer = after_probe([A.CHECK, A._OFF + int(1e6 * math.log(0.9)), 0, int(1e7 * 110e-6), int(1e7 * 100e-6)])
-    got, arb, seen = run_job(90.0, 100.0, FIRST + 1, peer=peer)
+    got, arb, seen = run_job(90.0, 100.0, VERDICT + 1, peer=peer)
     _, split_us, whole_us, whole = arb.decisions[0]
     assert (split_us, whole_us) == (pytest.approx(110.0, abs=0.2), pytest.approx(100.0, abs=0.2))
-    assert whole is True and got[-1] is True
-    assert seen[2][0] == A.CHECK and seen[2][3] == pytest.approx(900, abs=2)   # its own pace, 0.1 us
+    assert whole is True and got[-1] is True and seen.at[-1] == VERDICT
+    assert seen[-1][0] == EARLIEST - 1 and seen[-1][3] == pytest.approx(900, abs=2)   # its own pace, 0.1 us
 
 
 def test_a_peer_with_too_few_pairs_delays_the_verdict():
     peer = [1, A._OFF + int(1e6 * 0.2), 0, 900, 1000]         # the peer kept one pair only
-    got, arb, seen = run_job(90.0, 100.0, FIRST + 2 * A.BLOCK, peer=peer)
-    assert arb.decisions == [] and len(seen) == 3             # the quick pair, the probe, the pairs: no verdict yet
+    got, arb, seen = run_job(90.0, 100.0, VERDICT + 2 * A.BLOCK, peer=lambda mine: mine if len(mine) == 2 else peer)
+    assert arb.decisions == [] and len(seen) == 5             # the period, the probe's two, two of the pairs': no verdict
+    assert seen[-1][0] == EARLIEST - 1                        # while this rank had enough
 
 
 def test_no_verdict_after_max_pairs_goes_whole():
     peer = [1, A._OFF, 0, 1000, 1000]                         # a peer that never has enough pairs
-    calls = A.START + A.MAX_PAIRS * 2 * A.BLOCK
-    got, arb, seen = run_job(50.0, 100.0, calls + 5, peer=peer)
-    assert len(seen) == 2 + A.MAX_PAIRS // A.CHECK
+    calls = PAIRS0 + A.MAX_PAIRS * 2 * A.BLOCK
+    got, arb, seen = run_job(50.0, 100.0, calls + 5, peer=lambda mine: mine if len(mine) == 2 else peer)
+    assert len(seen) == 3 + A.MAX_PAIRS // A.CHECK and seen.at[-1] == calls
     assert arb.decisions[0][3] is True and got[calls:] == [True] * 5
+    assert got[SEG0:calls] == timed_modes(A.MAX_PAIRS)                 # every pair ran
 
 
 def test_trials_repeat_and_can_change_the_verdict():
@@ -162,35 +322,49 @@ def test_trials_repeat_and_can_change_the_verdict():
     pace = {"split": 90.0, "whole": 100.0}
     arb = A.Arbiter(lambda values: [list(values)], clock=clock)
     answers = []
-    total = 2 * FIRST + A.REPROBE + 5
+    start = VERDICT + 1 + A.REPROBE         # the second trial
+    total = start + SEG0 + 2 * A.QUICK + 50
     for i in range(total):
-        if i == FIRST + A.REPROBE:          # the job changes: now the split slows it
+        if i == start:                      # the job changes: now the split slows it
             pace = {"split": 150.0, "whole": 100.0}
         w = arb.whole("k")
         answers.append(w)
         clock.t += pace["whole" if w else "split"] * 1e-6
     assert [d[3] for d in arb.decisions] == [False, True]
-    start = FIRST + A.REPROBE                # the second trial: its quick pair (whole block first) sees the split lose
-    quick_end = start + A.WARM + 2 * A.QUICK
+    assert answers[VERDICT:start] == [False] * (start - VERDICT)      # the first verdict: split
+    # the second trial: warm-up, the period's search in the last verdict's mode (split), its
+    # quick pair (whole block first) sees the split lose
+    quick_end = start + SEG0 + 2 * A.QUICK
     assert answers[start:start + A.WARM] == [False] * A.WARM
-    assert answers[start + A.WARM:quick_end] == quick_modes(2)
+    assert answers[start + A.WARM:start + SEG0] == [False] * (A.DETECT + 1)
+    assert answers[start + SEG0:quick_end] == timed_modes(0, trial=2)[:2 * A.QUICK]
+    assert answers[start + SEG0] is True
     assert answers[quick_end:] == [True] * (total - quick_end)
 
 
 def test_disabled_never_goes_whole_and_never_exchanges():
-    got, arb, seen = run_job(200.0, 100.0, FIRST + 20, enabled=False)
-    assert not any(got) and seen == [] and arb.decisions == []
+    got, arb, seen = run_job(200.0, 100.0, VERDICT + 20, enabled=False)
+    assert not any(got) and seen == [] and arb.decisions == [] and not arb.trying()
 
 
-def test_ranks_answer_alike_at_every_call():
-    """Two ranks with different paces and a real exchange between threads: at every call both
-    give the same answer (the verdict is taken at the same call from the same agreed numbers)."""
-    calls = FIRST + A.REPROBE + FIRST + 30
+def test_ranks_answer_alike_at_every_call(monkeypatch):
+    """Two ranks with different paces, different noise and different periods found in their
+    own calls (rank 0: steps of 8 calls, rank 1: a pattern of 4), and a real exchange between
+    threads: both take rank 0's period and step, and at every call both give the same answer
+    (the verdict is taken at the same call from the same agreed numbers)."""
+    found: dict = {}
+    find = A.find_period
+
+    def recorded(xs, max_period=A.MAX_PERIOD):
+        found.setdefault(threading.current_thread().name, []).append(find(xs, max_period))
+        return found[threading.current_thread().name][-1]
+    monkeypatch.setattr(A, "find_period", recorded)
+    calls = 2 * 700 + A.REPROBE
     board: dict = {}
     barrier = threading.Barrier(2)
     out: dict = {}
 
-    def rank(r, split_us, whole_us):
+    def rank(r, job):
         k = [0]
 
         def exchange(values):
@@ -203,17 +377,25 @@ def test_ranks_answer_alike_at_every_call():
         clock = Clock()
         arb = A.Arbiter(exchange, clock=clock)
         ans = []
-        for _ in range(calls):
-            w = arb.whole(("rs", 7))
-            ans.append(w)
-            clock.t += (whole_us if w else split_us) * 1e-6
-        out[r] = (ans, arb.decisions)
-    threads = [threading.Thread(target=rank, args=(0, 80.0, 100.0)),
-               threading.Thread(target=rank, args=(1, 120.0, 100.0))]
+        for i in range(calls):
+            ans.append(arb.whole(("rs", 7)))
+            clock.t += job(i, ans)
+        out[r] = (ans, arb.decisions, arb._shapes[("rs", 7)])
+    rng0, rng1 = random.Random(1), random.Random(2)
+    job0 = step_job(8, 6, {False: 40.0, True: 50.0}, {False: 80.0, True: 100.0},
+                    noise=lambda i: rng0.uniform(0.97, 1.03))
+    job1 = step_job(4, 1, {False: 50.0, True: 50.0}, {False: 120.0, True: 100.0}, base=1000.0,
+                    noise=lambda i: rng1.uniform(0.9, 1.1))
+    threads = [threading.Thread(target=rank, args=(0, job0), name="rank0"),
+               threading.Thread(target=rank, args=(1, job1), name="rank1")]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(30)
+        t.join(60)
+    assert set(out) == {0, 1}
+    assert found["rank0"][0] == (8, (6 - A.WARM - 1) % 8) and found["rank1"][0][0] == 4       # each rank's own period
+    assert out[0][2].period == out[1][2].period == 8                       # rank 0's, on both
+    assert out[0][2].seg0 == out[1][2].seg0
     assert out[0][0] == out[1][0]
     assert [d[1:] for d in out[0][1]] == [d[1:] for d in out[1][1]]
     assert len(out[0][1]) == 2 and all(d[3] is True for d in out[0][1])   # rank 1 sees the split lose
@@ -222,35 +404,41 @@ def test_ranks_answer_alike_at_every_call():
 def test_a_pause_inside_a_block_does_not_decide_the_trial():
     # the split is 10% faster per call, but one split block holds a pause (another model's
     # window, an evaluation) of 400 ms: its pair is left out and the split still wins
-    pause_at = A.START + 3          # inside the first pair's split block (ORDER bit 0 is set)
-    assert A.ORDER & 1
-    got, arb, _ = run_job(1000.0, 1100.0, FIRST + A.BLOCK * 8 + 1, extra=lambda i: 0.4 if i == pause_at else 0.0)
+    assert not (A.ORDER >> 1) & 1                   # pair 1 runs its whole block first
+    pause_at = PAIRS0 + 2 * A.BLOCK + A.BLOCK + 3   # inside pair 1's split block
+    got, arb, seen = run_job(1000.0, 1100.0, VERDICT + 1, extra=lambda i: 0.4 if i == pause_at else 0.0)
+    assert got[pause_at] is False
     key, split_us, whole_us, went_whole = arb.decisions[-1]
     assert not went_whole and split_us == pytest.approx(1000, rel=1e-3) and whole_us == pytest.approx(1100, rel=1e-3)
+    assert seen.at[-1] == VERDICT and seen[-1][0] == EARLIEST - 2     # pairs 0 and 1 left out
 
 
-def _noisy_job(gain, seed, calls=A.START + A.MAX_PAIRS * 2 * A.BLOCK + 1, period=0):
+def _noisy_job(gain, seed, period=0, cap=3000):
     """A job whose pace varies +-20% from call to call (and, with period, a step pattern of
-    `period` calls: half fast, half three times slower); the split changes the pace by `gain`."""
+    `period` calls: half fast, half three times slower); the split changes the pace by `gain`.
+    Runs to its first verdict."""
     rng = random.Random(seed)
     clock = Clock()
     arb = A.Arbiter(lambda v: [list(v)], clock=clock)
-    for i in range(calls):
+    for i in range(cap):
         w = arb.whole("k")
         base = 100.0 * (3.0 if period and (i % period) >= period // 2 else 1.0)
         clock.t += base * (1.0 if w else 1.0 - gain) * rng.uniform(0.8, 1.2) * 1e-6
-    return arb.decisions
+        if arb.decisions:
+            break
+    return arb.decisions, arb._shapes["k"].period
 
 
 def test_noise_without_a_gain_never_keeps_the_split():
     for seed in range(20):
         for period in (0, 2 * A.BLOCK, 18):
-            d = _noisy_job(0.0, seed, period=period)
+            d, found = _noisy_job(0.0, seed, period=period)
             assert d and d[0][3] is True, (seed, period)
+            assert found == (period or 1), (seed, period)
 
 
 def test_a_clear_gain_in_noise_keeps_the_split():
-    kept = [(_noisy_job(0.15, seed) or [(0, 0, 0, True)])[0][3] is False for seed in range(20)]
+    kept = [(_noisy_job(0.15, seed)[0] or [(0, 0, 0, True)])[0][3] is False for seed in range(20)]
     assert all(kept)
 
 
@@ -295,8 +483,6 @@ def test_fixed_shares_check_mode_and_the_op_sweep_keep_the_calibrations_verdict(
     assert not q._learn_split and not q._arbiter.enabled
 
 
-
-
 def test_verdicts_kept_are_bounded_in_a_long_job():
     arb = A.Arbiter(lambda v: [list(v)], clock=Clock())
     for i in range(3 * A.KEPT + 5):
@@ -310,17 +496,18 @@ def test_trying_while_a_trial_has_no_verdict():
     clock = Clock()
     arb = A.Arbiter(lambda values: [list(values)], clock=clock)
     assert not arb.trying()                                   # no shape yet
-    key = ("ag", 1 << 20, "bf16")
     calls = 0
     while arb.count == 0:
-        whole = arb.whole(key)
+        whole = arb.whole(KEY)
         clock.t += (100.0 if whole else 130.0) * 1e-6
         calls += 1
         assert arb.trying() or arb.count == 1
-        assert calls < A.START + A.MAX_PAIRS * 2 * A.BLOCK + 1
+        assert calls <= PAIRS0 + A.MAX_PAIRS * 2 * A.BLOCK + 1
     assert not arb.trying()                                   # the verdict: whole
-    for _ in range(A.REPROBE + 1):
-        arb.whole(key)
+    for _ in range(A.REPROBE):
+        arb.whole(KEY)
+    assert not arb.trying()
+    arb.whole(KEY)
     assert arb.trying()                                       # the trial runs again
     assert not A.Arbiter(lambda v: [list(v)], enabled=False).trying()
 
@@ -353,7 +540,7 @@ def test_the_backend_asks_first_each_call_counts_once_and_whole_calls_are_forwar
     assert not p.whole_all_gather(out, inp)            # a shape not seen yet: the op's path decides
     p.shortcuts.ag[8] = (torch.float32, 16, False)     # the calibration splits this shape
     forwarded, said = 0, []
-    for _ in range(A.START + 2 * A.CHECK * 2 * A.BLOCK + 30):
+    for _ in range(VERDICT + 30):
         if p.whole_all_gather(out, inp):
             forwarded += 1
             whole = True
@@ -364,7 +551,7 @@ def test_the_backend_asks_first_each_call_counts_once_and_whole_calls_are_forwar
         assert whole == want
         for c in (clock, ref_clock):
             c.t += (150e-6 if not whole else 100e-6)            # split is slower in this job
-    assert forwarded == said.count(True) and forwarded > 0
+    assert forwarded == said.count(True) and forwarded > 0 and said.count(False) > 0
     assert p._arbiter._shapes[("ag", 8, torch.float32)].n == len(said)    # one count per call
     assert ref.decisions and ref.decisions[-1][3] is True and said[-1] is True   # went whole
     # another shape's pending answer is not taken for this one
@@ -379,7 +566,7 @@ def _trial_starts(answers_len_limit, pace):
     whose split is slower (pace: us per call by mode)."""
     clock = Clock()
     arb = A.Arbiter(lambda values: [list(values)], clock=clock)
-    starts, last_trying = [], True
+    starts = []
     for i in range(answers_len_limit):
         trying_before = arb._shapes.get("k") is not None and arb._shapes["k"].trying
         w = arb.whole("k")
@@ -395,8 +582,10 @@ def test_a_verdict_that_repeats_is_looked_at_less_often():
     verdicts = [d[3] for d in arb.decisions]
     assert verdicts and all(verdicts)                        # whole every time
     gaps = [b - a for a, b in zip(starts, starts[1:])]
-    # each gap: the trial's own calls plus the interval, which doubles after a repeated verdict
+    # each gap: the trial's own calls (to the verdict at pair 8) plus the interval, which
+    # doubles after a repeated verdict
     assert len(gaps) >= 3
+    assert gaps[0] == VERDICT + 1 + A.REPROBE
     assert gaps[1] - gaps[0] == A.REPROBE and gaps[2] - gaps[1] == 2 * A.REPROBE
     assert arb._shapes["k"].reprobe <= A.REPROBE_MAX
 
@@ -406,19 +595,42 @@ def test_the_probes_verdicts_keep_the_first_interval():
     split calls, and the next one comes REPROBE calls later, never later than that."""
     starts, arb = _trial_starts(40_000, {"split": 150.0, "whole": 100.0})
     gaps = [b - a for a, b in zip(starts, starts[1:])]
-    assert len(gaps) >= 5 and set(gaps) == {A.WARM + 2 * A.QUICK + A.REPROBE}
+    assert len(gaps) >= 5 and set(gaps) == {SEG0 + 2 * A.QUICK + 1 + A.REPROBE}
     assert all(d[3] for d in arb.decisions) and arb._shapes["k"].verdicts == 0
 
 
-@pytest.mark.parametrize("loss", [0.07, 0.1, 0.25, 0.3, 0.5, 0.75, 1.0])
+@pytest.mark.parametrize("loss", [0.05, 0.07, 0.1, 0.15, 0.25, 0.3, 0.5, 0.75, 1.0])
 def test_a_losing_split_costs_little_in_any_hundred_calls(loss):
-    """A split slower than the probe's bar: at most WARM + PROBE split calls per trial (WARM +
-    QUICK beyond the quick pair's bar), so any 100 calls pay that many calls' loss (at most 3%
-    for a split up to twice as slow) and a long job far less."""
-    worst, overall = A.trial_cost(100.0 * (1 + loss), 100.0, 3 * A.REPROBE)
-    split_calls = A.WARM + (A.QUICK if loss > A.QUICK_BAR else A.PROBE)
-    assert worst == pytest.approx(split_calls * loss / 100, rel=1e-6)
-    assert worst <= 0.03 + 1e-9 and overall < 0.002
+    """A split slower than the probe's bar costs a trial WARM + QUICK + REST split calls (WARM +
+    QUICK beyond the quick pair's bar), so that any 100 calls pay at most that many calls' loss
+    (at most 3% for a split up to twice as slow; the period's search lies between the warm-up
+    call and the timed blocks) and a long job far less. Under the probe's bar the paired blocks
+    decide, at pair 8. The model clock's answers, call for call, give trial_cost's numbers."""
+    calls = 3 * A.REPROBE
+    worst, overall = A.trial_cost(100.0 * (1 + loss), 100.0, calls)
+    if loss > A.QUICK_BAR:
+        timed, full = 2 * A.QUICK, False
+    elif loss > A.EARLY:
+        timed, full = 2 * (A.QUICK + A.REST), False
+    else:
+        timed, full = VERDICT - SEG0, True
+    answers, trial, reprobe = [], 0, A.REPROBE
+    while len(answers) < calls:             # the job's answers: trials, each whole from its verdict
+        trial += 1
+        answers += [False] * A.WARM + [True] * (SEG0 - A.WARM) + timed_modes(A.MAX_PAIRS, trial)[:timed]
+        if full and trial > 1:              # a full verdict repeated: the interval doubles
+            reprobe = min(2 * reprobe, A.REPROBE_MAX)
+        answers += [True] * (1 + reprobe)   # the verdict's call, then the interval
+    answers = answers[:calls]
+    in_window = max(answers[s:s + 100].count(False) for s in range(calls - 100))
+    assert worst == pytest.approx(in_window * loss / 100, rel=1e-6)
+    assert overall == pytest.approx(answers.count(False) * loss / calls, rel=1e-6)
+    if loss > A.EARLY:
+        per_trial = A.WARM + A.QUICK + (A.REST if loss <= A.QUICK_BAR else 0)
+        assert answers.count(False) == trial * per_trial
+        assert in_window == per_trial - (A.WARM if loss <= A.QUICK_BAR else 0)   # the warm-up call falls out
+        assert worst <= 0.03 + 1e-9
+    assert overall < 0.002
 
 
 def test_a_changed_verdict_brings_the_first_interval_back():
@@ -453,6 +665,86 @@ def test_a_shape_not_called_any_more_is_not_a_trial_under_way():
     assert arb.trying()
 
 
+def test_the_warm_up_pair_and_a_block_with_a_build_are_left_out(monkeypatch):
+    """A prepared call built inside a block (another shape's first call, say) leaves its pair out:
+    it is missing from the kept pairs, the log lines of its block and the next end with " built"
+    (the graph's first replays follow in the next block), and with
+    MIN_PAIRS kept pairs needed the verdict comes one agreement later. Pair 0 (the split's
+    warm-up) is left out too: with 7 needed, pairs 1..7 decide at pair 8."""
+    monkeypatch.setattr(A, "MIN_PAIRS", 2 * A.CHECK - 1)
+    built_pair = 3
+    build_at = PAIRS0 + built_pair * 2 * A.BLOCK + 5        # inside pair 3's first block
+
+    def run(build):
+        count, lines, kept = [0], [], []
+
+        def spy(arb):
+            agree = arb._agree
+
+            def recorded(key, st, pairs):
+                kept.append((pairs, len(st.logs)))
+                agree(key, st, pairs)
+            arb._agree = recorded
+        got, arb, seen = run_job(100.0, 130.0, VERDICT + A.CHECK * 2 * A.BLOCK + 1, spy=spy,
+                                 builds=lambda: count[0], log=lines.append,
+                                 extra=lambda i: count.__setitem__(0, count[0] + (build and i == build_at)) or 0.0)
+        return got, arb, seen, lines, kept
+    got, arb, seen, lines, kept = run(False)
+    assert kept == [(A.CHECK, A.CHECK - 1), (2 * A.CHECK, 2 * A.CHECK - 1)] and seen.at[-1] == VERDICT
+    assert not any(line.endswith(" built") for line in lines)
+    got, arb, seen, lines, kept = run(True)
+    assert kept == [(A.CHECK, A.CHECK - 2), (2 * A.CHECK, 2 * A.CHECK - 2), (3 * A.CHECK, 3 * A.CHECK - 2)]
+    assert seen.at[-1] == VERDICT + A.CHECK * 2 * A.BLOCK and arb.decisions[0][3] is False
+    built = [line for line in lines if line.endswith(" built")]     # its block and the next one
+    assert len(built) == 2 and f" {4 + 2 * built_pair} " in built[0] and f" {5 + 2 * built_pair} " in built[1]
+
+
+def test_a_probe_with_a_build_says_nothing_but_still_exchanges():
+    """A split 50% slower goes whole at the quick pair; with a build in the quick pair's split
+    block that pair says nothing (the exchange still carries it, gain 0), and so does the probe's
+    rest (its split block replays the graphs just built for the first time): the paired blocks
+    decide. A split 20% slower goes whole at the probe; with a build in the rest, the paired
+    blocks decide."""
+    def run(split_us, build_at):
+        count = [0]
+        return run_job(split_us, 100.0, VERDICT + 1, builds=lambda: count[0],
+                       extra=lambda i: count.__setitem__(0, count[0] + (i == build_at)) or 0.0)
+    got, arb, seen = run(150.0, SEG0)
+    assert seen.at == [SEG0 - 1, SEG0 + 2 * A.QUICK, PAIRS0, PAIRS0 + A.CHECK * 2 * A.BLOCK, VERDICT]
+    assert seen[1][1] == A._OFF and seen[2][1] == A._OFF
+    assert arb.decisions[0][3] is True and got[VERDICT:] == [True]
+    got, arb, seen = run(150.0, None)
+    assert seen.at[-1] == SEG0 + 2 * A.QUICK and arb.decisions[0][3] is True
+    got, arb, seen = run(120.0, SEG0 + 2 * A.QUICK + 1)
+    assert seen[2][1] == A._OFF and seen.at[-1] == VERDICT and arb.decisions[0][3] is True
+    got, arb, seen = run(120.0, None)
+    assert seen.at[-1] == PAIRS0
+
+
+@pytest.mark.parametrize("cost", [300e-6, 0.4])
+def test_a_quick_pair_with_a_build_or_a_pause_is_left_out_of_the_probe(cost):
+    """A split 10% faster whose quick pair's split block holds a build that costs 300 us (its
+    pace 2.4 times the whole block's), or a pause of 400 ms without a build: the quick pair says
+    nothing (pooled with the rest's paces it would show the split 40% slower and send it whole);
+    after the pause the probe's verdict rests on its rest alone, after the build the rest says
+    nothing either (its split block follows the build); the pairs keep the split."""
+    count = [0]
+
+    def extra(i):
+        if i == SEG0:
+            count[0] += cost < 0.1              # the build (not the pause) is counted
+            return cost
+        return 0.0
+    got, arb, seen = run_job(90.0, 100.0, VERDICT + 1, builds=lambda: count[0], extra=extra)
+    assert got[SEG0] is False                                        # in the quick pair's split block
+    assert seen[1][1] == A._OFF
+    if cost < 0.1:
+        assert seen[2][1] == A._OFF
+    else:
+        assert seen[2][1] - A._OFF == pytest.approx(1e6 * math.log(100 / 90), abs=5)
+    assert seen.at[-1] == VERDICT and arb.decisions[0][3] is False and got[-1] is False
+
+
 class HostAheadClock:
     """A job whose host runs ahead of its GPU: the host's time between calls is the call's host
     cost (split calls cost more host time), while the GPU's time between the calls' marks is the
@@ -479,7 +771,7 @@ def test_the_gpus_pace_decides_where_the_host_runs_ahead(gpu_pace):
     if not gpu_pace:                                  # the host's clock alone: the split looks slower
         clock.span = lambda a, b: b[1] - a[1]
     arb = A.Arbiter(lambda v: [list(v)], clock=clock)
-    for _ in range(600):
+    for _ in range(VERDICT + 1):
         whole = arb.whole(("ar", 1 << 24, "bf16"))
         clock.host += (40.0 if whole else 90.0) * 1e-6     # host time a call: NCCL's 40 us, the split's 90
         clock.gpu += (700.0 if whole else 620.0) * 1e-6    # GPU time between calls: the split 11% faster
@@ -487,12 +779,13 @@ def test_the_gpus_pace_decides_where_the_host_runs_ahead(gpu_pace):
     assert arb.decisions[-1][3] is (not gpu_pace)          # kept split on the GPU's pace, whole on the host's
 
 
-def test_gpu_pace_marks_are_events_on_the_callers_stream(monkeypatch):
+def test_gpu_pace_marks_are_events_on_the_callers_stream():
     calls = []
 
     class FakeCuda:
         capturing = False
         fail = False
+        record_fails = False
         made = 0
 
         def stream_capturing(self, stream):
@@ -504,6 +797,8 @@ def test_gpu_pace_marks_are_events_on_the_callers_stream(monkeypatch):
             return 100 + FakeCuda.made
 
         def event_record(self, ev, stream):
+            if self.record_fails:
+                raise RuntimeError("record")
             calls.append(("record", ev, stream))
 
         def event_elapsed_s(self, a, b):
@@ -517,31 +812,90 @@ def test_gpu_pace_marks_are_events_on_the_callers_stream(monkeypatch):
     fake = FakeCuda()
     pace._cuda, pace._raw = fake, lambda dev: 77
     a, b = pace(), pace()
-    assert calls == [("record", 101, 77), ("record", 102, 77)]
-    assert pace.span(a, b) == 0.25 and sorted(pace._free) == [101, 102]     # events go back for reuse
+    assert calls == [("record", 101, 77), ("record", 102, 77)] and (a[0], b[0]) == (101, 102)
+    assert pace.span(a, b) == 0.25 and pace._free == []                     # a span keeps its marks
+    assert pace.span(a, b) == 0.25                                          # (and reads them again)
+    pace.drop(a)
+    assert pace._free == [101]                                              # dropped: back for reuse
     c = pace()
-    assert calls[-1] == ("record", 102, 77)                                 # reused, none made
+    assert calls[-1] == ("record", 101, 77) and FakeCuda.made == 2 and pace._free == []   # reused, none made
+    pace.drop(b)
     fake.capturing = True                                                   # a capture: the host's clock
     d = pace()
-    assert isinstance(d, float) and len(calls) == 3
-    assert pace.span(c, d) == pytest.approx(d - c[1]) and pace._free == [101, 102]
+    assert isinstance(d, float) and len(calls) == 3 and pace._free == [102]
+    assert pace.span(c, d) == pytest.approx(d - c[1])
+    pace.drop(d)                                                            # a host mark: nothing to give back
+    assert pace._free == [102]
     fake.capturing = False
     fake.fail = True                                                        # a driver error: the host's too
     e, f = pace(), pace()
-    assert pace.span(e, f) == pytest.approx(f[1] - e[1])
+    assert (e[0], f[0]) == (102, 103) and pace.span(e, f) == pytest.approx(f[1] - e[1])
+    fake.record_fails = True                                                # a failed record: its event goes back
+    g = pace()
+    assert isinstance(g, float) and pace._free == [104]
+    for mark in (c, e, f):
+        pace.drop(mark)
     pace.close()
-    assert sorted(c[1] for c in calls if c[0] == "destroy") == [101, 102] and pace._free == []
+    assert sorted(c[1] for c in calls if c[0] == "destroy") == [101, 102, 103, 104] and pace._free == []
 
 
-def test_marks_held_by_unfinished_blocks_go_back_at_close():
-    clock = HostAheadClock()
+class _Mark:
+    def __init__(self, t):
+        self.t = t
+
+
+class CountingClock(Clock):
+    """A model clock whose marks are objects of their own: it counts each mark's drops and
+    notes every span that uses a mark already dropped."""
+
+    def __init__(self):
+        super().__init__()
+        self.made, self.drops, self.late = [], {}, []
+
+    def __call__(self):
+        mark = _Mark(self.t)
+        self.made.append(mark)
+        return mark
+
+    def span(self, a, b):
+        self.late += [m for m in (a, b) if m in self.drops]
+        return b.t - a.t
+
+    def drop(self, mark):
+        self.drops[mark] = self.drops.get(mark, 0) + 1
+
+
+def test_every_mark_is_dropped_once():
+    """Marks are GPU events on GPUs: each must go back once, whatever ends its use (the period's
+    search, a block read, a verdict, a shape forgotten for newer ones, close), and none may be
+    read after it went back."""
+    clock = CountingClock()
     arb = A.Arbiter(lambda v: [list(v)], clock=clock)
-    for i in range(A.START + A.BLOCK + 3):       # into the second paired block: one held, one open
-        arb.whole(("ar", 1, "bf16"))
-    st = arb._shapes[("ar", 1, "bf16")]
-    assert st.first is not None and st.held is not None
+    # the split's pace per trial: kept (pairs), lost at the quick pair, at the probe, at the pairs
+    paces = [90.0, 160.0, 115.0, 101.0, 90.0]
+    while True:
+        st = arb._shapes.get("k")
+        trial = st.trials if st else 0
+        if trial == len(paces) - 1 and st.n - st.start == PAIRS0 + 3 * A.BLOCK + 3:
+            break                               # the last trial stops in its paired blocks
+        w = arb.whole("k")
+        clock.t += (100.0 if w else paces[trial]) * 1e-6
+    assert [d[3] for d in arb.decisions] == [False, True, True, True]
+    assert st.open is not None and st.done                      # a block open, one ended not read
+    for _ in range(5):                      # a shape in its period's search
+        arb.whole("setup")
+    for _ in range(SEG0 + A.QUICK + 1):     # one in its quick pair
+        arb.whole("quick")
+    held = [m for m in clock.made if m not in clock.drops]
+    assert len(held) == 2 + 4 + 2                              # k's 2 blocks, setup's 4 calls, quick's 2 blocks
+    for j in range(A.MAX_SHAPES):           # newer shapes push the oldest out
+        for _ in range(3):
+            arb.whole(("new", j))
+    assert not {"k", "setup", "quick"} & set(arb._shapes)
+    assert all(clock.drops.get(m) == 1 for m in held)           # their marks went back
     arb.close()
-    assert clock.dropped == 3 and st.first is None and st.held is None
+    assert clock.late == []
+    assert len(clock.drops) == len(clock.made) and all(clock.drops[m] == 1 for m in clock.made)
 
 
 def test_paired_blocks_are_read_a_block_late_but_decide_at_the_same_calls():
@@ -556,75 +910,52 @@ def test_paired_blocks_are_read_a_block_late_but_decide_at_the_same_calls():
             return (self.call, self.t)
 
         def span(self, a, b):
-            reads.append((b[0], self.call))       # (the call of the block's last mark, the call reading it)
+            reads.append((b[0], self.call))       # (the call of the block's end mark, the call reading it)
             return b[1] - a[1]
     clock = LateClock()
     arb = A.Arbiter(lambda v: [list(v)], clock=clock)
-    ref_got, _, _ = run_job(100.0, 130.0, FIRST + 50)        # the plain clock: every block read at its end
+    ref_got, _, _ = run_job(100.0, 130.0, VERDICT + 50)
     got = []
-    for i in range(FIRST + 50):
+    for i in range(VERDICT + 50):
         clock.call = i
-        w = arb.whole(("ag", 1 << 20, "bf16"))
+        w = arb.whole(KEY)
         got.append(w)
         clock.t += (130.0 if w else 100.0) * 1e-6
     assert got == ref_got and arb.decisions[0][3] is False   # the same answers, call for call
-    paired = [(m, r) for m, r in reads if m >= A.START]
-    agreement = A.START + A.CHECK * 2 * A.BLOCK - 1
-    assert (agreement, agreement) in paired                   # the pair ending at the agreement: at once
-    late = [(m, r) for m, r in paired if m != agreement]
-    assert late and all(r == m + A.BLOCK for m, r in late)    # every other block: a block later
-
-
-@pytest.mark.parametrize("settle", [0, 1])
-def test_settle_leaves_the_cost_of_a_switch_out_of_the_pace(settle):
-    """A job where the first split call after whole calls pays a one-off wait (the ranks' hosts
-    meeting again) and split calls are otherwise 8% faster: the plain pace sees a loss, the
-    pace without each block's first interval sees the gain."""
-    clock = Clock()
-    arb = A.Arbiter(lambda v: [list(v)], clock=clock, settle=settle)
-    prev = True
-    for _ in range(2 * A.REPROBE + 1200):          # the second trial (whole blocks first) too
-        whole = arb.whole(("ar", 1 << 26, "bf16"))
-        clock.t += (700.0 if whole else 644.0) * 1e-6
-        if prev and not whole:
-            clock.t += 3000e-6                  # the switch's one-off wait, in the interval after the call
-        prev = whole
-    assert len(arb.decisions) >= 2
-    assert all(d[3] is (settle == 0) for d in arb.decisions)    # settle 1: split kept; 0: sent whole
-
-
-def test_settle_leaves_small_blocks_whole():
-    arb = A.Arbiter(lambda v: [list(v)], clock=Clock(), settle=1)
-    assert arb._skip(A.QUICK) == 0 and arb._skip(A.REST) == 1 and arb._skip(A.BLOCK) == 1
-    assert A.Arbiter(lambda v: [list(v)], clock=Clock(), settle=3)._skip(A.REST) == 0
+    assert [r for m, r in reads if m < SEG0] == [SEG0 - 1] * A.DETECT     # the search: read at its end
+    assert [(m, r) for m, r in reads if SEG0 <= m <= PAIRS0] == \
+        [(SEG0 + A.QUICK, SEG0 + 2 * A.QUICK), (SEG0 + 2 * A.QUICK,) * 2,
+         (SEG0 + 2 * A.QUICK + A.REST, PAIRS0), (PAIRS0, PAIRS0)]        # the probe's: as they end
+    paired = [(m, r) for m, r in reads if m > PAIRS0]
+    agreements = {PAIRS0 + p * 2 * A.BLOCK for p in (A.CHECK, 2 * A.CHECK)}
+    assert {(a, a) for a in agreements} <= set(paired)          # the pair ending at an agreement: at once
+    late = [(m, r) for m, r in paired if m not in agreements]
+    assert late and all(r == m + A.BLOCK for m, r in late)      # every other block: a block later
 
 
 def test_a_longer_block_and_the_block_log(tmp_path):
     """BRAID_TRIAL_BLOCK sets the paired blocks' length (the schedule and the verdict's call move
-    with it); BRAID_TRIAL_LOG gets one line per paired block read, with its mode and pace."""
+    with it); BRAID_TRIAL_LOG gets the period found and one line per timed block read, with its
+    index, mode and pace."""
     block = 20
     log = A.trial_log(str(tmp_path / "trial"), 3)
-    clock = Clock()
-    arb = A.Arbiter(lambda values: [list(values)], clock=clock, block=block, log=log)
-    got = []
-    first = A.START + A.CHECK * 2 * block
-    for i in range(first + 10):
-        whole = arb.whole(("ar", 7))
-        got.append(whole)
-        clock.t += (100.0 if not whole else 130.0) * 1e-6
-    modes = []
-    for p in range(A.CHECK):
-        pair = [False, True] if (A.ORDER >> p) & 1 else [True, False]
-        for whole in pair:
-            modes += [whole] * block
-    assert got[A.START:first] == modes
+    first = PAIRS0 + EARLIEST * 2 * block
+    got, arb, _ = run_job(100.0, 130.0, first + 10, key=("ar", 7), block=block, log=log)
+    assert got[SEG0:first] == timed_modes(EARLIEST, block=block)
     assert got[first:] == [False] * 10 and arb.decisions[-1][3] is False
+    assert arb._shapes[("ar", 7)].start == first + 1
     lines = (tmp_path / "trial.3").read_text().split("\n")[:-1]
-    assert len(lines) == 2 * A.CHECK
-    for line, whole in zip(lines, modes[::block]):
-        mode, pace = line.split()[-2:]
-        assert mode == ("whole" if whole else "split")
-        assert float(pace) == pytest.approx(130.0 if whole else 100.0, abs=0.5)
+    blocks = [re.fullmatch(r"\('ar', 7\) (\d+) (split|whole) ([\d.]+)( built)?", line) for line in lines]
+    others = [line for line, m in zip(lines, blocks) if m is None]
+    assert len(others) <= 1 and all("period 1" in line for line in others)     # the period found
+    blocks = [m for m in blocks if m]
+    assert [int(m[1]) for m in blocks] == list(range(4 + 2 * EARLIEST))
+    starts = [SEG0, SEG0 + A.QUICK, SEG0 + 2 * A.QUICK, SEG0 + 2 * A.QUICK + A.REST]
+    starts += [PAIRS0 + j * block for j in range(2 * EARLIEST)]
+    for m, start in zip(blocks, starts):
+        whole = got[start]
+        assert m[2] == ("whole" if whole else "split") and m[4] is None
+        assert float(m[3]) == pytest.approx(130.0 if whole else 100.0, abs=0.5)
     assert A.trial_log("", 0) is None
 
 
@@ -635,3 +966,33 @@ def test_trial_block_setting_is_checked(monkeypatch):
     monkeypatch.setenv("BRAID_TRIAL_BLOCK", "2")
     with pytest.raises(ValueError, match="BRAID_TRIAL_BLOCK"):
         envs.get("BRAID_TRIAL_BLOCK")
+
+
+def _ddp_like(period, k, seed, n=A.DETECT, noise=0.03):
+    """Intervals between a shape's calls in a DDP-like job: per step, `period` - 1 short ones
+    (the buckets' calls back to back) and one long one (the rest of the step), at phase k."""
+    rng = random.Random(seed)
+    return [(3500.0 if j % period == k else 390.0) * rng.uniform(1 - noise, 1 + noise) for j in range(n)]
+
+
+@pytest.mark.parametrize("period", [8, 16, 24])
+def test_find_period_finds_a_step_and_its_boundary(period):
+    for seed in range(10):
+        k = random.Random(100 + seed).randrange(period)
+        assert A.find_period(_ddp_like(period, k, seed)) == (period, k), (seed, k)
+
+
+def test_find_period_finds_nothing_in_noise_or_a_constant():
+    for seed in range(30):
+        rng = random.Random(seed)
+        assert A.find_period([100.0 * rng.uniform(0.8, 1.2) for _ in range(A.DETECT)]) == (1, 0), seed
+    assert A.find_period([390.0] * A.DETECT) == (1, 0)
+    assert A.find_period([390.0, 3500.0] * 2 + [390.0]) == (1, 0)       # fewer than 6: nothing
+    assert A.find_period([390.0, 3500.0] * 3) == (2, 1)
+
+
+def test_find_period_sees_through_one_late_call():
+    for seed in range(10):
+        xs = _ddp_like(8, 5, seed)
+        xs[random.Random(seed).randrange(len(xs))] = 1.0e6             # a pause, a build
+        assert A.find_period(xs) == (8, 5), seed

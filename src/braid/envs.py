@@ -269,11 +269,6 @@ _define("BRAID_TRIAL_PACE", _pace, "gpu",
         "How the in-job trials time a block of calls: gpu (default), the GPU's time between timing "
         "events recorded on the caller's stream at the block's first and last calls (a job whose host "
         "runs ahead of its GPU shows its speed there); host, the host's clock between those calls.")
-_define("BRAID_TRIAL_SETTLE", _nonneg_int, 0,
-        "The in-job trials leave this many intervals at the head of each block of calls out of its pace "
-        "(blocks of 4 and 12 calls; 0, the default: none). Where the trial switches from whole to split "
-        "calls, the ranks' hosts, free to drift apart under NCCL's calls, meet again at the first split "
-        "call, a cost a job that stays split does not pay. Not yet measured in a job.")
 def _block(text: str) -> int:
     value = int(text)
     if value < 4:
@@ -282,9 +277,9 @@ def _block(text: str) -> int:
 
 
 _define("BRAID_TRIAL_BLOCK", _block, 12,
-        "Calls per block of the in-job trials' paired blocks (one block split, one whole; at least 4). "
-        "A block that spans whole steps of the job times them alike in both modes; a step that holds "
-        "calls of both modes mixes them.")
+        "Calls per block of the in-job trials' paired blocks (one block split, one whole), at least: "
+        "a block is a whole number of the job's periods (its calls of the shape per step, found by the "
+        "trial); at least 4.")
 _define("BRAID_TRIAL_LOG", str, "",
         "A file name: each rank appends every paired block's pace of the in-job trials to it, the "
         "rank's number added to the name (one line a block: shape, call number, mode, us between "

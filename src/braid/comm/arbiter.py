@@ -60,13 +60,13 @@ import time
 from dataclasses import dataclass, field
 
 WARM = 1            # split calls before any timing (the first builds the prepared call)
-PROBE = 6           # calls per block of the probe pair (the quick pair's included)
-EARLY = 0.05        # the probe: a split this much slower on some rank goes whole at once
-QUICK = 2           # calls per block of the quick pair that opens the probe pair
+DETECT = 96         # whole calls then timed one by one: the job's period is found in them
+MAX_PERIOD = 32     # the longest period looked for (DETECT holds three of it)
+QUICK = 2           # calls (at least; whole periods) per block of the quick pair
 QUICK_BAR = 0.3     # the quick pair: a split this much slower on some rank goes whole at once
-REST = PROBE - QUICK    # calls per block of the probe pair after its quick pair
-START = WARM + 2 * PROBE    # calls of a trial before its paired blocks
-BLOCK = 12          # calls per block
+REST = 4            # calls (at least; whole periods, two at least) per block of the probe pair after the quick pair
+EARLY = 0.05        # the probe: a split this much slower on some rank goes whole at once
+BLOCK = 12          # calls (at least; whole periods) per paired block (BRAID_TRIAL_BLOCK)
 ORDER = 0b1001_1010_1111_0001   # bit p: pair p runs its split block first
 CHECK = 4           # pairs between two agreements
 MIN_PAIRS = 4       # kept pairs each rank needs before a verdict
@@ -81,16 +81,70 @@ KEPT = 256          # verdicts kept for the bench's report (Arbiter.decisions)
 _OFF = 1 << 40      # signed values travel offset (the exchange carries non-negative integers)
 
 
+def _whole_periods(calls: int, period: int) -> int:
+    """The fewest calls, a whole number of periods, that are at least `calls`."""
+    return period * -(-calls // period)
+
+
+def _rest(period: int) -> int:
+    """Calls per block of the probe pair's rest: REST at least, and two periods where the job
+    has one (a single step of DDP's varied by up to 35% on the copy engines, 2 x H200)."""
+    return _whole_periods(REST, period) if period == 1 else _whole_periods(max(REST, 2 * period), period)
+
+
+def find_period(xs: list, max_period: int = MAX_PERIOD) -> tuple[int, int]:
+    """The period of a job's calls from the times between consecutive calls of one shape:
+    (period, k) where the intervals xs[j] with j % period == k are the longest on average (the
+    step's boundary: the call after them opens the step), or (1, 0) where no period stands out.
+    A period explains the intervals where its phases' means account for most of their spread
+    (adjusted for the phases' count, so that a multiple of the period does not win by
+    over-fitting); the shortest period within 90% of the best one's fit is taken. Intervals
+    are clipped at twice their 90th percentile first, so that one late call (a build, a pause)
+    does not hide the pattern."""
+    n = len(xs)
+    if n < 6:
+        return 1, 0
+    top = 2.0 * sorted(xs)[min(n - 1, (9 * n) // 10)]
+    v = [min(x, top) for x in xs]
+    mean = sum(v) / n
+    sst = sum((x - mean) ** 2 for x in v)
+    if sst <= 0.0:
+        return 1, 0
+    fits = []
+    for p in range(2, min(max_period, n // 3) + 1):
+        means = []
+        ssw = 0.0
+        for k in range(p):
+            cls = v[k::p]
+            m = sum(cls) / len(cls)
+            means.append(m)
+            ssw += sum((x - m) ** 2 for x in cls)
+        fit = 1.0 - (ssw / (n - p)) / (sst / (n - 1))
+        fits.append((fit, p, max(range(p), key=means.__getitem__)))
+    if not fits:
+        return 1, 0
+    best = max(f[0] for f in fits)
+    if best < 0.5:
+        return 1, 0
+    fit, p, k = next(f for f in fits if f[0] >= 0.9 * best)
+    return p, k
+
+
 @dataclass
 class _Shape:
     n: int = 0                  # calls of this shape so far (the same on every rank)
     start: int = 0              # call number where the current trial (or verdict) began
     trying: bool = True
-    whole: bool = False         # the verdict between trials
-    first: object = None        # this rank's clock mark at the block's first call
-    held: tuple | None = None   # a paired block whose pace is read at the next block's end
-    pair: list = field(default_factory=lambda: [0.0, 0.0])   # this pair's paces: split, whole
-    quick: list = field(default_factory=lambda: [0.0, 0.0])  # the quick pair's paces (pooled into the probe's)
+    whole: bool = True          # the verdict between trials (whole before the first)
+    marks: list = field(default_factory=list)    # the period's search: a mark at each call
+    period: int = 1             # the job's period in calls of this shape (agreed)
+    seg0: int = -1              # call number where the trial's timed blocks begin (-1: not known yet)
+    open: tuple | None = None   # the block under way: (first mark, split?, builds at the last split block's start, index)
+    split_built: int = -1       # builds() at the start of the trial's last split block (-1: none yet)
+    done: list = field(default_factory=list)     # ended blocks not read yet: (first, end, split, clean, index)
+    pair: list = field(default_factory=lambda: [0.0, 0.0])   # paces just read: split, whole
+    clean: list = field(default_factory=lambda: [True, True])  # ... no prepared call built in them
+    quick: list | None = None   # the quick pair's paces where they said something (pooled into the probe's)
     logs: list = field(default_factory=list)                  # log(whole / split) of kept pairs
     sums: list = field(default_factory=lambda: [0.0, 0.0])   # kept pairs' paces summed: split, whole
     reprobe: int = REPROBE      # calls from a verdict to the next trial
@@ -122,19 +176,17 @@ def _stats(logs: list) -> tuple[float, float]:
 class Arbiter:
     """Per call shape: split or whole now (the same answer on every rank, at the same call)."""
 
-    def __init__(self, exchange, enabled: bool = True, clock=time.perf_counter, settle: int = 0,
-                 block: int = BLOCK, log=None):
+    def __init__(self, exchange, enabled: bool = True, clock=time.perf_counter, block: int = BLOCK,
+                 log=None, builds=None):
         self._exchange = exchange           # values -> every rank's values (a node-segment round)
         self.enabled = enabled
-        self.block = block                  # calls per paired block (BRAID_TRIAL_BLOCK)
-        # log(line): each paired block's pace as it is read (BRAID_TRIAL_LOG), else None
+        self.block = block                  # calls per paired block, at least (BRAID_TRIAL_BLOCK)
+        # log(line): each timed block's pace as it is read (BRAID_TRIAL_LOG), else None
         self._log = log
-        # a block's first `settle` intervals are left out of its pace where it has at least two
-        # more (BRAID_TRIAL_SETTLE: where the modes switch, the ranks' hosts, free to drift apart
-        # under the native library's calls, meet again at the first split call)
-        self.settle = settle
+        # builds(): prepared calls built so far; a block in which one was built is left out
+        self._builds = builds or (lambda: 0)
         # clock() makes a mark, clock.span(a, b) the seconds between two (a plain clock: b - a);
-        # on GPUs the marks are events on the caller's stream (GpuPace)
+        # on GPUs the marks are events on the caller's stream (GpuPace), clock.drop(a) frees one
         self._clock = clock
         self._span = getattr(clock, "span", None) or (lambda a, b: b - a)
         self._drop = getattr(clock, "drop", None) or (lambda a: None)
@@ -156,123 +208,185 @@ class Arbiter:
         st = self._shapes.get(key)
         if st is None:
             if len(self._shapes) >= MAX_SHAPES:
-                old = self._shapes.pop(next(iter(self._shapes)))
-                for mark in (old.first, *(old.held[:2] if old.held else ())):
-                    self._drop(mark)
+                self._release(self._shapes.pop(next(iter(self._shapes))))
             st = self._shapes[key] = _Shape()
-        c = st.n - st.start
+        i = st.n
+        c = i - st.start
         st.n += 1
         self.calls += 1
         st.seen = self.calls
         if not st.trying:
             if c < st.reprobe:
                 return st.whole
-            st.start, st.trying, c = st.n - 1, True, 0      # a new trial of the same shape
+            st.start, st.trying, st.seg0, st.split_built, c = i, True, -1, -1, 0   # a new trial of the shape
             st.trials += 1
         if c < WARM:
             return False
-        if c < START:               # the probe pair, split blocks first in every other trial
-            j = c - WARM
-            first = st.trials % 2 == 0
-            if j < 2 * QUICK:       # its quick pair (split first where blocks settle: its split block
-                split = (j < QUICK) == (first or bool(self.settle))   # then follows the trial's first call)
-                if self._tick(st, j % QUICK, QUICK, split) and j == 2 * QUICK - 1:
-                    st.quick = list(st.pair)
-                    self._probe_done(key, st, QUICK_BAR)
-                return not split
-            j -= 2 * QUICK          # the rest of it
-            split = (j < REST) == first
-            if self._tick(st, j % REST, REST, split) and j == 2 * REST - 1:
-                # both parts' intervals between calls, pooled
-                nr = REST - 1 - self._skip(REST)
-                st.pair = [(q * (QUICK - 1) + r * nr) / (QUICK - 1 + nr) for q, r in zip(st.quick, st.pair)]
-                self._probe_done(key, st, EARLY)
-            return not split
-        b = self.block
-        p, j = divmod(c - START, 2 * b)
-        split = (j < b) == bool((ORDER >> (p % 16)) & 1)
-        self._tick_paired(key, st, j % b, split, p, j // b)
-        return not split
+        if c <= WARM + DETECT:              # calls each marked: the job's period
+            st.marks.append(self._clock())
+            if c == WARM + DETECT:
+                self._find_period(key, st, i)
+            return st.whole                 # (whole in a first trial, else the last verdict's mode)
+        if i < st.seg0:                     # so up to the first call of the job's step
+            return st.whole
+        split = self._timed(key, st, i - st.seg0)
+        return st.whole if not st.trying else not split
 
     def close(self) -> None:
         """Give every mark still held back to the clock (before the clock's own close)."""
         for st in self._shapes.values():
-            for mark in (st.first, *(st.held[:2] if st.held else ())):
-                self._drop(mark)
-            st.first = st.held = None
+            self._release(st)
 
-    def _tick_paired(self, key, st: _Shape, pos: int, split: bool, p: int, k: int) -> None:
-        """Call `pos` of block k (0, 1) of pair p. A block's pace is read at the end of the block
-        after it (by then its last mark has long happened on the GPU: no wait for it there); at an
-        agreement, the pair that ends there is read at once (the one wait of CHECK pairs). So the
-        verdicts come at the same calls as when each block was read at its end."""
-        skip = self._skip(self.block)
-        if pos == skip:
-            self._drop(st.first)
-            st.first = self._clock()
-            return
-        if pos < self.block - 1 or st.first is None:
-            return
-        cur = (st.first, self._clock(), split, k)
-        st.first = None
-        if st.held is not None:
-            held, st.held = st.held, None
-            self._read_block(key, st, held)
-        if k == 1 and (p + 1) % CHECK == 0:
-            self._read_block(key, st, cur)
-            self._agree(key, st, p + 1)
-        else:
-            st.held = cur
+    def _release(self, st: _Shape) -> None:
+        """Drop the shape's marks (the ended blocks' first marks and the open block's: each
+        ended block's end is the first mark of the block after it)."""
+        for mark in st.marks:
+            self._drop(mark)
+        for blk in st.done:
+            self._drop(blk[0])
+        if st.open is not None:
+            self._drop(st.open[0])
+        elif st.done:
+            self._drop(st.done[-1][1])
+        st.marks, st.open, st.done = [], None, []
 
-    def _read_block(self, key, st: _Shape, block: tuple) -> None:
-        first, last, split, k = block
-        st.pair[0 if split else 1] = pace = self._span(first, last) / (self.block - 1 - self._skip(self.block))
+    def _find_period(self, key, st: _Shape, i: int) -> None:
+        """At call i, the last of the period's search: the ranks agree on rank 0's period and
+        on the call that opens a step, and the timed blocks begin at the next such call (every
+        block then spans whole steps of the job, so that a step's calls are all in one mode and
+        each block holds as many of each kind of interval: blocks of a length out of step with
+        the job timed different parts of its step, DDP's 8 buckets a step in blocks of 12 calls
+        showed the first block of each pair 30-60% slower whatever its mode, 2 x H200,
+        2026-11-27)."""
+        marks, st.marks = st.marks, []
+        xs = [self._span(a, b) for a, b in zip(marks, marks[1:])]
+        for mark in marks:
+            self._drop(mark)
+        period, k = find_period(xs)
+        first = i - DETECT                  # the call of the first mark: xs[j] ends at call first + j + 1
+        mine = [period, (first + k + 1) % period]
+        got = self._exchange(mine)
+        period, phase = got[0][0], got[0][1]
+        st.period = max(1, period)
+        st.seg0 = i + 1 + (phase - (i + 1)) % st.period
         if self._log is not None:
-            self._log(f"{key} {st.n} {'split' if split else 'whole'} {pace * 1e6:.1f}")
-        if k == 1:
-            self._pair_done(st)
+            self._log(f"{key} period {st.period} found {mine[0]} from call {st.seg0}")
 
-    def _skip(self, size: int) -> int:
-        """Intervals at the head of a block of `size` calls left out of its pace."""
-        return self.settle if size - 1 - self.settle >= 2 else 0
+    def _timed(self, key, st: _Shape, d: int) -> bool:
+        """Call d of the trial's timed blocks (d = 0 opens a step): True where it runs split.
+        The quick pair (blocks of q calls), the rest of the probe pair (r calls each), then pairs
+        of blocks of `length` calls; every length a whole number of the job's periods. A block's
+        pace is the time from its first call to the next block's first call over its calls."""
+        period, first = st.period, st.trials % 2 == 0
+        q, r = _whole_periods(QUICK, period), _rest(period)
+        if d < 2 * q:
+            k, pos = divmod(d, q)
+            split = (k == 0) == first
+        elif d < 2 * (q + r):
+            k, pos = divmod(d - 2 * q, r)
+            split = (k == 0) == first
+            k += 2
+        else:
+            length = _whole_periods(self.block, period)
+            p, j = divmod(d - 2 * (q + r), 2 * length)
+            k, pos = divmod(j, length)
+            split = (k == 0) == bool((ORDER >> (p % 16)) & 1)
+            k += 4 + 2 * p
+        if pos == 0:
+            self._open(key, st, k, split, q, r)
+        return split
 
-    def _tick(self, st: _Shape, pos: int, size: int, split: bool) -> bool:
-        """Time call `pos` of a block of `size` calls; True at the block's last call, when its
-        pace (mean seconds between its calls, from a mark at its first and one at its last) is
-        in st.pair."""
-        skip = self._skip(size)
-        if pos == skip:
-            self._drop(st.first)
-            st.first = self._clock()
-            return False
-        if pos < size - 1 or st.first is None:
-            return False
-        st.pair[0 if split else 1] = self._span(st.first, self._clock()) / (size - 1 - skip)
-        st.first = None
-        return True
+    def _open(self, key, st: _Shape, k: int, split: bool, q: int, r: int) -> None:
+        """Block k begins (0, 1: the quick pair; 2, 3: the probe pair's rest; 4 + 2p, 5 + 2p:
+        pair p): its mark, and the block before it ends here. The quick pair and the probe pair
+        are read and agreed on as they end; a paired block is read one block later (by then its
+        last call has long happened on the GPU: no wait for it there), except that the pair that
+        ends at an agreement (every CHECK pairs) is read at once."""
+        mark, built = self._clock(), self._builds()
+        if st.open is not None:
+            # clean: no prepared call built since the start of the last split block before it
+            # (builds happen in split blocks, and the graphs' first replays in the next split
+            # block: DDP's first split block after its 8 buckets' builds ran 10-25% slower)
+            first, was_split, since, idx = st.open
+            st.done.append((first, mark, was_split, since == built, idx))
+        since = st.split_built if st.split_built >= 0 else built
+        if split:
+            st.split_built = built
+        st.open = (mark, split, since, k)
+        if k == 2:
+            self._read(key, st, len(st.done))
+            st.quick = list(st.pair) if self._telling(st) else None
+            self._probe_done(key, st, QUICK_BAR)
+        elif k == 4:
+            self._read(key, st, len(st.done))
+            if st.quick is not None and self._telling(st):
+                # both parts' paces, pooled by their calls (a quick pair that held a build or a
+                # pause is left out: DDP's first split calls build its buckets' prepared calls)
+                st.pair = [(a * q + b * r) / (q + r) for a, b in zip(st.quick, st.pair)]
+            self._probe_done(key, st, EARLY)
+        elif k > 4:
+            p = (k - 4) // 2                # pairs ended before block k
+            if k % 2 == 0 and p % CHECK == 0:
+                self._read(key, st, len(st.done))
+                self._agree(key, st, p)
+            else:
+                self._read(key, st, len(st.done) - 1)
+
+    def _read(self, key, st: _Shape, count: int) -> None:
+        """Read the first `count` ended blocks' paces into st.pair (a paired block's pair is
+        kept or left out once its second block is read)."""
+        for _ in range(max(0, count)):
+            first, end, split, clean, idx = st.done.pop(0)
+            calls = self._calls(st, idx)
+            pace = self._span(first, end) / calls
+            self._drop(first)           # (its end is the next block's first mark)
+            st.pair[0 if split else 1] = pace
+            st.clean[0 if split else 1] = clean
+            if self._log is not None:
+                self._log(f"{key} {idx} {'split' if split else 'whole'} {pace * 1e6:.1f}"
+                          + ("" if clean else " built"))
+            if idx >= 4 and idx % 2 == 1:
+                self._pair_done(st, (idx - 4) // 2)
+
+    def _calls(self, st: _Shape, idx: int) -> int:
+        if idx < 2:
+            return _whole_periods(QUICK, st.period)
+        if idx < 4:
+            return _rest(st.period)
+        return _whole_periods(self.block, st.period)
 
     def _probe_done(self, key, st: _Shape, bar: float) -> None:
         """The quick pair's or the probe pair's agreement: a split slower by more than `bar` on
-        some rank goes whole now, after WARM + QUICK or WARM + PROBE split calls (a split that
-        loses costs a trial that few calls); otherwise the probe goes on, then the paired blocks
-        decide. A probe that holds a pause says nothing. Its whole verdict never lengthens the
-        interval to the next trial (one short pair can be wrong)."""
+        some rank goes whole now, after WARM + q or WARM + q + r split calls (a split that loses
+        costs a trial that few calls); otherwise the probe goes on, then the paired blocks
+        decide. A probe that holds a pause or a build says nothing. Its whole verdict never
+        lengthens the interval to the next trial (one short pair can be wrong)."""
         s, w = st.pair
-        ok = s > 0 and w > 0 and max(s, w) <= PAIR_RATIO * min(s, w)
-        gain = math.log(w / s) if ok else 0.0
+        gain = math.log(w / s) if self._telling(st) else 0.0
         got = self._exchange([1, _OFF + int(1e6 * gain), 0, int(1e7 * s), int(1e7 * w)])
-        st.pair = [0.0, 0.0]
+        st.pair, st.clean = [0.0, 0.0], [True, True]
         if min(g[1] - _OFF for g in got) / 1e6 >= -math.log1p(bar):
             return                                           # not clearly slower: on to the next part
         self._verdict(key, st, True, got, probe=True)
 
     @staticmethod
-    def _pair_done(st: _Shape) -> None:
+    def _telling(st: _Shape) -> bool:
+        """The paces just read say something: both timed, no prepared call built in either, and
+        within PAIR_RATIO of each other (else a pause fell in one)."""
         s, w = st.pair
-        if s > 0 and w > 0 and max(s, w) <= PAIR_RATIO * min(s, w):
+        return all(st.clean) and s > 0 and w > 0 and max(s, w) <= PAIR_RATIO * min(s, w)
+
+    @staticmethod
+    def _pair_done(st: _Shape, p: int) -> None:
+        """Pair p read: kept unless it is the trial's first (its split calls warm up: the
+        lanes' first use after the whole calls), a prepared call was built in it, or it holds a
+        pause (its paces differ more than PAIR_RATIO times)."""
+        s, w = st.pair
+        if p > 0 and Arbiter._telling(st):
             st.logs.append(math.log(w / s))
             st.sums[0] += s
             st.sums[1] += w
+        st.pair, st.clean = [0.0, 0.0], [True, True]
 
     def _agree(self, key, st: _Shape, pairs: int) -> None:
         n = len(st.logs)
@@ -302,13 +416,10 @@ class Arbiter:
             st.reprobe = REPROBE
         if not probe:
             st.verdicts, st.full = st.verdicts + 1, whole
+        # the next trial counts from the call after this one (a verdict comes at a block's first call)
         st.whole, st.trying, st.start = whole, False, st.n
         st.logs, st.sums = [], [0.0, 0.0]
-        self._drop(st.first)
-        if st.held is not None:
-            self._drop(st.held[0])
-            self._drop(st.held[1])
-        st.first = st.held = None
+        self._release(st)
         self.decisions.append((key, split_us, whole_us, whole))
         self.count += 1
         if len(self.decisions) > 2 * KEPT:          # a long job: the list must not grow without end
@@ -358,8 +469,6 @@ class GpuPace:
                 s = b[1] - a[1]
         else:
             s = (b[1] if isinstance(b, tuple) else b) - (a[1] if isinstance(a, tuple) else a)
-        self.drop(a)
-        self.drop(b)
         return s
 
     def drop(self, mark) -> None:

@@ -117,8 +117,9 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
             and self.single_node
         self._pace = GpuPace(self.device.index) if learn and envs.get("BRAID_TRIAL_PACE") == "gpu" else None
         self._arbiter = Arbiter(self._trial_exchange, enabled=learn, clock=self._pace or time.perf_counter,
-                                settle=envs.get("BRAID_TRIAL_SETTLE"), block=envs.get("BRAID_TRIAL_BLOCK"),
-                                log=trial_log(envs.get("BRAID_TRIAL_LOG"), self.rank) if learn else None)
+                                block=envs.get("BRAID_TRIAL_BLOCK"),
+                                log=trial_log(envs.get("BRAID_TRIAL_LOG"), self.rank) if learn else None,
+                                builds=lambda: self._prepared.stats["built"])
         # whole or split per call shape, the hot path's one decision (comm/shortcuts.py)
         self.shortcuts = Shortcuts(self.policy.native_for, self._arbiter, lambda: not self.closed and not self.aborted)
         self._learn_update()
