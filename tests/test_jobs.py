@@ -216,14 +216,15 @@ def test_trial_steps_run_until_the_verdicts_and_the_baseline_keeps_pace(monkeypa
                 arb.left -= k
 
     monkeypatch.setattr(jobs.dist, "all_reduce", lambda t, op=None, group=None: None)
-    ctx = SimpleNamespace(comm=SimpleNamespace(_arbiter=arb), timer=None, sync=lambda: None)
+    ctx = SimpleNamespace(comm=SimpleNamespace(_arbiter=arb), timer=None, sync=lambda: None, s={"steps": 4})
     reps = {"braid": Rep("braid"), "baseline": Rep("baseline")}
     steps, ms = jobs.settle_trials(ctx, reps)
-    assert steps == 7 and ran == {"braid": 7, "baseline": 7} and ms is not None and ms >= 0
+    # runs of a window's 4 steps, the flags between them: 7 steps of trials take two runs
+    assert steps == 8 and ran == {"braid": 8, "baseline": 8} and ms is not None and ms >= 0
     assert jobs.settle_trials(ctx, reps) == (0, None)              # settled: nothing more
     monkeypatch.setattr(jobs, "TRIAL_STEPS_MAX", 3)
     arb.left = 100
-    assert jobs.settle_trials(ctx, reps)[0] == 3                  # the cap
-    assert ran == {"braid": 10, "baseline": 10}
+    assert jobs.settle_trials(ctx, reps)[0] == 3                  # the cap (a shorter last run)
+    assert ran == {"braid": 11, "baseline": 11}
     arb.enabled = False
     assert jobs.settle_trials(ctx, reps) == (0, None)              # no trials (CPU, or learning off)

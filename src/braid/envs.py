@@ -254,8 +254,9 @@ _define("BRAID_CPU_SHM", _bool, True,
         "Explicit shares (fixed_shares, --shares) always run the lanes. Must be the same on every rank.")
 _define("BRAID_LEARN_SPLIT", _bool, True,
         "1 (default): a GPU call of a shape the calibration splits is tried in the job itself, split "
-        "and whole by turns (paired blocks of 12 calls, until the difference stands out of the noise; "
-        "again 4096 calls after a verdict), and the shape keeps whichever kept the job's pace; fixed "
+        "and whole by turns (paired blocks of whole steps of the job, whose period the trial finds, "
+        "until the difference stands out of the noise; again 4096 calls after a verdict), and the "
+        "shape keeps whichever kept the job's pace; fixed "
         "shares and the op rows of `braid bench` keep the calibration's verdict. 0: the calibration "
         "alone decides. Must be the same on every rank.")
 def _pace(text: str) -> str:
@@ -281,9 +282,10 @@ _define("BRAID_TRIAL_BLOCK", _block, 12,
         "a block is a whole number of the job's periods (its calls of the shape per step, found by the "
         "trial); at least 4.")
 _define("BRAID_TRIAL_LOG", str, "",
-        "A file name: each rank appends every paired block's pace of the in-job trials to it, the "
-        "rank's number added to the name (one line a block: shape, call number, mode, us between "
-        "calls). Empty (default): no log.")
+        "A file name: each rank appends the in-job trials' findings to it, the rank's number added to "
+        "the name: per shape the period found (calls a step), then one line per timed block (shape, "
+        "block number, mode, us a call; 'built' where a prepared call was built in or before it). "
+        "Empty (default): no log.")
 _define("BRAID_WARM", _bool, True,
         "1 (default): a GPU communicator, when made, captures and replays one small program (a copy, "
         "flag operations, the float32 and bfloat16 sum kernels) so that the process's first split "

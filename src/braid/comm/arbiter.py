@@ -11,22 +11,32 @@ So, for a call shape the calibration splits, the job itself decides, from its ow
 (op and arguments, as the op's fast path keys them), counted in calls that every rank makes alike:
 
 - the first WARM calls split (the first builds the prepared call);
-- then a probe pair: PROBE calls split and PROBE whole (split first in every other trial, so that
-  a job whose step repeats the shape a fixed number of times does not always probe the same part
-  of its step), and one agreement: where some rank saw the split slower by more than EARLY, the
-  shape goes whole at once. The pair opens with a quick pair of QUICK calls of each mode and an
-  agreement of its own: a split slower by more than QUICK_BAR on some rank goes whole there
-  (a 100% loss then costs WARM + QUICK split calls, 3 of any 100 calls); the probe's verdict pools
-  both parts' paces. A split that loses then costs its trial WARM + QUICK or WARM + PROBE split
-  calls against the REPROBE calls between trials (without the probe a trial ran 16 warm-up and 48
-  paired split calls before its first possible verdict); a probe can be wrong on a noisy step,
-  so its verdict never lengthens the interval to the next trial;
-- otherwise pairs of blocks of BLOCK calls (BRAID_TRIAL_BLOCK), one block split and one whole, in an order fixed per
-  pair (ORDER) so that a job whose step holds 2 x BLOCK calls of the shape does not always put the
-  same part of its step in the same mode; each rank keeps each block's mean time between
-  consecutive calls (the job's pace) and, per pair, the log of the whole block's pace over the
-  split one's. A pair whose two paces differ more than PAIR_RATIO times holds a pause (an
-  evaluation, another model's window in `braid bench`) and is left out;
+- DETECT calls timed one by one (whole in a shape's first trial, in the last verdict's mode in
+  later ones): the job's period, its calls of the shape per step, and the call that opens a step
+  are found in them (`find_period`: the step's boundary is the longest interval, where a DDP step
+  waits for its gradients' all-reduces), and every rank takes rank 0's. The timed blocks that
+  follow open at a step's first call and span whole periods: a block then holds each kind of
+  interval of the step as often as the other mode's block, and a step's calls all run in one mode.
+  Blocks of a fixed length out of step with the job timed different parts of its step: DDP's 8
+  buckets a step in blocks of 12 calls made the first block of every pair 30-60% slower whatever
+  its mode, and blocks of 8 calls that began mid-step timed each step's wait for the other mode's
+  calls (2 x H200, 2026-11-27). A job with no period (or one longer than MAX_PERIOD) gets period 1;
+- a block's pace is the time from its first call to the next block's first call over its calls;
+- then a probe pair: a quick pair of QUICK calls of each mode (whole periods; split first in every
+  other trial) and an agreement: a split slower by more than QUICK_BAR on some rank goes whole at
+  once; then REST calls of each mode (whole periods, two at least where the job has a period) and
+  an agreement: a split slower by more than EARLY, the two parts' paces pooled, goes whole. A
+  split that loses then costs its trial WARM + q or WARM + q + r split calls (on a job of period
+  1: 3 or 7 calls, at most 3% of any 100 calls for any loss) against the REPROBE calls between
+  trials; a probe can be wrong on a noisy step, so its verdict never lengthens that interval;
+- otherwise pairs of blocks of BLOCK calls at least (BRAID_TRIAL_BLOCK; whole periods), one block
+  split and one whole, in an order fixed per pair (ORDER); each rank keeps, per pair, the log of
+  the whole block's pace over the split one's. Left out: each trial's first pair (its split calls
+  warm up after the whole ones), a pair with a block in which a prepared call was built or that
+  follows a split block that built one (the graphs' first replays: DDP's first split block after
+  its buckets' builds ran 10-25% slower), and a pair whose two paces differ more than PAIR_RATIO
+  times (a pause: an evaluation, another model's window in `braid bench`). A probe pair with such
+  a block says nothing (its agreement still runs: every rank exchanges at the same calls);
 - every CHECK pairs the ranks agree (one exchange of a few integers): the split is kept once every
   rank's mean gain, less its 95% margin of error (Student's t for its count of pairs times the
   standard error), beats MARGIN; the shape goes whole once one rank's gain plus that margin stays
@@ -34,8 +44,11 @@ So, for a call shape the calibration splits, the job itself decides, from its ow
   after MAX_PAIRS pairs without a verdict (ties go to the native library);
 - REPROBE calls after a verdict the trial runs again (the job may change, the machine may drift);
   each full trial that repeats the last full trial's verdict doubles that interval, up to
-  REPROBE_MAX (a full trial runs up to ~400 calls, half of them in the losing mode: in FSDP2's
-  steps, ~16 calls of a shape each, trials every 4096 calls took ~10% of its calls).
+  REPROBE_MAX.
+
+A block's paces are read one block late (its last mark has then long happened on the GPU); the
+period's search, the probe's two agreements and every CHECK pairs' agreement read at once (the
+host waits there for the GPU to reach the current call: a few times a trial).
 
 A trial whose shape has not been called for STALE calls of any shape (a shape of a job's set-up,
 DDP's first broadcast of its weights, say) does not count as under way (`trying`).
