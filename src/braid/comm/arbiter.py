@@ -196,7 +196,8 @@ class Arbiter:
         self.block = block                  # calls per paired block, at least (BRAID_TRIAL_BLOCK)
         # log(line): each timed block's pace as it is read (BRAID_TRIAL_LOG), else None
         self._log = log
-        # builds(): prepared calls built so far; a block in which one was built is left out
+        # builds(): prepared calls built so far; a block after a split block that built one is
+        # left out (with its own builds: _open)
         self._builds = builds or (lambda: 0)
         # clock() makes a mark, clock.span(a, b) the seconds between two (a plain clock: b - a);
         # on GPUs the marks are events on the caller's stream (GpuPace), clock.drop(a) frees one
