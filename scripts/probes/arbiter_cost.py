@@ -10,6 +10,7 @@ every call whole, and the extra time over a job of N calls.
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
 import importlib.util
 import sys
 
@@ -37,7 +38,9 @@ def main() -> None:
     from braid.comm import arbiter as new
     mods = {"braid": new}
     if a.old:
-        spec = importlib.util.spec_from_file_location("arbiter_old", a.old)
+        # (a loader named outright: a path without .py, `<(git show ...)` say, gets none by default)
+        spec = importlib.util.spec_from_file_location(
+            "arbiter_old", a.old, loader=importlib.machinery.SourceFileLoader("arbiter_old", a.old))
         old = importlib.util.module_from_spec(spec)
         sys.modules["arbiter_old"] = old           # dataclasses look their module up
         spec.loader.exec_module(old)
