@@ -665,6 +665,24 @@ def test_a_shape_not_called_any_more_is_not_a_trial_under_way():
     assert arb.trying()
 
 
+def test_a_shape_called_once_stops_holding_trying_soon():
+    """A shape called once (a set-up call) is under way for ONCE calls of other shapes, not STALE:
+    the bench's warm-up steps wait for the job's own trials, not for DDP's first broadcasts."""
+    arb = A.Arbiter(lambda values: [list(values)], clock=Clock())
+    arb.whole("setup")
+    for _ in range(3):
+        arb.whole("step")                   # the job's shape: under way
+    arb._shapes["step"].trying = False      # (its verdict, say)
+    assert arb.trying()                     # the set-up shape, 3 calls ago
+    for _ in range(A.ONCE):
+        arb.whole("step")
+    assert not arb.trying() and arb._shapes["setup"].trying
+    arb.whole("setup")                      # a second call: STALE applies from now on
+    for _ in range(A.ONCE + 1):
+        arb.whole("step")
+    assert arb.trying()
+
+
 def test_the_warm_up_pair_and_a_block_with_a_build_are_left_out(monkeypatch):
     """A prepared call built inside a block (another shape's first call, say) leaves its pair out:
     it is missing from the kept pairs, the log lines of its block and the next end with " built"

@@ -50,8 +50,9 @@ A block's paces are read one block late (its last mark has then long happened on
 period's search, the probe's two agreements and every CHECK pairs' agreement read at once (the
 host waits there for the GPU to reach the current call: a few times a trial).
 
-A trial whose shape has not been called for STALE calls of any shape (a shape of a job's set-up,
-DDP's first broadcast of its weights, say) does not count as under way (`trying`).
+A trial whose shape has not been called for STALE calls of any shape (ONCE calls where it was
+called once: a shape of a job's set-up, DDP's first broadcast of its weights, say) does not count
+as under way (`trying`).
 
 A step of a CPU-bound job (FSDP2's) varies 10-20% from one step to the next: one phase of each
 mode, as first built, could not tell a 5% difference from that noise, and kept a split that slowed
@@ -89,6 +90,7 @@ PAIR_RATIO = 3.0    # a pair whose two paces differ more holds a pause: left out
 REPROBE = 4096      # calls between a verdict and the next trial of the same shape (at first)
 REPROBE_MAX = 1 << 16   # ... doubled by every trial that repeats the last verdict, up to this
 STALE = 4096        # calls of any shape after which a shape's unfinished trial is not under way
+ONCE = 64           # ... for a shape called once so far (a set-up call's)
 MAX_SHAPES = 256    # shapes followed at once (the oldest is forgotten: it starts over)
 KEPT = 256          # verdicts kept for the bench's report (Arbiter.decisions)
 _OFF = 1 << 40      # signed values travel offset (the exchange carries non-negative integers)
@@ -211,8 +213,10 @@ class Arbiter:
 
     def trying(self) -> bool:
         """True while some shape's trial (split against whole) has no verdict yet, among the
-        shapes called in the last STALE calls."""
-        return self.enabled and any(st.trying and self.calls - st.seen <= STALE for st in self._shapes.values())
+        shapes called in the last STALE calls (ONCE calls for a shape called once: DDP's
+        broadcasts of its weights when it is made held the bench's warm-up steps to their limit)."""
+        return self.enabled and any(st.trying and self.calls - st.seen <= (STALE if st.n > 1 else ONCE)
+                                    for st in self._shapes.values())
 
     def whole(self, key) -> bool:
         """Call once per call of a split shape, before it is posted: True when this call goes to
