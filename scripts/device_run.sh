@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run on a GPU machine: environment, GPU tests, bench. Usage: bash scripts/device_run.sh STEP...
 # Steps: info | tests | guard (or guard1, guard2, guard_deferred) | faults | frameworks | bench2 | bench4 | ab2 | ab4 | work2 | work4 | workab2 | hot4 | trace2 | trace4 | first2 |
-#        first4 | conformance | hier2 | moe2 | fsdp2 | cpuab | pack
+#        first4 | conformance | hier2 | moe2 | fsdp2 | cpuab | relaunch | pack
 # Logs and JSON go to $LOGS (default $OUT); `pack` tars $LOGS into $OUT/run.tgz (one file to copy
 # back). bench: BENCH_OP, BENCH_SIZES, BENCH_FACTOR, BENCH_EXTRA (more flags),
 # BENCH_TAG (file-name suffix, default the op). work: WORK (default all), WORK_EXTRA, WORK_TAG.
@@ -81,6 +81,8 @@ for step in "$@"; do
             --json "$LOGS/bench_x2_moe.json" 2>&1 | grep -v Warning | tee "$LOGS/bench2_moe.log" ;;
     fsdp2) timeout ${FSDP_TIMEOUT:-200} torchrun --nproc-per-node 2 scripts/probes/fsdp_profile.py --rounds ${FSDP_ROUNDS:-8} --kernels --second-nccl \
             --out "$LOGS" 2>&1 | grep -E "wall|GPU per step|profile" | tee "$LOGS/fsdp_profile.log" ;;
+    # does a graph's launch wait on the host while the same graph's last launch has not run? (~10 s)
+    relaunch) timeout 120 python3 scripts/probes/graph_relaunch.py 2>&1 | grep -v Warning | tee "$LOGS/graph_relaunch.log" ;;
     pack) [ "$LOGS" != "$OUT" ] && tar czf "$OUT/run.tgz" -C "$LOGS" . && ls -la "$OUT" ;;
     *) echo "unknown step $step" ;;
   esac
