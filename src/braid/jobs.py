@@ -305,7 +305,7 @@ def settle_trials(ctx: Ctx, by: dict) -> tuple[int, float | None]:
         return 0, None
     steps, t0 = 0, time.perf_counter()
     rep = by["braid"]
-    run = max(1, int(getattr(ctx, "s", {}).get("steps", 1)))
+    run = max(1, ctx.s["steps"])
     while True:
         over = steps >= TRIAL_STEPS_MAX or time.perf_counter() - t0 > TRIAL_SECONDS_MAX
         flag = torch.tensor([2 if over else int(arb.trying())], dtype=torch.int64)

@@ -154,9 +154,9 @@ class _Shape:
     marks: list = field(default_factory=list)    # the period's search: a mark at each call
     period: int = 1             # the job's period in calls of this shape (agreed)
     seg0: int = -1              # call number where the trial's timed blocks begin (-1: not known yet)
-    open: tuple | None = None   # the block under way: (first mark, split?, builds at the last split block's start, index)
+    open: tuple | None = None   # the block under way: (first mark, split?, builds at the last split block's start, index, calls)
     split_built: int = -1       # builds() at the start of the trial's last split block (-1: none yet)
-    done: list = field(default_factory=list)     # ended blocks not read yet: (first, end, split, clean, index)
+    done: list = field(default_factory=list)     # ended blocks not read yet: (first, end, split, clean, index, calls)
     pair: list = field(default_factory=lambda: [0.0, 0.0])   # paces just read: split, whole
     clean: list = field(default_factory=lambda: [True, True])  # ... no prepared call built in them
     quick: list | None = None   # the quick pair's paces where they said something (pooled into the probe's)
@@ -262,10 +262,8 @@ class Arbiter:
             self._drop(mark)
         for blk in st.done:
             self._drop(blk[0])
-        if st.open is not None:
+        if st.open is not None:         # (set whenever a block has ended: the last one's end)
             self._drop(st.open[0])
-        elif st.done:
-            self._drop(st.done[-1][1])
         st.marks, st.open, st.done = [], None, []
 
     def _find_period(self, key, st: _Shape, i: int) -> None:
@@ -299,22 +297,22 @@ class Arbiter:
         q, r = _whole_periods(QUICK, period), _rest(period)
         if d < 2 * q:
             k, pos = divmod(d, q)
-            split = (k == 0) == first
+            split, calls = (k == 0) == first, q
         elif d < 2 * (q + r):
             k, pos = divmod(d - 2 * q, r)
-            split = (k == 0) == first
+            split, calls = (k == 0) == first, r
             k += 2
         else:
-            length = _whole_periods(self.block, period)
-            p, j = divmod(d - 2 * (q + r), 2 * length)
-            k, pos = divmod(j, length)
+            calls = _whole_periods(self.block, period)
+            p, j = divmod(d - 2 * (q + r), 2 * calls)
+            k, pos = divmod(j, calls)
             split = (k == 0) == bool((ORDER >> (p % 16)) & 1)
             k += 4 + 2 * p
         if pos == 0:
-            self._open(key, st, k, split, q, r)
+            self._open(key, st, k, split, calls, q, r)
         return split
 
-    def _open(self, key, st: _Shape, k: int, split: bool, q: int, r: int) -> None:
+    def _open(self, key, st: _Shape, k: int, split: bool, calls: int, q: int, r: int) -> None:
         """Block k begins (0, 1: the quick pair; 2, 3: the probe pair's rest; 4 + 2p, 5 + 2p:
         pair p): its mark, and the block before it ends here. The quick pair and the probe pair
         are read and agreed on as they end; a paired block is read one block later (by then its
@@ -325,12 +323,12 @@ class Arbiter:
             # clean: no prepared call built since the start of the last split block before it
             # (builds happen in split blocks, and the graphs' first replays in the next split
             # block: DDP's first split block after its 8 buckets' builds ran 10-25% slower)
-            first, was_split, since, idx = st.open
-            st.done.append((first, mark, was_split, since == built, idx))
+            first, was_split, since, idx, n = st.open
+            st.done.append((first, mark, was_split, since == built, idx, n))
         since = st.split_built if st.split_built >= 0 else built
         if split:
             st.split_built = built
-        st.open = (mark, split, since, k)
+        st.open = (mark, split, since, k, calls)
         if k == 2:
             self._read(key, st, len(st.done))
             st.quick = list(st.pair) if self._telling(st) else None
@@ -354,8 +352,7 @@ class Arbiter:
         """Read the first `count` ended blocks' paces into st.pair (a paired block's pair is
         kept or left out once its second block is read)."""
         for _ in range(max(0, count)):
-            first, end, split, clean, idx = st.done.pop(0)
-            calls = self._calls(st, idx)
+            first, end, split, clean, idx, calls = st.done.pop(0)
             pace = self._span(first, end) / calls
             self._drop(first)           # (its end is the next block's first mark)
             st.pair[0 if split else 1] = pace
@@ -365,13 +362,6 @@ class Arbiter:
                           + ("" if clean else " built"))
             if idx >= 4 and idx % 2 == 1:
                 self._pair_done(st, (idx - 4) // 2)
-
-    def _calls(self, st: _Shape, idx: int) -> int:
-        if idx < 2:
-            return _whole_periods(QUICK, st.period)
-        if idx < 4:
-            return _rest(st.period)
-        return _whole_periods(self.block, st.period)
 
     def _probe_done(self, key, st: _Shape, bar: float) -> None:
         """The quick pair's or the probe pair's agreement: a split slower by more than `bar` on
