@@ -216,7 +216,7 @@ def _comm(seg, fast, key, monkeypatch):
     entry.exec_ptr = 0x5000
     tk = Ticket(base=10, bal=0, key=key, entry=entry, op="all_reduce",
                 ledger=("all_reduce", 4096, "torch.float32", "split"), lanes=["ce"])
-    stats = {"round_us": 0.0, "replays": 0, "hits": 0, "native_calls": 0}
+    stats = {"round_us": 0.0, "replays": 0, "hits": 0, "native_calls": 0, "native_late": 0}
     prep = _Prep(tickets={"t": tk}, enabled=True, stats=stats, fast=fast, dirty=False, entries={key: entry},
                  end_event=lambda: 0xE0, fork_event=lambda: 0x31)
     prep.get = lambda k: (stats.__setitem__("hits", stats["hits"] + 1), prep.entries.get(k))[1]
@@ -293,3 +293,23 @@ def test_fast_prepared_under_capture_undoes_its_count(world, monkeypatch):
     with pytest.raises(LaneFailureError, match="BUFFER_ID"):
         Exchange._fast_prepared(comm, "t", _Inp(0xA000), (), False)
     assert segs[0].coll_seq == seq and comm.ledger.ncalls == 40
+
+
+def test_fast_prepared_books_a_late_peer_and_launches_from_python(world, monkeypatch):
+    _, segs, fasts, drv = world
+    drv.ids = {0xA000: 7}
+    key = (mix_word(10, 7), 55)
+    comm, tk = _comm(segs[0], fasts[0], key, monkeypatch)
+    launched = []
+    comm._prepared.launch = lambda entry, stream, async_op, tensors: launched.append(entry) or "launched"
+    # rank 1 posts 200 ms later: the native call's spin (the segment's, 2 ms) gives up
+    later = threading.Timer(0.2, lambda: segs[1].post_values([55, *NO_OBS]))
+    later.start()
+    try:
+        assert Exchange._fast_prepared(comm, "t", _Inp(0xA000), (), False) == "launched"
+    finally:
+        later.join()
+    st = comm._prepared.stats
+    assert st["native_late"] == 1 and st["native_calls"] == 0 and st["hits"] == 1
+    assert launched == [tk.entry] and comm.ledger.ncalls == 41
+    assert not [c for c in drv.calls if c[0] == "graph_launch"]     # the native call did not launch

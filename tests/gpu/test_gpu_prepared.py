@@ -156,8 +156,11 @@ def _repeated(rank, world, comm, dev):
     st = prep.stats
     assert st["graphs"] > 0 and st["replays"] >= calls - 50, st    # tiny calls may go to NCCL whole
     if comm._rounds is None and prep.fast is not False:
-        # the native call (BRAID_NATIVE_CALL, default on) took the repeats whose round matched
-        assert prep.fast is not None and st["native_calls"] > st["hits"] // 2, st
+        # the native call (BRAID_NATIVE_CALL, default on) took the repeats whose round matched:
+        # launched them itself, or handed them to Python where a peer was not there within the
+        # spin (ranks sharing a GPU and checking every call drift apart by milliseconds)
+        assert prep.fast is not None and st["native_calls"] > 0, st
+        assert st["native_calls"] + st["native_late"] > st["hits"] // 2, st
     if comm._rounds is not None:
         # BRAID_DEFER=1: most cache hits were deferred (about 360 of the 1,000 calls hit: the rest
         # are new shapes and reallocations), and most of those launched by the native launcher

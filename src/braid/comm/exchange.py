@@ -336,7 +336,9 @@ class Exchange:
             if code == native_rounds.ID_ERR:
                 _cuda.check(fast.rc.value, "cuPointerGetAttribute(BUFFER_ID)")
             return None, None
-        if code != native_rounds.DIFF and code != native_rounds.LATE:
+        if code == native_rounds.LATE:      # a peer not there within the spin: Python waits
+            prep.stats["native_late"] += 1
+        elif code != native_rounds.DIFF:
             _cuda.check(fast.rc.value or -1, "the launch of a prepared call")
         return None, (fast.word.value, (seq, 1 + len(NO_OBS)))
 

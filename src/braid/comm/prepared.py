@@ -174,7 +174,8 @@ class PreparedCalls:
         # launching on the caller's stream (two programs on the same flags must never overlap)
         self.dirty = False
         self.stats = {"built": 0, "hits": 0, "graphs": 0, "replays": 0, "captured": 0, "round_us": 0.0,
-                      "p2p_built": 0, "p2p_hits": 0, "native_calls": 0}
+                      "p2p_built": 0, "p2p_hits": 0, "native_calls": 0,
+                      "native_late": 0}
         self._pool = None
         self._cap = None            # the capture stream and two side streams (reductions)
         self._anchor = None
