@@ -117,11 +117,11 @@ def main() -> None:
             gcs[name][1] += gc_time[1] - n0
             wall[name].append((time.perf_counter() - t0) * 1e3 / a.steps)
             cpu[name].append((time.process_time() - c0) * 1e3 / a.steps)
-    if rank == 0:
-        for name in reps:
-            print(f"{name:9s} wall ms/step {statistics.median(wall[name]):.2f} {[round(x, 2) for x in wall[name]]}  "
-                  f"process cpu ms/step {statistics.median(cpu[name]):.2f}  gc ms/step {gcs[name][0]:.2f} "
-                  f"({gcs[name][1]} collections)  GPU tail after queuing ms {statistics.median(tail[name]):.2f}", flush=True)
+    for name in reps:           # every rank: its windows, its host's CPU time and its GPU's tail
+        print(f"rank {rank} {name:9s} wall ms/step {statistics.median(wall[name]):.2f} {[round(x, 2) for x in wall[name]]}  "
+              f"process cpu ms/step {statistics.median(cpu[name]):.2f} {[round(x, 2) for x in cpu[name]]}  "
+              f"gc ms/step {gcs[name][0]:.2f} ({gcs[name][1]} collections)  GPU tail after queuing ms "
+              f"{statistics.median(tail[name]):.2f} {[round(x, 1) for x in tail[name]]}", flush=True)
     if timed is not None and rank == 0:
         for what, xs in timed["us"].items():
             xs = sorted(xs)
@@ -248,6 +248,10 @@ def _time_calls() -> dict:
     wrap(node.NodeSegment, "read_values", "round (read)")
     for op in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
         wrap(communicator.Communicator, op, op)
+    from braid.backend import BraidProcessGroup
+    for op in ("allreduce", "_allgather_base", "_reduce_scatter_base"):     # the whole backend call
+        if hasattr(BraidProcessGroup, op):
+            wrap(BraidProcessGroup, op, f"backend {op}")
     return timed
 
 
