@@ -224,8 +224,9 @@ def trial_calls(rep, steps: int, rank: int) -> None:
 
 
 def _time_calls() -> dict:
-    """Wrap braid's graph launch, round of words and the communicator's all_reduce / all_gather /
-    reduce_scatter with host clocks (kept while timed["on"])."""
+    """Wrap braid's graph launch, round of words, the communicator's all_reduce / all_gather /
+    reduce_scatter, the backend's calls and their futures with host clocks (kept while
+    timed["on"])."""
     from braid import node
     from braid.comm import communicator
     from braid.lanes import _cuda
@@ -249,9 +250,11 @@ def _time_calls() -> dict:
     for op in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
         wrap(communicator.Communicator, op, op)
     from braid.backend import BraidProcessGroup
+    from braid.backend_work import BraidWork
     for op in ("allreduce", "_allgather_base", "_reduce_scatter_base"):     # the whole backend call
         if hasattr(BraidProcessGroup, op):
             wrap(BraidProcessGroup, op, f"backend {op}")
+    wrap(BraidWork, "get_future", "backend get_future")     # DDP asks each bucket's call for it
     return timed
 
 

@@ -51,10 +51,11 @@ class BraidWork(dist._Work):
     """torch's Work around a braid handle. wait(): on GPUs the current stream waits for the call
     (no CPU block), on CPU it blocks until done, as Handle.wait does. get_future() returns a
     future holding `result` (the tensors the call wrote), which DDP's communication hooks chain
-    on. On GPUs it is a CUDA future, as NCCL's: a side stream waits for the call and the future
-    completes there, so whoever uses its value waits for the call and nobody else does (the
-    caller's stream is not made to wait: in DDP the rest of the backward pass keeps running
-    beside the bucket's all_reduce). handle None: the call has finished already."""
+    on. On GPUs it is a CUDA future, as NCCL's, completed on the stream where the call ends (a
+    replayed call's lane stream) or on a side stream that waits for the call, so whoever uses its
+    value waits for the call and nobody else does (the caller's stream is not made to wait: in DDP
+    the rest of the backward pass keeps running beside the bucket's all_reduce). handle None: the
+    call has finished already."""
 
     _record = None      # the call's open profiler record (see _record_begin), ended once done
 
@@ -133,13 +134,22 @@ class BraidWork(dist._Work):
                 if self._waited:                # finished, or the caller's stream waited already
                     fut.set_result(list(self._result))
                     return fut
-                side = _future_stream(cuda[0])
-                with torch.cuda.stream(side):
-                    self._handle.wait()         # the side stream waits for the call, no CPU block
-                    done = torch.cuda.Event()
-                    done.record(side)
-                    self._side_done = done
-                    fut.set_result(list(self._result))   # its events are recorded on the side stream
+                lane = getattr(self._handle, "stream", None)
+                if lane is not None:
+                    # the call's end is the last work on its lane stream: the future's own events,
+                    # recorded there, mark it (no side stream, no event of braid's own: fewer
+                    # driver calls in DDP's every bucket). Asked later, after more of braid's work
+                    # on that stream, it completes later: never early.
+                    with torch.cuda.stream(lane):
+                        fut.set_result(list(self._result))
+                else:
+                    side = _future_stream(cuda[0])
+                    with torch.cuda.stream(side):
+                        self._handle.wait()     # the side stream waits for the call, no CPU block
+                        done = torch.cuda.Event()
+                        done.record(side)
+                        self._side_done = done
+                        fut.set_result(list(self._result))   # its events are recorded on the side stream
             except BaseException as exc:
                 self._error = exc
                 fut.set_exception(exc)

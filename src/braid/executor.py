@@ -24,6 +24,10 @@ from .planner.plan import Plan
 class Handle:
     """What an async braid call returns (torch's Work shape: wait, is_completed)."""
 
+    # GPU: a stream whose last work, when the call returns, is the call's end (its future can be
+    # completed there: backend_work.BraidWork.get_future); None where the call ends on several
+    stream = None
+
     def __init__(self, runs: list[LaneRun] | None = None, native=None, after: Callable[[], None] | None = None,
                  plan: Plan | None = None, event=None):
         self.runs = runs or []

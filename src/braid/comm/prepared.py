@@ -120,11 +120,13 @@ class Ticket:
 
 class PreparedHandle(Handle):
     """An async replay: wait() makes the caller's current stream wait for its end event; the
-    tensors stay referenced until then (as NCCL's Work keeps them)."""
+    tensors stay referenced until then (as NCCL's Work keeps them). `stream`: the lane stream the
+    end event was recorded on, the last of its work when the call returns."""
 
-    def __init__(self, event: int, plan, tensors: tuple, device_index: int):
+    def __init__(self, event: int, plan, tensors: tuple, device_index: int, stream=None):
         super().__init__(plan=plan)
         self._event, self._tensors, self._dev = event, tensors, device_index
+        self.stream = stream
 
     def wait(self, timeout=None) -> bool:
         if not self._waited:
@@ -403,7 +405,7 @@ class PreparedCalls:
         for t in tensors:           # the caller may free them before waiting: the allocator must know
             if t is not None and t.numel():
                 t.record_stream(stream)
-        return PreparedHandle(end, plan, tensors, self._dev_index)
+        return PreparedHandle(end, plan, tensors, self._dev_index, stream)
 
     def close(self) -> None:
         if self.fast:

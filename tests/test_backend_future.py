@@ -1,0 +1,112 @@
+"""Where a GPU call's future completes (backend_work.BraidWork.get_future), with torch's CUDA
+future, streams and events replaced by recorders: a call that ends on one stream (a replayed
+call's lane stream) completes its future there, with no side stream and no event of braid's own;
+any other call's future completes on the side stream after that stream waited for the call."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from braid import backend_work
+from braid.backend_work import BraidWork
+
+
+class _GpuTensor(torch.Tensor):
+    """A CPU tensor that says it is on cuda:0 (what get_future reads of it)."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+class _Handle:
+    def __init__(self, stream=None):
+        self.stream = stream
+        self.waits = []
+
+    def wait(self, timeout=None):
+        self.waits.append(_World.current)
+        return True
+
+    def is_completed(self):
+        return False
+
+
+class _World:
+    current = "caller"
+    log: list = []
+
+
+def _patch(monkeypatch):
+    _World.current, _World.log = "caller", []
+
+    class Future:
+        def __init__(self, devices=None):
+            _World.log.append(("future", tuple(devices or ())))
+
+        def set_result(self, value):
+            _World.log.append(("set_result", _World.current, len(value)))
+
+        def set_exception(self, exc):
+            _World.log.append(("set_exception", repr(exc)))
+
+    class Event:
+        def __init__(self):
+            _World.log.append(("event",))
+
+        def record(self, stream):
+            _World.log.append(("record", stream))
+
+    @contextlib.contextmanager
+    def stream(s):
+        before, _World.current = _World.current, s
+        try:
+            yield
+        finally:
+            _World.current = before
+
+    monkeypatch.setattr(backend_work.torch.futures, "Future", Future)
+    monkeypatch.setattr(backend_work.torch.cuda, "stream", stream)
+    monkeypatch.setattr(backend_work.torch.cuda, "Event", Event)
+    monkeypatch.setattr(backend_work, "_future_stream", lambda device: "side")
+
+
+def _result():
+    return [torch.Tensor._make_subclass(_GpuTensor, torch.arange(6.0))]
+
+
+def test_a_call_that_ends_on_one_stream_completes_its_future_there(monkeypatch):
+    _patch(monkeypatch)
+    h = _Handle(stream="lane")
+    work = BraidWork(h, _result())
+    fut = work.get_future()
+    assert work.get_future() is fut                       # one future per Work
+    assert _World.log == [("future", ("cuda:0",)), ("set_result", "lane", 1)]
+    assert h.waits == [] and work._side_done is None      # no side stream, no event of braid's own
+    assert _World.current == "caller"                     # the caller's stream is current again
+    work.wait()                                           # the caller's stream waits for the call itself
+    assert h.waits == ["caller"]
+
+
+def test_any_other_call_completes_its_future_on_the_side_stream(monkeypatch):
+    _patch(monkeypatch)
+    h = _Handle(stream=None)
+    work = BraidWork(h, _result())
+    work.get_future()
+    assert h.waits == ["side"]                            # the side stream waited for the call first
+    assert _World.log == [("future", ("cuda:0",)), ("event",), ("record", "side"), ("set_result", "side", 1)]
+    assert work._side_done is not None and _World.current == "caller"
+
+
+def test_a_finished_call_completes_its_future_at_once(monkeypatch):
+    _patch(monkeypatch)
+    h = _Handle(stream="lane")
+    work = BraidWork(h, _result())
+    work.wait()
+    work.get_future()
+    assert _World.log == [("future", ("cuda:0",)), ("set_result", "caller", 1)]
