@@ -37,8 +37,7 @@ if os.environ.get("BRAID_PROBE_NOROUND") == "1":
                 return _orig(self, tkey, inp, outs, async_op, redo)
             self.ledger.ncalls += 1
             self.segment.post_values([word, *NO_OBS])
-            prep.get(tk.key)
-            prep.stats["replays"] += 1
+            prep.get(tk.key)                # (prep.launch counts the replay)
             self.ledger.last_call = tk.ledger
             handle = prep.launch(tk.entry, self._lanes["ce"].stream, async_op, (inp, *outs))
             self.last_handle = handle
