@@ -11,6 +11,7 @@ import argparse
 import datetime
 import json
 import math
+import statistics
 import os
 import subprocess
 import sys
@@ -76,6 +77,14 @@ def test_two_ranks_train_alike_bitwise(world2, name):
     assert all(len(row["windows"][s]) == TINY["repeat"] and min(row["windows"][s]) > 0 for s in sides)
     assert row["time_ms"] > 0 and row["baseline"]["time_ms"] > 0 and row["baseline"]["name"] == "gloo"
     assert row["ratio"] == pytest.approx(row["baseline"]["time_ms"] / row["time_ms"])
+    # every window's host time to queue its steps (at most the window's own time) and the device's after it
+    assert sorted(row["host_time"]) == sorted(sides)
+    for s in sides:
+        h = row["host_time"][s]
+        assert len(h["windows"]["host_ms_per_step"]) == len(h["windows"]["device_tail_ms"]) == TINY["repeat"]
+        assert all(0 < q <= w * (1 + 1e-9) for q, w in zip(h["windows"]["host_ms_per_step"], row["windows"][s]))
+        assert min(h["windows"]["device_tail_ms"]) >= 0
+        assert h["host_ms_per_step"] == pytest.approx(statistics.median(h["windows"]["host_ms_per_step"]))
     if name == "fsdp":
         assert row["floor_ms"] is None and row["comm_removed"] is None
     else:
@@ -228,3 +237,10 @@ def test_trial_steps_run_until_the_verdicts_and_the_baseline_keeps_pace(monkeypa
     assert ran == {"braid": 11, "baseline": 11}
     arb.enabled = False
     assert jobs.settle_trials(ctx, reps) == (0, None)              # no trials (CPU, or learning off)
+
+
+def test_host_line_names_each_replica_host_and_device_time():
+    from braid.jobs import host_line
+    line = host_line({"braid": {"host_ms_per_step": 7.4, "device_tail_ms": 0.7},
+                      "baseline": {"host_ms_per_step": 1.25, "device_tail_ms": 45.0}})
+    assert "braid 7.40 ms (GPU 0.7 ms after)" in line and "baseline 1.25 ms (GPU 45.0 ms after)" in line

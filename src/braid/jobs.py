@@ -272,17 +272,24 @@ def moe_replicas(ctx: Ctx) -> list[Replica]:
 BUILDERS = {"ddp": ddp_replicas, "fsdp": fsdp_replicas, "moe_layer": moe_replicas}
 
 
-def _window(ctx: Ctx, rep: Replica) -> float:
-    """ms per step of `steps` steps of one replica: the slowest rank's window."""
+def _window(ctx: Ctx, rep: Replica) -> tuple[float, float, float]:
+    """One window of `steps` steps of one replica, the slowest rank's: (ms per step, the host's
+    ms per step to queue them, ms the device took after the host had queued the last one). A
+    host that queues a step in about the window's time per step, its device finishing right
+    after it, bounds the step (the device waited for it); a device that finishes long after
+    the host bounds it."""
     steps = ctx.s["steps"]
     ctx.sync()
     dist.barrier(group=ctx.timer)
     t0 = time.perf_counter()
     rep.run(steps)
+    t1 = time.perf_counter()
     ctx.sync()
-    took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    t2 = time.perf_counter()
+    took = torch.tensor([t2 - t0, t1 - t0, t2 - t1], dtype=torch.float64)
     dist.all_reduce(took, op=dist.ReduceOp.MAX, group=ctx.timer)
-    return float(took.item()) * 1e3 / steps
+    wall, host, tail = took.tolist()
+    return wall * 1e3 / steps, host * 1e3 / steps, tail * 1e3
 
 
 TRIAL_STEPS_MAX = 500        # warm-up steps at most while braid's whole-or-split trials run
@@ -321,11 +328,13 @@ def settle_trials(ctx: Ctx, by: dict) -> tuple[int, float | None]:
     return steps, took
 
 
-def time_replicas(ctx: Ctx, reps: list[Replica], trial: list | None = None) -> dict[str, list[float]]:
+def time_replicas(ctx: Ctx, reps: list[Replica], trial: list | None = None,
+                  host: dict | None = None) -> dict[str, list[float]]:
     """Warm every replica up (braid's longer while its whole-or-split trials run: settle_trials,
     whose (steps, ms per step) go into `trial`), then `repeat` rounds of one window each: baseline
     first in even rounds, braid first in odd ones (the machine's drift hits both alike); the floor
-    last."""
+    last. Returns each replica's ms per step per window; `host` gets, per replica, the host's ms
+    per step to queue each window and the device's ms after it (`_window`)."""
     by = {r.name: r for r in reps}
     for rep in reps:
         rep.run(ctx.s["warmup"])
@@ -333,10 +342,16 @@ def time_replicas(ctx: Ctx, reps: list[Replica], trial: list | None = None) -> d
     if trial is not None:
         trial[:] = got
     windows: dict[str, list[float]] = {r.name: [] for r in reps}
+    queued: dict[str, list] = {r.name: [[], []] for r in reps}
     for k in range(ctx.s["repeat"]):
         order = ["baseline", "braid"] if k % 2 == 0 else ["braid", "baseline"]
         for name in order + [n for n in by if n not in order]:
-            windows[name].append(_window(ctx, by[name]))
+            ms, host_ms, tail_ms = _window(ctx, by[name])
+            windows[name].append(ms)
+            queued[name][0].append(host_ms)
+            queued[name][1].append(tail_ms)
+    if host is not None:
+        host.update({name: {"host_ms_per_step": q[0], "device_tail_ms": q[1]} for name, q in queued.items()})
     return windows
 
 
@@ -475,7 +490,8 @@ def run_workload(ctx: Ctx, name: str) -> dict:
     arb = getattr(ctx.comm, "_arbiter", None)
     tried = arb.count if arb is not None else 0
     trial: list = [0, None]
-    windows = time_replicas(ctx, reps, trial)
+    host: dict = {}
+    windows = time_replicas(ctx, reps, trial, host)
     # the whole-or-split trials the job ran (comm/arbiter.py): shape, pace split / whole (us), verdict
     new = arb.count - tried if arb is not None else 0
     learned = [[str(k), s, w, "whole" if wh else "split"] for k, s, w, wh in arb.decisions[-new:]] if new else []
@@ -499,7 +515,12 @@ def run_workload(ctx: Ctx, name: str) -> dict:
            "param_max_rel_diff": check["param_rel"], "loss_tolerance": check["tol"],
            "tensor_tolerance": check["tensor_tol"], "losses_cell": check["cell"],
            "params_moved": check["params_moved"], "losses": torch.stack(braid.losses).float().cpu().tolist(),
-           "windows": windows, "split_calls": split_calls, "learned": learned,
+           "windows": windows,
+           # per replica: the host's ms per step to queue a window, the device's ms after it
+           # (medians, and every window's)
+           "host_time": {name: {**{k: statistics.median(v) for k, v in h.items()}, "windows": h}
+                         for name, h in host.items()},
+           "split_calls": split_calls, "learned": learned,
            "trial_steps": trial[0], "trial_ms_per_step": trial[1]}
     del reps, braid, base
     gc.collect()
@@ -530,6 +551,15 @@ def format_row(row: dict) -> str:
     cells = [row["workload"], row["size"], str(row["world_size"]), f"{row['time_ms']:.2f}",
              f"{row['baseline']['time_ms']:.2f}", f"{row['ratio']:.2f}", floor, removed]
     return "  " + "".join(c.ljust(w) for c, w in zip(cells, WIDTHS)) + row["losses_cell"]
+
+
+def host_line(host_time: dict) -> str:
+    """Where each replica's step is bound: the host's ms per step to queue a window, and how long
+    its GPU ran on after the host queued the last step (medians of the windows, slowest rank)."""
+    parts = [f"{name} {h['host_ms_per_step']:.2f} ms (GPU {h['device_tail_ms']:.1f} ms after)"
+             for name, h in host_time.items()]
+    return ("host time to queue a step: " + ", ".join(parts)
+            + " (a GPU that ends soon after its host queued the last step was waiting for the host)")
 
 
 def run(comm, cfg, cuda: bool):
@@ -570,6 +600,8 @@ def run(comm, cfg, cuda: bool):
                     f"{kept.count('split')} kept split, {kept.count('whole')} went whole; pace split/whole us: "
                     + ", ".join(f"{s:.0f}/{w:.0f}" for _, s, w, _ in row["learned"][:8])
                     + (" ..." if len(kept) > 8 else ""))
+            if row.get("host_time") and cuda:
+                say("  " + " " * WIDTHS[0] + host_line(row["host_time"]))
             if row.get("trial_steps"):
                 say("  " + " " * WIDTHS[0] + f"the trials took {row['trial_steps']} warm-up steps before the timed "
                     f"windows, at {row['trial_ms_per_step']:.2f} ms/step (braid)")
