@@ -17,12 +17,13 @@ for step in "$@"; do
           python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())";
           df -h /dev/shm | tail -1 ;;
     tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/gpu -q -x ${TEST_ARGS:-} 2>&1 | tee "$LOGS/gpu_tests${TEST_TAG:-}.log" | tail -30 ;;
-    # the GPU tests that guard the hot path (prepared calls, the backend, collectives, uneven
-    # all_to_all, the fuzz at half its count), ~10 minutes on one H200 shared by 2-4 ranks: more
-    # than one device command may run, so guard1 (prepared calls, the backend; the deferred calls'
-    # tests, BRAID_DEFER=1, apart: guard_deferred, ~3 minutes) and guard2 (the rest) run it in two
+    # the GPU tests that guard the hot path (prepared calls, the backend, collectives, the copy
+    # engines' pipelined reductions, uneven all_to_all, the fuzz at half its count), ~10 minutes on
+    # one H200 shared by 2-4 ranks: more than one device command may run, so guard1 (prepared calls,
+    # the backend; the deferred calls' tests, BRAID_DEFER=1, apart: guard_deferred, ~3 minutes) and
+    # guard2 (the rest) run it in two
     guard|guard1|guard2|guard_deferred) g1="tests/gpu/test_gpu_prepared.py tests/gpu/test_gpu_prepared_p2p.py tests/gpu/test_gpu_backend.py";
-            g2="tests/gpu/test_gpu_collectives.py tests/gpu/test_gpu_uneven_a2a.py tests/gpu/test_gpu_fuzz.py::test_gpu_fuzz";
+            g2="tests/gpu/test_gpu_collectives.py tests/gpu/test_gpu_reductions.py tests/gpu/test_gpu_uneven_a2a.py tests/gpu/test_gpu_fuzz.py::test_gpu_fuzz";
             sel=(); case $step in guard1) set_=$g1; sel=(-k "not deferred");; guard_deferred) set_=$g1; sel=(-k deferred);;
               guard2) set_=$g2;; *) set_="$g1 $g2";; esac;
             BRAID_GPU_FUZZ_OPS=${BRAID_GPU_FUZZ_OPS:-1000} timeout ${TEST_TIMEOUT:-540} python3 -m pytest -q -rfEx --timeout 240 \

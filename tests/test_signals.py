@@ -327,17 +327,33 @@ def test_a_replayed_reduction_sets_every_flag_it_waits_for_once(monkeypatch, wor
     for addr in sets:
         assert len(sets[addr]) == 1 and len(waits[addr]) == 1 and sets[addr] != waits[addr], addr
     pieces = [sum(1 for sh, kind, _, _ in ops if sh == 3 and kind == "wait") for ops in progs]
-    if gather:                                          # every peer's every piece, once
-        from braid.collectives.ce_reduce import piece_elems
-        from braid.envs import override
-        from braid.planner.pieces import pieces as cut
-        offs = [sum(elems[:d]) for d in range(world)]
-        with override(BRAID_CE_PIECE_MB=1):
-            per = piece_elems(list(zip(offs, elems)), 2)
-        counts = [len(cut(n, per)) for n in elems]
-        assert pieces == [sum(c for p, c in enumerate(counts) if p != r) for r in range(world)]
+    if gather:                                          # the pushed gather: every peer's last piece, once
+        assert pieces == [world - 1] * world
+        # one piece signal per reader after the rank's last push, whatever its piece count
+        said = [sum(1 for sh, kind, _, v in ops if sh == 3 and kind == "write" and v == 1) for ops in progs]
+        assert said == [world - 1] * world
     else:
         assert pieces == [0] * world
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("sizes", ["even", "uneven"])
+def test_a_pulled_gather_waits_for_every_piece_of_every_peer(monkeypatch, world, sizes):
+    """BRAID_CE_PUSH=0: the peers pull each reduced piece once its own flag says so."""
+    from braid.envs import override
+    mib = (1 << 20) // 2
+    elems = [3 * mib] * world if sizes == "even" else [(3 + (d % 3) * 2) * mib + 17 * d for d in range(world)]
+    with override(BRAID_CE_PUSH=0):
+        progs = _reduction_programs(monkeypatch, world, elems, True, per_mb=1)
+    pieces = [sum(1 for sh, kind, _, _ in ops if sh == 3 and kind == "wait") for ops in progs]
+    from braid.collectives.ce_reduce import piece_elems
+    from braid.planner.pieces import pieces as cut
+    offs = [sum(elems[:d]) for d in range(world)]
+    with override(BRAID_CE_PIECE_MB=1):
+        per = piece_elems(list(zip(offs, elems)), 2)
+    counts = [len(cut(n, per)) for n in elems]
+    assert min(counts) > 1                              # several pieces a chunk
+    assert pieces == [sum(c for p, c in enumerate(counts) if p != r) for r in range(world)]
 
 
 # --- the reduction's programs run by an interpreter of three streams per rank ---------------------

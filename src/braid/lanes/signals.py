@@ -10,7 +10,9 @@ peers, with stream memory operations on words of the pinned node segment:
 and the reductions add, per piece k:
     piece(me, k, readers)     my reduced piece k may be read
     wait_piece(srcs, me, k)   each src's reduced piece k may be read
-    wait_pieces(counts, me)   each src's first counts[src] pieces have been said (one batch)
+    wait_pieces(counts, me)   each src's first counts[src] pieces have been said (one batch): a
+                              src that says its pieces in order on one stream may say only its
+                              last one (the pushed all_reduce does), which is all this waits for
 
 Each of these is one batch of stream memory operations (`_cuda.memops`): one node of a captured
 graph, whatever the number of peers (a graph launch costs ~1.1 us of host time per memory
@@ -114,4 +116,5 @@ class Flags:
         self._take(sh, [self._flag("flag_piece", s, me, k) for s in srcs])
 
     def wait_pieces(self, sh: int, counts: dict, me: int) -> None:
-        self._take(sh, [self._flag("flag_piece", s, me, k) for s, n in counts.items() for k in range(n)])
+        # the last piece's flag only: its writer says its pieces in order and sets no other
+        self._take(sh, [self._flag("flag_piece", s, me, n - 1) for s, n in counts.items() if n])
