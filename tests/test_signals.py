@@ -245,6 +245,55 @@ def test_each_step_of_a_replayed_program_is_one_batch(driver, world):
     assert driver.calls == []
 
 
+
+@pytest.mark.parametrize("scheme", ["flags", "rising"])
+def test_saying_then_waiting_is_one_batch_writes_first(driver, scheme):
+    """ready_then_wait / done_then_wait: the same operations as the two calls, in the same order,
+    in one batch (one graph node)."""
+    world, me = 4, 1
+    lay = Layout(world, 1 << 20, 64 << 10)
+    make = (lambda: Flags(0, lay)) if scheme == "flags" else (lambda: Rising(0, lay, 7))
+    peers = [p for p in range(world) if p != me]
+    for both, parts in ((lambda sig: sig.ready_then_wait(5, me, peers, peers),
+                         (lambda sig: sig.ready(5, me, peers), lambda sig: sig.wait_ready(5, peers, me))),
+                        (lambda sig: sig.done_then_wait(5, me, peers, peers),
+                         (lambda sig: sig.done(5, me, peers), lambda sig: sig.wait_done(5, peers, me)))):
+        driver.calls.clear()
+        both(make())
+        assert len(driver.calls) == 1 and driver.calls[0][0] == "batch"
+        merged = driver.calls[0][2]
+        driver.calls.clear()
+        for part in parts:
+            part(make())
+        apart = [op for c in driver.calls for op in (c[2] if c[0] == "batch" else [(_cuda.CU_STREAM_MEM_OP_WRITE_VALUE_32, c[2], c[3], 0)])]
+        assert len(driver.calls) == 2 and merged == apart
+        kinds = [op[0] for op in merged]
+        first_wait = kinds.index(_cuda.CU_STREAM_MEM_OP_WAIT_VALUE_32)
+        assert all(k == _cuda.CU_STREAM_MEM_OP_WRITE_VALUE_32 for k in kinds[:first_wait]) and first_wait >= 1
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_a_copy_engine_program_says_and_waits_in_shared_batches(monkeypatch, world):
+    """The ce lane's program: my ready goes out in the batch of the first wait, my done in the
+    batch of the last waits: two stream memory operation batches fewer than one per signal."""
+    layout = Layout(world, 1 << 20, 64 << 10)
+    plan = _plans(world)["all_gather"]
+    for me in range(world):
+        calls: list = []
+        monkeypatch.setattr(_cuda, "memops", lambda sh, batch: calls.append(("batch", list(batch))))
+        monkeypatch.setattr(_cuda, "memcpy_async", lambda dst, src, n, sh: calls.append(("copy",)))
+        lane = CeLane.__new__(CeLane)
+        lane.lc = _Lc(me, world, layout)
+        transfers = plan.lanes["ce"]
+        peers = {t.src: (t.src + 1) << 40 for t in transfers if any(d == me for d, _, _ in t.dsts)}
+        lane.emit(0, me, transfers, peers, [0] * 8, Flags(0, layout))
+        batches = [c for c in calls if c[0] == "batch"]
+        assert len(batches) == world                      # a wait per source; the ready and done ride along
+        first, last = batches[0][1], batches[-1][1]
+        assert [op[0] for op in first] == [False] * (world - 1) + [True, False]      # ready to every reader, then a take
+        assert [op[0] for op in last] == [False] * (world - 1) + [True, False] * (world - 1)   # done, then every take
+        assert calls[0][0] == "batch" and calls[-1][0] == "batch"
+
 # --- the copy engines' reduction (collectives/ce_reduce.py) under the replay-safe flags ----------
 class _Stream:
     def __init__(self, sid):
@@ -591,7 +640,7 @@ def test_a_reduction_reads_and_writes_peers_only_inside_the_call(monkeypatch, wo
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("push, cut", [(False, ("done", "wait_done")), (True, ("wait_pieces",))])
+@pytest.mark.parametrize("push, cut", [(False, ("done_then_wait",)), (True, ("wait_pieces",))])
 def test_the_interpreter_catches_a_reduction_that_ends_too_early(monkeypatch, world, push, cut):
     """Negative controls: the pulled gather without its closing handshake lets a peer read my
     buffer after my call ended; the pushed gather without its wait for the peers' last pieces

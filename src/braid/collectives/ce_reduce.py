@@ -145,8 +145,7 @@ class CeReduction:
         mine = pieces(my_len, per, tail)
         others = [(me + i) % w for i in range(1, w)]          # rotated: sources are read evenly
         psh = ps.cuda_stream
-        sig.ready(psh, me, others)
-        sig.wait_ready(psh, others, me)
+        sig.ready_then_wait(psh, me, others, others)
         row = (lambda p: 0) if w == 2 else (lambda p: p)                # noqa: E731
         my_in = inp[my_off: my_off + my_len]
         my_out = out[out_offsets[me]: out_offsets[me] + my_len]
@@ -202,8 +201,7 @@ class CeReduction:
             ev.record(s)
             ps.wait_event(ev)
         if not push:
-            sig.done(psh, me, others)
-            sig.wait_done(psh, others, me)
+            sig.done_then_wait(psh, me, others, others)
 
     def _events(self, n: int) -> list:
         """Reused events (recording an event again is stream-ordered after its earlier waits)."""

@@ -103,12 +103,15 @@ class UnevenCe:
         readers = [d for d in range(w) if d != me and row[d]]
         sources = [(me + i) % w for i in range(1, w) if col[(me + i) % w]]
         out_ptr = out.data_ptr()
-        sig.ready(sh, me, readers)
-        for s in sources:
-            sig.wait_ready(sh, (s,), me)
+        for i, s in enumerate(sources):
+            if i:
+                sig.wait_ready(sh, (s,), me)
+            else:                       # my ready and the first wait: one batch
+                sig.ready_then_wait(sh, me, readers, (s,))
             _cuda.memcpy_async(out_ptr + out_at[s], peers[s] + sum(matrix[s][:me]), col[s], sh)
-        sig.done(sh, me, sources)
-        sig.wait_done(sh, readers, me)
+        if not sources:
+            sig.ready(sh, me, readers)
+        sig.done_then_wait(sh, me, sources, readers)
         if row[me]:                     # my own part, on the caller's stream beside the pulls
             _cuda.memcpy_async(out_ptr + out_at[me], inp.data_ptr() + sum(row[:me]), row[me], caller)
         self.stats["calls"] += 1

@@ -110,20 +110,25 @@ class CeLane(GpuLaneMixin, Lane):
         world = self.lc.world_size
         readers = sorted({d for t in transfers if t.src == me for d, _, _ in t.dsts if d != me})
         sources = sorted({t.src for t in transfers if t.src != me and any(d == me for d, _, _ in t.dsts)})
-        sig.ready(sh, me, readers)
+        said = False                # my ready goes out with the first wait (one batch), or alone
         waited = set()
         for t in sorted(transfers, key=lambda t: ((t.src - me) % world, t.src_off)):
             mine = [(b, off) for d, b, off in t.dsts if d == me]
             if not mine:
                 continue
             if t.src not in waited:
-                sig.wait_ready(sh, (t.src,), me)
+                if said:
+                    sig.wait_ready(sh, (t.src,), me)
+                else:
+                    sig.ready_then_wait(sh, me, readers, (t.src,))
+                    said = True
                 waited.add(t.src)
             src_ptr = peers[t.src] + t.src_off
             for b, off in mine:
                 _cuda.memcpy_async(out_ptrs[b] + off, src_ptr, t.nbytes, sh)
-        sig.done(sh, me, sources)
-        sig.wait_done(sh, readers, me)
+        if not said:
+            sig.ready(sh, me, readers)
+        sig.done_then_wait(sh, me, sources, readers)
 
     def post(self, ctx: OpContext, transfers: list[Transfer]) -> LaneRun:
         if not ctx.plan.p2p:
