@@ -675,3 +675,35 @@ def test_a_pushed_all_reduce_between_other_programs_on_the_same_flags(monkeypatc
         assert not deadlock, seed
         assert not bad, (seed, bad[:3])
         assert all(v == 0 for v in mem.values()), seed
+
+
+@pytest.mark.parametrize("drain", [False, True])
+def test_a_prepared_send_and_recv_say_and_wait_in_one_batch_each(monkeypatch, drain):
+    """comm/pairs.py, a synchronous call on the caller's stream: the sender's program is one
+    batch (set ready, wait for done, reset it), the receiver's one batch (wait for ready, reset
+    it), its copies, then done; a drain (a refused run-ahead send) leaves the copies out."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from braid.comm import pairs
+    from braid.comm.pairs import PairEntry, Pairs, _Recv, _Send
+
+    lay = Layout(2, 1 << 20, 64 << 10)
+    calls: list = []
+    monkeypatch.setattr(_cuda, "memops", lambda sh, batch: calls.append(("batch", sh, list(batch))))
+    monkeypatch.setattr(_cuda, "write_value", lambda sh, addr, v: calls.append(("write", sh, addr, v)))
+    monkeypatch.setattr(_cuda, "wait_value", lambda sh, addr, v: calls.append(("wait", sh, addr, v)))
+    monkeypatch.setattr(_cuda, "memcpy_async", lambda dst, src, n, sh: calls.append(("copy", sh, dst, src, n)))
+    monkeypatch.setattr(pairs, "_RAW", lambda dev: 0x900)
+    me = SimpleNamespace(comm=SimpleNamespace(seg_dev_ptr=0x10000, layout=lay), dev_index=0)
+    ready = 0x10000 + lay.counter("flag_p2p_ready", 0, 1)
+    done = 0x10000 + lay.counter("flag_p2p_done", 0, 1)
+    entry = PairEntry(None, None, {"ce": 1.0}, False, flags=True, copies=[(0, 0x7000, 64), (64, 0x8000, 32)])
+    Pairs._flags(me, entry, True, 0, 1, torch.zeros(24), 0, False, _Send())
+    assert calls == [("batch", 0x900, [(False, ready, 1), (True, done, 1), (False, done, 0)])]
+    calls.clear()
+    t = torch.zeros(24)
+    Pairs._flags(me, entry, False, 0, 1, t, 0, False, _Recv(), drain=drain)
+    copies = [] if drain else [("copy", 0x900, t.data_ptr(), 0x7000, 64), ("copy", 0x900, t.data_ptr() + 64, 0x8000, 32)]
+    assert calls == [("batch", 0x900, [(True, ready, 1), (False, ready, 0)])] + copies + [("write", 0x900, done, 1)]

@@ -552,13 +552,11 @@ class Pairs:
                 self.give_event(ev)
         else:
             sh = caller
+        # each side's consecutive flag operations in one batch (in order: one driver call)
         if sending:
-            _cuda.write_value(sh, ready, 1)
-            _cuda.wait_value(sh, done, 1)
-            _cuda.write_value(sh, done, 0)
+            _cuda.memops(sh, [(False, ready, 1), (True, done, 1), (False, done, 0)])
         else:
-            _cuda.wait_value(sh, ready, 1)
-            _cuda.write_value(sh, ready, 0)
+            _cuda.memops(sh, [(True, ready, 1), (False, ready, 0)])
             if not drain:
                 out = t.data_ptr()
                 for off, src_ptr, nbytes in entry.copies:
