@@ -16,8 +16,8 @@ Rank r of w reduces chunk r of the region the `ce` lane was given (chunk d is a 
                                  for k: wait for my reduction of piece k
                                         for p != r: push my out[chunk r, piece k] -> p's out[chunk r, piece k]
                                  write red[r] = base + K (after the last push: the stream's pushes
-                                 end in order, and the peers wait only for the last piece)
-                                 then wait red[p] >= base + (p's piece count) for every p != r
+                                 end in order, and the peers wait only for the last piece), and
+                                 wait red[p] >= base + (p's piece count) for every p != r
     then, on the pull stream: join the others (reduce_scatter and reduce also write finish[r] and
     wait finish[p] for every peer: nobody reads my buffers once the call is over).
 
@@ -27,9 +27,10 @@ so once every peer's last piece has come, every peer is done reading my input an
 output. (That holds when every rank reduces a non-empty chunk; a call with an empty chunk, and
 BRAID_CE_PUSH=0, take the older scheme: the peers pull each reduced piece once its counter says
 so, and the call closes with finish[].) The push saves one GPU-to-GPU signal on the call's
-critical path, and its pieces need no signal of their own: one after the last push says them all
-(K-1 stream memory operations fewer per call; each is a node of a replayed program, and a launch
-costs the host per node: ~2.5 us a node inside DDP's steps on 2 x H200, 2026-11-27).
+critical path, and its pieces need no signal of their own: one after the last push says them all,
+in one batch with the wait for the peers' last pieces (K stream memory operation nodes fewer per
+replayed call; a launch costs the host per node: ~2.5 us a node inside DDP's steps on 2 x H200,
+2026-11-27).
 
 Why an in-place all_reduce is safe: p reads my chunk p (its pulls) and writes my chunk p (its
 pushes, each after the pull of the same piece); I read and write only my own chunk r, and p's
@@ -176,14 +177,14 @@ class CeReduction:
                     at = (out_offsets[me] + a) * esz
                     for p in others:
                         _cuda.memcpy_async(peers[p] + at, my_out[a:b].data_ptr(), (b - a) * esz, gs.cuda_stream)
-                    if k == len(mine) - 1:      # one signal after the last push says every piece
-                        sig.piece(gs.cuda_stream, me, k, readers)
                 else:
                     sig.piece(rs.cuda_stream, me, k, readers)
         if push:
-            # every peer's last piece is in my output, and with it every peer's last pull of my
-            # input is over (a peer pushes a piece only after pulling it from every rank)
-            sig.wait_pieces(gs.cuda_stream, {p: len(pieces(chunks[p][1], per, tail)) for p in others}, me)
+            # one signal after the last push says every piece; then every peer's last piece is in
+            # my output, and with it every peer's last pull of my input is over (a peer pushes a
+            # piece only after pulling it from every rank): one batch
+            sig.piece_then_wait_pieces(gs.cuda_stream, me, len(mine) - 1, readers,
+                                       {p: len(pieces(chunks[p][1], per, tail)) for p in others})
         elif gather:
             out_ptr = out.data_ptr()
             theirs = {p: pieces(chunks[p][1], per, tail) for p in others}

@@ -19,7 +19,8 @@ graph, whatever the number of peers (a graph launch costs ~1.1 us of host time p
 operation node, so a 4-rank all_reduce's 27 flag operations cost ~30 us as separate nodes; ~2.5 us
 a node inside DDP's steps on 2 x H200). Where a program says and then waits on the same stream
 with nothing between, `ready_then_wait` and `done_then_wait` put both in one batch (a batch runs
-in order: the writes land before the waits start).
+in order: the writes land before the waits start); so does `piece_then_wait_pieces`, the pushed
+all_reduce's last piece and its wait for the peers' last pieces.
 
 `Rising` is the scheme of calls posted one by one: a counter per rank that every call raises to
 its sequence number (waits are >= comparisons, cyclic in 32 bits). Posting costs one write per
@@ -91,16 +92,23 @@ class Rising:
     def done_then_wait(self, sh: int, me: int, sources, readers) -> None:
         _emit(sh, self._done_ops(me, sources) + self._wait_done_ops(readers, me))
 
+    def _piece_ops(self, me: int, k: int, readers) -> list:
+        return [(False, self._counter("ce_red", me), self.piece_base + k + 1)]
+
+    def _wait_pieces_ops(self, counts: dict, me: int) -> list:
+        return [(True, self._counter("ce_red", s), self.piece_base + n) for s, n in counts.items() if n]
+
     def piece(self, sh: int, me: int, k: int, readers) -> None:
-        _cuda.write_value(sh, self._counter("ce_red", me), self.piece_base + k + 1)
+        _emit(sh, self._piece_ops(me, k, readers))
 
     def wait_piece(self, sh: int, srcs, me: int, k: int) -> None:
-        _cuda.memops(sh, [(True, self._counter("ce_red", s), self.piece_base + k + 1) for s in srcs])
+        _emit(sh, [(True, self._counter("ce_red", s), self.piece_base + k + 1) for s in srcs])
 
     def wait_pieces(self, sh: int, counts: dict, me: int) -> None:
-        ops = [(True, self._counter("ce_red", s), self.piece_base + n) for s, n in counts.items() if n]
-        if ops:
-            _cuda.memops(sh, ops)
+        _emit(sh, self._wait_pieces_ops(counts, me))
+
+    def piece_then_wait_pieces(self, sh: int, me: int, k: int, readers, counts: dict) -> None:
+        _emit(sh, self._piece_ops(me, k, readers) + self._wait_pieces_ops(counts, me))
 
 
 class Flags:
@@ -159,12 +167,21 @@ class Flags:
     def done_then_wait(self, sh: int, me: int, sources, readers) -> None:
         _emit(sh, self._sets(self._done_flags(me, sources)) + self._takes(self._readers_done_flags(readers, me)))
 
+    def _piece_flags(self, me: int, k: int, readers) -> list:
+        return [self._flag("flag_piece", me, p, k) for p in readers]
+
+    def _last_piece_flags(self, counts: dict, me: int) -> list:
+        # the last piece's flag only: its writer says its pieces in order and sets no other
+        return [self._flag("flag_piece", s, me, n - 1) for s, n in counts.items() if n]
+
     def piece(self, sh: int, me: int, k: int, readers) -> None:
-        self._set(sh, [self._flag("flag_piece", me, p, k) for p in readers])
+        self._set(sh, self._piece_flags(me, k, readers))
 
     def wait_piece(self, sh: int, srcs, me: int, k: int) -> None:
         self._take(sh, [self._flag("flag_piece", s, me, k) for s in srcs])
 
     def wait_pieces(self, sh: int, counts: dict, me: int) -> None:
-        # the last piece's flag only: its writer says its pieces in order and sets no other
-        self._take(sh, [self._flag("flag_piece", s, me, n - 1) for s, n in counts.items() if n])
+        self._take(sh, self._last_piece_flags(counts, me))
+
+    def piece_then_wait_pieces(self, sh: int, me: int, k: int, readers, counts: dict) -> None:
+        _emit(sh, self._sets(self._piece_flags(me, k, readers)) + self._takes(self._last_piece_flags(counts, me)))
