@@ -313,3 +313,27 @@ def test_fast_prepared_books_a_late_peer_and_launches_from_python(world, monkeyp
     assert st["native_late"] == 1 and st["native_calls"] == 0 and st["hits"] == 1
     assert launched == [tk.entry] and comm.ledger.ncalls == 41
     assert not [c for c in drv.calls if c[0] == "graph_launch"]     # the native call did not launch
+
+
+def test_an_async_replay_tells_the_allocator_of_each_tensor_once():
+    """PreparedCalls.joined: every tensor the call holds is recorded on the lane stream once (an
+    in-place call passes its tensor as input and output), an empty one not at all; the handle
+    carries the lane stream its end was recorded on."""
+    from braid.comm.prepared import PreparedCalls, PreparedHandle
+
+    class T:
+        def __init__(self, n):
+            self.n, self.recorded = n, []
+
+        def numel(self):
+            return self.n
+
+        def record_stream(self, s):
+            self.recorded.append(s)
+
+    me = SimpleNamespace(dirty=False, _dev_index=0)
+    t, empty, out = T(8), T(0), T(4)
+    h = PreparedCalls.joined(me, True, 0xE0, "lane", (t, t, None, empty, out), None)
+    assert t.recorded == ["lane"] and empty.recorded == [] and out.recorded == ["lane"]
+    assert isinstance(h, PreparedHandle) and h.stream == "lane" and me.dirty is True
+    assert PreparedCalls.joined(me, False, 0xE1, "lane", (t,), None) is exchange._DONE and me.dirty is False

@@ -402,9 +402,11 @@ class PreparedCalls:
             self.dirty = False          # the caller's stream is now after everything braid posted
             return _DONE
         self.dirty = True
+        last = None
         for t in tensors:           # the caller may free them before waiting: the allocator must know
-            if t is not None and t.numel():
+            if t is not None and t is not last and t.numel():      # (in place: one tensor twice)
                 t.record_stream(stream)
+            last = t
         return PreparedHandle(end, plan, tensors, self._dev_index, stream)
 
     def close(self) -> None:
