@@ -22,7 +22,7 @@ for step in "$@"; do
     # one H200 shared by 2-4 ranks: more than one device command may run, so guard1 (prepared calls,
     # the backend; the deferred calls' tests, BRAID_DEFER=1, apart: guard_deferred, ~3 minutes) and
     # guard2 (the rest) run it in two
-    guard|guard1|guard2|guard_deferred) g1="tests/gpu/test_gpu_prepared.py tests/gpu/test_gpu_prepared_p2p.py tests/gpu/test_gpu_backend.py";
+    guard|guard1|guard2|guard_deferred) g1="tests/gpu/test_gpu_prepared.py tests/gpu/test_gpu_prepared_p2p.py tests/gpu/test_gpu_backend.py tests/gpu/test_gpu_backend_single.py";
             g2="tests/gpu/test_gpu_collectives.py tests/gpu/test_gpu_reductions.py tests/gpu/test_gpu_uneven_a2a.py tests/gpu/test_gpu_fuzz.py::test_gpu_fuzz";
             sel=(); case $step in guard1) set_=$g1; sel=(-k "not deferred");; guard_deferred) set_=$g1; sel=(-k deferred);;
               guard2) set_=$g2;; *) set_="$g1 $g2";; esac;

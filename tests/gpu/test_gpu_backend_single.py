@@ -2,7 +2,8 @@
 
 - `BraidWork.get_future()` of a GPU call is a CUDA future, as NCCL's: the caller's stream is not
   made to wait (DDP keeps computing the backward pass beside a bucket's all_reduce), whoever uses
-  the value waits for the call, and a later `wait()` still orders the caller's stream after it.
+  the value waits for the call, and a later `wait()` still orders the caller's stream after it;
+  the same where the future completes on the call's own lane stream (a replayed call).
 - Under `init_process_group("braid")` on a world of one GPU, every call is NCCL's whole: the first
   call of a shape takes braid's full path, its repeats return NCCL's own Work, and every result is
   right across dtypes, sizes and buffer changes.
@@ -78,6 +79,49 @@ def test_future_of_a_gpu_call_does_not_block_the_callers_stream():
     after = out2.sum()                               # runs on the caller's stream
     assert after.item() == 5.0 * out2.numel()
     assert work2.is_completed() and handle.waits == 1
+
+
+class _LaneHandle(_EventHandle):
+    """A braid handle whose call's end is the last work on `stream` (a replayed call's lane)."""
+
+    def __init__(self, event, stream):
+        super().__init__(event)
+        self.stream = stream
+
+
+def test_future_of_a_call_that_ends_on_its_lane_stream():
+    """get_future() completes the future on the lane stream itself (no side stream): the
+    caller's stream still runs on, the value's user waits for the call, and wait() orders the
+    caller's stream after it."""
+    from braid.backend import BraidWork
+    torch.cuda._sleep(10)
+    torch.cuda.synchronize()
+    lane = torch.cuda.Stream()
+    out = torch.zeros(1 << 20, device="cuda")
+    lane.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(lane):
+        torch.cuda._sleep(int(3e8))
+        out.fill_(7.0)
+        ev = torch.cuda.Event()
+        ev.record(lane)
+    handle = _LaneHandle(ev, lane)
+    work = BraidWork(handle, [out])
+    fut = work.get_future()
+    assert handle.waits == 0 and work._side_done is None        # no side stream's wait
+    mark = torch.cuda.Event()
+    mark.record(torch.cuda.current_stream())
+    deadline = time.monotonic() + 5.0
+    while not mark.query() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert mark.query(), "the caller's stream waits for the call after get_future()"
+    assert not ev.query(), "the slow call ended before the check: the test proves nothing"
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(other):                 # a user of the value on a third stream
+        total = fut.wait()[0].sum()
+    other.synchronize()
+    assert total.item() == 7.0 * out.numel()
+    work.wait()
+    assert out.sum().item() == 7.0 * out.numel() and handle.waits == 1
 
 
 def _port() -> int:
