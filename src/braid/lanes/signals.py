@@ -50,7 +50,41 @@ def _emit(sh: int, ops: list) -> None:
         _cuda.memops(sh, ops)
 
 
-class Rising:
+class _Scheme:
+    """The signals on a stream, from each scheme's lists of operations ((wait, address, value))."""
+
+    def ready(self, sh: int, me: int, readers) -> None:
+        _emit(sh, self._ready_ops(me, readers))
+
+    def wait_ready(self, sh: int, srcs, me: int) -> None:
+        _emit(sh, self._wait_ready_ops(srcs, me))
+
+    def ready_then_wait(self, sh: int, me: int, readers, srcs) -> None:
+        _emit(sh, self._ready_ops(me, readers) + self._wait_ready_ops(srcs, me))
+
+    def done(self, sh: int, me: int, sources) -> None:
+        _emit(sh, self._done_ops(me, sources))
+
+    def wait_done(self, sh: int, readers, me: int) -> None:
+        _emit(sh, self._wait_done_ops(readers, me))
+
+    def done_then_wait(self, sh: int, me: int, sources, readers) -> None:
+        _emit(sh, self._done_ops(me, sources) + self._wait_done_ops(readers, me))
+
+    def piece(self, sh: int, me: int, k: int, readers) -> None:
+        _emit(sh, self._piece_ops(me, k, readers))
+
+    def wait_piece(self, sh: int, srcs, me: int, k: int) -> None:
+        _emit(sh, self._wait_piece_ops(srcs, me, k))
+
+    def wait_pieces(self, sh: int, counts: dict, me: int) -> None:
+        _emit(sh, self._wait_pieces_ops(counts, me))
+
+    def piece_then_wait_pieces(self, sh: int, me: int, k: int, readers, counts: dict) -> None:
+        _emit(sh, self._piece_ops(me, k, readers) + self._wait_pieces_ops(counts, me))
+
+
+class Rising(_Scheme):
     """Per-rank counters raised to the call's sequence number (`seq`); `piece_base` is where
     the reduction's piece counter starts in this call (seq * MAX_PIECES)."""
 
@@ -74,44 +108,17 @@ class Rising:
     def _wait_done_ops(self, readers, me: int) -> list:
         return [(True, self._counter("ce_finish", p), self.seq) for p in readers]
 
-    def ready(self, sh: int, me: int, readers) -> None:
-        _emit(sh, self._ready_ops(me, readers))
-
-    def wait_ready(self, sh: int, srcs, me: int) -> None:
-        _emit(sh, self._wait_ready_ops(srcs, me))
-
-    def ready_then_wait(self, sh: int, me: int, readers, srcs) -> None:
-        _emit(sh, self._ready_ops(me, readers) + self._wait_ready_ops(srcs, me))
-
-    def done(self, sh: int, me: int, sources) -> None:
-        _emit(sh, self._done_ops(me, sources))
-
-    def wait_done(self, sh: int, readers, me: int) -> None:
-        _emit(sh, self._wait_done_ops(readers, me))
-
-    def done_then_wait(self, sh: int, me: int, sources, readers) -> None:
-        _emit(sh, self._done_ops(me, sources) + self._wait_done_ops(readers, me))
-
     def _piece_ops(self, me: int, k: int, readers) -> list:
         return [(False, self._counter("ce_red", me), self.piece_base + k + 1)]
+
+    def _wait_piece_ops(self, srcs, me: int, k: int) -> list:
+        return [(True, self._counter("ce_red", s), self.piece_base + k + 1) for s in srcs]
 
     def _wait_pieces_ops(self, counts: dict, me: int) -> list:
         return [(True, self._counter("ce_red", s), self.piece_base + n) for s, n in counts.items() if n]
 
-    def piece(self, sh: int, me: int, k: int, readers) -> None:
-        _emit(sh, self._piece_ops(me, k, readers))
 
-    def wait_piece(self, sh: int, srcs, me: int, k: int) -> None:
-        _emit(sh, [(True, self._counter("ce_red", s), self.piece_base + k + 1) for s in srcs])
-
-    def wait_pieces(self, sh: int, counts: dict, me: int) -> None:
-        _emit(sh, self._wait_pieces_ops(counts, me))
-
-    def piece_then_wait_pieces(self, sh: int, me: int, k: int, readers, counts: dict) -> None:
-        _emit(sh, self._piece_ops(me, k, readers) + self._wait_pieces_ops(counts, me))
-
-
-class Flags:
+class Flags(_Scheme):
     """Per-pair flags set to 1 by the writer and reset to 0 by the waiter (replay-safe)."""
 
     replayable = True
@@ -131,57 +138,24 @@ class Flags:
         """Wait for each flag and set it back to 0 (each wait before its reset)."""
         return [op for a in addrs for op in ((True, a, 1), (False, a, 0))]
 
-    def _set(self, sh: int, addrs) -> None:
-        _emit(sh, self._sets(addrs))
+    def _ready_ops(self, me: int, readers) -> list:
+        return self._sets([self._flag("flag_ready", me, p) for p in readers])
 
-    def _take(self, sh: int, addrs) -> None:
-        _emit(sh, self._takes(addrs))
+    def _wait_ready_ops(self, srcs, me: int) -> list:
+        return self._takes([self._flag("flag_ready", s, me) for s in srcs])
 
-    def _ready_flags(self, me: int, readers) -> list:
-        return [self._flag("flag_ready", me, p) for p in readers]
+    def _done_ops(self, me: int, sources) -> list:
+        return self._sets([self._flag("flag_done", me, s) for s in sources])
 
-    def _srcs_ready_flags(self, srcs, me: int) -> list:
-        return [self._flag("flag_ready", s, me) for s in srcs]
+    def _wait_done_ops(self, readers, me: int) -> list:
+        return self._takes([self._flag("flag_done", p, me) for p in readers])
 
-    def _done_flags(self, me: int, sources) -> list:
-        return [self._flag("flag_done", me, s) for s in sources]
+    def _piece_ops(self, me: int, k: int, readers) -> list:
+        return self._sets([self._flag("flag_piece", me, p, k) for p in readers])
 
-    def _readers_done_flags(self, readers, me: int) -> list:
-        return [self._flag("flag_done", p, me) for p in readers]
+    def _wait_piece_ops(self, srcs, me: int, k: int) -> list:
+        return self._takes([self._flag("flag_piece", s, me, k) for s in srcs])
 
-    def ready(self, sh: int, me: int, readers) -> None:
-        self._set(sh, self._ready_flags(me, readers))
-
-    def wait_ready(self, sh: int, srcs, me: int) -> None:
-        self._take(sh, self._srcs_ready_flags(srcs, me))
-
-    def ready_then_wait(self, sh: int, me: int, readers, srcs) -> None:
-        _emit(sh, self._sets(self._ready_flags(me, readers)) + self._takes(self._srcs_ready_flags(srcs, me)))
-
-    def done(self, sh: int, me: int, sources) -> None:
-        self._set(sh, self._done_flags(me, sources))
-
-    def wait_done(self, sh: int, readers, me: int) -> None:
-        self._take(sh, self._readers_done_flags(readers, me))
-
-    def done_then_wait(self, sh: int, me: int, sources, readers) -> None:
-        _emit(sh, self._sets(self._done_flags(me, sources)) + self._takes(self._readers_done_flags(readers, me)))
-
-    def _piece_flags(self, me: int, k: int, readers) -> list:
-        return [self._flag("flag_piece", me, p, k) for p in readers]
-
-    def _last_piece_flags(self, counts: dict, me: int) -> list:
+    def _wait_pieces_ops(self, counts: dict, me: int) -> list:
         # the last piece's flag only: its writer says its pieces in order and sets no other
-        return [self._flag("flag_piece", s, me, n - 1) for s, n in counts.items() if n]
-
-    def piece(self, sh: int, me: int, k: int, readers) -> None:
-        self._set(sh, self._piece_flags(me, k, readers))
-
-    def wait_piece(self, sh: int, srcs, me: int, k: int) -> None:
-        self._take(sh, [self._flag("flag_piece", s, me, k) for s in srcs])
-
-    def wait_pieces(self, sh: int, counts: dict, me: int) -> None:
-        self._take(sh, self._last_piece_flags(counts, me))
-
-    def piece_then_wait_pieces(self, sh: int, me: int, k: int, readers, counts: dict) -> None:
-        _emit(sh, self._sets(self._piece_flags(me, k, readers)) + self._takes(self._last_piece_flags(counts, me)))
+        return self._takes([self._flag("flag_piece", s, me, n - 1) for s, n in counts.items() if n])
