@@ -40,14 +40,30 @@ class _Handle:
 class _World:
     current = "caller"
     log: list = []
+    device = 0          # the current GPU
 
 
-def _patch(monkeypatch):
-    _World.current, _World.log = "caller", []
+class _Lane:
+    """A lane stream as torch's CUDA stream describes itself (id, device, type)."""
+    stream_id, device_index, device_type = 7, 0, 1
+
+    def __eq__(self, other):
+        return other == "lane"
+
+    def __hash__(self):
+        return hash("lane")
+
+
+_IDS = {1: "caller", 7: "lane"}
+
+
+def _patch(monkeypatch, low_level=True):
+    """low_level: torch's calls beneath torch.cuda.stream() (a CUDA build's) are there."""
+    _World.current, _World.log, _World.device = "caller", [], 0
 
     class Future:
         def __init__(self, devices=None):
-            _World.log.append(("future", tuple(devices or ())))
+            _World.log.append(("future", tuple(str(d) for d in devices or ())))
 
         def set_result(self, value):
             _World.log.append(("set_result", _World.current, len(value)))
@@ -75,6 +91,21 @@ def _patch(monkeypatch):
     monkeypatch.setattr(backend_work.torch.cuda, "Event", Event)
     monkeypatch.setattr(backend_work, "_future_stream", lambda device: "side")
 
+    def get_current(index):
+        assert index == _World.device
+        return ({v: k for k, v in _IDS.items()}[_World.current], index, 1)
+
+    def set_stream(stream_id, device_index, device_type):
+        assert device_index == _World.device and device_type == 1
+        _World.log.append(("set_stream", _IDS[stream_id]))
+        _World.current = _IDS[stream_id]
+    for name, fn in (("_cuda_getCurrentStream", get_current), ("_cuda_setStream", set_stream),
+                     ("_cuda_getDevice", lambda: _World.device)):
+        if low_level:
+            monkeypatch.setattr(torch._C, name, fn, raising=False)
+        else:
+            monkeypatch.delattr(torch._C, name, raising=False)
+
 
 def _result():
     return [torch.Tensor._make_subclass(_GpuTensor, torch.arange(6.0))]
@@ -82,15 +113,38 @@ def _result():
 
 def test_a_call_that_ends_on_one_stream_completes_its_future_there(monkeypatch):
     _patch(monkeypatch)
-    h = _Handle(stream="lane")
+    h = _Handle(stream=_Lane())
     work = BraidWork(h, _result())
     fut = work.get_future()
     assert work.get_future() is fut                       # one future per Work
-    assert _World.log == [("future", ("cuda:0",)), ("set_result", "lane", 1)]
+    assert _World.log == [("future", ("cuda:0",)), ("set_stream", "lane"), ("set_result", "lane", 1),
+                          ("set_stream", "caller")]       # torch's own stream switch, there and back
     assert h.waits == [] and work._side_done is None      # no side stream, no event of braid's own
     assert _World.current == "caller"                     # the caller's stream is current again
     work.wait()                                           # the caller's stream waits for the call itself
     assert h.waits == ["caller"]
+
+
+def test_the_stream_switch_without_torch_s_low_level_calls_or_on_another_gpu(monkeypatch):
+    for low_level, device in ((False, 0), (True, 1)):
+        _patch(monkeypatch, low_level)
+        _World.device = device              # the current GPU is not the lane's: torch.cuda.stream()
+        work = BraidWork(_Handle(stream=_Lane()), _result())
+        work.get_future()
+        assert _World.log == [("future", ("cuda:0",)), ("set_result", "lane", 1)]
+        assert _World.current == "caller"
+
+
+def test_a_failed_result_leaves_the_caller_s_stream_current(monkeypatch):
+    _patch(monkeypatch)
+
+    def set_result(self, value):
+        raise RuntimeError("no room")
+    monkeypatch.setattr(backend_work.torch.futures.Future, "set_result", set_result)
+    work = BraidWork(_Handle(stream=_Lane()), _result())
+    work.get_future()
+    assert _World.current == "caller" and _World.log[-1] == ("set_exception", "RuntimeError('no room')")
+    assert work.exception() is not None and not work.is_success()
 
 
 def test_any_other_call_completes_its_future_on_the_side_stream(monkeypatch):
@@ -105,7 +159,7 @@ def test_any_other_call_completes_its_future_on_the_side_stream(monkeypatch):
 
 def test_a_finished_call_completes_its_future_at_once(monkeypatch):
     _patch(monkeypatch)
-    h = _Handle(stream="lane")
+    h = _Handle(stream=_Lane())
     work = BraidWork(h, _result())
     work.wait()
     work.get_future()

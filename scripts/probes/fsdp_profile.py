@@ -47,6 +47,9 @@ def main() -> None:
     ap.add_argument("--time-calls", action="store_true",
                     help="host time of braid's graph launches, rounds of words and whole calls in the braid replica's windows")
     ap.add_argument("--no-profile", action="store_true", help="windows only, no cProfile")
+    ap.add_argument("--call-profile", action="store_true",
+                    help="cProfile of braid's backend calls and their futures in whichever thread makes them "
+                         "(DDP's autograd thread), over the braid replica's windows; rank 0's table printed")
     ap.add_argument("--trace", action="store_true", help="with --kernels: a chrome trace per replica and rank in --out")
     ap.add_argument("--trial", action="store_true",
                     help="host times of the calls inside the in-job trial's split and whole blocks (see above)")
@@ -95,6 +98,8 @@ def main() -> None:
     gcs = {k: [0.0, 0] for k in reps}
     tail = {k: [] for k in reps}     # ms the host waited for the GPU after queuing a window
     timed = _time_calls() if a.time_calls else None
+    if a.call_profile:
+        timed = _profile_calls(timed)
     for k in range(a.rounds):
         j = k % len(names)           # each replica in every position in turn
         for name in names[j:] + names[:j]:
@@ -128,6 +133,16 @@ def main() -> None:
             if xs:
                 print(f"braid {what}: {len(xs)} calls, host us p50 {xs[len(xs) // 2]:.1f} p90 {xs[len(xs) * 9 // 10]:.1f} "
                       f"max {xs[-1]:.1f} total {sum(xs) / 1e3 / a.steps / a.rounds:.2f} ms/step", flush=True)
+    if a.call_profile and rank == 0:
+        buf = io.StringIO()
+        st = pstats.Stats(timed["prof"], stream=buf)
+        st.sort_stats("tottime").print_stats(35)
+        st.sort_stats("cumulative").print_stats(45)
+        path = os.path.join(a.out, f"{a.job}_call_profile.txt")
+        with open(path, "w") as f:
+            f.write(buf.getvalue())
+        print(f"braid: profile of the backend's calls in {path}", flush=True)
+        print("\n".join(buf.getvalue().splitlines()[:50]), flush=True)
     if a.kernels:
         gpu_time(reps, ctx, a.steps, rank, a.out if a.trace else "")
     for name in ([] if a.no_profile else names):
@@ -255,6 +270,41 @@ def _time_calls() -> dict:
         if hasattr(BraidProcessGroup, op):
             wrap(BraidProcessGroup, op, f"backend {op}")
     wrap(BraidWork, "get_future", "backend get_future")     # DDP asks each bucket's call for it
+    return timed
+
+
+def _profile_calls(timed):
+    """cProfile around each of braid's backend calls and futures, in the thread that makes it
+    (cProfile follows one thread; DDP calls its buckets' all_reduce from autograd's thread), kept
+    while timed["on"]; the outermost call only (a call's own inner calls are inside it)."""
+    import threading
+    from braid.backend import BraidProcessGroup
+    from braid.backend_work import BraidWork
+    if timed is None:
+        timed = {"on": False, "us": {}}
+    prof = timed["prof"] = cProfile.Profile()
+    depth = threading.local()
+
+    def wrap(owner, attr):
+        fn = getattr(owner, attr)
+
+        def profiled(*args, **kw):
+            if not timed["on"] or getattr(depth, "n", 0):
+                return fn(*args, **kw)
+            depth.n = 1
+            prof.enable()
+            try:
+                return fn(*args, **kw)
+            finally:
+                prof.disable()
+                depth.n = 0
+        setattr(owner, attr, profiled)
+    for op in ("allreduce", "_allgather_base", "_reduce_scatter_base", "allgather_into_tensor_coalesced",
+               "reduce_scatter_tensor_coalesced"):
+        if hasattr(BraidProcessGroup, op):
+            wrap(BraidProcessGroup, op)
+    wrap(BraidWork, "get_future")
+    wrap(BraidWork, "wait")
     return timed
 
 

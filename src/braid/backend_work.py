@@ -119,6 +119,21 @@ class BraidWork(dist._Work):
 
     def get_future(self):
         if self._future is None:
+            lane = getattr(self._handle, "stream", None) if not self._waited else None
+            if lane is not None:        # a replayed call (DDP's every bucket): the short path
+                fut = self._future = torch.futures.Future(devices=_devices(lane.device_index))
+                try:
+                    # the call's end is the last work on its lane stream: the future's own events,
+                    # recorded there, mark it (no side stream, no event of braid's own). Asked
+                    # later, after more of braid's work on that stream, it completes later: never
+                    # early.
+                    _set_result_on(fut, list(self._result), lane)
+                except BaseException as exc:
+                    self._error = exc
+                    fut.set_exception(exc)
+                if self._record is not None:
+                    self._end_record()
+                return fut
             cuda = [t.device for t in self._result if isinstance(t, torch.Tensor) and t.is_cuda]
             if not cuda:
                 fut = self._future = torch.futures.Future()
@@ -134,28 +149,50 @@ class BraidWork(dist._Work):
                 if self._waited:                # finished, or the caller's stream waited already
                     fut.set_result(list(self._result))
                     return fut
-                lane = getattr(self._handle, "stream", None)
-                if lane is not None:
-                    # the call's end is the last work on its lane stream: the future's own events,
-                    # recorded there, mark it (no side stream, no event of braid's own: fewer
-                    # driver calls in DDP's every bucket). Asked later, after more of braid's work
-                    # on that stream, it completes later: never early.
-                    with torch.cuda.stream(lane):
-                        fut.set_result(list(self._result))
-                else:
-                    side = _future_stream(cuda[0])
-                    with torch.cuda.stream(side):
-                        self._handle.wait()     # the side stream waits for the call, no CPU block
-                        done = torch.cuda.Event()
-                        done.record(side)
-                        self._side_done = done
-                        fut.set_result(list(self._result))   # its events are recorded on the side stream
+                side = _future_stream(cuda[0])
+                with torch.cuda.stream(side):
+                    self._handle.wait()     # the side stream waits for the call, no CPU block
+                    done = torch.cuda.Event()
+                    done.record(side)
+                    self._side_done = done
+                    fut.set_result(list(self._result))   # its events are recorded on the side stream
             except BaseException as exc:
                 self._error = exc
                 fut.set_exception(exc)
             if self._record is not None:      # GPU: the call is queued behind the future's events
                 self._end_record()
         return self._future
+
+
+_DEVICES: dict[int, list] = {}
+
+
+def _devices(index: int) -> list:
+    """[cuda:index], made once per GPU (a future's devices)."""
+    d = _DEVICES.get(index)
+    if d is None:
+        d = _DEVICES[index] = [torch.device("cuda", index)]
+    return d
+
+
+def _set_result_on(fut, value, stream) -> None:
+    """fut.set_result(value) with `stream` as its GPU's current stream (the future records its
+    events on the current streams). On the current GPU through torch's own calls beneath
+    torch.cuda.stream(): that context manager's device lookups cost ~10-20 us of host time a call,
+    more inside a training step, and DDP asks every bucket's future."""
+    get = getattr(torch._C, "_cuda_getCurrentStream", None)
+    put = getattr(torch._C, "_cuda_setStream", None)
+    idx = stream.device_index
+    if get is None or put is None or torch._C._cuda_getDevice() != idx:
+        with torch.cuda.stream(stream):
+            fut.set_result(value)
+        return
+    prev = get(idx)
+    put(stream_id=stream.stream_id, device_index=idx, device_type=stream.device_type)
+    try:
+        fut.set_result(value)
+    finally:
+        put(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
 
 
 class _QueuedWork(BraidWork):
