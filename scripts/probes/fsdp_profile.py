@@ -6,6 +6,10 @@ printed); with --kernels the GPU's side per kind of kernel or copy.
     torchrun --nproc-per-node 2 scripts/probes/fsdp_profile.py [--job fsdp|ddp] [--shares ce=1]
         [--steps 20] [--rounds 4] [--kernels [--trace]] [--second-nccl] [--out DIR]
 
+--call-profile: cProfile around each of braid's backend calls and futures in the thread that
+makes it (DDP calls its buckets' all_reduce from autograd's thread, which the main thread's
+profile does not see), over the braid replica's windows; rank 0's tables printed and written.
+
 --shares fixes braid's shares for every call (the in-job trial then keeps them): how a split the
 job would not choose behaves inside its steps.
 
