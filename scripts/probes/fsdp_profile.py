@@ -138,15 +138,10 @@ def main() -> None:
                 print(f"braid {what}: {len(xs)} calls, host us p50 {xs[len(xs) // 2]:.1f} p90 {xs[len(xs) * 9 // 10]:.1f} "
                       f"max {xs[-1]:.1f} total {sum(xs) / 1e3 / a.steps / a.rounds:.2f} ms/step", flush=True)
     if a.call_profile and rank == 0:
-        buf = io.StringIO()
-        st = pstats.Stats(timed["prof"], stream=buf)
-        st.sort_stats("tottime").print_stats(35)
-        st.sort_stats("cumulative").print_stats(45)
         path = os.path.join(a.out, f"{a.job}_call_profile.txt")
-        with open(path, "w") as f:
-            f.write(buf.getvalue())
+        text = _write_profile(timed["prof"], path, 35)
         print(f"braid: profile of the backend's calls in {path}", flush=True)
-        print("\n".join(buf.getvalue().splitlines()[:50]), flush=True)
+        print("\n".join(text.splitlines()[:50]), flush=True)
     if a.kernels:
         gpu_time(reps, ctx, a.steps, rank, a.out if a.trace else "")
     for name in ([] if a.no_profile else names):
@@ -158,15 +153,22 @@ def main() -> None:
         ctx.sync()
         prof.disable()
         if rank == 0:
-            buf = io.StringIO()
-            st = pstats.Stats(prof, stream=buf)
-            st.sort_stats("tottime").print_stats(30)
-            st.sort_stats("cumulative").print_stats(40)
             path = os.path.join(a.out, f"{a.job}_profile_{name}.txt")
-            with open(path, "w") as f:
-                f.write(buf.getvalue())
+            _write_profile(prof, path, 30)
             print(f"{name}: profile of {a.steps} steps in {path}", flush=True)
     dist.destroy_process_group()
+
+
+def _write_profile(prof, path: str, rows: int) -> str:
+    """A cProfile's tables (the `rows` costliest functions by own time, then more by cumulative
+    time) written to `path`; returns them."""
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    st.sort_stats("tottime").print_stats(rows)
+    st.sort_stats("cumulative").print_stats(rows + 10)
+    with open(path, "w") as f:
+        f.write(buf.getvalue())
+    return buf.getvalue()
 
 
 def trial_calls(rep, steps: int, rank: int) -> None:
