@@ -857,6 +857,22 @@ def test_gpu_pace_marks_are_events_on_the_callers_stream():
     assert sorted(c[1] for c in calls if c[0] == "destroy") == [101, 102, 103, 104] and pace._free == []
 
 
+def test_the_slower_clock_times_a_block_at_the_longer_of_the_gpu_s_and_the_host_s_span():
+    """BRAID_TRIAL_PACE=max: a span is the GPU's where the host kept ahead of it, the host's where
+    the host was the slower (a split whose host cost its GPU cannot hide in steady state)."""
+    class FakeCuda:
+        def event_elapsed_s(self, a, b):
+            return 0.25
+    gpu, slower = A.GpuPace(0), A.GpuPace(0, slower=True)
+    for p in (gpu, slower):
+        p._cuda = FakeCuda()
+    ahead, behind = ((1, 10.0), (2, 10.1)), ((1, 10.0), (2, 10.4))      # (event, host seconds)
+    assert gpu.span(*ahead) == 0.25 and gpu.span(*behind) == 0.25
+    assert slower.span(*ahead) == 0.25                                      # the GPU's: it was the slower
+    assert slower.span(*behind) == pytest.approx(0.4)                       # the host's: it was
+    assert slower.span(10.0, 10.3) == pytest.approx(0.3)                    # host marks: the host's as before
+
+
 class _Mark:
     def __init__(self, t):
         self.t = t
@@ -984,6 +1000,16 @@ def test_trial_block_setting_is_checked(monkeypatch):
     monkeypatch.setenv("BRAID_TRIAL_BLOCK", "2")
     with pytest.raises(ValueError, match="BRAID_TRIAL_BLOCK"):
         envs.get("BRAID_TRIAL_BLOCK")
+
+
+def test_trial_pace_setting_is_checked(monkeypatch):
+    from braid import envs
+    for text, want in (("gpu", "gpu"), (" HOST", "host"), ("max", "max")):
+        monkeypatch.setenv("BRAID_TRIAL_PACE", text)
+        assert envs.get("BRAID_TRIAL_PACE") == want
+    monkeypatch.setenv("BRAID_TRIAL_PACE", "slowest")
+    with pytest.raises(ValueError, match="gpu, host or max"):
+        envs.get("BRAID_TRIAL_PACE")
 
 
 def _ddp_like(period, k, seed, n=A.DETECT, noise=0.03):

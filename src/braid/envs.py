@@ -261,15 +261,16 @@ _define("BRAID_LEARN_SPLIT", _bool, True,
         "alone decides. Must be the same on every rank.")
 def _pace(text: str) -> str:
     value = text.strip().lower()
-    if value not in ("gpu", "host"):
-        raise ValueError(f"BRAID_TRIAL_PACE must be gpu or host (got {text!r})")
+    if value not in ("gpu", "host", "max"):
+        raise ValueError(f"BRAID_TRIAL_PACE must be gpu, host or max (got {text!r})")
     return value
 
 
 _define("BRAID_TRIAL_PACE", _pace, "gpu",
         "How the in-job trials time a block of calls: gpu (default), the GPU's time between timing "
         "events recorded on the caller's stream at the block's first and last calls (a job whose host "
-        "runs ahead of its GPU shows its speed there); host, the host's clock between those calls.")
+        "runs ahead of its GPU shows its speed there); host, the host's clock between those calls; max, "
+        "the longer of the two (a mode whose host is slower than its GPU is timed at its host's pace).")
 def _block(text: str) -> int:
     value = int(text)
     if value < 4:

@@ -444,13 +444,22 @@ class GpuPace:
     1.11-1.13x faster). A host-bound job's GPU waits for its host, so its GPU pace is the host's.
     Reading a span waits for the block's last mark to happen on the GPU (a paired block is read
     at the end of the block after it, when that mark has usually happened). Where events cannot
-    be used (a capturing stream, a driver error) the mark is the host's clock."""
+    be used (a capturing stream, a driver error) the mark is the host's clock.
 
-    def __init__(self, device_index: int):
+    `slower` (BRAID_TRIAL_PACE=max): a span is the longer of the GPU's and the host's. A job runs
+    in steady state at the pace of the slower of its host and its GPU, and alternating blocks
+    hide a host-bound mode from the GPU's clock: a split block that follows a whole one starts
+    with the GPU behind its host (the whole calls let the host run ahead), and the GPU then runs
+    the block's work at its own speed. DDP's defaults on 2 x H200 kept a split at GPU paces of
+    717/793 us a call whose steps then ran 0.91 of NCCL's, its host 6.9 ms a step against the
+    GPU's 5.6 (2026-11-27)."""
+
+    def __init__(self, device_index: int, slower: bool = False):
         from ..lanes import _cuda
         from .prepared import _RAW
         self._cuda, self._raw, self._dev = _cuda, _RAW, device_index
         self._free: list[int] = []
+        self._slower = slower
 
     def __call__(self):
         now = time.perf_counter()
@@ -475,6 +484,8 @@ class GpuPace:
                 s = self._cuda.event_elapsed_s(a[0], b[0])
             except Exception:      # noqa: BLE001
                 s = b[1] - a[1]
+            if self._slower:
+                s = max(s, b[1] - a[1])
         else:
             s = (b[1] if isinstance(b, tuple) else b) - (a[1] if isinstance(a, tuple) else a)
         return s

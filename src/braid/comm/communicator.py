@@ -115,7 +115,8 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
         # the trials of whole against split are agreed through the node segment: one node only
         learn = bool(envs.get("BRAID_LEARN_SPLIT")) and seg is not None and self.cuda and self.world_size > 1 \
             and self.single_node
-        self._pace = GpuPace(self.device.index) if learn and envs.get("BRAID_TRIAL_PACE") == "gpu" else None
+        pace = envs.get("BRAID_TRIAL_PACE")
+        self._pace = GpuPace(self.device.index, slower=pace == "max") if learn and pace != "host" else None
         self._arbiter = Arbiter(self._trial_exchange, enabled=learn, clock=self._pace or time.perf_counter,
                                 block=envs.get("BRAID_TRIAL_BLOCK"),
                                 log=trial_log(envs.get("BRAID_TRIAL_LOG"), self.rank) if learn else None,
