@@ -7,6 +7,7 @@ import math
 import random
 import re
 import threading
+import types
 
 import pytest
 
@@ -1040,3 +1041,69 @@ def test_find_period_sees_through_one_late_call():
         xs = _ddp_like(8, 5, seed)
         xs[random.Random(seed).randrange(len(xs))] = 1.0e6             # a pause, a build
         assert A.find_period(xs) == (8, 5), seed
+
+
+class _Queue:
+    """A caller's stream in a model: each call costs the host `host` seconds and the GPU `gpu`
+    seconds of work, which starts once the host has queued it and the GPU has finished what came
+    before. An event recorded at a call happens when the GPU reaches that point of the stream."""
+
+    def __init__(self):
+        self.host = self.gpu_end = 1.0
+        self.events: dict[int, float] = {}
+
+    def call(self, host: float, gpu: float) -> None:
+        self.host += host
+        self.gpu_end = max(self.gpu_end, self.host) + gpu
+
+    # the driver as GpuPace uses it
+    def stream_capturing(self, stream):
+        return False
+
+    def event_create(self, timing=True):
+        return len(self.events) + 1
+
+    def event_record(self, ev, stream):
+        self.events[ev] = max(self.gpu_end, self.host)
+
+    def event_elapsed_s(self, a, b):
+        return self.events[b] - self.events[a]
+
+
+def _queued_job(pace: str, host_split: float, gpu_split: float, calls: int = VERDICT + 1):
+    """A job of one shape on the model stream, timed by GpuPace (`pace` gpu or max): NCCL's whole
+    call costs the host 300 us and the GPU 790; the split the host `host_split` us and the GPU
+    `gpu_split`. Returns the arbiter (its decisions)."""
+    q = _Queue()
+    clock = A.GpuPace(0, slower=pace == "max")
+    clock._cuda, clock._raw = q, lambda dev: 0
+    real = A.time
+    A.time = types.SimpleNamespace(perf_counter=lambda: q.host)     # the marks' host time: the model's
+    try:
+        arb = A.Arbiter(lambda v: [list(v)], clock=clock)
+        for _ in range(calls):
+            whole = arb.whole(KEY)
+            q.call(300e-6, 790e-6) if whole else q.call(host_split * 1e-6, gpu_split * 1e-6)
+    finally:
+        A.time = real
+    return arb
+
+
+@pytest.mark.parametrize("pace", ["gpu", "max"])
+def test_alternating_blocks_hide_a_host_bound_split_from_the_gpu_s_clock(pace):
+    """DDP's defaults as measured (2 x H200): whole 300 us of host and 790 of GPU a call, the split
+    860 and 700. All split, the job would run at its host's 860 us a call, all whole at the GPU's
+    790: whole wins. But each split block follows a whole block whose cheap calls let the host run
+    ahead, and the GPU runs the split block's work at its own 700: the GPU's clock keeps the split;
+    the longer of the two clocks sees the host's 860 and sends it whole."""
+    arb = _queued_job(pace, 860.0, 700.0)
+    assert arb.decisions, "no verdict"
+    assert arb.decisions[-1][3] is (pace == "max")      # whole on the longer clock, split (wrongly) on the GPU's
+
+
+@pytest.mark.parametrize("pace", ["gpu", "max"])
+def test_a_split_whose_host_keeps_ahead_is_kept_on_either_clock(pace):
+    """The split's host cost under its GPU time (host 600 us, GPU 700 against whole 790): the job
+    runs at its GPU's pace in either mode and the split wins; both clocks keep it."""
+    arb = _queued_job(pace, 600.0, 700.0)
+    assert arb.decisions and arb.decisions[-1][3] is False
