@@ -1107,3 +1107,41 @@ def test_a_split_whose_host_keeps_ahead_is_kept_on_either_clock(pace):
     runs at its GPU's pace in either mode and the split wins; both clocks keep it."""
     arb = _queued_job(pace, 600.0, 700.0)
     assert arb.decisions and arb.decisions[-1][3] is False
+
+
+def test_the_host_s_clock_leaves_out_the_pace_s_own_waits():
+    """A span's read waits on the host for its last mark (here 0.5 s): the marks after it carry
+    the host's time less that wait, so a block's host span holds the job's time only."""
+    now = [10.0]
+
+    class FakeCuda:
+        made = 0
+
+        def stream_capturing(self, stream):
+            return False
+
+        def event_create(self, timing=True):
+            FakeCuda.made += 1
+            return FakeCuda.made
+
+        def event_record(self, ev, stream):
+            pass
+
+        def event_elapsed_s(self, a, b):
+            now[0] += 0.5                       # the host waits for the GPU to reach b
+            return 0.1
+    pace = A.GpuPace(0, slower=True)
+    pace._cuda, pace._raw = FakeCuda(), lambda dev: 0
+    real = A.time
+    A.time = types.SimpleNamespace(perf_counter=lambda: now[0])
+    try:
+        a = pace()
+        now[0] += 0.2                           # the job's host time
+        b = pace()
+        assert pace.span(a, b) == pytest.approx(0.2)     # the host's 0.2 against the GPU's 0.1
+        now[0] += 0.3
+        c = pace()                              # 0.5 s of the read's wait left out
+        assert c[1] - b[1] == pytest.approx(0.3)
+        assert pace.span(b, c) == pytest.approx(0.3)
+    finally:
+        A.time = real

@@ -452,7 +452,8 @@ class GpuPace:
     with the GPU behind its host (the whole calls let the host run ahead), and the GPU then runs
     the block's work at its own speed. DDP's defaults on 2 x H200 kept a split at GPU paces of
     717/793 us a call whose steps then ran 0.91 of NCCL's, its host 6.9 ms a step against the
-    GPU's 5.6 (2026-11-27)."""
+    GPU's 5.6 (2026-11-27). The host's clock leaves out the host's waits inside span() (reading a
+    span waits for its last mark), which are the trial's, not the job's."""
 
     def __init__(self, device_index: int, slower: bool = False):
         from ..lanes import _cuda
@@ -460,9 +461,10 @@ class GpuPace:
         self._cuda, self._raw, self._dev = _cuda, _RAW, device_index
         self._free: list[int] = []
         self._slower = slower
+        self._held = 0.0        # seconds the host waited inside span(): not the job's own time
 
     def __call__(self):
-        now = time.perf_counter()
+        now = time.perf_counter() - self._held
         cu = self._cuda
         try:
             stream = self._raw(self._dev)
@@ -480,10 +482,12 @@ class GpuPace:
 
     def span(self, a, b) -> float:
         if isinstance(a, tuple) and isinstance(b, tuple):
+            t0 = time.perf_counter()
             try:
-                s = self._cuda.event_elapsed_s(a[0], b[0])
+                s = self._cuda.event_elapsed_s(a[0], b[0])     # waits for b on the host
             except Exception:      # noqa: BLE001
                 s = b[1] - a[1]
+            self._held += time.perf_counter() - t0
             if self._slower:
                 s = max(s, b[1] - a[1])
         else:
