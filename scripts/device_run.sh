@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run on a GPU machine: environment, GPU tests, bench. Usage: bash scripts/device_run.sh STEP...
 # Steps: info | tests | guard (or guard1, guard2, guard_deferred) | faults | frameworks | bench2 | bench4 | ab2 | ab4 | work2 | work4 | workab2 | hot4 | trace2 | trace4 | first2 |
-#        first4 | conformance | hier2 | moe2 | fsdp2 | cpuab | ddphost | relaunch | pack
+#        first4 | conformance | hier2 | moe2 | fsdp2 | cpuab | ddphost | fsdphost | relaunch | pack
 # Logs and JSON go to $LOGS (default $OUT); `pack` tars $LOGS into $OUT/run.tgz (one file to copy
 # back). bench: BENCH_OP, BENCH_SIZES, BENCH_FACTOR, BENCH_EXTRA (more flags),
 # BENCH_TAG (file-name suffix, default the op). work: WORK (default all), WORK_EXTRA, WORK_TAG.
@@ -88,6 +88,11 @@ for step in "$@"; do
           for e in "${sets[@]}"; do echo "--- $e" | tee -a "$LOGS/ddphost.log";
             env $e timeout 100 torchrun --nproc-per-node 2 scripts/probes/fsdp_profile.py --job ddp --shares ce=1 --steps 20 \
               --rounds ${FSDP_ROUNDS:-6} --no-profile --time-calls --out "$LOGS" 2>&1 | grep -E "rank 0 |^braid " | tee -a "$LOGS/ddphost.log"; done; done ;;
+    # FSDP2's collectives timed on the host in both replicas (torch.distributed's own calls, braid's
+    # group and NCCL's), every call whole through braid (FSDP_SHARES, default nccl=1), ~40 s
+    fsdphost) timeout 150 torchrun --nproc-per-node 2 scripts/probes/fsdp_profile.py --job fsdp --shares ${FSDP_SHARES:-nccl=1} \
+              --steps 10 --rounds ${FSDP_ROUNDS:-8} --no-profile --time-c10d --out "$LOGS" 2>&1 | grep -E "rank 0 |^c10d " \
+              | tee -a "$LOGS/fsdphost.log" ;;
     # does a graph's launch wait on the host while the same graph's last launch has not run? (~10 s)
     relaunch) timeout 120 python3 scripts/probes/graph_relaunch.py 2>&1 | grep -v Warning | tee "$LOGS/graph_relaunch.log" ;;
     pack) [ "$LOGS" != "$OUT" ] && tar czf "$OUT/run.tgz" -C "$LOGS" . && ls -la "$OUT" ;;

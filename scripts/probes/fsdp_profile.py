@@ -6,6 +6,9 @@ printed); with --kernels the GPU's side per kind of kernel or copy.
     torchrun --nproc-per-node 2 scripts/probes/fsdp_profile.py [--job fsdp|ddp] [--shares ce=1]
         [--steps 20] [--rounds 4] [--kernels [--trace]] [--second-nccl] [--out DIR]
 
+--time-c10d: host clocks around torch.distributed's all-gather, reduce-scatter and all_reduce calls
+per replica (FSDP2's calls, braid's and NCCL's alike).
+
 --call-profile: cProfile around each of braid's backend calls and futures in the thread that
 makes it (DDP calls its buckets' all_reduce from autograd's thread, which the main thread's
 profile does not see), over the braid replica's windows; rank 0's tables printed and written.
@@ -51,6 +54,9 @@ def main() -> None:
     ap.add_argument("--time-calls", action="store_true",
                     help="host time of braid's graph launches, rounds of words and whole calls in the braid replica's windows")
     ap.add_argument("--no-profile", action="store_true", help="windows only, no cProfile")
+    ap.add_argument("--time-c10d", action="store_true",
+                    help="host time of torch.distributed's all-gather, reduce-scatter and all_reduce calls per "
+                         "replica (FSDP2 calls these; NCCL's replica too), in every window")
     ap.add_argument("--call-profile", action="store_true",
                     help="cProfile of braid's backend calls and their futures in whichever thread makes them "
                          "(DDP's autograd thread), over the braid replica's windows; rank 0's table printed")
@@ -104,6 +110,7 @@ def main() -> None:
     timed = _time_calls() if a.time_calls else None
     if a.call_profile:
         timed = _profile_calls(timed)
+    c10d = _time_c10d() if a.time_c10d else None
     for k in range(a.rounds):
         j = k % len(names)           # each replica in every position in turn
         for name in names[j:] + names[:j]:
@@ -115,9 +122,13 @@ def main() -> None:
             t0, c0 = time.perf_counter(), time.process_time()
             if timed is not None:
                 timed["on"] = name == "braid"
+            if c10d is not None:
+                c10d["rep"] = name
             reps[name].run(a.steps)
             if timed is not None:
                 timed["on"] = False
+            if c10d is not None:
+                c10d["rep"] = None
             t1 = time.perf_counter()
             ctx.sync()
             tail[name].append((time.perf_counter() - t1) * 1e3)
@@ -137,6 +148,11 @@ def main() -> None:
             if xs:
                 print(f"braid {what}: {len(xs)} calls, host us p50 {xs[len(xs) // 2]:.1f} p90 {xs[len(xs) * 9 // 10]:.1f} "
                       f"max {xs[-1]:.1f} total {sum(xs) / 1e3 / a.steps / a.rounds:.2f} ms/step", flush=True)
+    if c10d is not None and rank == 0:
+        for (rep, what), xs in sorted(c10d["us"].items()):
+            xs = sorted(xs)
+            print(f"c10d {rep:9s} {what}: {len(xs)} calls, host us p50 {xs[len(xs) // 2]:.1f} "
+                  f"p90 {xs[len(xs) * 9 // 10]:.1f} total {sum(xs) / 1e3 / a.steps / a.rounds:.2f} ms/step", flush=True)
     if a.call_profile and rank == 0:
         path = os.path.join(a.out, f"{a.job}_call_profile.txt")
         text = _write_profile(timed["prof"], path, 35)
@@ -277,6 +293,32 @@ def _time_calls() -> dict:
             wrap(BraidProcessGroup, op, f"backend {op}")
     wrap(BraidWork, "get_future", "backend get_future")     # DDP asks each bucket's call for it
     return timed
+
+
+def _time_c10d() -> dict:
+    """Wrap torch.distributed's module-level collectives that FSDP2 (and a user) call with host
+    clocks, per replica (c10d["rep"], set around each window): the same calls on braid's group and
+    on NCCL's, timed alike inside the job; the outermost call only (one may call another)."""
+    c10d = {"rep": None, "us": {}, "depth": 0}
+    for what in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single", "reduce_scatter_single",
+                 "all_reduce"):
+        fn = getattr(dist, what, None)
+        if fn is None:          # torch's names differ between versions
+            continue
+
+        def timed_fn(*args, _fn=fn, _what=what, **kw):
+            rep = c10d["rep"]
+            if rep is None or c10d["depth"]:
+                return _fn(*args, **kw)
+            c10d["depth"] += 1
+            t0 = time.perf_counter()
+            try:
+                return _fn(*args, **kw)
+            finally:
+                c10d["depth"] -= 1
+                c10d["us"].setdefault((rep, _what), []).append((time.perf_counter() - t0) * 1e6)
+        setattr(dist, what, timed_fn)
+    return c10d
 
 
 def _profile_calls(timed):
