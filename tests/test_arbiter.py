@@ -1109,9 +1109,10 @@ def test_a_split_whose_host_keeps_ahead_is_kept_on_either_clock(pace):
     assert arb.decisions and arb.decisions[-1][3] is False
 
 
-def test_the_host_s_clock_leaves_out_the_pace_s_own_waits():
-    """A span's read waits on the host for its last mark (here 0.5 s): the marks after it carry
-    the host's time less that wait, so a block's host span holds the job's time only."""
+def test_the_host_s_clock_leaves_out_the_trial_s_own_waits():
+    """A span's read waits on the host for its last mark (here 0.5 s), an exchange of paces for
+    the peers (0.4 s): the marks after them carry the host's time less those waits, so a block's
+    host span holds the job's time only."""
     now = [10.0]
 
     class FakeCuda:
@@ -1143,5 +1144,14 @@ def test_the_host_s_clock_leaves_out_the_pace_s_own_waits():
         c = pace()                              # 0.5 s of the read's wait left out
         assert c[1] - b[1] == pytest.approx(0.3)
         assert pace.span(b, c) == pytest.approx(0.3)
+
+        def exchange(values):                   # the ranks' exchange of paces: 0.4 s waiting for a peer
+            now[0] += 0.4
+            return [list(values)]
+        arb = A.Arbiter(exchange, clock=pace)
+        now[0] += 0.1
+        assert arb._swap([1, 2]) == [[1, 2]]
+        d = pace()                              # the exchange's 0.4 s left out too
+        assert d[1] - c[1] == pytest.approx(0.1) and pace.span(c, d) == pytest.approx(0.1)
     finally:
         A.time = real

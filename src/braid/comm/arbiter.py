@@ -206,10 +206,23 @@ class Arbiter:
         self._clock = clock
         self._span = getattr(clock, "span", None) or (lambda a, b: b - a)
         self._drop = getattr(clock, "drop", None) or (lambda a: None)
+        # clock.hold(s): s seconds of the host's were the trial's own (an exchange's wait), not the job's
+        self._hold = getattr(clock, "hold", None)
         self._shapes: dict = {}
         self.decisions: list[tuple] = []    # (shape, split us, whole us, whole?): the last KEPT verdicts
         self.count = 0                      # verdicts so far
         self.calls = 0                      # calls of every shape so far
+
+    def _swap(self, values):
+        """self._exchange(values), its host time told to a clock that keeps the trial's own time
+        out of the host's side of its spans (GpuPace.hold)."""
+        if self._hold is None:
+            return self._exchange(values)
+        t0 = time.perf_counter()
+        try:
+            return self._exchange(values)
+        finally:
+            self._hold(time.perf_counter() - t0)
 
     def trying(self) -> bool:
         """True while some shape's trial (split against whole) has no verdict yet, among the
@@ -281,7 +294,7 @@ class Arbiter:
         period, k = find_period(xs)
         first = i - DETECT                  # the call of the first mark: xs[j] ends at call first + j + 1
         mine = [period, (first + k + 1) % period]
-        got = self._exchange(mine)
+        got = self._swap(mine)
         period, phase = got[0][0], got[0][1]
         st.period = max(1, period)
         st.seg0 = i + 1 + (phase - (i + 1)) % st.period
@@ -371,7 +384,7 @@ class Arbiter:
         lengthens the interval to the next trial (one short pair can be wrong)."""
         s, w = st.pair
         gain = math.log(w / s) if self._telling(st) else 0.0
-        got = self._exchange([1, _OFF + int(1e6 * gain), 0, int(1e7 * s), int(1e7 * w)])
+        got = self._swap([1, _OFF + int(1e6 * gain), 0, int(1e7 * s), int(1e7 * w)])
         st.pair, st.clean = [0.0, 0.0], [True, True]
         if min(g[1] - _OFF for g in got) / 1e6 >= -math.log1p(bar):
             return                                           # not clearly slower: on to the next part
@@ -401,7 +414,7 @@ class Arbiter:
         mean, se = _stats(st.logs)
         mine = [n, _OFF + int(1e6 * mean), int(1e6 * min(se, 1.0)),
                 int(1e7 * st.sums[0] / max(n, 1)), int(1e7 * st.sums[1] / max(n, 1))]
-        got = self._exchange(mine)
+        got = self._swap(mine)
         least = min(g[0] for g in got)
         lows = [(g[1] - _OFF - _t95(g[0]) * g[2]) / 1e6 for g in got]
         highs = [(g[1] - _OFF + _t95(g[0]) * g[2]) / 1e6 for g in got]
@@ -452,8 +465,8 @@ class GpuPace:
     with the GPU behind its host (the whole calls let the host run ahead), and the GPU then runs
     the block's work at its own speed. DDP's defaults on 2 x H200 kept a split at GPU paces of
     717/793 us a call whose steps then ran 0.91 of NCCL's, its host 6.9 ms a step against the
-    GPU's 5.6 (2026-11-27). The host's clock leaves out the host's waits inside span() (reading a
-    span waits for its last mark), which are the trial's, not the job's."""
+    GPU's 5.6 (2026-11-27). The host's clock leaves out the trial's own waits: inside span()
+    (reading a span waits for its last mark) and the ranks' exchanges of paces (hold())."""
 
     def __init__(self, device_index: int, slower: bool = False):
         from ..lanes import _cuda
@@ -479,6 +492,10 @@ class GpuPace:
             self._free.append(ev)
             return now
         return (ev, now)
+
+    def hold(self, seconds: float) -> None:
+        """`seconds` of the host's time were the trial's own (the ranks' exchange of paces)."""
+        self._held += seconds
 
     def span(self, a, b) -> float:
         if isinstance(a, tuple) and isinstance(b, tuple):
