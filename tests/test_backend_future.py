@@ -99,12 +99,8 @@ def _patch(monkeypatch, low_level=True):
         assert device_index == _World.device and device_type == 1
         _World.log.append(("set_stream", _IDS[stream_id]))
         _World.current = _IDS[stream_id]
-    for name, fn in (("_cuda_getCurrentStream", get_current), ("_cuda_setStream", set_stream),
-                     ("_cuda_getDevice", lambda: _World.device)):
-        if low_level:
-            monkeypatch.setattr(torch._C, name, fn, raising=False)
-        else:
-            monkeypatch.delattr(torch._C, name, raising=False)
+    monkeypatch.setattr(backend_work, "_STREAM_CALLS",
+                        (get_current, set_stream, lambda: _World.device) if low_level else None)
 
 
 def _result():

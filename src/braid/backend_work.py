@@ -175,18 +175,25 @@ def _devices(index: int) -> list:
     return d
 
 
+# torch's own calls beneath torch.cuda.stream() (a CUDA build's): the current stream of a GPU,
+# setting it, the current GPU; None where torch lacks one of them
+_STREAM_CALLS = tuple(getattr(torch._C, n, None) for n in ("_cuda_getCurrentStream", "_cuda_setStream",
+                                                          "_cuda_getDevice"))
+if None in _STREAM_CALLS:
+    _STREAM_CALLS = None
+
+
 def _set_result_on(fut, value, stream) -> None:
     """fut.set_result(value) with `stream` as its GPU's current stream (the future records its
     events on the current streams). On the current GPU through torch's own calls beneath
     torch.cuda.stream(): that context manager's device lookups cost ~10-20 us of host time a call,
     more inside a training step, and DDP asks every bucket's future."""
-    get = getattr(torch._C, "_cuda_getCurrentStream", None)
-    put = getattr(torch._C, "_cuda_setStream", None)
     idx = stream.device_index
-    if get is None or put is None or torch._C._cuda_getDevice() != idx:
+    if _STREAM_CALLS is None or _STREAM_CALLS[2]() != idx:
         with torch.cuda.stream(stream):
             fut.set_result(value)
         return
+    get, put, _ = _STREAM_CALLS
     prev = get(idx)
     put(stream_id=stream.stream_id, device_index=idx, device_type=stream.device_type)
     try:
