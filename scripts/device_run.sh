@@ -91,7 +91,7 @@ for step in "$@"; do
     # FSDP2's collectives timed on the host in both replicas (torch.distributed's own calls, braid's
     # group and NCCL's), every call whole through braid (FSDP_SHARES, default nccl=1), ~40 s
     fsdphost) timeout 150 torchrun --nproc-per-node 2 scripts/probes/fsdp_profile.py --job fsdp --shares ${FSDP_SHARES:-nccl=1} \
-              --steps 10 --rounds ${FSDP_ROUNDS:-8} --no-profile --time-c10d --out "$LOGS" 2>&1 | grep -E "rank 0 |^c10d " \
+              --steps 10 --rounds ${FSDP_ROUNDS:-8} --no-profile --time-c10d ${FSDP_EXTRA:-} --out "$LOGS" 2>&1 | grep -E "rank 0 |^c10d " \
               | tee -a "$LOGS/fsdphost.log" ;;
     # does a graph's launch wait on the host while the same graph's last launch has not run? (~10 s)
     relaunch) timeout 120 python3 scripts/probes/graph_relaunch.py 2>&1 | grep -v Warning | tee "$LOGS/graph_relaunch.log" ;;

@@ -123,3 +123,89 @@ def test_repeated_whole_calls_forward_and_stay_right():
         assert rep["first_full"] > 0 and rep["braid"] >= rep["first_full"], rep
         assert rep["closed"]
     assert reports[0]["forwarded"] == reports[1]["forwarded"]     # the same decisions on every rank
+
+
+# the hand-off (backend.py's _look): once every call of a window went whole, the group's
+# single-tensor all_reduce / all-gather / reduce-scatter of the shapes seen go to the inner group
+HAND_ENV = dict(ENV, BRAID_HANDOFF="16")
+HAND_OPS = ["all_reduce", "all_gather", "reduce_scatter"]
+
+
+def _handoff_worker(rank: int, w: int, split_every: int):
+    import torch.distributed as dist
+    import braid  # noqa: F401  registers the backend
+    from braid.backend import BraidWork
+    dist.init_process_group("braid", rank=rank, world_size=w, timeout=datetime.timedelta(seconds=60))
+    pg = dist.distributed_c10d._get_default_group()
+    comm = pg.ensure_communicator()
+    comm.set_calibration({f"{op}/{w}": dict(LANE_COSTS) for op in CALIBRATED_OPS})
+    rng = random.Random(99)
+    wrong, k = [], 0
+
+    def call(op, n, dtype=torch.float32):
+        nonlocal k
+        work, check = _one_call(rank, w, k, op, n, dtype)
+        k += 1
+        work.wait()
+        if not check():
+            wrong.append(f"call {k}: {op} {n} {dtype} wrong")
+        return work
+
+    # a job of small calls (each shape keeps its dtype), with a split-size call every `split_every`
+    for i in range(200):
+        if split_every and i % split_every == split_every - 1:
+            call("all_reduce", LARGE[0])
+        else:
+            op = rng.choice(HAND_OPS)
+            call(op, rng.choice(SMALL[:3]), DTYPES[HAND_OPS.index(op)])
+    handed = sorted(pg._handed)
+    bound = sorted(name for name in handed if name in pg.__dict__)
+    calls = comm.ledger.ncalls
+    out = {"handed": handed, "bound": bound}
+    if handed:
+        # a handed-off shape: the inner group's own Work, counted as a whole call
+        work = call("all_gather", SMALL[0], DTYPES[1])
+        out["inner_work"] = not isinstance(work, BraidWork)
+        out["counted"] = comm.ledger.ncalls - calls
+        # shapes the hand-off did not see: a new size (whole), a split size, another dtype
+        out["new_size"] = isinstance(call("all_gather", SMALL[3], DTYPES[1]), BraidWork)
+        out["split_size"] = isinstance(call("reduce_scatter", LARGE[1]), BraidWork)
+        out["other_dtype"] = isinstance(call("all_reduce", SMALL[0], torch.float64), BraidWork)
+        # fixed shares give the methods back: every call is braid's again
+        with comm.fixed_shares({"shm": 1.0}):
+            out["inside"] = (sorted(pg._handed), sorted(n for n in HAND_OPS if n in pg.__dict__),
+                             isinstance(call("all_gather", SMALL[0], DTYPES[1]), BraidWork))
+        for i in range(60):           # and the job goes on: handed off again after a window
+            op = HAND_OPS[i % 3]
+            call(op, SMALL[i % 3], DTYPES[i % 3])
+        out["again"] = sorted(pg._handed)
+    out["calls"] = comm.ledger.ncalls
+    out["wrong"] = wrong[:10]
+    dist.barrier()
+    dist.destroy_process_group()
+    out["after_close"] = sorted(name for name in pg.__dict__ if name in pg._handed or name.startswith("_allg"))
+    return out
+
+
+def test_hand_off_after_a_window_of_whole_calls():
+    for w in (2, 3):
+        reports = run_world(_handoff_worker, w, 0, init_pg=False, env=HAND_ENV, timeout=240)
+        for rep in reports:
+            assert rep["wrong"] == [], rep["wrong"]
+            assert "allreduce" in rep["handed"] and len(rep["handed"]) == 3, rep
+            assert rep["bound"] == rep["handed"], rep
+            assert rep["inner_work"] and rep["counted"] == 1, rep
+            assert rep["new_size"] and rep["split_size"] and rep["other_dtype"], rep
+            assert list(rep["inside"]) == [[], [], True], rep
+            assert rep["again"] == rep["handed"], rep
+            assert rep["after_close"] == [], rep
+        # every rank handed off at the same call and counted the same calls
+        assert len({(tuple(r["handed"]), r["calls"]) for r in reports}) == 1, reports
+
+
+def test_no_hand_off_while_some_calls_split_or_when_off():
+    for env, split_every in ((HAND_ENV, 10), (dict(HAND_ENV, BRAID_HANDOFF="0"), 0)):
+        reports = run_world(_handoff_worker, 2, split_every, init_pg=False, env=env, timeout=240)
+        for rep in reports:
+            assert rep["wrong"] == [], rep["wrong"]
+            assert rep["handed"] == [] and rep["bound"] == [], rep

@@ -13,6 +13,10 @@ per replica (FSDP2's calls, braid's and NCCL's alike).
 makes it (DDP calls its buckets' all_reduce from autograd's thread, which the main thread's
 profile does not see), over the braid replica's windows; rank 0's tables printed and written.
 
+--handoff: a third replica, "handoff": the braid replica with its group's all-gather, reduce-scatter
+and all_reduce bound straight to braid's inner NCCL group while it runs (instance attributes over
+the backend's Python methods): the step as it would be if braid's Python left the calls entirely.
+
 --shares fixes braid's shares for every call (the in-job trial then keeps them): how a split the
 job would not choose behaves inside its steps.
 
@@ -60,6 +64,8 @@ def main() -> None:
     ap.add_argument("--call-profile", action="store_true",
                     help="cProfile of braid's backend calls and their futures in whichever thread makes them "
                          "(DDP's autograd thread), over the braid replica's windows; rank 0's table printed")
+    ap.add_argument("--handoff", action="store_true",
+                    help="a third replica: braid's, its group's collectives bound straight to the inner NCCL group")
     ap.add_argument("--trace", action="store_true", help="with --kernels: a chrome trace per replica and rank in --out")
     ap.add_argument("--trial", action="store_true",
                     help="host times of the calls inside the in-job trial's split and whole blocks (see above)")
@@ -94,6 +100,8 @@ def main() -> None:
         pair = make(dataclasses.replace(ctx, base=dist.new_group(backend="nccl")))
         pair[0].name, pair[1].name = "braid2", "nccl2"
         reps["braid2"], reps["nccl2"] = pair     # built third and fourth: tells build order from backend
+    if a.handoff:
+        reps["handoff"] = _HandedOff(reps["braid"], dist.distributed_c10d._get_default_group())
     names = list(reps)
     if rank == 0:
         comm_ = braid.init()
@@ -293,6 +301,26 @@ def _time_calls() -> dict:
             wrap(BraidProcessGroup, op, f"backend {op}")
     wrap(BraidWork, "get_future", "backend get_future")     # DDP asks each bucket's call for it
     return timed
+
+
+class _HandedOff:
+    """A replica's steps with the braid group's collectives bound straight to its inner NCCL group
+    (instance attributes shadow the backend's Python methods while it runs; both ranks alike)."""
+
+    NAMES = ("_allgather_base", "_reduce_scatter_base", "allreduce", "all_gather_single", "reduce_scatter_single")
+
+    def __init__(self, rep, pg):
+        self.rep, self.pg, self.name = rep, pg, "handoff"
+
+    def run(self, steps: int) -> None:
+        bound = [n for n in self.NAMES if hasattr(type(self.pg), n) and hasattr(self.pg.nccl, n)]
+        for n in bound:
+            setattr(self.pg, n, getattr(self.pg.nccl, n))
+        try:
+            self.rep.run(steps)
+        finally:
+            for n in bound:
+                self.pg.__dict__.pop(n, None)
 
 
 def _time_c10d() -> dict:

@@ -27,6 +27,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from . import envs
 from .backend_work import (_OP_OF, BraidWork, _AnySourceWork, _coalescing, _detached, _done, _finished,  # noqa: F401
                            _make_nccl, _method, _QueuedWork, _record_begin, _record_end, _tensors_in, _together,
                            profiler_on)
@@ -97,6 +98,13 @@ class BraidProcessGroup(dist.ProcessGroup):
         self.nccl = _make_nccl(dist.PrefixStore("braid/nccl/", store), rank, size, self._timeout)
         self._gpu = self.nccl is not None
         self._p2p_queue: list[tuple] = []    # GPU send/recv not yet posted (see _p2p)
+        self._inner_calls: dict = {}         # torch's method name -> the inner group's (_whole_now)
+        # the hand-off (_look): whole calls so far (the forwarders' apart), and at the last look
+        # those and braid's count of calls
+        self._wholes, self._forwarded, self._look_at, self._looked = 0, 0, 0, (0, 0)
+        self._handoff_every = 0               # calls between looks (BRAID_HANDOFF; 0: never), read with the communicator
+        self._handed: list[str] = []          # torch's method names bound to forwarders now
+        self.handed_at = 0                    # braid's count of calls at the last hand-off
         # every rank knows the inner NCCL group's communicator of all ranks exists (see flush_p2p)
         self._p2p_world = False
         try:
@@ -134,6 +142,8 @@ class BraidProcessGroup(dist.ProcessGroup):
                 self._connect_world(comm.device)
             # the inner group's all_reduce, bound once (the forwarding path's hottest call)
             self._inner_allreduce = (self.nccl if comm.cuda else self.gloo).allreduce
+            self._handoff_every = envs.get("BRAID_HANDOFF")
+            self._look_at = self._handoff_every
             self._comm = comm
         return self._comm
 
@@ -191,7 +201,84 @@ class BraidProcessGroup(dist.ProcessGroup):
         if t.requires_grad:
             args = _detached(args)                  # as in _forward
         work = _method(inner, name)(*args, opts)
+        self._wholes += 1
+        if self._wholes == self._look_at:
+            self._look(comm)
         return work if work is not None else _finished()
+
+    def _whole_now(self, name: str, op: str, output, input, opts, comm):
+        """_whole for a single-tensor call whose shape the kept answer sends whole (the caller
+        checked it): the inner group's own call, counted, its method found once per name."""
+        if self._p2p_queue or comm._p2p_pending:
+            return self._whole(name, (output, input), opts, comm)
+        comm.last_handle = comm.library.done
+        comm.ledger.count((op, input.numel() * input.element_size(), input.dtype, "whole"))
+        fn = self._inner_calls.get(name)
+        if fn is None:
+            fn = self._inner_calls[name] = _method(self.nccl if comm.cuda else self.gloo, name)
+        work = fn(output, input, opts)
+        self._wholes += 1
+        if self._wholes == self._look_at:
+            self._look(comm)
+        return work if work is not None else _finished()
+
+    # the hand-off -----------------------------------------------------------------------------
+    # A job whose calls all go whole (FSDP2's, on 2 x H200) pays braid's Python on each: the
+    # checks above, ~10-30 us a call over the inner group's own (the probe's `--handoff`). Every
+    # BRAID_HANDOFF whole calls the backend looks: when every call of the communicator since the
+    # last look went whole, no in-job trial runs and no shares are fixed, torch's single-tensor
+    # all_reduce, all-gather and reduce-scatter methods of this group are bound to forwarders
+    # (instance attributes over the class's methods) that give each call of a shape that goes
+    # whole now straight to the inner NCCL group (gloo's on a CPU communicator), counted as braid
+    # counts a whole call. Any other call (a shape not seen, other dtypes or ops, tensors on the
+    # other kind of device or that require grad, a profiler on, sends or receives not yet
+    # matched) takes the class's method as before. The looks come at the same
+    # call on every rank (every rank makes the same calls and braid decides them alike), so every
+    # rank hands off at the same call. Given back (the class's methods again) when the
+    # communicator's kept answers are cleared: fixed shares, a new calibration, close, abort.
+    # The price: the shapes handed off are not tried again (comm/arbiter.py's reprobes) until then.
+    def _look(self, comm) -> None:
+        calls, wholes = comm.ledger.ncalls, self._wholes + self._forwarded
+        was_calls, was_wholes = self._looked
+        self._looked = (calls, wholes)
+        self._look_at = self._wholes + self._handoff_every
+        if (calls - was_calls == wholes - was_wholes and comm.policy.fixed is None and not comm.check
+                and not comm._arbiter.trying()):
+            self._hand_off(comm)          # (again after a look that found more shapes)
+
+    def _hand_off(self, comm) -> None:
+        sc = comm.shortcuts
+        bound = []
+        for name, op in _HANDED.items():
+            if not hasattr(type(self), name):
+                continue                      # torch's names differ between versions
+            fn = getattr(self.nccl if comm.cuda else self.gloo, name, None)
+            if fn is None:
+                continue
+            keep = sc.settled(op)
+            if not keep:
+                continue
+            make = _forward_all_reduce if op == "ar" else _forward_single
+            setattr(self, name, make(self, getattr(type(self), name).__get__(self), fn, keep, comm,
+                                     _OP_OF.get(name, name)))
+            bound.append(name)
+        if bound:
+            if bound != self._handed:
+                log.info("braid backend: every call went whole for %d calls; %s of the shapes seen go "
+                         "straight to the inner group now", self._handoff_every, ", ".join(bound))
+            self._handed = bound
+            self.handed_at = comm.ledger.ncalls
+            sc.on_clear = self._take_back
+
+    def _take_back(self) -> None:
+        """The class's own methods again (the communicator's kept answers were cleared)."""
+        for name in self._handed:
+            self.__dict__.pop(name, None)
+        self._handed = []
+        comm = self._comm
+        if comm is not None and comm.shortcuts.on_clear == self._take_back:
+            comm.shortcuts.on_clear = None
+        self._look_at = self._wholes + self._handoff_every if self._handoff_every else 0
 
     def _run(self, call, opts, result):
         """Run a braid call; synchronous calls (opts.asyncOp False) keep braid's own synchronous
@@ -308,6 +395,9 @@ class BraidProcessGroup(dist.ProcessGroup):
                 comm.last_handle = comm.library.done
                 comm.ledger.count(("all_reduce", t.numel() * t.element_size(), t.dtype, "whole"))
                 work = self._inner_allreduce(tensors, opts)
+                self._wholes += 1
+                if self._wholes == self._look_at:
+                    self._look(comm)
                 return work if work is not None else _finished()
             if ent is not None and comm.whole_all_reduce(t, opts.reduceOp.op):   # a split shape's trial said whole
                 return self._whole("allreduce", (tensors,), opts, comm)
@@ -379,8 +469,17 @@ class BraidProcessGroup(dist.ProcessGroup):
         if input.requires_grad:
             input = input.detach()      # read only; the output is not autograd's (see _detached)
         comm = self._comm
-        if comm is not None and comm.whole_all_gather(output, input):
-            return self._whole(name, (output, input), opts, comm)
+        if comm is not None:
+            # FSDP2's hot calls: a shape braid's Communicator sends whole goes to the inner group
+            # with its test written out (the kept answer, comm/shortcuts.py, and CallPath._takes
+            # for both tensors; a closed or aborted communicator keeps no answers)
+            ent = comm.shortcuts.ag.get(input.numel())
+            if ent is not None and ent[2] and ent[0] is input.dtype and ent[1] == output.numel():
+                if (type(input) is torch.Tensor and type(output) is torch.Tensor and input.is_cuda is comm.cuda
+                        and output.is_cuda is comm.cuda and input.is_contiguous() and output.is_contiguous()):
+                    return self._whole_now(name, "all_gather", output, input, opts, comm)
+            elif ent is not None and comm.whole_all_gather(output, input):   # a split shape's trial said whole
+                return self._whole(name, (output, input), opts, comm)
         comm = self._braid_for([output, input])
         if comm is not None:
             return self._run(lambda a: comm.all_gather_into_tensor(output, input, async_op=a), opts, [output])
@@ -420,8 +519,16 @@ class BraidProcessGroup(dist.ProcessGroup):
         if input.requires_grad:
             input = input.detach()      # as in _all_gather_single
         comm = self._comm
-        if comm is not None and comm.whole_reduce_scatter(output, input, opts.reduceOp.op):
-            return self._whole(name, (output, input), opts, comm)
+        if comm is not None:
+            # as in _all_gather_single (the kept answer's facts: dtype, op, output elements)
+            ent = comm.shortcuts.rs.get(input.numel())
+            if (ent is not None and ent[3] and ent[0] is input.dtype and ent[1] == opts.reduceOp.op
+                    and ent[2] == output.numel()):
+                if (type(input) is torch.Tensor and type(output) is torch.Tensor and input.is_cuda is comm.cuda
+                        and output.is_cuda is comm.cuda and input.is_contiguous() and output.is_contiguous()):
+                    return self._whole_now(name, "reduce_scatter", output, input, opts, comm)
+            elif ent is not None and comm.whole_reduce_scatter(output, input, opts.reduceOp.op):
+                return self._whole(name, (output, input), opts, comm)
         op = _plain_op(opts.reduceOp)
         comm = self._braid_for([output, input]) if self._reducible(output, op) else None
         if comm is not None:
@@ -641,6 +748,8 @@ class BraidProcessGroup(dist.ProcessGroup):
         if self._closed:
             return
         self._closed = True
+        self._take_back()
+        self._handoff_every = 0
         self._p2p_queue = []                 # never posted: nothing of theirs is in flight
         comm, self._comm = self._comm, None
         if comm is not None and how == "abort":
@@ -663,6 +772,54 @@ class BraidProcessGroup(dist.ProcessGroup):
 
     def abort(self) -> None:
         self._release("abort")
+
+
+# the hand-off's methods (torch's names in 2.11-2.13) -> the communicator's table of kept answers
+_HANDED = {"allreduce": "ar", "_allgather_base": "ag", "all_gather_single": "ag",
+           "_reduce_scatter_base": "rs", "reduce_scatter_single": "rs"}
+
+
+def _forward_single(pg, slow, fn, keep: dict, comm, op: str):
+    """The hand-off's all-gather or reduce-scatter (torch's (output, input, opts) form): a call of
+    a shape in `keep` (input elements -> its facts as comm/shortcuts.py keeps them) goes to `fn`,
+    the inner NCCL group's own method; anything else to `slow`, the class's method."""
+    ledger, cuda, pending = comm.ledger, comm.cuda, comm._p2p_pending      # (the list itself: kept)
+    reduce = op == "reduce_scatter"
+
+    def forward(output, input, opts=None):
+        f = keep.get(input.numel()) if type(input) is torch.Tensor else None
+        if (f is not None and opts is not None and f[0] is input.dtype and f[-1] == output.numel()
+                and (not reduce or f[1] == opts.reduceOp.op) and input.is_cuda is cuda and type(output) is torch.Tensor
+                and output.is_cuda is cuda and not input.requires_grad and not pg._p2p_queue and not pending
+                and not profiler_on() and input.is_contiguous() and output.is_contiguous()):
+            comm.last_handle = comm.library.done
+            ledger.count((op, input.numel() * input.element_size(), input.dtype, "whole"))
+            pg._forwarded += 1
+            work = fn(output, input, opts)
+            return work if work is not None else _finished()
+        return slow(output, input, opts)
+    return forward
+
+
+def _forward_all_reduce(pg, slow, fn, keep: dict, comm, op: str):
+    """The hand-off's all_reduce: torch's (tensors, opts) form with one tensor, as _forward_single."""
+    ledger, cuda, pending = comm.ledger, comm.cuda, comm._p2p_pending      # (the list itself: kept)
+
+    def forward(tensors, opts=None, op=None, timeout=None):
+        if type(tensors) is list and len(tensors) == 1 and type(opts) is dist.AllreduceOptions and op is None \
+                and timeout is None:
+            t = tensors[0]
+            f = keep.get(t.numel()) if type(t) is torch.Tensor else None
+            if (f is not None and f[0] is t.dtype and f[1] == opts.reduceOp.op and t.is_cuda is cuda
+                    and not t.requires_grad and not pg._p2p_queue and not pending and not profiler_on()
+                    and t.is_contiguous()):
+                comm.last_handle = comm.library.done
+                ledger.count(("all_reduce", t.numel() * t.element_size(), t.dtype, "whole"))
+                pg._forwarded += 1
+                work = fn(tensors, opts)
+                return work if work is not None else _finished()
+        return slow(tensors, opts, op, timeout)
+    return forward
 
 
 # the ops braid forwards whole: torch's method -> the name of its profiler record, and which

@@ -278,6 +278,20 @@ def _block(text: str) -> int:
     return value
 
 
+def _handoff(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"BRAID_HANDOFF must be 0 (never) or a number of calls (got {text!r})")
+    return value
+
+
+_define("BRAID_HANDOFF", _handoff, 256,
+        "Under init_process_group(\"braid\"): every this many calls that go whole, the "
+        "backend looks whether every call since its last look went whole with no in-job trial under way "
+        "and no fixed shares; then the all_reduce, all-gather and reduce-scatter of the shapes seen go "
+        "straight to the inner NCCL (gloo) group, without braid's Python per call, until the shares are fixed, "
+        "a calibration is loaded, or the group closes (those shapes are not tried again meanwhile). "
+        "0: never.")
 _define("BRAID_TRIAL_BLOCK", _block, 12,
         "Calls per block of the in-job trials' paired blocks (one block split, one whole), at least: "
         "a block is a whole number of the job's periods (its calls of the shape per step, found by the "

@@ -506,6 +506,10 @@ def run_workload(ctx: Ctx, name: str) -> dict:
     exposed = t_base - t_floor if t_floor is not None else 0.0
     removed = (t_base - t_braid) / exposed if exposed > 0.02 * t_base else None
     size, shape = _size_of(name, ctx.s, params)
+    # the backend's hand-off (backend.py): the methods bound straight to the inner group at the end
+    pg = dist.distributed_c10d._get_default_group()
+    handed = ({"methods": list(pg._handed), "at_call": pg.handed_at, "forwarded": pg._forwarded}
+              if getattr(pg, "_handed", None) else None)
     row = {"workload": name, "size": size, "world_size": ctx.world, "dtype": str(ctx.dtype).replace("torch.", ""),
            "params": params, **shape, "steps": ctx.s["steps"], "warmup": ctx.s["warmup"], "repeat": ctx.s["repeat"],
            "time_ms": t_braid, "baseline": {"name": ctx.baseline, "time_ms": t_base}, "floor_ms": t_floor,
@@ -520,7 +524,7 @@ def run_workload(ctx: Ctx, name: str) -> dict:
            # (medians, and every window's)
            "host_time": {name: {**{k: statistics.median(v) for k, v in h.items()}, "windows": h}
                          for name, h in host.items()},
-           "split_calls": split_calls, "learned": learned,
+           "split_calls": split_calls, "learned": learned, "handed_off": handed,
            "trial_steps": trial[0], "trial_ms_per_step": trial[1]}
     del reps, braid, base
     gc.collect()
@@ -600,6 +604,10 @@ def run(comm, cfg, cuda: bool):
                     f"{kept.count('split')} kept split, {kept.count('whole')} went whole; pace split/whole us: "
                     + ", ".join(f"{s:.0f}/{w:.0f}" for _, s, w, _ in row["learned"][:8])
                     + (" ..." if len(kept) > 8 else ""))
+            if row.get("handed_off"):
+                h = row["handed_off"]
+                say("  " + " " * WIDTHS[0] + f"handed to the inner group from call #{h['at_call']} (every call whole "
+                    f"for a window): {', '.join(h['methods'])}; {h['forwarded']} calls forwarded so far")
             if row.get("host_time") and cuda:
                 say("  " + " " * WIDTHS[0] + host_line(row["host_time"]))
             if row.get("trial_steps"):

@@ -6,7 +6,8 @@
   the same where the future completes on the call's own lane stream (a replayed call).
 - Under `init_process_group("braid")` on a world of one GPU, every call is NCCL's whole: the first
   call of a shape takes braid's full path, its repeats return NCCL's own Work, and every result is
-  right across dtypes, sizes and buffer changes.
+  right across dtypes, sizes and buffer changes; after a window of whole calls the group hands its
+  all_reduce, all-gather and reduce-scatter to NCCL (BRAID_HANDOFF), every call still counted.
 Skips without a GPU.
 """
 from __future__ import annotations
@@ -155,11 +156,18 @@ def _world_of_one(port: int, q) -> None:
             for name, got in (("all_reduce", t), ("all_gather", out), ("reduce_scatter", rs)):
                 if not torch.equal(got, x):
                     bad.append(f"call {k} {name} {dt} n={n}")
+        pg = dist.distributed_c10d._get_default_group()
+        handed, calls = sorted(pg._handed), pg._comm.ledger.ncalls
         dist.destroy_process_group()
-        q.put({"kinds": kinds, "bad": bad})
+        q.put({"kinds": kinds, "bad": bad, "handed": handed, "calls": calls})
     except BaseException as exc:       # noqa: BLE001  reported to the parent
         import traceback
         q.put({"error": f"{exc!r}\n{traceback.format_exc()}"})
+
+
+def _world_of_one_handing_off(port: int, q) -> None:
+    os.environ["BRAID_HANDOFF"] = "8"         # looks every 8 whole calls (default 256)
+    _world_of_one(port, q)
 
 
 def _in_fresh_process(target) -> dict:
@@ -184,6 +192,19 @@ def test_world_of_one_forwards_repeats_to_nccls_own_work():
     assert res["bad"] == [], res["bad"]
     # 4 call shapes: each first call takes the full path, every repeat forwards
     assert res["kinds"][:4] == [True] * 4 and not any(res["kinds"][4:]), res["kinds"]
+    assert res["handed"] == [] and res["calls"] == 120, res     # 120 whole calls: no look yet
+
+
+def test_world_of_one_hands_its_whole_calls_to_nccl():
+    """Every call whole: after a look the group's all_reduce, all-gather and reduce-scatter of the
+    shapes seen go straight to NCCL (torch's method names of this version); results stay right
+    and every call is still counted."""
+    res = _in_fresh_process(_world_of_one_handing_off)
+    assert "error" not in res, res.get("error")
+    assert res["bad"] == [], res["bad"]
+    assert res["kinds"][:4] == [True] * 4 and not any(res["kinds"][4:]), res["kinds"]
+    assert "allreduce" in res["handed"] and len(res["handed"]) == 3, res
+    assert res["calls"] == 120, res
 
 
 def _abort_world_of_one(port: int, q) -> None:

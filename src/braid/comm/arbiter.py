@@ -263,6 +263,11 @@ class Arbiter:
         split = self._timed(key, st, i - st.seg0)
         return st.whole if not st.trying else not split
 
+    def settled_whole(self, key) -> bool:
+        """Does this shape's last verdict send it whole, with no trial of it under way?"""
+        st = self._shapes.get(key)
+        return st is not None and self.enabled and not st.trying and st.whole
+
     def close(self) -> None:
         """Give every mark still held back to the clock (before the clock's own close)."""
         for st in self._shapes.values():

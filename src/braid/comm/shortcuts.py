@@ -46,6 +46,7 @@ class Shortcuts:
         self.learn = False       # shapes the calibration splits go on trial (CallPath._learn_update)
         self.said = None         # the arbiter's key of a "split" the backend was told for this call
         self.redo_thread = 0     # the rounds thread while it rebuilds a deferred call (comm/rounds.py)
+        self.on_clear = None     # called when the answers are cleared (the backend's hand-off: backend.py)
 
     def rebuilding(self) -> bool:
         """Is the calling thread the rounds thread rebuilding a deferred call?"""
@@ -65,6 +66,19 @@ class Shortcuts:
     def clear(self) -> None:
         for op in self.OPS:
             getattr(self, op).clear()
+        if self.on_clear is not None:
+            self.on_clear()
+
+    def settled(self, op: str) -> dict:
+        """The shapes of `op` (ar, rs, ag) whose calls go whole now without a trial under way:
+        element count -> the entry's facts; kept whole, or split by the calibration and sent back
+        whole by the arbiter's last verdict."""
+        out = {}
+        for n, ent in list(getattr(self, op).items()):
+            facts = ent[:-1]
+            if ent[-1] or (self.learn and self.arbiter.settled_whole((op, n) + facts[:2 if op != "ag" else 1])):
+                out[n] = facts
+        return out
 
     def decide(self, op: str, n: int, facts: tuple, rest, *args) -> bool:
         """The op's own question: True when this call goes to the native library whole. A shape
