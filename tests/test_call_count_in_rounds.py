@@ -12,9 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from braid.comm import exchange
+from braid.comm import callpath
 from braid.comm.callpath import CallPath
-from braid.comm.exchange import Exchange
+from braid.comm.communicator import Communicator
 from braid.comm.ledger import CallLedger
 from braid.comm.prepared import Ticket
 
@@ -54,37 +54,37 @@ def _comm(words, key):
         get=lambda k: entry if k == key else None,
         launch=lambda e, stream, async_op, tensors: "replayed")
     comm = SimpleNamespace(
-        _prepared=prep, closed=False, aborted=False, _p2p_pending=[], watchdog=None,
+        prepared=prep, rounds=None, pending=[],
+        faults=SimpleNamespace(closed=False, aborted=False, watchdog=None, give_up=lambda exc: None),
         policy=SimpleNamespace(balancer=SimpleNamespace(version=0), pending={}),
-        _lanes={"ce": SimpleNamespace(stream=None)}, ledger=_ledger(), last_handle=None, _round=None)
+        ce=SimpleNamespace(stream=None), ledger=_ledger(), round=None)
     comm.segment = _Segment(comm, words)
-    comm._give_up = lambda exc: None
     return comm
 
 
 @pytest.fixture(autouse=True)
 def _not_capturing(monkeypatch):
-    monkeypatch.setattr(exchange, "_capturing", lambda: False)
+    monkeypatch.setattr(callpath, "_capturing", lambda: False)
 
 
 def test_a_replay_counts_its_call_while_its_round_waits():
     comm = _comm(words=[7, 7], key=(7, 7))
-    assert Exchange._fast_prepared(comm, "t", None, (), False) == "replayed"
+    assert CallPath.fast_prepared(comm, "t", None, (), False) == "replayed"
     assert comm.segment.seen == [("all_reduce", 82)]      # counted while waiting: the peer at 81 is late
     assert comm.ledger.ncalls == 82 and comm.ledger.last_call[0] == "all_reduce"
 
 
 def test_a_round_that_misses_leaves_the_count_to_the_full_path():
     comm = _comm(words=[7, 9], key=(7, 7))                  # the peer's word differs: a miss
-    assert Exchange._fast_prepared(comm, "t", None, (), False) is None
+    assert CallPath.fast_prepared(comm, "t", None, (), False) is None
     assert comm.segment.seen == [("all_reduce", 82)]
-    assert comm.ledger.ncalls == 81 and comm._round == (7, [[7, 0, 0, 0, 0, 0, 0], [9, 0, 0, 0, 0, 0, 0]])
+    assert comm.ledger.ncalls == 81 and comm.round == (7, [[7, 0, 0, 0, 0, 0, 0], [9, 0, 0, 0, 0, 0, 0]])
 
 
 def test_the_trials_agreement_counts_the_call_it_belongs_to():
     comm = SimpleNamespace(ledger=_ledger())
     comm.segment = _Segment(comm, [])
-    assert CallPath._trial_exchange(comm, [3, 4]) == [[3, 4]]
+    assert Communicator._trial_exchange(comm, [3, 4]) == [[3, 4]]
     assert comm.segment.seen == [("whole-or-split trial", 82)]
     assert comm.ledger.ncalls == 81                         # the op's own path counts it after
 
@@ -92,5 +92,5 @@ def test_the_trials_agreement_counts_the_call_it_belongs_to():
         raise RuntimeError("peer gone")
     comm.segment.exchange_values = fail
     with pytest.raises(RuntimeError):
-        CallPath._trial_exchange(comm, [1])
+        Communicator._trial_exchange(comm, [1])
     assert comm.ledger.ncalls == 81

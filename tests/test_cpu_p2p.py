@@ -35,7 +35,7 @@ def data(src, dst, n, dtype, salt):
 def _every_dtype_and_size(rank, w):
     import braid
     comm = braid.init()
-    assert comm._p2p_shm is not None
+    assert comm._cpu_calls.p2p is not None
     bad, salt = [], 0
     for dtype in DTYPES:
         for n in SIZES:
@@ -157,7 +157,7 @@ def _backend_send_recv(rank, w):
         work.wait()
     comm = dist.distributed_c10d._get_default_group()._comm
     return {"ok": ok, "batch": torch.equal(buf, torch.full((9,), float(1 - rank))),
-            "shm": comm is not None and comm._p2p_shm is not None}
+            "shm": comm is not None and comm._cpu_calls.p2p is not None}
 
 
 def test_backend_send_recv_and_batch_take_the_segment():

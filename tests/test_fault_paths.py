@@ -45,7 +45,7 @@ class _Faults(ledger.Faults):
 def test_a_mismatch_read_after_a_peers_abort_reports_the_abort():
     seg = _Segment(aborted_by=2)
     with pytest.raises(LaneFailureError, match="rank 2 aborted"):
-        _Faults(seg)._give_up(PeerMismatchError("rank 2 made a different call at collective #7"))
+        _Faults(seg).give_up(PeerMismatchError("rank 2 made a different call at collective #7"))
     assert seg.marked == []
 
 
@@ -53,9 +53,9 @@ def test_a_mismatch_without_an_abort_is_marked_as_before():
     seg = _Segment()
     exc = PeerMismatchError("ranks 0 and 1 made different calls")
     exc.peers_left_waiting = True
-    _Faults(seg)._give_up(exc)                      # no abort anywhere: the mismatch is marked
+    _Faults(seg).give_up(exc)                      # no abort anywhere: the mismatch is marked
     assert [k for k, _ in seg.marked] == [1]
-    _Faults(seg)._give_up(PeerMismatchError("ranks disagree on dtype"))    # every rank saw it: not marked
+    _Faults(seg).give_up(PeerMismatchError("ranks disagree on dtype"))    # every rank saw it: not marked
     assert len(seg.marked) == 1
 
 

@@ -6,7 +6,7 @@ round whose words match launches the program on the caller's stream (synchronous
 the lane stream with its end event (and the caller's wait when synchronous); a word that differs,
 a count that differs and a late peer leave the round posted and readable; a capture, and a driver
 error in the allocation's id, post nothing; a driver error in the launch is reported with its
-code. Then Exchange._fast_prepared with it: a hit books the call as the Python path does, a miss
+code. Then CallPath.fast_prepared with it: a hit books the call as the Python path does, a miss
 hands the round to the full path, a capture undoes the count and the sequence number."""
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from braid.comm import exchange, native_rounds
-from braid.comm.exchange import Exchange
+from braid.comm import callpath, native_rounds
+from braid.comm.callpath import CallPath
 from braid.comm.ledger import CallLedger
 from braid.comm.prepared import NO_OBS, Entry, Ticket, mix_word
 from braid.errors import LaneFailureError, PeerMismatchError
@@ -205,7 +205,7 @@ def test_a_launch_error_comes_back_with_its_code(world):
     segs[1].read_values(token1, "t")
 
 
-# Exchange._fast_prepared with the native call ------------------------------------------------------
+# CallPath.fast_prepared with the native call ------------------------------------------------------
 
 class _Prep(SimpleNamespace):
     pass
@@ -224,14 +224,13 @@ def _comm(seg, fast, key, monkeypatch):
     led = CallLedger(0, True, None)
     led.ncalls = 40
     comm = SimpleNamespace(
-        _prepared=prep, closed=False, aborted=False, _p2p_pending=[], watchdog=None, segment=seg,
+        prepared=prep, rounds=None, pending=[], segment=seg,
         policy=SimpleNamespace(balancer=SimpleNamespace(version=0), pending={}), device=torch.device("cpu"),
-        _lanes={"ce": SimpleNamespace(stream=SimpleNamespace(cuda_stream=0x70))}, ledger=led, last_handle=None,
-        _round=None, gave_up=[])
-    comm._give_up = comm.gave_up.append
-    comm._native_replay = lambda *args: Exchange._native_replay(comm, *args)
-    monkeypatch.setattr(exchange, "_RAW", lambda dev: 0x900)
-    monkeypatch.setattr(exchange, "_capturing", lambda: False)
+        ce=SimpleNamespace(stream=SimpleNamespace(cuda_stream=0x70)), ledger=led, round=None, gave_up=[])
+    comm.faults = SimpleNamespace(closed=False, aborted=False, watchdog=None, give_up=comm.gave_up.append)
+    comm.native_replay = lambda *args: CallPath.native_replay(comm, *args)
+    monkeypatch.setattr(callpath, "_RAW", lambda dev: 0x900)
+    monkeypatch.setattr(callpath, "_capturing", lambda: False)
     return comm, tk
 
 
@@ -252,15 +251,15 @@ def test_fast_prepared_books_a_native_hit_as_the_python_path(world, monkeypatch)
     key = (mix_word(10, 7), 55)
     comm, tk = _comm(segs[0], fasts[0], key, monkeypatch)
     token1 = segs[1].post_values([55, *NO_OBS])
-    assert Exchange._fast_prepared(comm, "t", _Inp(0xA000), (), False) is exchange._DONE
+    assert CallPath.fast_prepared(comm, "t", _Inp(0xA000), (), False) is callpath._DONE
     assert comm.ledger.ncalls == 41 and comm.ledger.last_call == tk.ledger
-    st = comm._prepared.stats
+    st = comm.prepared.stats
     assert st["replays"] == 1 and st["hits"] == 1 and st["native_calls"] == 1
     assert tk.native is not None and [c[0] for c in drv.calls] == ["ptr_attr", "graph_launch"]
     segs[1].read_values(token1, "t")
     # async: forked, the handle from the cache's bookkeeping
     token1 = segs[1].post_values([55, *NO_OBS])
-    assert Exchange._fast_prepared(comm, "t", _Inp(0xA000), (), True) == ("joined", True, 0xE0)
+    assert CallPath.fast_prepared(comm, "t", _Inp(0xA000), (), True) == ("joined", True, 0xE0)
     segs[1].read_values(token1, "t")
 
 
@@ -270,9 +269,9 @@ def test_fast_prepared_hands_a_miss_to_the_full_path(world, monkeypatch):
     key = (mix_word(10, 7), 55)
     comm, tk = _comm(segs[0], fasts[0], key, monkeypatch)
     segs[1].post_values([56, *NO_OBS])                      # rank 1's buffer changed
-    assert Exchange._fast_prepared(comm, "t", _Inp(0xA000), (), False) is None
+    assert CallPath.fast_prepared(comm, "t", _Inp(0xA000), (), False) is None
     assert comm.ledger.ncalls == 40                          # the full path counts the call
-    assert comm._round == (key[0], [[key[0], *NO_OBS], [56, *NO_OBS]])
+    assert comm.round == (key[0], [[key[0], *NO_OBS], [56, *NO_OBS]])
     assert not [c for c in drv.calls if c[0] == "graph_launch"]
 
 
@@ -282,16 +281,16 @@ def test_fast_prepared_under_capture_undoes_its_count(world, monkeypatch):
     comm, tk = _comm(segs[0], fasts[0], (mix_word(10, 7), 55), monkeypatch)
     drv.capturing = True
     seq = segs[0].coll_seq
-    assert Exchange._fast_prepared(comm, "t", _Inp(0xA000), (), False) is None
+    assert CallPath.fast_prepared(comm, "t", _Inp(0xA000), (), False) is None
     assert segs[0].coll_seq == seq and comm.ledger.ncalls == 40
     drv.capturing = False
     drv.fail = {"ptr_attr": 1}
 
     def check(rc, what):                                     # the driver's error names (no libcuda here)
         raise LaneFailureError(f"CUDA driver call {what} failed ({rc})")
-    monkeypatch.setattr(exchange._cuda, "check", check)
+    monkeypatch.setattr(callpath._cuda, "check", check)
     with pytest.raises(LaneFailureError, match="BUFFER_ID"):
-        Exchange._fast_prepared(comm, "t", _Inp(0xA000), (), False)
+        CallPath.fast_prepared(comm, "t", _Inp(0xA000), (), False)
     assert segs[0].coll_seq == seq and comm.ledger.ncalls == 40
 
 
@@ -301,15 +300,15 @@ def test_fast_prepared_books_a_late_peer_and_launches_from_python(world, monkeyp
     key = (mix_word(10, 7), 55)
     comm, tk = _comm(segs[0], fasts[0], key, monkeypatch)
     launched = []
-    comm._prepared.launch = lambda entry, stream, async_op, tensors: launched.append(entry) or "launched"
+    comm.prepared.launch = lambda entry, stream, async_op, tensors: launched.append(entry) or "launched"
     # rank 1 posts 200 ms later: the native call's spin (the segment's, 2 ms) gives up
     later = threading.Timer(0.2, lambda: segs[1].post_values([55, *NO_OBS]))
     later.start()
     try:
-        assert Exchange._fast_prepared(comm, "t", _Inp(0xA000), (), False) == "launched"
+        assert CallPath.fast_prepared(comm, "t", _Inp(0xA000), (), False) == "launched"
     finally:
         later.join()
-    st = comm._prepared.stats
+    st = comm.prepared.stats
     assert st["native_late"] == 1 and st["native_calls"] == 0 and st["hits"] == 1
     assert launched == [tk.entry] and comm.ledger.ncalls == 41
     assert not [c for c in drv.calls if c[0] == "graph_launch"]     # the native call did not launch
@@ -336,4 +335,4 @@ def test_an_async_replay_tells_the_allocator_of_each_tensor_once():
     h = PreparedCalls.joined(me, True, 0xE0, "lane", (t, t, None, empty, out), None)
     assert t.recorded == ["lane"] and empty.recorded == [] and out.recorded == ["lane"]
     assert isinstance(h, PreparedHandle) and h.stream == "lane" and me.dirty is True
-    assert PreparedCalls.joined(me, False, 0xE1, "lane", (t,), None) is exchange._DONE and me.dirty is False
+    assert PreparedCalls.joined(me, False, 0xE1, "lane", (t,), None) is callpath._DONE and me.dirty is False

@@ -62,7 +62,7 @@ def _rules(rank: int, w: int) -> dict:
     with comm.fixed_shares({"gloo": 0.25, "shm": 0.75}):
         step("other shares")
         step("other shares again")
-    pairs = comm._pairs
+    pairs = comm._p2p.pairs
     return {"steps": steps, "ok": ok, "sends": {p: len(s.table) for p, s in pairs.sends.items()},
             "recvs": {p: len(s.slots) for p, s in pairs.recvs.items()}}
 
@@ -120,7 +120,7 @@ def _mixed(rank: int, w: int, calls: int, seed: int) -> dict:
             if not torch.equal(out, _data(("m", seed, i, prv), numel, dtype)):
                 wrong.append((i, "shift", shift, numel, str(dtype)))
             i += 1
-    pairs = comm._pairs
+    pairs = comm._p2p.pairs
     return {"wrong": wrong, "stats": dict(comm._prepared.stats),
             "ids": {p: sorted(e for e, _ in s.table.values()) for p, s in pairs.sends.items()},
             "slots": {p: sorted(s.slots) for p, s in pairs.recvs.items()}}
@@ -207,7 +207,7 @@ def _overdue(rank: int, w: int) -> dict:
     t = torch.ones(10)
     comm.all_reduce(t)
     if rank == 0:
-        comm._pairs.ahead[1] = 1_000_000
+        comm._p2p.pairs.ahead[1] = 1_000_000
     errors = []
     t0 = time.monotonic()
     while time.monotonic() - t0 < 20 and len(errors) < 1:

@@ -118,9 +118,9 @@ def world(monkeypatch, request, tmp_path):
         prep = PreparedCalls(r, 2, torch.device("cpu"), cuda=False)
         comm = FakeComm(segment=seg, rank=r, layout=layout, seg_dev_ptr=base, device=torch.device("cpu"),
                                _lanes={"ce": SimpleNamespace(stream=FakeStream(10 + r))}, _prepared=prep,
-                               closed=False, aborted="", shortcuts=SimpleNamespace(redo_thread=0), _round=None,
-                               gave_up=[])
-        comm._give_up = comm.gave_up.append
+                               closed=False, aborted="", shortcuts=SimpleNamespace(redo_thread=0),
+                               _calls=SimpleNamespace(round=None), gave_up=[])
+        comm._faults = SimpleNamespace(give_up=comm.gave_up.append)
         comm.world_size = 2
         comm.rd = rounds_mod.Rounds(comm, _native_fns(drv) if native else None)
         assert (comm.rd._native is not None) == native
@@ -145,7 +145,7 @@ def _ticket(comm, words: tuple, exec_ptr: int) -> Ticket:
 
 
 def _call(comm, tk, word, redo=None):
-    """The caller's side of a deferred call (Exchange._deferred without the tensors)."""
+    """The caller's side of a deferred call (CallPath.deferred without the tensors)."""
     rd = comm.rd
     rd.room()
     token = comm.segment.post_values([word, *NO_OBS], hook=False)
@@ -223,7 +223,7 @@ def test_a_changed_word_runs_the_full_path_on_the_thread_from_that_round(world):
 
     def redo_of(c):
         def redo():
-            seen[c.rank] = (threading.get_ident() == c.rd.ident, c._round, c.shortcuts.redo_thread == c.rd.ident)
+            seen[c.rank] = (threading.get_ident() == c.rd.ident, c._calls.round, c.shortcuts.redo_thread == c.rd.ident)
         return redo
     ns = [_call(comms[0], tks[0], 5, redo_of(comms[0])), _call(comms[1], tks[1], 66, redo_of(comms[1]))]
     for c, n in zip(comms, ns):
@@ -234,7 +234,7 @@ def test_a_changed_word_runs_the_full_path_on_the_thread_from_that_round(world):
     assert seen[1] == (True, (66, [[5, *NO_OBS], [66, *NO_OBS]]), True), seen
     assert not drv.launches
     for c in comms:
-        assert c._prepared.stats["rebuilt"] == 1 and c._round is None and c.shortcuts.redo_thread == 0
+        assert c._prepared.stats["rebuilt"] == 1 and c._calls.round is None and c.shortcuts.redo_thread == 0
 
 
 def test_an_error_on_the_thread_ends_every_queued_call_and_reaches_the_caller(world):

@@ -696,7 +696,7 @@ def test_a_prepared_send_and_recv_say_and_wait_in_one_batch_each(monkeypatch, dr
     monkeypatch.setattr(_cuda, "wait_value", lambda sh, addr, v: calls.append(("wait", sh, addr, v)))
     monkeypatch.setattr(_cuda, "memcpy_async", lambda dst, src, n, sh: calls.append(("copy", sh, dst, src, n)))
     monkeypatch.setattr(pairs, "_RAW", lambda dev: 0x900)
-    me = SimpleNamespace(comm=SimpleNamespace(seg_dev_ptr=0x10000, layout=lay), dev_index=0)
+    me = SimpleNamespace(p2p=SimpleNamespace(seg_dev_ptr=0x10000, layout=lay), dev_index=0)
     ready = 0x10000 + lay.counter("flag_p2p_ready", 0, 1)
     done = 0x10000 + lay.counter("flag_p2p_done", 0, 1)
     entry = PairEntry(None, None, {"ce": 1.0}, False, flags=True, copies=[(0, 0x7000, 64), (64, 0x8000, 32)])

@@ -34,7 +34,7 @@ def worker(rank, world, port, size):
             finally:
                 acc[name] += time.perf_counter() - t0
         return w
-    comm._exchange = timed("exchange", comm._exchange)
+    comm._exchange.exchange = timed("exchange", comm._exchange.exchange)
     comm.segment.exchange_collective = timed("exchange_collective", comm.segment.exchange_collective)
     comm.segment.exchange_values = timed("exchange_values", comm.segment.exchange_values)
     comm.segment.wait_geq = timed("wait_geq", comm.segment.wait_geq)
@@ -47,7 +47,7 @@ def worker(rank, world, port, size):
     comm.route_samples.observation = timed("observation", comm.route_samples.observation)
     comm._routed.plan = timed("routed.plan", comm._routed.plan)
     comm._routed.agree = timed("routed.agree", comm._routed.agree)
-    comm._agree = timed("agree", comm._agree)
+    bc.exchange.agree = timed("agree", bc.exchange.agree)
     comm.policy.learn = timed("learn", comm.policy.learn)
     comm.all_to_all_single = timed("total", comm.all_to_all_single)
     torch.cuda.synchronize(); dist.barrier()

@@ -103,12 +103,16 @@ def worker(rank, world, port, args):
         for _ in range(10):
             fn()
         torch.cuda.synchronize()
-        C = type(comm)
-        for name in ("_run", "_run_call", "_run_prepared", "lanes_for", "shares_for", "_publish", "_check_open",
-                     "all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor", "broadcast", "_reduction",
-                     "_reduce_call", "_fast_prepared", "_deferred"):
-            if hasattr(C, name):
-                wrap(C, name)
+        from braid.comm import callpath, ledger, reductions
+        for owner, names in ((type(comm), ("lanes_for", "shares_for", "all_gather_into_tensor", "all_reduce",
+                                           "reduce_scatter_tensor", "broadcast")),
+                             (exchange.Exchange, ("run", "run_call", "run_prepared")),
+                             (reductions.Reductions, ("reduction", "reduce_call")),
+                             (callpath.CallPath, ("fast_prepared", "deferred")),
+                             (ledger.Faults, ("check_open",))):
+            for name in names:
+                wrap(owner, name)
+        comm._fast_prepared = comm._calls.fast_prepared     # the op entries' binding, made at creation
         for name in ("word_base", "finish_word", "launch", "get", "fork", "join"):
             wrap(prepared.PreparedCalls, name)
         for name in ("post_values", "read_values"):

@@ -193,10 +193,11 @@ class BraidProcessGroup(dist.ProcessGroup):
         if self._p2p_queue:
             self.flush_p2p()
         if comm._p2p_pending and not comm.cuda:
-            comm._flush_p2p()
-        comm.last_handle = comm.library.done
+            comm._p2p_pending.flush()
+        ledger = comm.ledger
+        ledger.last_handle = comm.library.done
         t = args[1] if len(args) > 1 else args[0][0]      # the input (list forms: the tensor)
-        comm.ledger.count((_OP_OF.get(name, name), t.numel() * t.element_size(), t.dtype, "whole"))
+        ledger.count((_OP_OF.get(name, name), t.numel() * t.element_size(), t.dtype, "whole"))
         inner = self.nccl if comm.cuda else self.gloo
         if t.requires_grad:
             args = _detached(args)                  # as in _forward
@@ -392,8 +393,9 @@ class BraidProcessGroup(dist.ProcessGroup):
                     and comm._takes(t)):
                 if self._p2p_queue or comm._p2p_pending:
                     return self._whole("allreduce", (tensors,), opts, comm)
-                comm.last_handle = comm.library.done
-                comm.ledger.count(("all_reduce", t.numel() * t.element_size(), t.dtype, "whole"))
+                ledger = comm.ledger
+                ledger.last_handle = comm.library.done
+                ledger.count(("all_reduce", t.numel() * t.element_size(), t.dtype, "whole"))
                 work = self._inner_allreduce(tensors, opts)
                 self._wholes += 1
                 if self._wholes == self._look_at:

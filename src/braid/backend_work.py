@@ -267,7 +267,7 @@ _OLD_NAMES = {"all_gather_single": "_allgather_base", "reduce_scatter_single": "
               "all_to_all_single": "alltoall_base"}
 
 
-# torch's method names as braid's op names (the call ledger, see Communicator._enter)
+# torch's method names as braid's op names (the call ledger, see CallLedger.enter)
 _OP_OF = {"allreduce": "all_reduce", "broadcast": "broadcast", "_allgather_base": "all_gather",
           "all_gather_single": "all_gather", "_reduce_scatter_base": "reduce_scatter",
           "reduce_scatter_single": "reduce_scatter", "alltoall_base": "all_to_all_single",

@@ -218,7 +218,7 @@ def _abort_world_of_one(port: int, q) -> None:
         comm = braid.init()
         x = torch.ones(1 << 20, device="cuda")
         comm.all_reduce(x)
-        groups = len(comm._native_groups())
+        groups = len(comm._faults.native_groups())
         braid.abort("stopping on purpose")          # aborts braid's NCCL groups for real
         try:
             comm.all_reduce(x)

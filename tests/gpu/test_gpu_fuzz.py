@@ -122,8 +122,8 @@ def _soak_entry(rank, world, port, out_dir, calls):
             return {"gpu_bytes": torch.cuda.memory_allocated(dev), "fds": len(os.listdir("/proc/self/fd")),
                     "shm": _shm_entries(), "maps": len(comm._lanes["ce"].maps) if "ce" in comm._lanes else 0,
                     "entries": len(comm._prepared.entries),
-                    "p2p_entries": sum(len(s.table) for s in comm._pairs.sends.values()) if comm._pairs else 0,
-                    "events": len(comm._pairs.free_events) if comm._pairs else 0}
+                    "p2p_entries": sum(len(s.table) for s in comm._p2p.pairs.sends.values()) if comm._p2p.pairs else 0,
+                    "events": len(comm._p2p.pairs.free_events) if comm._p2p.pairs else 0}
 
         with comm.fixed_shares({"ce": 1.0}):
             for i in range(600):         # every shape seen, every entry built

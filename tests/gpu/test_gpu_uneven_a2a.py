@@ -83,7 +83,7 @@ def _uneven(rank, world, comm, dev, shares):
             if not torch.equal(y.reshape(-1).view(torch.uint8), exp.reshape(-1).view(torch.uint8)):
                 wrong.append((i, str(dt), width, what))
     assert not wrong, f"rank {rank}: {len(wrong)} of {calls} calls wrong, first {wrong[:5]}"
-    lean = comm._a2av_ce
+    lean = comm._routing.a2av_ce
     assert lean is not None and lean.stats["calls"] >= calls // 2, (lean and lean.stats)
     # one mapping exchange per new tuple of buffers, not per call
     assert lean.stats["mapped"] < calls // 2, lean.stats
@@ -130,7 +130,7 @@ def _nccl_whole(rank, world, comm, dev):
     with comm.fixed_shares({"nccl": 1.0}):
         _changing_calls(rank, world, comm, dev, "n", SMALL_RUN * 3, 3)
     assert comm.uneven.small_run >= SMALL_RUN                       # the round was read late at the end
-    assert comm._a2av_ce is None or comm._a2av_ce.stats["calls"] == 0
+    assert comm._routing.a2av_ce is None or comm._routing.a2av_ce.stats["calls"] == 0
 
 
 @needs(2)
@@ -146,7 +146,7 @@ def _pair_alone(rank, world, comm, dev):
     calls = 3 * PAIR_CHECK
     _changing_calls(rank, world, comm, dev, "p", calls, 5)
     assert comm.uneven.pair_calls == calls                      # every call was small enough
-    assert comm._a2av_ce is None or comm._a2av_ce.stats["calls"] == 0
+    assert comm._routing.a2av_ce is None or comm._routing.a2av_ce.stats["calls"] == 0
 
 
 @needs(2)

@@ -1,26 +1,32 @@
-"""How a call is taken: by the native library whole (NCCL on GPUs, gloo on a CPU communicator) or
-split over braid's lanes. The shares are the split policy's (comm/policy.py: the calibration, fixed
-shares, the online balancer); the fast path keeps, per call shape, whether the native library
-takes it, so a repeated small call costs a few Python steps besides the library's own. The
-braid backend's forwarding reads the same answers (`whole_*`).
+"""The fast path of a repeated call, in one place: a call the native library takes whole (NCCL on
+GPUs, gloo on a CPU communicator) goes straight to it (`native_fast`); a split call whose shape last
+replayed a prepared graph posts its word, reads the round and launches (`fast_prepared`, with the
+word, post, round and launch in one native call where that built: `native_replay`). Whether a
+shape is whole or split is the shortcuts' answer (comm/shortcuts.py), asked by the op's own entry
+on the communicator; anything these decline takes the op's full path (comm/exchange.py).
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import time
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from .. import envs
-from ..errors import BraidError, BraidTimeoutError, LaneFailureError
+from ..collectives.reduce import REDUCE_DTYPES
+from ..errors import BraidError, BraidTimeoutError, LaneFailureError, MisuseError, PeerMismatchError
 from ..executor import Handle
-from ..planner.model import LaneCost
+from ..lanes import _cuda
+from ..node import COLL_MBOX_BYTES, COLL_SLOTS
+from . import native_rounds
+from .prepared import _DONE, _RAW, NO_OBS
+from .rounds import DeferredHandle, Job
 
 log = logging.getLogger("braid")
+
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 
 GLOO_WAIT_STEP = datetime.timedelta(milliseconds=50)   # how often a wait inside gloo looks for aborts
 
@@ -32,82 +38,45 @@ _RED_T = type(dist.ReduceOp.SUM)    # plain reduce ops (premul-sum comes as anot
 _FAST_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT)
 
 
+def fast_reduce_ok(op, dtype, cuda: bool) -> bool:
+    """The native library's reduction may take the call as is: a plain ReduceOp on a
+    reducible dtype (avg: NCCL only, which averages integers as braid does)."""
+    if dtype not in REDUCE_DTYPES or type(op) is not type(dist.ReduceOp.SUM):
+        return False
+    if op in _FAST_OPS:
+        return True
+    return op == dist.ReduceOp.AVG and cuda   # gloo has no AVG
+
+
 class CallPath:
-    """Part of braid.comm.Communicator (a mixin of the façade: the parts it composes own the state)."""
+    """The fast path's part of a communicator. It owns `round`: a prepared call's round that the
+    fast path read and missed (a peer's word differed), handed to the full path, which goes on from
+    it (Exchange.run_prepared; the rounds thread sets it for its rebuilds). Its collaborators:
+    the node segment, the call ledger (counts, the last call and its handle), the native
+    library's calls, the split policy, the prepared calls and their deferred rounds (or None),
+    the shortcuts, the faults part (closed, aborted, broken, give_up), the queue of pending
+    sends/recvs (comm/p2p.py), the copy-engine lane (or None) and the whole CPU calls."""
 
-    # shares -----------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def fixed_shares(self, shares: dict[str, float] | None, op: str = "*") -> Iterator[None]:
-        """Use these shares for every op (or one op) inside the block (tests, calibration, bench)."""
-        self._drain()
-        policy = self.policy
-        old = policy.fixed
-        policy.set_fixed(None if shares is None else {**(old or {}), op: dict(shares)})
-        self.shortcuts.clear()
-        self._prepared.clear()
-        self._learn_update()
-        try:
-            yield
-        finally:
-            self._drain(raising=False)
-            policy.set_fixed(old)
-            self.shortcuts.clear()
-            self._prepared.clear()
-            self._learn_update()
+    def __init__(self, rank: int, world_size: int, cuda: bool, device: torch.device, segment, ledger, library,
+                 policy, prepared, rounds, shortcuts, faults, pending, ce_lane, cpu):
+        self.rank, self.world_size, self.cuda, self.device, self.segment = rank, world_size, cuda, device, segment
+        self.ledger, self.library, self.policy, self.prepared = ledger, library, policy, prepared
+        self.rounds, self.shortcuts, self.faults, self.pending = rounds, shortcuts, faults, pending
+        self.ce, self.cpu = ce_lane, cpu
+        self.round = None       # a prepared call's round already posted by the fast path
 
-    def _drain(self, raising: bool = True) -> None:
-        """Let the deferred calls queued so far run (comm/rounds.py) before what they were
-        prepared under changes (shares, calibration); raises the error one of them met."""
-        rd = getattr(self, "_rounds", None)
-        if rd is not None:
-            rd.drain(raising)
+    def device_for(self, t) -> torch.device:
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            if not self.cuda:
+                raise MisuseError("CUDA tensor passed, but this communicator has no GPU lanes "
+                                  "(initialise torch.distributed with the 'nccl' backend)")
+            return self.device
+        return torch.device("cpu")
 
-    def _trial_exchange(self, values: list[int]) -> list[list[int]]:
-        """The whole-or-split trials' agreement (comm/arbiter.py). A call asks the arbiter before
-        the ledger counts it; while this exchange waits the call is counted, so that a peer still
-        at the previous call, taken whole, reads as late, not as a different call (_on_wait)."""
-        self.ledger.ncalls += 1
-        try:
-            return self.segment.exchange_values(values, "whole-or-split trial")
-        finally:
-            self.ledger.ncalls -= 1
-
-    def _learn_update(self) -> None:
-        """Whole or split learned in the job (comm/arbiter.py) only where braid chooses the shares:
-        not under fixed shares (tests, the calibration, `--shares`) nor in check mode."""
-        self.shortcuts.learn = self._arbiter.enabled and self.policy.fixed is None and not self.check
-        if self.policy.set_near_trials(self.shortcuts.learn):
-            self.shortcuts.clear()          # the kept answers of shapes NCCL won by little
-
-    @contextlib.contextmanager
-    def calibrated_verdict(self) -> Iterator[None]:
-        """Inside the block every call of a shape the calibration splits is split, as the calibration
-        chose, without trials against the whole call (the op sweep of `braid bench`: its alternating
-        windows would fall inside a trial's intervals)."""
-        was = self._arbiter.enabled
-        self._arbiter.enabled = False
-        self._learn_update()
-        try:
-            yield
-        finally:
-            self._arbiter.enabled = was
-            self._learn_update()
-
-    def shares_for(self, op: str, nbytes: int, lanes: list[str]) -> dict[str, float]:
-        """This call's shares over `lanes` (comm/policy.py)."""
-        return self.policy.shares_for(op, nbytes, lanes)
-
-    def split_rule(self, op: str, costs: dict[str, LaneCost], nbytes: int) -> dict[str, float]:
-        """Shares from lane costs alone (comm/policy.py; the calibration asks it)."""
-        return self.policy.split_rule(op, costs, nbytes)
-
-    def _native_group(self, shares: dict[str, float]):
-        return self.native_group if "nccl" in shares else self.gloo_group
-
-    def _fast_ok(self, *tensors) -> bool:
+    def fast_ok(self, *tensors) -> bool:
         """Cheap checks for the fast path: CUDA tensors on our device, contiguous. Anything else
         takes the full path, which validates and explains."""
-        if not self.cuda or self.closed:
+        if not self.cuda or self.faults.closed:
             return False
         idx = self.device.index
         for t in tensors:
@@ -115,90 +84,37 @@ class CallPath:
                 return False
         return True
 
-    # the braid backend's forwarding ------------------------------------------------------------
-    # Under init_process_group("braid"), a call that the native library takes whole goes from the
-    # backend straight to its inner NCCL (gloo) group, with torch's own options object, and the
-    # caller gets that library's Work: its future, its stream semantics, no braid object per call.
-    # These read the fast path's answer for the call shape; a shape not seen yet answers False, so
-    # its first call takes the full path, which fills the answer in (the same facts on every rank).
-    def _takes(self, t) -> bool:
-        """A tensor the fast path's answers apply to (all_reduce's test is written out in the
-        backend: the same as whole_reduce_scatter's, for one tensor)."""
-        return (type(t) is torch.Tensor and t.is_cuda is self.cuda and t.is_contiguous() and not self.closed
-                and not self.aborted)
+    # whole, through the native library ----------------------------------------------------------
+    def native_fast(self, method: str, args: tuple, kind: str, async_op: bool, op=None, root: int = 0,
+                    fallback=None, counted: bool = False):
+        """The fast path's call, whole, through the native library (comm/library.py), waited here
+        when synchronous (a CPU communicator's gloo call in steps that see a peer's abort)."""
+        lib = self.library
+        if lib.backend is None and self.pending and not self.cuda:   # as the full path does before a collective
+            self.pending.flush()
+        work = lib.start(method, args, kind, async_op, op, root, fallback, counted)
+        if async_op:
+            return self.finish(work, True)
+        if work is not None:
+            if self.cuda:
+                work.wait()
+            else:
+                self.wait_gloo(work)
+        self.ledger.last_handle = lib.done
+        return None
 
-    #
-    # A shape the calibration splits is still NCCL's whole while the job's trial says so
-    # (comm/arbiter.py): these ask the arbiter too, so such a call is forwarded as well (through
-    # braid's own op and Work it cost ~20-100 us more host time a call: 2 x H200, FSDP2). The
-    # decision and the hand-off of the arbiter's answer to the op's own path: comm/shortcuts.py.
-    def whole_reduce_scatter(self, out, inp, op) -> bool:
-        if not (self._takes(inp) and self._takes(out)) or out.dtype is not inp.dtype:
-            return False
-        return self.shortcuts.answer("rs", inp.numel(), (inp.dtype, op, out.numel()), self._rest_rs, out, inp, op)
-
-    def whole_all_gather(self, out, inp) -> bool:
-        if not (self._takes(inp) and self._takes(out)) or out.dtype is not inp.dtype:
-            return False
-        return self.shortcuts.answer("ag", inp.numel(), (inp.dtype, out.numel()), self._rest_ag, out, inp)
-
-    def whole_broadcast(self, t, root: int) -> bool:
-        if not self._takes(t):
-            return False
-        return self.shortcuts.answer("bc", t.numel(), (t.dtype, root), self._rest_bc, t, root)
-
-    def whole_all_reduce(self, t, op) -> bool:
-        if not self._takes(t):
-            return False
-        return self.shortcuts.answer("ar", t.numel(), (t.dtype, op), self._rest_ar, t, op)
-
-    def whole_all_to_all(self, out, inp) -> bool:
-        """Balanced all_to_all_single (no split sizes) only: uneven calls agree per call."""
-        if not (self._takes(inp) and self._takes(out)) or inp.dim() == 0 or out.dtype is not inp.dtype:
-            return False
-        return self.shortcuts.answer("a2a", inp.numel(), (inp.dtype, inp.size(0), out.numel()), self._rest_a2a,
-                                     out, inp)
-
-    # Each op's shape for both questions (the op's own and the backend's, comm/shortcuts.py): the
-    # entry's key and facts are written at the two call sites, (element count, (dtype, the op's
-    # other facts)); what only a call the entry does not settle needs is here: whether the native
-    # call can take the shape at all, the op's name and bytes for the calibration, the arbiter's
-    # key. Tensors are contiguous, on this communicator's kind of device.
-    def _rest_ar(self, t, op) -> tuple:
-        n, dt = t.numel(), t.dtype
-        return self._fast_reduce_ok(op, dt), "all_reduce", n * t.element_size(), ("ar", n, dt, op)
-
-    def _rest_rs(self, out, inp, op) -> tuple:
-        n, dt = inp.numel(), inp.dtype
-        return (dt is out.dtype and n == out.numel() * self.world_size and self._fast_reduce_ok(op, dt),
-                "reduce_scatter", n * inp.element_size(), ("rs", n, dt, op))
-
-    def _rest_ag(self, out, inp) -> tuple:
-        n, dt = inp.numel(), inp.dtype
-        return (dt is out.dtype and out.numel() == n * self.world_size, "all_gather", n * inp.element_size(),
-                ("ag", n, dt))
-
-    def _rest_bc(self, t, root) -> tuple:
-        n, dt = t.numel(), t.dtype
-        return 0 <= root < self.world_size, "broadcast", n * t.element_size(), ("bc", n, dt, root)
-
-    def _rest_a2a(self, out, inp) -> tuple:
-        n, dt = inp.numel(), inp.dtype
-        return (dt is out.dtype and n == out.numel() and inp.size(0) % self.world_size == 0, "all_to_all_single",
-                n * inp.element_size(), ("a2a", n, dt))
-
-    def _finish(self, work, async_op: bool):
+    def finish(self, work, async_op: bool):
         handle = Handle(native=work)
         handle.native_lane = "nccl" if self.cuda else "gloo"
         if not self.cuda:
-            handle.waiter = self._wait_gloo
-        self.last_handle = handle
+            handle.waiter = self.wait_gloo
+        self.ledger.last_handle = handle
         if async_op:
             return handle
         handle.wait()
         return None
 
-    def _wait_gloo(self, work) -> None:
+    def wait_gloo(self, work) -> None:
         """Wait for a call on braid's gloo group in steps of GLOO_WAIT_STEP_S, between which a
         peer's abort (it raised and marked the node segment) or a dead peer ends the wait with a
         braid error. gloo has no abort: a rank blocked inside its call stayed there until the peer's
@@ -209,7 +125,8 @@ class CallPath:
             work.wait()
             return
         deadline = time.monotonic() + envs.get("BRAID_TIMEOUT_S")
-        p2p = getattr(self, "_p2p_shm", None)
+        p2p = self.cpu.p2p
+        watchdog = self.faults.watchdog
         while True:
             if p2p is not None and p2p.pending:
                 p2p.progress()          # a peer may wait in a recv for this rank's pending send
@@ -226,28 +143,161 @@ class CallPath:
                         raise peer from exc
                     raise LaneFailureError(f"gloo failed on rank {self.rank}: {exc}") from exc
             seg.raise_if_peer_aborted()
-            if self.watchdog is not None and self.watchdog.failed:
-                raise LaneFailureError(f"braid communicator is broken: {self.watchdog.failed}")
+            if watchdog is not None and watchdog.failed:
+                raise LaneFailureError(f"braid communicator is broken: {watchdog.failed}")
             if time.monotonic() > deadline:
                 raise BraidTimeoutError(
                     f"rank {self.rank} waited {envs.get('BRAID_TIMEOUT_S'):.0f} s inside gloo's own "
                     f"{self.ledger.last_call[0]} for its peers: {self.ledger.mine()}. "
                     f"Check that every rank makes the same calls in the same order (BRAID_TIMEOUT_S to change the limit).")
 
-    def _native_fast(self, method: str, args: tuple, kind: str, async_op: bool, op=None, root: int = 0,
-                     fallback=None, counted: bool = False):
-        """The fast path's call, whole, through the native library (comm/library.py), waited here
-        when synchronous (a CPU communicator's gloo call in steps that see a peer's abort)."""
-        lib = self.library
-        if lib.backend is None and self._p2p_pending and not self.cuda:   # as _run does before a collective
-            self._flush_p2p()
-        work = lib.start(method, args, kind, async_op, op, root, fallback, counted)
-        if async_op:
-            return self._finish(work, True)
-        if work is not None:
-            if self.cuda:
-                work.wait()
-            else:
-                self._wait_gloo(work)
-        self.last_handle = self.library.done
+    # split, a prepared call replayed (comm/prepared.py) ----------------------------------------------
+    def fast_prepared(self, tkey, inp, outs: tuple, async_op: bool, redo=None):
+        """A call whose shape last replayed a graph (a Ticket under the op's own arguments):
+        the round of words and the launch, nothing else; with a rounds thread (comm/rounds.py)
+        only the post of this rank's word, the rest on that thread. None: not this way (the
+        caller takes the full path; after a round that missed, that path goes on from this
+        round). `redo()`: the op's own call with the same arguments (the thread's full path)."""
+        prep = self.prepared
+        tk = prep.tickets.get(tkey)
+        rd = self.rounds
+        faults = self.faults
+        if (tk is None or not prep.enabled or faults.closed or faults.aborted or tk.bal != self.policy.balancer.version
+                or self.pending or (self.policy.pending and tk.op in self.policy.pending)
+                or (faults.watchdog is not None and faults.watchdog.failed)
+                or ((rd is not None or not prep.fast) and _capturing())):   # (else the native call checks)
+            return None         # queued send/recv go first, a balancer report rides the full path
+        if rd is not None and redo is not None and tk.entry.exec_ptr:
+            if self.shortcuts.rebuilding():     # the rounds thread's own rebuild: the full path
+                return None
+            return self.deferred(rd, prep, tk, inp, outs, async_op, redo)
+        seg = self.segment
+        ledger = self.ledger
+        fast = prep.fast if prep.fast is not False else self.native_calls()
+        # the round belongs to this call: counted while it waits, so that a peer still at the
+        # previous call (taken whole) reads as late, not as a different call (CallLedger.check_peer)
+        ledger.ncalls += 1
+        if fast is not None and tk.entry.exec_ptr and prep.entries.get(tk.key) is tk.entry:
+            done, posted = self.native_replay(fast, prep, seg, tk, inp, outs, async_op)
+            if posted is None:
+                return done         # a handle (launched), or None (nothing posted: the full path)
+            word, token = posted    # posted, the round not settled: it goes on here
+        elif fast is not None and _capturing():     # (the native call's own check did not run)
+            ledger.ncalls -= 1
+            return None
+        else:
+            word, token = prep.finish_word(tk.base, inp, tk.lanes), None
+        t0 = time.perf_counter()
+        try:
+            got = seg.read_values(token if token is not None else seg.post_values([word, *NO_OBS]), tk.op)
+        except (PeerMismatchError, BraidTimeoutError, LaneFailureError) as exc:
+            faults.give_up(exc)
+            raise
+        # the round's host time (this rank's post and read, and its wait for the last peer's word)
+        prep.stats["round_us"] += (time.perf_counter() - t0) * 1e6
+        # a hit only where the cache would hit (and with the same least-recently-used update), so
+        # every rank's cache keeps the same keys whichever way its calls came in
+        if (len(got) == len(tk.key) and all(g[0] == k for g, k in zip(got, tk.key))
+                and prep.get(tk.key) is tk.entry):
+            ledger.last_call = tk.ledger
+            handle = prep.launch(tk.entry, self.ce.stream, async_op, (inp, *outs))
+            ledger.last_handle = handle
+            return handle
+        ledger.ncalls -= 1                 # a miss: the full path counts the call
+        self.round = (word, got)        # and goes on from this round
         return None
+
+    def native_replay(self, fast, prep, seg, tk, inp, outs: tuple, async_op: bool):
+        """The word, its post, the round and the launch of a Ticket's call in one native call
+        (native_rounds.FastCalls). Returns (handle, None) where it launched, (None, None) where it
+        posted nothing (a capture: the full path takes the call), else (None, (word, token)): the
+        word is posted and the caller reads the round (a word that differs, a late peer)."""
+        caller = _RAW(self.device.index)
+        mode = 2 if async_op else 1 if prep.dirty else 0     # async; forked; on the caller's stream
+        end = prep.end_event() if mode else 0
+        t = tk.native
+        if t is None:
+            t = tk.native = fast.ticket(tk.base, tk.entry.exec_ptr, self.ce.stream.cuda_stream,
+                                        prep.fork_event(), tk.key)
+        seq = seg.next_seq()
+        code = fast.call(t, seq, inp.data_ptr() if inp is not None and inp.numel() and "ce" in tk.lanes else 0,
+                         caller, end, mode)
+        if code == native_rounds.HIT:
+            prep.stats["round_us"] += fast.round_ns.value * 1e-3
+            prep.get(tk.key)
+            prep.stats["replays"] += 1
+            prep.stats["native_calls"] += 1
+            ledger = self.ledger
+            ledger.last_call = tk.ledger
+            handle = prep.joined(mode == 2, end, self.ce.stream, (inp, *outs), tk.entry.plan) \
+                if mode else _DONE
+            ledger.last_handle = handle
+            return handle, None
+        if code in (native_rounds.CAPTURING, native_rounds.ID_ERR):     # nothing posted: undone
+            seg.coll_seq -= 1
+            self.ledger.ncalls -= 1
+            if code == native_rounds.ID_ERR:
+                _cuda.check(fast.rc.value, "cuPointerGetAttribute(BUFFER_ID)")
+            return None, None
+        if code == native_rounds.LATE:      # a peer not there within the spin: Python waits
+            prep.stats["native_late"] += 1
+        elif code != native_rounds.DIFF:
+            _cuda.check(fast.rc.value or -1, "the launch of a prepared call")
+        return None, (fast.word.value, (seq, 1 + len(NO_OBS)))
+
+    def native_calls(self):
+        """The communicator's native repeated calls (native_rounds.FastCalls), made at the first
+        call that could take them; None where BRAID_NATIVE_CALL is 0 or they did not build."""
+        prep = self.prepared
+        prep.fast = None
+        if not envs.get("BRAID_NATIVE_CALL"):
+            return None
+        lib = native_rounds.build()
+        if lib is None:
+            return None
+        seg = self.segment
+        try:
+            prep.fast = native_rounds.FastCalls(
+                lib, self.world_size, self.rank, COLL_SLOTS, 1 + len(NO_OBS), COLL_MBOX_BYTES,
+                [seg.address + c for c in seg._coll_ctr], [seg.address + s[0] for s in seg._coll_slots],
+                _cuda.native_fns(), seg.spin_s)
+        except (OSError, LaneFailureError) as exc:
+            log.info("braid: repeated calls stay in Python (%s)", exc)
+        return prep.fast
+
+    def deferred(self, rd, prep, tk, inp, outs: tuple, async_op: bool, redo):
+        """Post this rank's word and queue the rest of the call on the rounds thread
+        (comm/rounds.py): the caller's stream (synchronous) or the handle's waiter (async) waits
+        for the call's end counter. Counted in the ledger here, in call order."""
+        rd.room()
+        word = prep.finish_word(tk.base, inp, tk.lanes)
+        ledger = self.ledger
+        ledger.count(tk.ledger)
+        try:
+            token = self.segment.post_values([word, *NO_OBS], hook=False)
+        except (PeerMismatchError, BraidTimeoutError, LaneFailureError) as exc:
+            self.faults.give_up(exc)
+            raise
+        caller = _RAW(self.device.index)
+        start = rd.start_event(caller)
+        n = rd.next_number()
+        tensors = (inp, *outs)
+        # the words the program was built for, while the entry is the cache's (else the thread in
+        # Python decides, as on a changed word)
+        rd.push(Job(token, word, tk, start, n, tensors, redo, ledger.ncalls, tk.op),
+                tk.key if prep.entries.get(tk.key) is tk.entry else None)
+        # the program runs on the lane stream, which only the caller's stream waits for: a later
+        # call on another stream of the caller's (FSDP2's gathers and reductions) must not start
+        # its program beside it (two programs on the same flags)
+        prep.dirty = True
+        if async_op:
+            stream = self.ce.stream
+            for t in tensors:       # the caller may free them before waiting: the allocator must know
+                if t is not None and t.numel():
+                    t.record_stream(stream)
+            handle = DeferredHandle(rd, n, tensors, tk.entry.plan, self.device.index)
+        else:
+            rd.stream_wait(caller, n)
+            handle = _DONE
+        ledger.last_handle = handle
+        return handle

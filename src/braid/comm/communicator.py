@@ -8,11 +8,14 @@ until done (CPU), like torch.distributed.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import socket
 import time
 import weakref
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -21,25 +24,23 @@ from .. import envs
 from ..collectives import check_rank, input_bytes, output_bytes, same_dtype
 from ..errors import MisuseError
 from ..executor import Handle
-from ..node import Layout, NodeSegment
-from ..planner.plan import CPU_LANES, GPU_LANES, LaneKind, all_gather_movement, broadcast_movement
-from ..planner.rings import COLL, PAIR, RingCursor, ring_id
-
-from .pairs import Pairs, PendingP2P
-
-log = logging.getLogger("braid")
-
 from ..lanes.base import LaneContext
-from .callpath import CallPath
-from .library import LibraryCalls, NativeDone, backend_of
+from ..node import Layout, NodeSegment
+from ..planner.model import LaneCost
+from ..planner.plan import CPU_LANES, GPU_LANES, LaneKind, Plan, all_gather_movement, broadcast_movement
+from ..planner.rings import COLL, PAIR, RingCursor, ring_id
+from .callpath import _RED_T, CallPath, fast_reduce_ok
 from .exchange import Exchange
 from .ledger import CallLedger, Faults, _Watchdog, _call
+from .library import CpuCalls, LibraryCalls, backend_of
 from .p2p import PointToPoint
-from .reductions import GpuReductionParts, Reductions
-from .routing import RouteSamples, Routing
+from .pairs import P2PQueue
 from .policy import SplitPolicy
+from .reductions import Reductions
+from .routing import RouteSamples, Routing, a2a_ticket
 from .shortcuts import Shortcuts
-from .uneven import UnevenAgreement
+
+log = logging.getLogger("braid")
 
 
 # each rank's area for a GPU communicator's whole calls on CPU tensors (two halves of 1 MiB; a
@@ -47,11 +48,19 @@ from .uneven import UnevenAgreement
 CPU_AREA = 2 << 20
 OPS = ("send_recv", "broadcast", "all_gather", "all_to_all_single", "all_reduce", "reduce_scatter", "reduce")
 
-class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults):
+
+class Communicator:
     """braid over the default torch.distributed group (one process per GPU, or CPU processes).
 
     Lanes: nccl, ce and host for CUDA tensors; gloo and shm for CPU tensors. `lanes` (or
     BRAID_LANES) restricts them; unavailable lanes are skipped with one log line.
+
+    A façade: it sets up the node segment, the groups and the lanes, and composes parts that own
+    their state (see docs/design.md, "One call"): the faults part (`_faults`: closed, aborted,
+    broken, what a fault does to every rank), the fast path (`_calls`), the full path
+    (`_exchange`), the all_to_all part (`_routing`), the reductions (`_reductions`) and the
+    point-to-point part (`_p2p`). The ops' entries with their fast paths are its own methods; the
+    rest of each op is one call into its part.
     """
 
     def __init__(self, group=None, lanes: list[str] | None = None, _node=None):
@@ -72,26 +81,28 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
         self.hier = None       # the node and rail steps of a world of several nodes (comm/hier.py)
         self._init_state(lanes)
         self._init_groups()
-        # the calls made so far and the last one, published to the node segment (comm/ledger.py)
-        self.ledger = CallLedger(self.rank, self.cuda, self.segment)
+        # the calls made so far, the last one and its handle, published to the node segment (comm/ledger.py)
+        self.ledger = ledger = CallLedger(self.rank, self.cuda, self.segment)
+        # whether calls may run (closed, aborted, broken) and what a fault does to every rank
+        self._faults = faults = Faults(self.rank, self.cuda, self.device, self.segment, ledger,
+                                       (self.nccl_group, self.native_group), self.hier)
         # whole calls to the native library (comm/library.py): NCCL's group on GPUs; on a CPU
         # communicator gloo's own (never the default group: under init_process_group("braid")
         # that is braid itself)
         self.library = LibraryCalls(self.cuda, self.native_group if self.cuda else self.gloo_group,
-                                    backend_of(self.native_group, self.device) if self.cuda else None, self.ledger)
+                                    backend_of(self.native_group, self.device) if self.cuda else None, ledger)
         # what the lanes get of this communicator (they never see the communicator itself)
         self.lane_ctx = LaneContext(self.rank, self.world_size, self.device, self.segment, self.layout,
                                     self.segment_tensor, self.seg_dev_ptr, self.ring_cursors)
         self._lanes = self.lane_ctx.lanes = self._make_lanes()
-        # split reductions' GPU streams, scratch and the copy engines' reduction (comm/reductions.py)
-        self._gpu_parts = GpuReductionParts(self.device, self._lanes.get("ce"), self.lane_ctx)
+        # which lanes serve a device (the parts ask without holding the communicator)
+        lanes_for = functools.partial(usable_lanes, self._lanes, self.unavailable, self.wanted)
         # which lanes take a call and with what shares: the calibration, fixed shares, the balancer
-        me_ref = weakref.ref(self)
-        self.policy = SplitPolicy(self.world_size, self.cuda, self.check,
-                                  lambda: (c := me_ref()) is not None and c.lanes_for(c.device) or [],
+        self.policy = SplitPolicy(self.world_size, self.cuda, self.check, functools.partial(lanes_for, self.device),
                                   self.unavailable, self.wanted, self.hier)
         from .prepared import PreparedCalls
         self._prepared = PreparedCalls(self.rank, self.world_size, self.device, self.cuda)
+        self._rounds = None         # deferred prepared calls and their thread (comm/rounds.py)
         if (self.cuda and self._prepared.enabled and self.segment is not None and "ce" in self._lanes
                 and self.world_size > 1 and envs.get("BRAID_DEFER")):
             from .rounds import Rounds
@@ -101,15 +112,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
         elif self.cuda and self._prepared.enabled and self.segment is not None and envs.get("BRAID_NATIVE_CALL"):
             from . import native_rounds
             native_rounds.build()       # compiled (once per machine) and loaded now, not in a job's first replay
-        # prepared send/recv (comm/pairs.py): through the node segment, with prepared calls on
-        self._pairs = Pairs(self) if self.segment is not None and self._prepared.enabled else None
-        # the uneven all_to_all's agreement and its counters (comm/uneven.py)
-        self.uneven = UnevenAgreement(
-            self.rank, self.world_size, self.segment, self.policy, self.ledger, self.policy.lanes_here,
-            lambda: (c := me_ref()) is not None and c.routing or "off",
-            lambda: _call(me_ref, "_check_open"), lambda exc: _call(me_ref, "_give_up", exc),
-            lambda why, wait=True: _call(me_ref, "_abort_native", why, wait),
-            envs.get("BRAID_A2AV_CE_MIN_MB") << 20)
+        faults.rounds = self._rounds
         from .arbiter import Arbiter, GpuPace, trial_log
         seg = self.segment
         # the trials of whole against split are agreed through the node segment: one node only
@@ -122,52 +125,78 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
                                 log=trial_log(envs.get("BRAID_TRIAL_LOG"), self.rank) if learn else None,
                                 builds=lambda: self._prepared.stats["built"])
         # whole or split per call shape, the hot path's one decision (comm/shortcuts.py)
-        self.shortcuts = Shortcuts(self.policy.native_for, self._arbiter, lambda: not self.closed and not self.aborted)
+        self.shortcuts = faults.shortcuts = Shortcuts(self.policy.native_for, self._arbiter,
+                                                      lambda: not faults.closed and not faults.aborted)
         self._learn_update()
-        self._cpu = None            # whole CPU calls through the segment (comm/cpushm.py)
-        self._cpu_done = NativeDone("shm")
+        # whole CPU calls through the segment (comm/cpushm.py), and a CPU communicator's send/recv
+        # through it (comm/cpup2p.py)
+        cpu = p2p_shm = None
         if seg is not None and self.world_size > 1 and self.single_node and envs.get("BRAID_CPU_SHM"):
             from .cpushm import CpuShm
             # a GPU communicator's CPU tensors (object collectives, metrics) take an area of their own
             cpu = CpuShm(seg, self.layout, self.segment_tensor, self.rank, self.world_size,
                          self.layout.cpu_rings if self.cuda else None)
-            self._cpu = cpu if cpu.ok and cpu.data >= 4096 else None
-        self._p2p_shm = None        # whole CPU send/recv through the segment (comm/cpup2p.py)
-        if self._cpu is not None and not self.cuda:
+            cpu = cpu if cpu.ok and cpu.data >= 4096 else None
+        if cpu is not None and not self.cuda:
             from .cpup2p import CpuP2P
-            me_ref = weakref.ref(self)
-            self._p2p_shm = self._cpu.p2p = CpuP2P(
-                seg, self.layout, self.segment_tensor, self.rank, self.world_size,
-                give_up=lambda exc: (c := me_ref()) is not None and c._give_up(exc))
-        self.watchdog = None
+            p2p_shm = cpu.p2p = CpuP2P(seg, self.layout, self.segment_tensor, self.rank, self.world_size,
+                                       give_up=faults.give_up)
+        # sends/recvs posted, their peers' sides not read yet: the point-to-point part fills the
+        # queue, the other parts start them before a collective
+        pending = P2PQueue()
+        self._cpu_calls = cpu_calls = CpuCalls(cpu, p2p_shm, self.policy, self.check, faults, pending,
+                                               self._lanes.get("shm"), ledger)
+        from ..collectives.routed import RoutedAllToAll
+        self._routed = RoutedAllToAll(self.world_size)     # the router of skewed all_to_all calls
+        self.route_samples = RouteSamples(self._routed)   # skewed calls timed for the router, until reported
+        common = dict(rank=self.rank, world_size=self.world_size, cuda=self.cuda, device=self.device)
+        ce = self._lanes.get("ce")
+        self._calls = calls = CallPath(self.rank, self.world_size, self.cuda, self.device, seg, ledger,
+                                       self.library, self.policy, self._prepared, self._rounds, self.shortcuts,
+                                       faults, pending, ce, cpu_calls)
+        self._exchange = exchange = Exchange(
+            **common, segment=seg, layout=self.layout, seg_dev_ptr=self.seg_dev_ptr, lanes=self._lanes,
+            lane_ctx=self.lane_ctx, lanes_for=lanes_for, unavailable=self.unavailable, wanted=self.wanted,
+            policy=self.policy, prepared=self._prepared, rounds=self._rounds, shortcuts=self.shortcuts,
+            ledger=ledger, faults=faults, calls=calls, pending=pending, routed=self._routed,
+            samples=self.route_samples, native_group=self.native_group, gloo_group=self.gloo_group)
+        self._routing = routing = Routing(
+            **common, single_node=self.single_node, segment=seg, layout=self.layout, seg_dev_ptr=self.seg_dev_ptr,
+            lanes=self._lanes, lanes_for=lanes_for, check=self.check, policy=self.policy, prepared=self._prepared,
+            shortcuts=self.shortcuts, ledger=ledger, faults=faults, calls=calls, exchange=exchange, pending=pending,
+            cpu=cpu_calls, hier=self.hier, routed=self._routed, samples=self.route_samples,
+            native_group=self.native_group, mode=envs.get("BRAID_ROUTE"), ce_min=envs.get("BRAID_A2AV_CE_MIN_MB") << 20)
+        self._reductions = Reductions(
+            **common, ledger=ledger, library=self.library, nccl_group=self.nccl_group,
+            native_group=self.native_group, gloo_group=self.gloo_group, lane_ctx=self.lane_ctx, ce_lane=ce,
+            exchange=exchange, calls=calls, hier=self.hier)
+        self._p2p = PointToPoint(
+            **common, segment=seg, layout=self.layout, seg_dev_ptr=self.seg_dev_ptr, lanes=self._lanes,
+            lane_ctx=self.lane_ctx, lanes_for=lanes_for, check=self.check, policy=self.policy,
+            prepared=self._prepared, library=self.library, native_group=self.native_group, ledger=ledger,
+            faults=faults, calls=calls, exchange=exchange, routing=routing, samples=self.route_samples,
+            pending=pending, cpu=cpu_calls)
+        faults.pairs = self._p2p.pairs
+        # what the ops' own entries read on every call, bound here once: the fast path's two calls,
+        # the CPU path's test and call, and the queue of pending sends/recvs (the backend reads it too)
+        self._native_fast, self._fast_prepared = calls.native_fast, calls.fast_prepared
+        self._cpu, self._cpu_ok, self._cpu_call, self._cpu_done = cpu, cpu_calls.ok, cpu_calls.call, cpu_calls.done
+        self._p2p_pending = pending
         if self.segment is not None:
-            me = weakref.ref(self)        # the segment and the watchdog must not keep self alive
-            self.segment.on_wait = lambda *a: _call(me, "_on_wait", *a)
-            self.segment.on_timeout = lambda *a: _call(me, "_on_timeout", *a)
-            self.watchdog = _Watchdog(self.segment, self.rank, self.world_size, self.cuda,
-                                      status=self.ledger.status,
-                                      on_peer_abort=lambda why: _call(me, "_abort_native", why, False),
-                                      overdue=lambda: _call(me, "_p2p_overdue") or "")
-        self._closer = weakref.finalize(self, _finalize, self.segment, self.seg_dev_ptr, self.watchdog)
+            fw = weakref.ref(faults)        # the segment and the watchdog must not keep the parts alive
+            self.segment.on_wait = lambda *a: _call(fw, "on_wait", *a)
+            self.segment.on_timeout = lambda *a: _call(fw, "on_timeout", *a)
+            faults.watchdog = _Watchdog(self.segment, self.rank, self.world_size, self.cuda,
+                                        status=ledger.status,
+                                        on_peer_abort=lambda why: _call(fw, "abort_native", why, False),
+                                        overdue=lambda: _call(fw, "p2p_overdue") or "")
+        self._closer = weakref.finalize(self, _finalize, self.segment, self.seg_dev_ptr, faults.watchdog)
         self.load_calibration()
 
     # set-up -----------------------------------------------------------------------------------
     def _init_state(self, lanes) -> None:
-        """Every attribute the ops keep between calls, and the lanes asked for."""
-        self.closed = False
-        self.last_handle: Handle | None = None
-        self._a2av_ce = None         # uneven all_to_all on the copy engines alone (comm/a2av.py), made at first use
-        self._desc_memo: dict = {}   # every rank's descriptor digest -> those descriptors (recent full exchanges)
-        self._round = None           # a prepared call's round already posted by the fast path (exchange.py)
-        self._rounds = None          # deferred prepared calls and their thread (comm/rounds.py)
-        from ..collectives.routed import RoutedAllToAll
-        self._routed = RoutedAllToAll(self.world_size)
-        self.route_samples = RouteSamples(self._routed)  # skewed calls timed for the router, until reported
-        self.routing = envs.get("BRAID_ROUTE")      # skewed all_to_all through the router: auto/on/off
-        self._p2p_pending: list["PendingP2P"] = []                  # posted, peer's side not read yet
+        """The settings read once, when the communicator is created, and the lanes asked for."""
         self.check = envs.get("BRAID_CHECK")   # read once, when the communicator is created
-        self.aborted = ""                   # why abort() was called (the communicator is unusable)
-        self._plan_cache: dict = {}
         wanted = lanes if lanes is not None else envs.get("BRAID_LANES")
         known = [k.value for k in LaneKind]
         unknown = [x for x in (wanted or ()) if str(x) not in known]
@@ -289,9 +318,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
 
     def lanes_for(self, device: torch.device) -> list[str]:
         """Lane names usable here for tensors on `device`, in plan order."""
-        kinds = GPU_LANES if device.type == "cuda" else CPU_LANES
-        return [k.value for k in kinds if k.value in self._lanes and k.value not in self.unavailable
-                and (self.wanted is None or k.value in self.wanted)]
+        return usable_lanes(self._lanes, self.unavailable, self.wanted, device)
 
     @property
     def slowdown(self) -> dict[str, float]:
@@ -303,35 +330,95 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
         self.lane_ctx.slowdown = dict(value)
 
     # ops ----------------------------------------------------------------------------------------
-    # whole CPU calls through the segment -----------------------------------------------------------
-    def _cpu_ok(self, *tensors) -> bool:
-        """This call may run whole through the segment: a CPU communicator with that path, no
-        explicit shares, plain contiguous CPU tensors."""
-        if self._cpu is None or self.policy.fixed is not None or self.check:
-            return False
-        for t in tensors:
-            if type(t) is not torch.Tensor or t.is_cuda or not t.is_contiguous() or t.layout is not torch.strided:
-                return False
-        return True
+    # Each op's entry: a whole call through the segment on CPU tensors, then the fast path (the
+    # shortcuts' answer: the native library whole, or a prepared call replayed), then the rest of
+    # the op (a multi-node world's steps, the full path) in its part.
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
+        """In place, like torch.distributed.all_reduce."""
+        tkey = None
+        if self._cpu is not None and self._cpu_ok(tensor) and (red := self._cpu_calls.reduction(op, tensor.dtype)):
+            return self._cpu_call("all_reduce", tensor, lambda: self._cpu.all_reduce(tensor, *red), async_op)
+        if type(op) is _RED_T and type(tensor) is torch.Tensor and tensor.is_cuda is self.cuda and tensor.is_contiguous():
+            n = tensor.numel()
+            if self.shortcuts.decide("ar", n, (tensor.dtype, op), self._rest_ar, tensor, op):
+                return self._native_fast("allreduce", ([tensor],), "allreduce", async_op, op=op, fallback=lambda a:
+                                         dist.all_reduce(tensor, op=op, group=self.library.group, async_op=a))
+            if self.cuda:
+                tkey = ("ar", tensor.data_ptr(), n, tensor.dtype, op)
+                if (h := self._fast_prepared(tkey, tensor, (tensor,), async_op,
+                                             lambda: self.all_reduce(tensor, op))) is not None:
+                    return h if async_op else None
+        if self.hier is not None and (h := self.hier.all_reduce(tensor, op, async_op)) is not None:
+            return h if async_op else None
+        return self._reductions.reduction("all_reduce", tensor, tensor, op, None, async_op, tkey)
 
-    def _cpu_enter(self, op: str, x: torch.Tensor) -> None:
-        self._check_open()
-        if self._p2p_pending:
-            self._flush_p2p()
-        last = getattr(self._lanes.get("shm"), "_last", None)
-        if last:                        # the shm lane's earlier async calls share the segment
-            for lane_run in list(last.values()):
-                if lane_run.thread is not None:
-                    lane_run.thread.join()
-        self.ledger.enter(op, x, "shm")
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
+                              async_op: bool = False):
+        """output (numel m) = reduction over ranks of input[rank*m:(rank+1)*m]."""
+        tkey = None
+        if (self._cpu is not None and self._cpu_ok(output, input) and input.dtype is output.dtype
+                and input.numel() == output.numel() * self.world_size
+                and (red := self._cpu_calls.reduction(op, output.dtype))):
+            src = input.detach() if input.requires_grad else input
+            return self._cpu_call("reduce_scatter", input, lambda: self._cpu.reduce_scatter(output, src, *red), async_op)
+        if getattr(input, "requires_grad", False):
+            input = input.detach()     # read only: the native library's copies of it stay out of autograd
+        if (type(op) is _RED_T and type(input) is torch.Tensor and type(output) is torch.Tensor and input.is_cuda is self.cuda
+                and output.is_cuda is self.cuda and input.is_contiguous() and output.is_contiguous()):
+            n = input.numel()
+            if self.shortcuts.decide("rs", n, (input.dtype, op, output.numel()), self._rest_rs, output, input, op):
+                return self._native_fast("_reduce_scatter_base", (output, input), "reducescatter", async_op, op=op,
+                                         fallback=lambda a: dist.reduce_scatter_tensor(
+                                             output, input, op=op, group=self.library.group, async_op=a))
+            if self.cuda:
+                tkey = ("rs", input.data_ptr(), output.data_ptr(), n, output.numel(), input.dtype, output.dtype, op)
+                if (h := self._fast_prepared(tkey, input, (output,), async_op,
+                                             lambda: self.reduce_scatter_tensor(output, input, op))) is not None:
+                    return h if async_op else None
+        if self.hier is not None and (h := self.hier.reduce_scatter_tensor(output, input, op, async_op)) is not None:
+            return h if async_op else None
+        return self._reductions.reduction("reduce_scatter", output, input, op, None, async_op, tkey)
 
-    def _cpu_call(self, op: str, x: torch.Tensor, run, async_op: bool):
-        """Run `run()` (a CpuShm op) as this communicator's call: open, pending sends/recvs and
-        the shm lane's earlier async calls first (they share the segment), in the ledger."""
-        self._cpu_enter(op, x)
-        run()
-        self.last_handle = self._cpu_done
-        return self._cpu_done if async_op else None
+    def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op=dist.ReduceOp.SUM,
+                       async_op: bool = False):
+        """List form: input_list[d] is this rank's contribution to rank d (copied into one buffer)."""
+        return self._reductions.reduce_scatter(output, input_list, op, async_op)
+
+    def reduce(self, tensor: torch.Tensor, dst: int = 0, op=dist.ReduceOp.SUM, async_op: bool = False):
+        """The reduction lands in `tensor` on rank dst; other ranks' tensors are left unchanged."""
+        if (self._cpu is not None and self._cpu_ok(tensor) and type(dst) is int and 0 <= dst < self.world_size
+                and (red := self._cpu_calls.reduction(op, tensor.dtype))):
+            return self._cpu_call("reduce", tensor, lambda: self._cpu.all_reduce(tensor, *red, root=dst), async_op)
+        if (self._calls.fast_ok(tensor) and type(dst) is int and 0 <= dst < self.world_size
+                and fast_reduce_ok(op, tensor.dtype, self.cuda)
+                and self.policy.native_for("reduce", tensor.numel() * tensor.element_size())):
+            return self._native_fast("reduce", ([tensor],), "reduce", async_op, op=op, root=dst, fallback=lambda a:
+                                     dist.reduce(tensor, group_dst=dst, op=op, group=self.native_group, async_op=a))
+        check_rank(dst, self.world_size, "dst", "reduce")
+        return self._reductions.reduction("reduce", tensor, tensor, op, dst, async_op)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
+                          input_split_sizes=None, async_op: bool = False):
+        op = "all_to_all_single"
+        if getattr(input, "requires_grad", False):
+            input = input.detach()     # read only: the native library's copies of it stay out of autograd
+        if (self._cpu is not None and not input_split_sizes and not output_split_sizes and self._cpu_ok(output, input)
+                and input.dtype is output.dtype and input.dim() > 0 and input.numel() == output.numel()
+                and input.size(0) % self.world_size == 0):
+            return self._cpu_call(op, input, lambda: self._cpu.all_to_all(output, input), async_op)
+        if (not input_split_sizes and not output_split_sizes and type(input) is torch.Tensor
+                and type(output) is torch.Tensor and input.is_cuda is self.cuda and output.is_cuda is self.cuda
+                and input.dim() > 0 and input.is_contiguous() and output.is_contiguous()):
+            n = input.numel()
+            if self.shortcuts.decide("a2a", n, (input.dtype, input.size(0), output.numel()), self._rest_a2a,
+                                     output, input):
+                return self._native_fast("alltoall_base", (output, input, [], []), "alltoall", async_op, fallback=lambda a:
+                                         dist.all_to_all_single(output, input, group=self.library.group, async_op=a))
+            if self.cuda and self._routing.mode != "on":
+                if (h := self._fast_prepared(a2a_ticket(input, output), input, (output,), async_op,
+                                             lambda: self.all_to_all_single(output, input))) is not None:
+                    return h if async_op else None
+        return self._routing.all_to_all_single(output, input, output_split_sizes, input_split_sizes, async_op)
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         op = "all_gather"
@@ -353,7 +440,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
                 if (h := self._fast_prepared(tkey, input, (output,), async_op,
                                              lambda: self.all_gather_into_tensor(output, input))) is not None:
                     return h if async_op else None
-        dev = self._device_for(input)
+        dev = self._calls.device_for(input)
         ib = input_bytes(input, "input", dev, op)
         ob = output_bytes(output, "output", dev, op)
         same_dtype(input, output, op)
@@ -364,13 +451,14 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
             return h if async_op else None
         n = ib.numel()
         desc = {"op": op, "dtype": str(input.dtype), "nbytes": n}
-        return self._run(op, desc, n, ib, [ob], lambda d: (n, ("ag", n, False), lambda: all_gather_movement(self.world_size, n, False)),
-                         lambda g: dist.all_gather_into_tensor(ob, ib, group=g, async_op=True),
-                         ("op", "dtype", "nbytes"), async_op, ticket=tkey)
+        return self._exchange.run(op, desc, n, ib, [ob],
+                                  lambda d: (n, ("ag", n, False), lambda: all_gather_movement(self.world_size, n, False)),
+                                  lambda g: dist.all_gather_into_tensor(ob, ib, group=g, async_op=True),
+                                  ("op", "dtype", "nbytes"), async_op, ticket=tkey)
 
     def all_gather(self, output_list: list[torch.Tensor], input: torch.Tensor, async_op: bool = False):
         op = "all_gather"
-        dev = self._device_for(input)
+        dev = self._calls.device_for(input)
         ib = input_bytes(input, "input", dev, op)
         if not isinstance(output_list, (list, tuple)) or len(output_list) != self.world_size:
             raise MisuseError(f"{op}: output_list must be a list of world_size={self.world_size} tensors")
@@ -389,9 +477,10 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
                 return h if async_op else None
         n = ib.numel()
         desc = {"op": op, "dtype": str(input.dtype), "nbytes": n}
-        return self._run(op, desc, n, ib, outs, lambda d: (n, ("ag", n, True), lambda: all_gather_movement(self.world_size, n, True)),
-                         lambda g: dist.all_gather(list(outs), ib, group=g, async_op=True),
-                         ("op", "dtype", "nbytes"), async_op)
+        return self._exchange.run(op, desc, n, ib, outs,
+                                  lambda d: (n, ("ag", n, True), lambda: all_gather_movement(self.world_size, n, True)),
+                                  lambda g: dist.all_gather(list(outs), ib, group=g, async_op=True),
+                                  ("op", "dtype", "nbytes"), async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         op = "broadcast"
@@ -408,7 +497,7 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
                 if (h := self._fast_prepared(tkey, tensor if self.rank == src else None, (tensor,), async_op,
                                              lambda: self.broadcast(tensor, src))) is not None:
                     return h if async_op else None
-        dev = self._device_for(tensor)
+        dev = self._calls.device_for(tensor)
         check_rank(src, self.world_size, "src", op)
         if self.hier is not None and (h := self.hier.broadcast(tensor, src, async_op)) is not None:
             return h if async_op else None
@@ -416,18 +505,174 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
         n = tb.numel()
         desc = {"op": op, "dtype": str(tensor.dtype), "nbytes": n, "root": src}
         inp = tb if self.rank == src else None
-        return self._run(op, desc, n, inp, [tb], lambda d: (n, ("bc", n, src), lambda: broadcast_movement(self.world_size, n, src)),
-                         lambda g: dist.broadcast(tb, group_src=src, group=g, async_op=True),
-                         ("op", "dtype", "nbytes", "root"), async_op, ticket=tkey)
+        return self._exchange.run(op, desc, n, inp, [tb],
+                                  lambda d: (n, ("bc", n, src), lambda: broadcast_movement(self.world_size, n, src)),
+                                  lambda g: dist.broadcast(tb, group_src=src, group=g, async_op=True),
+                                  ("op", "dtype", "nbytes", "root"), async_op, ticket=tkey)
 
-    # helpers -----------------------------------------------------------------------------------------
-    def _device_for(self, t) -> torch.device:
-        if isinstance(t, torch.Tensor) and t.is_cuda:
-            if not self.cuda:
-                raise MisuseError("CUDA tensor passed, but this communicator has no GPU lanes "
-                                  "(initialise torch.distributed with the 'nccl' backend)")
-            return self.device
-        return torch.device("cpu")
+    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False):
+        return self._p2p.call(tensor, dst, True, async_op)
+
+    def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False):
+        return self._p2p.call(tensor, src, False, async_op)
+
+    def batch_isend_irecv(self, p2p_op_list, device: torch.device | None = None) -> list:
+        return self._p2p.batch_isend_irecv(p2p_op_list, device)
+
+    batch_isend_irecv.__doc__ = PointToPoint.batch_isend_irecv.__doc__
+
+    def run_plan(self, plan: Plan, input: torch.Tensor | None, outputs: list[torch.Tensor],
+                 async_op: bool = False) -> Handle | None:
+        return self._exchange.run_plan(plan, input, outputs, async_op)
+
+    run_plan.__doc__ = Exchange.run_plan.__doc__
+
+    def abort(self, reason: str = "abort() was called", wait: bool = True) -> None:
+        """Give up on this communicator on this rank, and tell the peers: they raise at once
+        where they wait for this rank (LaneFailureError "rank r aborted: ..."), and their
+        watchdogs abort the NCCL communicators braid uses, so no rank stays blocked in NCCL. GPU
+        stream waits on braid's counters are released. Afterwards every call raises: make a new
+        process group and communicator (close() still releases memory). Not collective.
+        wait=False: NCCL's aborts run on a thread of their own (Faults.abort_native)."""
+        self._faults.abort(reason, wait)
+
+    # shares -----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def fixed_shares(self, shares: dict[str, float] | None, op: str = "*") -> Iterator[None]:
+        """Use these shares for every op (or one op) inside the block (tests, calibration, bench)."""
+        self._drain()
+        policy = self.policy
+        old = policy.fixed
+        policy.set_fixed(None if shares is None else {**(old or {}), op: dict(shares)})
+        self.shortcuts.clear()
+        self._prepared.clear()
+        self._learn_update()
+        try:
+            yield
+        finally:
+            self._drain(raising=False)
+            policy.set_fixed(old)
+            self.shortcuts.clear()
+            self._prepared.clear()
+            self._learn_update()
+
+    def _drain(self, raising: bool = True) -> None:
+        """Let the deferred calls queued so far run (comm/rounds.py) before what they were
+        prepared under changes (shares, calibration); raises the error one of them met."""
+        rd = getattr(self, "_rounds", None)
+        if rd is not None:
+            rd.drain(raising)
+
+    def _trial_exchange(self, values: list[int]) -> list[list[int]]:
+        """The whole-or-split trials' agreement (comm/arbiter.py). A call asks the arbiter before
+        the ledger counts it; while this exchange waits the call is counted, so that a peer still
+        at the previous call, taken whole, reads as late, not as a different call (Faults.on_wait)."""
+        self.ledger.ncalls += 1
+        try:
+            return self.segment.exchange_values(values, "whole-or-split trial")
+        finally:
+            self.ledger.ncalls -= 1
+
+    def _learn_update(self) -> None:
+        """Whole or split learned in the job (comm/arbiter.py) only where braid chooses the shares:
+        not under fixed shares (tests, the calibration, `--shares`) nor in check mode."""
+        self.shortcuts.learn = self._arbiter.enabled and self.policy.fixed is None and not self.check
+        if self.policy.set_near_trials(self.shortcuts.learn):
+            self.shortcuts.clear()          # the kept answers of shapes NCCL won by little
+
+    @contextlib.contextmanager
+    def calibrated_verdict(self) -> Iterator[None]:
+        """Inside the block every call of a shape the calibration splits is split, as the calibration
+        chose, without trials against the whole call (the op sweep of `braid bench`: its alternating
+        windows would fall inside a trial's intervals)."""
+        was = self._arbiter.enabled
+        self._arbiter.enabled = False
+        self._learn_update()
+        try:
+            yield
+        finally:
+            self._arbiter.enabled = was
+            self._learn_update()
+
+    def shares_for(self, op: str, nbytes: int, lanes: list[str]) -> dict[str, float]:
+        """This call's shares over `lanes` (comm/policy.py)."""
+        return self.policy.shares_for(op, nbytes, lanes)
+
+    def split_rule(self, op: str, costs: dict[str, LaneCost], nbytes: int) -> dict[str, float]:
+        """Shares from lane costs alone (comm/policy.py; the calibration asks it)."""
+        return self.policy.split_rule(op, costs, nbytes)
+
+    # the braid backend's forwarding ------------------------------------------------------------
+    # Under init_process_group("braid"), a call that the native library takes whole goes from the
+    # backend straight to its inner NCCL (gloo) group, with torch's own options object, and the
+    # caller gets that library's Work: its future, its stream semantics, no braid object per call.
+    # These read the fast path's answer for the call shape; a shape not seen yet answers False, so
+    # its first call takes the full path, which fills the answer in (the same facts on every rank).
+    def _takes(self, t) -> bool:
+        """A tensor the fast path's answers apply to (all_reduce's test is written out in the
+        backend: the same as whole_reduce_scatter's, for one tensor)."""
+        return (type(t) is torch.Tensor and t.is_cuda is self.cuda and t.is_contiguous()
+                and not (f := self._faults).closed and not f.aborted)
+
+    #
+    # A shape the calibration splits is still NCCL's whole while the job's trial says so
+    # (comm/arbiter.py): these ask the arbiter too, so such a call is forwarded as well (through
+    # braid's own op and Work it cost ~20-100 us more host time a call: 2 x H200, FSDP2). The
+    # decision and the hand-off of the arbiter's answer to the op's own path: comm/shortcuts.py.
+    def whole_reduce_scatter(self, out, inp, op) -> bool:
+        if not (self._takes(inp) and self._takes(out)) or out.dtype is not inp.dtype:
+            return False
+        return self.shortcuts.answer("rs", inp.numel(), (inp.dtype, op, out.numel()), self._rest_rs, out, inp, op)
+
+    def whole_all_gather(self, out, inp) -> bool:
+        if not (self._takes(inp) and self._takes(out)) or out.dtype is not inp.dtype:
+            return False
+        return self.shortcuts.answer("ag", inp.numel(), (inp.dtype, out.numel()), self._rest_ag, out, inp)
+
+    def whole_broadcast(self, t, root: int) -> bool:
+        if not self._takes(t):
+            return False
+        return self.shortcuts.answer("bc", t.numel(), (t.dtype, root), self._rest_bc, t, root)
+
+    def whole_all_reduce(self, t, op) -> bool:
+        if not self._takes(t):
+            return False
+        return self.shortcuts.answer("ar", t.numel(), (t.dtype, op), self._rest_ar, t, op)
+
+    def whole_all_to_all(self, out, inp) -> bool:
+        """Balanced all_to_all_single (no split sizes) only: uneven calls agree per call."""
+        if not (self._takes(inp) and self._takes(out)) or inp.dim() == 0 or out.dtype is not inp.dtype:
+            return False
+        return self.shortcuts.answer("a2a", inp.numel(), (inp.dtype, inp.size(0), out.numel()), self._rest_a2a,
+                                     out, inp)
+
+    # Each op's shape for both questions (the op's own and the backend's, comm/shortcuts.py): the
+    # entry's key and facts are written at the two call sites, (element count, (dtype, the op's
+    # other facts)); what only a call the entry does not settle needs is here: whether the native
+    # call can take the shape at all, the op's name and bytes for the calibration, the arbiter's
+    # key. Tensors are contiguous, on this communicator's kind of device.
+    def _rest_ar(self, t, op) -> tuple:
+        n, dt = t.numel(), t.dtype
+        return fast_reduce_ok(op, dt, self.cuda), "all_reduce", n * t.element_size(), ("ar", n, dt, op)
+
+    def _rest_rs(self, out, inp, op) -> tuple:
+        n, dt = inp.numel(), inp.dtype
+        return (dt is out.dtype and n == out.numel() * self.world_size and fast_reduce_ok(op, dt, self.cuda),
+                "reduce_scatter", n * inp.element_size(), ("rs", n, dt, op))
+
+    def _rest_ag(self, out, inp) -> tuple:
+        n, dt = inp.numel(), inp.dtype
+        return (dt is out.dtype and out.numel() == n * self.world_size, "all_gather", n * inp.element_size(),
+                ("ag", n, dt))
+
+    def _rest_bc(self, t, root) -> tuple:
+        n, dt = t.numel(), t.dtype
+        return 0 <= root < self.world_size, "broadcast", n * t.element_size(), ("bc", n, dt, root)
+
+    def _rest_a2a(self, out, inp) -> tuple:
+        n, dt = inp.numel(), inp.dtype
+        return (dt is out.dtype and n == out.numel() and inp.size(0) % self.world_size == 0, "all_to_all_single",
+                n * inp.element_size(), ("a2a", n, dt))
 
     # calibration -------------------------------------------------------------------------------------
     def calibration_key(self) -> dict:
@@ -503,33 +748,73 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
     def adapt(self, value: bool) -> None:
         self.policy.adapt = bool(value)
 
+    # the state of the parts, read through the communicator --------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._faults.closed
+
+    @property
+    def aborted(self) -> str:
+        """Why abort() was called, or "" (comm/ledger.py's Faults owns it)."""
+        return self._faults.aborted
+
+    @property
+    def watchdog(self):
+        return self._faults.watchdog
+
+    @property
+    def backend_groups(self) -> list:
+        """The braid backend's inner NCCL group(s), aborted with braid's own (backend.py sets them)."""
+        return self._faults.backend_groups
+
+    @backend_groups.setter
+    def backend_groups(self, groups: list) -> None:
+        self._faults.backend_groups = list(groups)
+
+    @property
+    def last_handle(self) -> Handle | None:
+        """The handle of this rank's last call (the call ledger keeps it)."""
+        return self.ledger.last_handle
+
+    @last_handle.setter
+    def last_handle(self, handle) -> None:
+        self.ledger.last_handle = handle
+
+    @property
+    def routing(self) -> str:
+        """Skewed all_to_all through the router: "auto", "on" or "off" (BRAID_ROUTE at creation)."""
+        return self._routing.mode
+
+    @routing.setter
+    def routing(self, mode: str) -> None:
+        self._routing.mode = mode
+
+    @property
+    def uneven(self):
+        """The uneven all_to_all's agreement and its counters (comm/uneven.py)."""
+        return self._routing.uneven
+
     def close(self) -> None:
         """Release lanes, pinned memory and the shared segment. Idempotent; no collective calls."""
         if self.closed:
             return
         if self._rounds is not None:        # queued calls run (or fail) before anything is freed
             self._rounds.close()
-        self.closed = True
+        self._faults.closed = True
         self.shortcuts.clear()
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self._prepared.close()
-        if getattr(self, "_pace", None) is not None:
+        if self._pace is not None:
             self._arbiter.close()       # its marks' events go back to the clock, which frees them all
             self._pace.close()
-        if self._a2av_ce is not None:
-            self._a2av_ce.close()
-        if getattr(self, "_pairs", None) is not None:
-            self._pairs.close()
-        if self._cpu is not None:
-            self._cpu.close()       # its views of the segment go before the segment does
-            self._cpu = None
-        if getattr(self, "_p2p_shm", None) is not None:
-            self._p2p_shm.close()
-            self._p2p_shm = None
+        self._routing.close()
+        self._p2p.close()
+        self._cpu_calls.close()     # its views of the segment go before the segment does
+        self._cpu = None
         for lane in self._lanes.values():
             lane.close()
-        self._gpu_parts.close()
+        self._reductions.close()
         if self.hier is not None:
             self.hier.close()
         self._closer()
@@ -539,6 +824,13 @@ class Communicator(CallPath, Exchange, Routing, PointToPoint, Reductions, Faults
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def usable_lanes(lanes: dict, unavailable: dict[str, str], wanted: set | None, device: torch.device) -> list[str]:
+    """Lane names usable for tensors on `device`, in plan order: made here, available, asked for."""
+    kinds = GPU_LANES if device.type == "cuda" else CPU_LANES
+    return [k.value for k in kinds if k.value in lanes and k.value not in unavailable
+            and (wanted is None or k.value in wanted)]
 
 
 def _fit_shm(world_size: int, budget: int, chunk: int, relay: int = 0, cpu_area: int = 0) -> tuple[int, int]:

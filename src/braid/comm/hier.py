@@ -96,7 +96,7 @@ class _Beacon:
                 node, world = hier.node, hier.world
                 why = self._posted or node.aborted or (node.watchdog.failed if node.watchdog is not None else "")
                 if why:                      # this node gave up: tell the others
-                    world._abort_native(why, False)
+                    world._faults.abort_native(why, False)
                     self._tell(f"rank {world.rank}: {why}")
                     break
                 try:
@@ -107,7 +107,7 @@ class _Beacon:
                     store_ok, cause = False, None
                 if cause is not None:
                     why = f"a rank on another node gave up ({cause})"
-                    world._abort_native(why, False)
+                    world._faults.abort_native(why, False)
                     node.abort(why, wait=False)
                     break
             except Exception as exc:     # noqa: BLE001  a communicator is gone: stop looking

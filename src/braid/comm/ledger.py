@@ -21,7 +21,7 @@ _DTYPE_NAMES: dict = {}     # torch.float32 -> "float32" (published with every c
 
 class _Watchdog:
     """A thread per communicator with a node segment. A few times a second it publishes this
-    rank's call ledger (peers read it to tell a mismatch from a slow rank, see Communicator._on_wait)
+    rank's call ledger (peers read it to tell a mismatch from a slow rank, see Faults.on_wait)
     and looks for peers that marked themselves aborted; once a second it checks that every peer's
     process is alive. A peer that exited or aborted marks this communicator broken (the next call
     raises), and on GPUs releases every stream wait on the node's counters and aborts the NCCL
@@ -177,12 +177,14 @@ class CallLedger:
     as (op, bytes, dtype, path), published to the node segment so that a peer waiting for this
     rank can tell a mismatch from a slow rank and name both calls. `ncalls` is the one count of
     calls that must advance alike on every rank; a call counts itself once, before it exchanges
-    anything with its peers."""
+    anything with its peers. `last_handle`: the handle of this rank's last call (what
+    Communicator.last_handle reads), set by whichever path ran it."""
 
     def __init__(self, rank: int, cuda: bool, segment: NodeSegment | None):
         self.rank, self.cuda, self.segment = rank, cuda, segment
         self.ncalls = 0
         self.last_call: tuple = ("", 0, None, "")
+        self.last_handle = None
 
     def count(self, call: tuple) -> None:
         """One more call: `call` is (op, bytes, dtype, path)."""
@@ -242,7 +244,7 @@ class CallLedger:
                f"Every rank must make the same collective calls in the same order with matching "
                f"sizes and dtypes.")
         exc = PeerMismatchError(msg)
-        exc.peers_left_waiting = True       # see Faults._give_up
+        exc.peers_left_waiting = True       # see Faults.give_up
         raise exc
 
     def timeout(self, peer: int, what: str) -> BraidTimeoutError:
@@ -253,10 +255,28 @@ class CallLedger:
 
 
 class Faults:
-    """Part of braid.comm.Communicator (a mixin over the communicator's ledger, segment, groups
-    and watchdog): what a call that went wrong on one rank does to every rank."""
+    """Whether this communicator may still run calls (closed; aborted, and why; broken: its
+    watchdog saw a peer fail) and what a call that went wrong on one rank does to every rank: the
+    mismatch and timeout reports, the abort marked in the node segment, the NCCL communicators
+    aborted. Its collaborators come in its constructor; those the communicator makes later (the
+    watchdog, the whole-or-split shortcuts, the deferred calls' rounds, the prepared send/recv)
+    are handed to it as they are made."""
 
-    def _check_open(self) -> None:
+    def __init__(self, rank: int, cuda: bool, device, segment: NodeSegment | None, ledger: CallLedger,
+                 groups: tuple = (), hier=None):
+        self.rank, self.cuda, self.device = rank, cuda, device
+        self.segment, self.ledger = segment, ledger
+        self.groups = [g for g in groups if g is not None]     # braid's NCCL group, the fast path's
+        self.hier = hier                # a multi-node world's steps (its rail group, the node's communicator)
+        self.closed = False
+        self.aborted = ""               # why abort() was called (the communicator is unusable)
+        self.backend_groups: list = []  # the braid backend's inner NCCL group (backend.py sets it)
+        self.watchdog: _Watchdog | None = None
+        self.shortcuts = None           # cleared at an abort: the next call takes the full path
+        self.rounds = None              # deferred prepared calls (comm/rounds.py), released at an abort
+        self.pairs = None               # prepared send/recv (comm/pairs.py): sends that ran ahead
+
+    def check_open(self) -> None:
         if self.closed:
             raise MisuseError("this braid communicator was closed")
         if self.aborted:
@@ -266,28 +286,28 @@ class Faults:
             raise LaneFailureError(f"braid communicator is broken: {self.watchdog.failed}; "
                                    f"create a new process group and communicator")
 
-    def _p2p_overdue(self) -> str:
+    def p2p_overdue(self) -> str:
         """The watchdog's look at sends that ran ahead (comm/pairs.py): why to give up, or ""."""
-        pairs = getattr(self, "_pairs", None)
+        pairs = self.pairs
         if pairs is None or not pairs.ahead:
             return ""
         return pairs.overdue(envs.get("BRAID_TIMEOUT_S"))
 
-    def _on_wait(self, peer: int, what: str, posted) -> None:
+    def on_wait(self, peer: int, what: str, posted) -> None:
         """Called while this rank waits for `peer` in a collective exchange (CallLedger.check_peer);
         the rounds thread reads an earlier call's round than the ledger's count."""
         if not what.startswith("collective #") or self.segment is None:
             return
         mine = self.ledger.ncalls
-        rd = getattr(self, "_rounds", None)
+        rd = self.rounds
         if rd is not None and rd.ident == get_ident():
             mine = rd.reading
         self.ledger.check_peer(peer, what, posted, mine)
 
-    def _on_timeout(self, peer: int, what: str) -> None:
+    def on_timeout(self, peer: int, what: str) -> None:
         raise self.ledger.timeout(peer, what)
 
-    def _give_up(self, exc: BaseException) -> None:
+    def give_up(self, exc: BaseException) -> None:
         """Mark this rank aborted in the node segment with `exc` as the cause (peers waiting on it
         raise at once; their watchdogs abort the NCCL communicators they could sit in), where a
         peer may be left waiting: a timeout, a lane failure, a mismatch seen in the call ledger.
@@ -311,18 +331,17 @@ class Faults:
         except Exception as err:       # noqa: BLE001  reporting must not hide the first error
             log.debug("braid: marking the abort failed: %s", err)
 
-    def _native_groups(self) -> list:
+    def native_groups(self) -> list:
         """The NCCL process groups a peer of this rank may be blocked in because of braid: braid's
         own, the fast path's (the default group when it is NCCL's), and under the braid backend
         its inner NCCL group (the backend lists it in `backend_groups`)."""
-        groups = [g for g in (self.nccl_group, self.native_group) if g is not None]
-        groups += getattr(self, "backend_groups", [])
-        if getattr(self, "hier", None) is not None:     # a multi-node world's rail group
+        groups = self.groups + list(self.backend_groups)
+        if self.hier is not None:     # a multi-node world's rail group
             groups.append(self.hier.rail_group)
         return list({id(g): g for g in groups}.values())
 
-    def _abort_native(self, why: str, wait: bool = True) -> None:
-        """Abort the NCCL communicators of _native_groups (a call blocked in one of them then
+    def abort_native(self, why: str, wait: bool = True) -> None:
+        """Abort the NCCL communicators of native_groups (a call blocked in one of them then
         fails instead of waiting forever). From the watchdog thread (wait=False: the aborts run
         on a thread of their own, as NCCL's abort can take seconds or block on a peer that
         died, and the watchdog must go on releasing stream waits) or abort()."""
@@ -330,15 +349,15 @@ class Faults:
         self.shortcuts.clear()  # the next call takes the full path, which refuses it
         if not self.cuda:
             return          # gloo has no abort that releases a blocked call; its timeout does
-        groups = self._native_groups()
+        groups = self.native_groups()
         if not wait:
             import threading
-            threading.Thread(target=self._abort_groups, args=(groups,), name="braid-nccl-abort",
+            threading.Thread(target=self.abort_groups, args=(groups,), name="braid-nccl-abort",
                              daemon=True).start()
             return
-        self._abort_groups(groups)
+        self.abort_groups(groups)
 
-    def _abort_groups(self, groups: list) -> None:
+    def abort_groups(self, groups: list) -> None:
         for g in groups:
             try:
                 be = g._get_backend(self.device) if hasattr(g, "_get_backend") else g
@@ -349,12 +368,7 @@ class Faults:
                 log.debug("braid: aborting an NCCL group failed: %s", exc)
 
     def abort(self, reason: str = "abort() was called", wait: bool = True) -> None:
-        """Give up on this communicator on this rank, and tell the peers: they raise at once
-        where they wait for this rank (LaneFailureError "rank r aborted: ..."), and their
-        watchdogs abort the NCCL communicators braid uses, so no rank stays blocked in NCCL. GPU
-        stream waits on braid's counters are released. Afterwards every call raises: make a new
-        process group and communicator (close() still releases memory). Not collective.
-        wait=False: NCCL's aborts run on a thread of their own (_abort_native)."""
+        """Communicator.abort (its docstring says what it does)."""
         if self.closed or self.aborted:
             return
         seg = self.segment
@@ -363,9 +377,9 @@ class Faults:
             if self.cuda:
                 seg.abort()
                 seg.release_flags()
-        rd = getattr(self, "_rounds", None)
+        rd = self.rounds
         if rd is not None:          # queued calls end now; their thread stops at the next job
             rd.release()
-        self._abort_native(reason, wait)
-        if getattr(self, "hier", None) is not None:     # the node's communicator, and its peers
+        self.abort_native(reason, wait)
+        if self.hier is not None:     # the node's communicator, and its peers
             self.hier.node.abort(reason)

@@ -11,9 +11,11 @@ microseconds per call of the 26-50 us NCCL's own call takes on the host).
 """
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d   # the options classes
 
+from ..errors import MisuseError
 from ..executor import Handle
 
 # the fast path's kinds as braid's op names (the call ledger speaks braid's names)
@@ -107,3 +109,68 @@ class LibraryCalls:
             return be.send([tensor], peer, 0) if sending else be.recv([tensor], peer, 0)
         g = fallback_group
         return dist.isend(tensor, group_dst=peer, group=g) if sending else dist.irecv(tensor, group_src=peer, group=g)
+
+
+class CpuCalls:
+    """Whole calls on CPU tensors through the node segment: `shm` (comm/cpushm.py's CpuShm: a CPU
+    communicator's collectives, and a GPU communicator's CPU tensors in an area of their own) and
+    a CPU communicator's send/recv (`p2p`, comm/cpup2p.py); either is None where the
+    communicator has no such path. Such a call is the communicator's like any other: it checks
+    that the communicator is open, starts the pending sends/recvs first (`pending`) and counts
+    itself in the ledger. close() lets both go, before the segment does."""
+
+    def __init__(self, shm, p2p, policy, check: bool, faults, pending, shm_lane, ledger):
+        self.shm, self.p2p = shm, p2p
+        self.policy, self.check, self.faults, self.pending = policy, check, faults, pending
+        self.shm_lane, self.ledger = shm_lane, ledger
+        self.done = NativeDone("shm")       # last_handle after a call here
+
+    def ok(self, *tensors) -> bool:
+        """This call may run whole through the segment: a communicator with that path, no
+        explicit shares, plain contiguous CPU tensors."""
+        if self.shm is None or self.policy.fixed is not None or self.check:
+            return False
+        for t in tensors:
+            if type(t) is not torch.Tensor or t.is_cuda or not t.is_contiguous() or t.layout is not torch.strided:
+                return False
+        return True
+
+    def enter(self, op: str, x: torch.Tensor) -> None:
+        """Open, pending sends/recvs and the shm lane's earlier async calls first (they share
+        the segment), then the call in the ledger."""
+        self.faults.check_open()
+        if self.pending:
+            self.pending.flush()
+        last = getattr(self.shm_lane, "_last", None)
+        if last:                        # the shm lane's earlier async calls share the segment
+            for lane_run in list(last.values()):
+                if lane_run.thread is not None:
+                    lane_run.thread.join()
+        self.ledger.enter(op, x, "shm")
+
+    def call(self, op: str, x: torch.Tensor, run, async_op: bool):
+        """Run `run()` (a CpuShm op) as the communicator's call (see enter)."""
+        self.enter(op, x)
+        run()
+        self.ledger.last_handle = self.done
+        return self.done if async_op else None
+
+    def reduction(self, op, dtype) -> tuple[str, float] | None:
+        """(name, factor) where the segment's whole call reduces this op and dtype; None: the
+        full path (which also explains what braid cannot reduce)."""
+        red = self.shm.reduction(op)
+        if red is None:
+            return None
+        try:
+            self.shm.checked(dtype, red[0], "all_reduce")     # kept once accepted
+        except MisuseError:
+            return None
+        return red
+
+    def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()        # its views of the segment go before the segment does
+            self.shm = None
+        if self.p2p is not None:
+            self.p2p.close()
+            self.p2p = None

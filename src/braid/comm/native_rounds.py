@@ -4,7 +4,7 @@ compiler and loaded with ctypes:
   launches without Python's interpreter lock (comm/rounds.py says why that matters); what it cannot
   decide it hands back to the rounds thread in Python;
 - the caller's own repeated call (FastCalls): the word, its post, the read and compare of every
-  rank's word and the launch, in one call (comm/exchange.py Exchange._fast_prepared).
+  rank's word and the launch, in one call (comm/callpath.py CallPath.fast_prepared).
 No compiler, or a build that fails: None, and Python does everything (one log line says why)."""
 from __future__ import annotations
 

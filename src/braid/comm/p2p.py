@@ -15,7 +15,7 @@ from ..collectives import check_rank, input_bytes, output_bytes
 from ..errors import MisuseError
 from ..executor import Handle, Works, as_handle, execute
 from ..planner.plan import p2p_movement
-from .pairs import PendingP2P, ticket_key
+from .pairs import Pairs, PendingP2P, ticket_key
 
 log = logging.getLogger("braid")
 
@@ -38,7 +38,31 @@ def _adjacent(views: list[torch.Tensor], dev: torch.device) -> torch.Tensor | No
 
 
 class PointToPoint:
-    """Part of braid.comm.Communicator (a mixin of the façade: the parts it composes own the state)."""
+    """The point-to-point part of a communicator: send/recv and batches of them. It fills the
+    queue of sends/recvs posted but not started (`pending`, a P2PQueue the other parts flush
+    before a collective) and owns the prepared send/recv (`pairs`, comm/pairs.py, with prepared
+    calls on and a node segment). Its collaborators: the node segment and its layout, the lanes
+    and their context, the split policy, the prepared calls, the native library's calls and
+    group, the call ledger, the faults part, the fast path's part, the full path's part, the
+    all_to_all part (a batch is an uneven all_to_all), the router's samples and the whole CPU
+    calls (a CPU communicator's send/recv through the segment)."""
+
+    def __init__(self, *, rank: int, world_size: int, cuda: bool, device: torch.device, segment, layout,
+                 seg_dev_ptr, lanes: dict, lane_ctx, lanes_for, check: bool, policy, prepared, library, native_group,
+                 ledger, faults, calls, exchange, routing, samples, pending, cpu):
+        self.rank, self.world_size, self.cuda, self.device = rank, world_size, cuda, device
+        self.segment, self.layout, self.seg_dev_ptr = segment, layout, seg_dev_ptr
+        self.lanes, self.lane_ctx, self.lanes_for, self.check = lanes, lane_ctx, lanes_for, check
+        self.policy, self.prepared, self.library, self.native_group = policy, prepared, library, native_group
+        self.ledger, self.faults, self.calls, self.exchange = ledger, faults, calls, exchange
+        self.routing, self.samples, self.pending, self.cpu = routing, samples, pending, cpu
+        self.fast_ok = calls.fast_ok
+        # prepared send/recv: through the node segment, with prepared calls on
+        self.pairs = Pairs(self) if segment is not None and prepared.enabled else None
+
+    def close(self) -> None:
+        if self.pairs is not None:
+            self.pairs.close()
 
     def batch_isend_irecv(self, p2p_op_list, device: torch.device | None = None) -> list:
         """A batch of sends and receives; a skewed batch is routed as one uneven all_to_all (the
@@ -83,13 +107,13 @@ class PointToPoint:
                 raise MisuseError(f"{what}: item {i}'s op is {fn!r}; use dist.isend or dist.irecv")
             sending = name in ("isend", "send")
             check_rank(peer, self.world_size, "peer", what, me=self.rank)
-            dev = dev or self._device_for(tensor)
+            dev = dev or self.calls.device_for(tensor)
             b = (input_bytes if sending else output_bytes)(tensor, f"item {i}'s tensor", dev, what)
             (sends if sending else recvs).setdefault(peer, []).append(b)
             items.append((sending, b, peer))
         if dev is None:
             dev = self.device if self.cuda else torch.device("cpu")
-        self._check_open()
+        self.faults.check_open()
         w = self.world_size
         ins = [sum(t.numel() for t in sends.get(d, [])) for d in range(w)]
         outs = [sum(t.numel() for t in recvs.get(s, [])) for s in range(w)]
@@ -99,7 +123,7 @@ class PointToPoint:
         if not zc:
             ib = ob = torch.empty(0, dtype=torch.uint8, device=dev)
         desc = {"op": op, "dtype": str(torch.uint8), "in": ins, "out": outs, "zc": zc,
-                **self.route_samples.report()}
+                **self.samples.report()}
 
         def native(g):
             ops = [dist.P2POp(dist.isend if snd else dist.irecv, t, group=g, group_peer=p) for snd, t, p in items if t.numel()]
@@ -110,57 +134,53 @@ class PointToPoint:
             if all(d.get("zc", True) for d in descs if d is not None):
                 return execute(self.lane_ctx, plan1, ib, [ob], descs)
             lane = "nccl" if "nccl" in agreed else "gloo"
-            return as_handle(native(self._native_group({lane: 1.0})), lane)
+            return as_handle(native(self.exchange.group_for({lane: 1.0})), lane)
 
-        movement_of, route = self._a2a_rules(op, dev)
-        handle = self._run(op, desc, sum(ins), ib, [ob], movement_of, native, ("op", "dtype"), True,
-                           always_exchange=True, multi=multi, route=route)
+        movement_of, route = self.routing.a2a_rules(op, dev)
+        handle = self.exchange.run(op, desc, sum(ins), ib, [ob], movement_of, native, ("op", "dtype"), True,
+                                   always_exchange=True, multi=multi, route=route)
         return [handle]
 
-    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False):
-        return self._p2p(tensor, dst, sending=True, async_op=async_op)
-
-    def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False):
-        return self._p2p(tensor, src, sending=False, async_op=async_op)
-
-    def _p2p(self, tensor, peer, sending: bool, async_op: bool):
+    def call(self, tensor, peer, sending: bool, async_op: bool):
+        """Communicator.send (sending) or recv with `peer`."""
         op = "send_recv"
-        if (self._p2p_shm is not None and self.policy.fixed is None and not self.check and type(tensor) is torch.Tensor
+        if (self.cpu.p2p is not None and self.policy.fixed is None and not self.check and type(tensor) is torch.Tensor
                 and not tensor.is_cuda and tensor.layout is torch.strided and type(peer) is int
                 and 0 <= peer < self.world_size and peer != self.rank):
             # every CPU send/recv of a communicator with the segment's path, whatever its size or
             # layout: both ranks of a pair pick the same transport (comm/cpup2p.py)
-            self._check_open()
-            x = self._p2p_shm.post(tensor, peer, sending)
+            self.faults.check_open()
+            x = self.cpu.p2p.post(tensor, peer, sending)
             handle = Handle(native=x)
             handle.native_lane = "shm"
-            self.last_handle = handle
+            self.ledger.last_handle = handle
             if async_op:
                 return handle
             handle.wait()
             return None
-        pairs = self._pairs
+        pairs = self.pairs
         if pairs is not None and pairs.tickets and type(tensor) is torch.Tensor and type(peer) is int:
             # a repeat of a send/recv on the copy engines (comm/pairs.py, _Ticket)
             tk = pairs.tickets.get(ticket_key(sending, peer, tensor))
-            if (tk is not None and self._fast_ok(tensor) and not self.aborted
-                    and not (self.watchdog is not None and self.watchdog.failed)):
+            faults = self.faults
+            if (tk is not None and self.fast_ok(tensor) and not faults.aborted
+                    and not (faults.watchdog is not None and faults.watchdog.failed)):
                 handle = pairs.send_fast(tk, tensor, async_op) if sending else pairs.recv_fast(tk, tensor, async_op)
                 if handle is not None:
-                    self.last_handle = handle
+                    self.ledger.last_handle = handle
                     if async_op:
                         return handle
                     handle.wait()
                     return None
-        if (not self._p2p_pending and self._fast_ok(tensor) and type(peer) is int and 0 <= peer < self.world_size
+        if (not self.pending and self.fast_ok(tensor) and type(peer) is int and 0 <= peer < self.world_size
                 and peer != self.rank and self.policy.native_for(op, tensor.numel() * tensor.element_size())):
             work = self.library.point(tensor, peer, sending, self.native_group)
             if async_op:
-                return self._finish(work, True)
+                return self.calls.finish(work, True)
             work.wait()
-            self.last_handle = self.library.done
+            self.ledger.last_handle = self.library.done
             return None
-        dev = self._device_for(tensor)
+        dev = self.calls.device_for(tensor)
         check_rank(peer, self.world_size, "dst" if sending else "src", "send" if sending else "recv", me=self.rank)
         if sending:
             tb = input_bytes(tensor, "tensor", dev, "send")
@@ -176,22 +196,23 @@ class PointToPoint:
             return (dist.isend(tb, group_dst=peer, group=g) if sending else dist.irecv(tb, group_src=peer, group=g))
 
         if self.segment is None:
-            return self._run(op, desc, n, inp, outs, lambda d: (n, ("p2p", src, dst, n), lambda: p2p_movement(self.world_size, src, dst, n)),
-                             native, ("op", "dtype", "nbytes", "src", "dst"), async_op, peer=peer)
-        self._check_open()
+            return self.exchange.run(op, desc, n, inp, outs,
+                                     lambda d: (n, ("p2p", src, dst, n), lambda: p2p_movement(self.world_size, src, dst, n)),
+                                     native, ("op", "dtype", "nbytes", "src", "dst"), async_op, peer=peer)
+        self.faults.check_open()
         lanes = self.lanes_for(dev)
         shares = self.policy.shares_for(op, n, lanes)
         if self.policy.native_ok(shares):
-            if any((h.src, h.dst) == (src, dst) for h in self._p2p_pending):
+            if any((h.src, h.dst) == (src, dst) for h in self.pending):
                 # an earlier split call of this direction has not started: the library's own
                 # call waits behind it, else the peer would pair the messages out of order
                 handle = PendingP2P(self, None, desc, inp, outs, peer, n, src, dst, dev, None,
-                                    native=lambda: native(self._native_group(shares)), lane=next(iter(shares)))
-                self._p2p_pending.append(handle)
-                self._progress_p2p()
+                                    native=lambda: native(self.exchange.group_for(shares)), lane=next(iter(shares)))
+                self.pending.append(handle)
+                self.pending.progress()
             else:
-                handle = as_handle(native(self._native_group(shares)), next(iter(shares)))
-            self.last_handle = handle
+                handle = as_handle(native(self.exchange.group_for(shares)), next(iter(shares)))
+            self.ledger.last_handle = handle
             if async_op:
                 return handle
             handle.wait()
@@ -205,14 +226,14 @@ class PointToPoint:
         def full_of() -> dict:
             d = dict(desc, lanes=lanes, calib=calib, rank=self.rank, shares=shares if sending else None)
             if "ce" in lanes:
-                d.update(self._lanes["ce"].descriptor(inp))
+                d.update(self.lanes["ce"].descriptor(inp))
             return d
 
-        if self._pairs is not None:
+        if self.pairs is not None:
             tkey = ticket_key(sending, peer, tensor) if dev.type == "cuda" and tensor.is_contiguous() else None
-            handle = self._pairs.call(sending, peer, desc, lanes, shares, calib, inp, outs, n, dev, full_of, async_op,
-                                      tkey)
-            self.last_handle = handle
+            handle = self.pairs.call(sending, peer, desc, lanes, shares, calib, inp, outs, n, dev, full_of, async_op,
+                                     tkey)
+            self.ledger.last_handle = handle
             if async_op:
                 return handle
             handle.wait()
@@ -224,22 +245,10 @@ class PointToPoint:
             start_event.record(torch.cuda.current_stream(dev))
         token = self.segment.post_pair(full, peer, sending)
         handle = PendingP2P(self, token, full, inp, outs, peer, n, src, dst, dev, start_event)
-        self._p2p_pending.append(handle)
-        self._progress_p2p()
-        self.last_handle = handle
+        self.pending.append(handle)
+        self.pending.progress()
+        self.ledger.last_handle = handle
         if async_op:
             return handle
         handle.wait()
         return None
-
-    def _flush_p2p(self) -> None:
-        """Start every pending send/recv (blocking until their peers posted them) before a
-        collective posts lane work: every rank then queues the same calls in the same order on
-        the lanes' streams, which the cross-rank counters rely on."""
-        for h in list(self._p2p_pending):
-            h.complete()
-
-    def _progress_p2p(self) -> None:
-        """Post the lanes of every pending send/recv whose peer has posted its side (never blocks)."""
-        for h in list(self._p2p_pending):
-            h.try_complete()

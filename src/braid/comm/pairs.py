@@ -51,18 +51,38 @@ from ..executor import Handle, as_handle, execute
 from ..lanes import _cuda
 from ..planner.plan import p2p_movement
 from ..node import NodeSegment, geq
+from .exchange import agree, agreed_lanes
 from .prepared import MASK63, _RAW, not_capturable
 
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 OP = "send_recv"
 
 
+class P2PQueue(list):
+    """A communicator's sends and receives posted but not started yet (their peers' sides not
+    read), in call order: PendingP2P objects and the prepared calls' pending ones. The
+    point-to-point part fills it; a collective first starts them all (`flush`), so that every rank
+    queues the same calls in the same order on the lanes' streams, which the cross-rank counters
+    rely on."""
+
+    def flush(self) -> None:
+        """Start every pending send/recv (blocking until their peers posted them)."""
+        for h in list(self):
+            h.complete()
+
+    def progress(self) -> None:
+        """Post the lanes of every pending send/recv whose peer has posted its side (never blocks)."""
+        for h in list(self):
+            h.try_complete()
+
+
 class PendingP2P:
     """A send or recv whose descriptor is posted and whose lanes start once the peer's matching
-    call (same direction, same position in that direction's order) is posted. Quacks like Handle."""
+    call (same direction, same position in that direction's order) is posted. Quacks like Handle.
+    `p2p`: the communicator's point-to-point part (comm/p2p.py), whose queue holds it meanwhile."""
 
-    def __init__(self, comm, token, desc, inp, outs, peer, n, src, dst, dev, start_event, native=None, lane=None):
-        self.comm, self.token, self.desc = comm, token, desc
+    def __init__(self, p2p, token, desc, inp, outs, peer, n, src, dst, dev, start_event, native=None, lane=None):
+        self.p2p, self.token, self.desc = p2p, token, desc
         self.inp, self.outs, self.peer, self.n = inp, outs, peer, n
         self.src, self.dst, self.dev, self.start_event = src, dst, dev, start_event
         self.inner: Handle | None = None
@@ -76,7 +96,7 @@ class PendingP2P:
             return True
         if self.error is not None:
             raise self.error
-        for h in list(self.comm._p2p_pending):        # a direction's calls start in call order
+        for h in list(self.p2p.pending):        # a direction's calls start in call order
             if h is self:
                 break
             if (h.src, h.dst) == (self.src, self.dst) and not h.try_complete():
@@ -90,7 +110,7 @@ class PendingP2P:
             self._drop()
             self.inner = as_handle(self._whole(), self._lane)
             return True
-        theirs = self.comm.segment.poll_pair(self.token)
+        theirs = self.p2p.segment.poll_pair(self.token)
         if theirs is None:
             return False
         self._start(theirs)
@@ -100,52 +120,52 @@ class PendingP2P:
         """Block until the peer's side is posted (other pending calls progress meanwhile)."""
         if self.try_complete():
             return
-        seg = self.comm.segment
+        seg = self.p2p.segment
         deadline = time.monotonic() + envs.get("BRAID_TIMEOUT_S")
         spins = 0
         while not self.try_complete():
-            self.comm._progress_p2p()
+            self.p2p.pending.progress()
             spins += 1
             if spins > 200:
                 time.sleep(0.0002)
                 if spins % 2000 == 0:
                     seg.check_alive(self.peer)
                 if time.monotonic() > deadline:
-                    what = "send to" if self.src == self.comm.rank else "recv from"
+                    what = "send to" if self.src == self.p2p.rank else "recv from"
                     self.error = BraidTimeoutError(
-                        f"rank {self.comm.rank}: {what} rank {self.peer} waited {envs.get('BRAID_TIMEOUT_S'):.0f} s "
-                        f"for rank {self.peer}'s matching {'recv' if self.src == self.comm.rank else 'send'}")
+                        f"rank {self.p2p.rank}: {what} rank {self.peer} waited {envs.get('BRAID_TIMEOUT_S'):.0f} s "
+                        f"for rank {self.peer}'s matching {'recv' if self.src == self.p2p.rank else 'send'}")
                     self._drop()
                     raise self.error
 
     def _drop(self) -> None:
-        if self in self.comm._p2p_pending:
-            self.comm._p2p_pending.remove(self)
+        if self in self.p2p.pending:
+            self.p2p.pending.remove(self)
 
     def _start(self, theirs: dict) -> None:
-        comm, me = self.comm, self.comm.rank
+        p2p, me = self.p2p, self.p2p.rank
         self._drop()
-        descs: list = [None] * comm.world_size
+        descs: list = [None] * p2p.world_size
         descs[me], descs[self.peer] = self.desc, theirs
         try:
-            comm._agree("send_recv", descs, ("op", "dtype", "nbytes", "src", "dst", "calib"))
+            agree("send_recv", descs, ("op", "dtype", "nbytes", "src", "dst", "calib"))
         except PeerMismatchError as exc:
             self.error = exc
             raise
-        shares = _pair_shares(descs[self.src], comm._agreed_lanes(descs))
-        if comm.policy.native_ok(shares):
-            g = comm._native_group(shares)
+        shares = _pair_shares(descs[self.src], agreed_lanes(descs))
+        if p2p.policy.native_ok(shares):
+            g = p2p.exchange.group_for(shares)
             tb = self.inp if self.src == me else self.outs[0]
             work = dist.isend(tb, group_dst=self.peer, group=g) if self.src == me else dist.irecv(tb, group_src=self.peer, group=g)
             self.inner = as_handle(work, next(iter(shares)))
             return
         src, dst, n = self.src, self.dst, self.n
-        plan = comm._plan(("p2p", src, dst, n), lambda: p2p_movement(comm.world_size, src, dst, n), shares, n, self.dev)
-        self.inner = execute(comm.lane_ctx, plan, self.inp, self.outs, descs, self.peer, start_event=self.start_event)
+        plan = p2p.exchange.plan(("p2p", src, dst, n), lambda: p2p_movement(p2p.world_size, src, dst, n), shares, n, self.dev)
+        self.inner = execute(p2p.lane_ctx, plan, self.inp, self.outs, descs, self.peer, start_event=self.start_event)
 
     def wait(self, timeout=None) -> bool:
         self.complete()
-        self.comm._progress_p2p()          # start whatever else is ready before blocking on lanes
+        self.p2p.pending.progress()          # start whatever else is ready before blocking on lanes
         return self.inner.wait()
 
     def is_completed(self) -> bool:
@@ -293,14 +313,16 @@ class _RawStart:
 
 
 class Pairs:
-    """The communicator's prepared send/recv (see the module docstring)."""
+    """The communicator's prepared send/recv (see the module docstring), kept by its
+    point-to-point part (`p2p`, comm/p2p.py), whose segment, lanes, prepared calls, queue of
+    pending calls and full path (plans, checks) it uses."""
 
-    def __init__(self, comm):
-        self.comm = comm
+    def __init__(self, p2p):
+        self.p2p = p2p
         self.sends: dict[int, _Send] = {}
         self.recvs: dict[int, _Recv] = {}
         self.free_events: list[int] = []
-        self.dev_index = comm.device.index if comm.cuda else -1
+        self.dev_index = p2p.device.index if p2p.cuda else -1
         self.tickets: dict[tuple, _Ticket] = {}
         # the last send that ran ahead, per peer (the watchdog's `overdue`: a send nobody receives
         # must not leave a GPU waiting forever), and where each peer's reading stood when last seen
@@ -310,7 +332,7 @@ class Pairs:
     def overdue(self, limit: float) -> str:
         """Why this rank gives up, when a receiver has left a send that ran ahead unread and read
         nothing more for `limit` seconds, else "". Called by the watchdog thread."""
-        seg, me = self.comm.segment, self.comm.rank
+        seg, me = self.p2p.segment, self.p2p.rank
         if seg is None or seg.closed:
             return ""
         now = time.monotonic()
@@ -358,7 +380,7 @@ class Pairs:
     # the call -------------------------------------------------------------------------------
     def call(self, sending: bool, peer: int, desc: dict, lanes, shares, calib: str, inp, outs, n: int, dev,
              full_of, async_op: bool, tkey=None):
-        comm = self.comm
+        p2p = self.p2p
         cuda = dev.type == "cuda"
         start = 0
         if async_op and cuda:           # where on the caller's stream this call was made
@@ -369,14 +391,14 @@ class Pairs:
         side = self.recvs.setdefault(peer, _Recv())
         side.seq += 1
         rw = hash((desc["dtype"], n, tuple(lanes), calib)) & MASK63
-        h = _RecvCall(comm, self, side, side.seq, rw, full_of, outs, peer, n, dev, start, async_op)
+        h = _RecvCall(p2p, self, side, side.seq, rw, full_of, outs, peer, n, dev, start, async_op)
         h.tkey = tkey
-        comm._p2p_pending.append(h)
-        comm._progress_p2p()
+        p2p.pending.append(h)
+        p2p.pending.progress()
         return h
 
     def _send(self, peer, desc, lanes, shares, calib, inp, n, dev, full_of, async_op, start, tkey=None):
-        comm, prep = self.comm, self.comm._prepared
+        p2p, prep = self.p2p, self.p2p.prepared
         side = self.sends.setdefault(peer, _Send())
         self.pump(peer, side)
         if side.errors:
@@ -385,14 +407,14 @@ class Pairs:
             raise side.errors.pop(0)
         facts = (desc["dtype"], n, peer, tuple(lanes), tuple(shares.items()), calib, prep.epoch)
         bid = 0
-        if comm.cuda and inp.is_cuda and inp.numel() and "ce" in lanes:
+        if p2p.cuda and inp.is_cuda and inp.numel() and "ce" in lanes:
             ptr = inp.data_ptr()
             bid = _cuda.buffer_id(ptr)
             facts += (ptr, bid)
         sw = hash(facts) & MASK63
         got = side.table.get(sw)
-        seg = comm.segment
-        me = comm.rank
+        seg = p2p.segment
+        me = p2p.rank
         if got is not None:
             side.table.move_to_end(sw)
             prep.stats["p2p_hits"] += 1
@@ -404,7 +426,7 @@ class Pairs:
                     self.ticket(tkey, _Ticket(prep.epoch, peer, side, entry, sw=sw, bid=bid))
                 self.ahead[peer] = k
                 return self._flags(entry, True, me, peer, inp, start, async_op, side)
-            h = _SendCall(comm, self, side, k, sw, eid, entry, None, inp, peer, n, dev, start, async_op)
+            h = _SendCall(p2p, self, side, k, sw, eid, entry, None, inp, peer, n, dev, start, async_op)
         else:
             if len(side.table) >= prep.max_entries:
                 _, (eid, _) = side.table.popitem(last=False)
@@ -415,19 +437,19 @@ class Pairs:
             prep.stats["p2p_built"] += 1
             mine = full_of()
             token = seg.post_pair({"op": OP, "e": eid, "d": mine}, peer, True)
-            h = _SendCall(comm, self, side, token[2], sw, eid, None, mine, inp, peer, n, dev, start, async_op)
-        comm._p2p_pending.append(h)
-        comm._progress_p2p()
+            h = _SendCall(p2p, self, side, token[2], sw, eid, None, mine, inp, peer, n, dev, start, async_op)
+        p2p.pending.append(h)
+        p2p.pending.progress()
         return h
 
     def _queued(self, src: int, dst: int) -> bool:
-        return any((h.src, h.dst) == (src, dst) for h in self.comm._p2p_pending)
+        return any((h.src, h.dst) == (src, dst) for h in self.p2p.pending)
 
     def send_fast(self, tk: _Ticket, t, async_op: bool):
         """A send under a ticket (see _Ticket); None: not this way (nothing was posted)."""
-        comm = self.comm
+        p2p = self.p2p
         side = tk.side
-        if tk.epoch != comm._prepared.epoch or comm._p2p_pending or _cuda.buffer_id(t.data_ptr()) != tk.bid:
+        if tk.epoch != p2p.prepared.epoch or p2p.pending or _cuda.buffer_id(t.data_ptr()) != tk.bid:
             return None
         got = side.table.get(tk.sw)
         if got is None or got[1] is not tk.entry:
@@ -436,24 +458,24 @@ class Pairs:
         if side.errors:
             raise side.errors.pop(0)
         side.table.move_to_end(tk.sw)
-        comm._prepared.stats["p2p_hits"] += 1
-        k = comm.segment.post_pair(got[0], tk.peer, True)[2]
+        p2p.prepared.stats["p2p_hits"] += 1
+        k = p2p.segment.post_pair(got[0], tk.peer, True)[2]
         self.ahead[tk.peer] = k
         start = 0
         if async_op:
             start = self.take_event()
             _cuda.event_record(start, _RAW(self.dev_index))
-        return self._flags(tk.entry, True, comm.rank, tk.peer, t, start, async_op, side)
+        return self._flags(tk.entry, True, p2p.rank, tk.peer, t, start, async_op, side)
 
     def recv_fast(self, tk: _Ticket, t, async_op: bool):
         """A recv under a ticket whose sender's message is there and names an entry on the copy
         engines that fits this call; None: not this way (a message read is left to the full path)."""
-        comm = self.comm
+        p2p = self.p2p
         side = tk.side
-        if tk.epoch != comm._prepared.epoch or comm._p2p_pending or side.held is not None:
+        if tk.epoch != p2p.prepared.epoch or p2p.pending or side.held is not None:
             return None
         k = side.seq + 1
-        msg = comm.segment.poll_pair((tk.peer, 0, k, OP))
+        msg = p2p.segment.poll_pair((tk.peer, 0, k, OP))
         if msg is None:
             return None
         entry = side.slots.get(msg.get("e"))
@@ -461,23 +483,23 @@ class Pairs:
             side.held = (k, msg)
             return None
         side.seq = k
-        comm._prepared.stats["p2p_hits"] += 1
+        p2p.prepared.stats["p2p_hits"] += 1
         start = 0
         if async_op:
             start = self.take_event()
             _cuda.event_record(start, _RAW(self.dev_index))
-        return self._flags(entry, False, tk.peer, comm.rank, t, start, async_op, side)
+        return self._flags(entry, False, tk.peer, p2p.rank, t, start, async_op, side)
 
     def read(self, side: _Recv, peer: int, k: int):
         """The sender's k-th message (or None): the one the fast path read, or from the mailbox."""
         if side.held is not None and side.held[0] == k:
             msg, side.held = side.held[1], None
             return msg
-        return self.comm.segment.poll_pair(NodeSegment.pair_token(peer, True, 0, k, OP))
+        return self.p2p.segment.poll_pair(NodeSegment.pair_token(peer, True, 0, k, OP))
 
     def pump(self, peer: int, side: _Send) -> None:
         """Read every reply the receiver `peer` has posted on channel 1 (in order)."""
-        seg = self.comm.segment
+        seg = self.p2p.segment
         while True:
             msg = seg.poll_pair(NodeSegment.pair_token(peer, False, 1, side.read + 1, OP))
             if msg is None:
@@ -492,16 +514,16 @@ class Pairs:
     # building an entry ------------------------------------------------------------------------
     def build(self, descs: list, src: int, dst: int, n: int, dev, rw: int) -> PairEntry:
         """The entry of a new shape from both descriptors (the same on both ranks)."""
-        comm, me = self.comm, self.comm.rank
-        shares = _pair_shares(descs[src], comm._agreed_lanes(descs))
-        if comm.policy.native_ok(shares):
+        p2p, me = self.p2p, self.p2p.rank
+        shares = _pair_shares(descs[src], agreed_lanes(descs))
+        if p2p.policy.native_ok(shares):
             return PairEntry(descs, None, shares, native=True, rw=rw)
-        plan = comm._plan(("p2p", src, dst, n), lambda: p2p_movement(comm.world_size, src, dst, n), shares, n, dev)
+        plan = p2p.exchange.plan(("p2p", src, dst, n), lambda: p2p_movement(p2p.world_size, src, dst, n), shares, n, dev)
         flags = dev.type == "cuda" and shares == {"ce": 1.0}
         copies = ()
         if flags and dst == me:
             transfers = plan.lanes.get("ce", [])
-            peers = comm._lanes["ce"].peer_ptrs(transfers, me, descs)
+            peers = p2p.lanes["ce"].peer_ptrs(transfers, me, descs)
             copies = tuple((off, peers[t.src] + t.src_off, t.nbytes)
                            for t in transfers for d, _, off in t.dsts if d == me and t.nbytes)
         return PairEntry(descs, plan, shares, native=False, flags=flags, copies=copies, rw=rw)
@@ -509,22 +531,22 @@ class Pairs:
     # running an entry -------------------------------------------------------------------------
     def run(self, entry: PairEntry, sending: bool, src: int, dst: int, inp, outs, dev, start: int, async_op: bool,
             drain: bool = False):
-        comm = self.comm
+        p2p = self.p2p
         peer = dst if sending else src
         side = self.sends[peer] if sending else self.recvs[peer]
         if entry.flags:
             return self._flags(entry, sending, src, dst, inp if sending else outs[0], start, async_op, side, drain)
         try:
             if entry.native:
-                g = comm._native_group(entry.shares)
+                g = p2p.exchange.group_for(entry.shares)
                 work = (dist.isend(inp, group_dst=peer, group=g) if sending
                         else dist.irecv(outs[0], group_src=peer, group=g))
                 return as_handle(work, next(iter(entry.shares)))
             if dev.type == "cuda" and _capturing():
                 raise not_capturable(OP, entry.shares)
-            if comm.cuda:
-                comm._prepared.dirty = True
-            return execute(comm.lane_ctx, entry.plan, inp, outs, entry.descs, peer,
+            if p2p.cuda:
+                p2p.prepared.dirty = True
+            return execute(p2p.lane_ctx, entry.plan, inp, outs, entry.descs, peer,
                            start_event=_RawStart(start) if start else None)
         finally:
             if start:
@@ -533,14 +555,14 @@ class Pairs:
     def _flags(self, entry, sending: bool, src: int, dst: int, t, start: int, async_op: bool, side,
                drain: bool = False):
         """This side's program on the pair flags (see the module docstring)."""
-        comm = self.comm
-        base, lay = comm.seg_dev_ptr, comm.layout
+        p2p = self.p2p
+        base, lay = p2p.seg_dev_ptr, p2p.layout
         ready = base + lay.counter("flag_p2p_ready", src, dst)
         done = base + lay.counter("flag_p2p_done", src, dst)
         caller = _RAW(self.dev_index)
         lane = None
         if async_op or side.open or start:
-            lane = comm._lanes["ce"].p2p_stream(sending)
+            lane = p2p.lanes["ce"].p2p_stream(sending)
             sh = lane.cuda_stream
             if start:
                 _cuda.stream_wait_event(sh, start)
@@ -590,9 +612,9 @@ class _Call(PendingP2P):
 
 
 class _SendCall(_Call):
-    def __init__(self, comm, pairs, side, k, sw, eid, entry, mine, inp, peer, n, dev, start, async_op):
-        me = comm.rank
-        super().__init__(comm, None, mine, inp, [], peer, n, me, peer, dev, None)
+    def __init__(self, p2p, pairs, side, k, sw, eid, entry, mine, inp, peer, n, dev, start, async_op):
+        me = p2p.rank
+        super().__init__(p2p, None, mine, inp, [], peer, n, me, peer, dev, None)
         self.pairs, self.side, self.k, self.sw, self.eid = pairs, side, k, sw, eid
         self.entry, self.start, self.async_op = entry, start, async_op
 
@@ -616,13 +638,13 @@ class _SendCall(_Call):
                 side.table.pop(self.sw, None)       # the receiver built nothing under this id
             self._fail(PeerMismatchError(reply["nack"]))
         if self.desc is not None:                    # a miss: build from both descriptors
-            descs: list = [None] * self.comm.world_size
+            descs: list = [None] * self.p2p.world_size
             descs[self.src], descs[self.dst] = self.desc, reply["d"]
             entry = pairs.build(descs, self.src, self.dst, self.n, self.dev, 0)
             if got is not None and got[0] == self.eid:
                 got[1] = entry
         if entry is None:
-            self._fail(PeerMismatchError(f"rank {self.comm.rank}: send to rank {self.peer}: entry {self.eid} "
+            self._fail(PeerMismatchError(f"rank {self.p2p.rank}: send to rank {self.peer}: entry {self.eid} "
                                          f"is not built on this rank"))
         self._drop()
         self.inner = pairs.run(entry, True, self.src, self.dst, self.inp, [], self.dev, self.start, self.async_op)
@@ -631,17 +653,17 @@ class _SendCall(_Call):
 
 
 class _RecvCall(_Call):
-    def __init__(self, comm, pairs, side, k, rw, full_of, outs, peer, n, dev, start, async_op):
-        me = comm.rank
-        super().__init__(comm, None, None, None, outs, peer, n, peer, me, dev, None)
+    def __init__(self, p2p, pairs, side, k, rw, full_of, outs, peer, n, dev, start, async_op):
+        me = p2p.rank
+        super().__init__(p2p, None, None, None, outs, peer, n, peer, me, dev, None)
         self.pairs, self.side, self.k, self.rw, self.full_of = pairs, side, k, rw, full_of
         self.start, self.async_op = start, async_op
         self.tkey = None
 
     def _refuse(self, why: str, ahead: bool, entry: PairEntry | None = None):
         """Tell the sender (channel 1), drain a run-ahead program, raise here."""
-        comm = self.comm
-        comm.segment.post_pair({"op": OP, "k": self.k, "nack": why, "ahead": ahead}, self.peer, False, channel=1)
+        p2p = self.p2p
+        p2p.segment.post_pair({"op": OP, "k": self.k, "nack": why, "ahead": ahead}, self.peer, False, channel=1)
         if ahead and entry is not None and entry.flags:
             self._drop()
             self.pairs.run(entry, False, self.src, self.dst, None, self.outs, self.dev, self.start, False, drain=True)
@@ -649,32 +671,32 @@ class _RecvCall(_Call):
         self._fail(PeerMismatchError(why))
 
     def _step(self) -> bool:
-        comm, pairs = self.comm, self.pairs
+        p2p, pairs = self.p2p, self.pairs
         msg = pairs.read(self.side, self.peer, self.k)
         if msg is None:
             return False
-        me, eid = comm.rank, msg.get("e")
+        me, eid = p2p.rank, msg.get("e")
         if eid is None:
             self._refuse(f"rank {me}: recv from rank {self.peer}: the peer's matching send did not take the prepared "
                          f"path (BRAID_PREPARED must be the same on every rank)", False)
         if "d" in msg:                                   # a new shape: agree, build, reply
             mine = self.full_of()
             theirs = msg["d"]
-            descs: list = [None] * comm.world_size
+            descs: list = [None] * p2p.world_size
             descs[me], descs[self.peer] = mine, theirs
             try:
-                comm._check_direction(mine, theirs, self.peer)
-                comm._agree(OP, descs, ("op", "dtype", "nbytes", "src", "dst", "calib"))
+                p2p.exchange.check_direction(mine, theirs, self.peer)
+                agree(OP, descs, ("op", "dtype", "nbytes", "src", "dst", "calib"))
             except PeerMismatchError as exc:
                 self.side.slots.pop(eid, None)      # later calls naming this id are refused too
                 self._refuse(str(exc), False)
             entry = pairs.build(descs, self.src, self.dst, self.n, self.dev, self.rw)
             self.side.slots[eid] = entry
-            comm._prepared.stats["p2p_built"] += 1
-            comm.segment.post_pair({"op": OP, "k": self.k, "d": mine}, self.peer, False, channel=1)
+            p2p.prepared.stats["p2p_built"] += 1
+            p2p.segment.post_pair({"op": OP, "k": self.k, "d": mine}, self.peer, False, channel=1)
         else:
             entry = self.side.slots.get(eid)
-            comm._prepared.stats["p2p_hits"] += 1
+            p2p.prepared.stats["p2p_hits"] += 1
             ahead = entry is not None and entry.flags
             if entry is None or entry.rw != self.rw:
                 d = (entry.descs[self.src] if entry is not None else {}) or {}
@@ -687,9 +709,9 @@ class _RecvCall(_Call):
                     f"and rank {me}'s matching recv expects {what}. Every send must meet a recv of the same size "
                     f"and dtype.", ahead, entry)
             if not ahead:
-                comm.segment.post_pair({"op": OP, "k": self.k, "ok": 1}, self.peer, False, channel=1)
+                p2p.segment.post_pair({"op": OP, "k": self.k, "ok": 1}, self.peer, False, channel=1)
             elif self.tkey is not None:
-                pairs.ticket(self.tkey, _Ticket(comm._prepared.epoch, self.peer, self.side, None, rw=self.rw))
+                pairs.ticket(self.tkey, _Ticket(p2p.prepared.epoch, self.peer, self.side, None, rw=self.rw))
         self._drop()
         self.inner = pairs.run(entry, False, self.src, self.dst, None, self.outs, self.dev, self.start, self.async_op)
         self.start = 0

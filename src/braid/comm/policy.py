@@ -57,7 +57,7 @@ class SplitPolicy:
         self.calib: dict[str, dict[str, LaneCost]] = {}         # "op/world" -> lane -> cost
         self.pays: dict[str, dict[int, bool | str | dict]] = {}  # "op/world" -> log2 bucket -> verdict
         self.timed: dict[str, dict[int, dict]] = {}             # "op/world" -> log2 bucket -> lane -> us
-        # the job's trials are on (CallPath._learn_update): NCCL's near wins go to them
+        # the job's trials are on (Communicator._learn_update): NCCL's near wins go to them
         self.near_trials = False
         self.near_factor = envs.get("BRAID_NEAR_TRIAL") if cuda else 0.0
         self.digest = "default"                                  # the table's identity (descriptors, words)

@@ -107,7 +107,7 @@ class Entry:
 class Ticket:
     """A call shape whose last call replayed a graph, keyed by the op's own arguments (op,
     pointers, sizes, dtype, reduction, root): the next identical call goes from the op's entry
-    straight to the round and the launch (Communicator._fast_prepared). Valid while the cache's
+    straight to the round and the launch (CallPath.fast_prepared). Valid while the cache's
     epoch (calibration, fixed shares) and the balancer's version are those it was made under."""
 
     __slots__ = ("base", "bal", "key", "entry", "op", "ledger", "lanes", "native")
@@ -187,7 +187,7 @@ class PreparedCalls:
         self._ev_next = 0
         self._dev_index = device.index if cuda else -1
         # the native repeated call (native_rounds.FastCalls): False until its first use, None
-        # where it is off or did not build (Exchange._native_calls)
+        # where it is off or did not build (CallPath.native_calls)
         self.fast = False
         if cuda and self.enabled:
             self.streams()          # made now: not inside a user's capture

@@ -12,17 +12,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..collectives import check_rank, flat_bytes, input_bytes, output_bytes, same_dtype
+from ..collectives import flat_bytes, input_bytes, output_bytes, same_dtype
 from ..errors import MisuseError
 from ..collectives.ce_reduce import CeReduction
-from ..collectives.reduce import REDUCE_DTYPES
 from ..executor import Handle, execute
 from ..lanes.base import LaneRun
 from ..planner.plan import LaneKind, Plan
 
 from ..collectives.reduce import check_reduce_dtype, divide, op_name, reduce_factor, reduce_slots, torch_op
 from ..planner.plan import chunk_bounds, cut_points, gather_chunks, reduce_scatter_chunks, reduce_scatter_movement
-from .callpath import _FAST_OPS, _RED_T, NATIVE_SHARE_REDS
+from .callpath import NATIVE_SHARE_REDS
 
 log = logging.getLogger("braid")
 
@@ -51,7 +50,7 @@ class _ReduceCall:
 
 @dataclass
 class _Cuts:
-    """How a split reduction's elements are divided between its parts (_reduce_cuts)."""
+    """How a split reduction's elements are divided between its parts (reduce_cuts)."""
     base: int                       # elements of NCCL's own all_reduce (a prefix)
     ce_f: float                     # the copy engines' fraction of every chunk
     rest: dict[str, float]          # the staged lanes' shares
@@ -105,7 +104,7 @@ class GpuReductionParts:
     def scratch(self, n: int, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
         """Slots of the staged reductions, kept from call to call on GPUs (a fresh allocation
         per call went to cudaMalloc: the previous call's block is still held by our streams).
-        The next staged call starts after this one's end event (Reductions._reduce_split)."""
+        The next staged call starts after this one's end event (Reductions.reduce_split)."""
         if dev.type != "cuda":
             return torch.empty(n, dtype=dtype, device=dev)
         need = n * torch.empty((), dtype=dtype).element_size()
@@ -121,63 +120,25 @@ class GpuReductionParts:
 
 
 class Reductions:
-    """Part of braid.comm.Communicator (a mixin of the façade: the parts it composes own the state)."""
+    """The reducing part of a communicator: every reducing op's full path (checked, then the
+    native library whole or a split over the lanes) and the GPU pieces split reductions keep from
+    call to call (`gpu`: GpuReductionParts, which it owns). The ops' fast paths are the
+    communicator's own entries. Its collaborators: the call ledger, the native library's calls
+    and groups, the lanes' context and the copy-engine lane, the full path's part (run, plan,
+    exchange), the fast path's part (device check, whole calls' handles) and a multi-node world's
+    steps (or None)."""
 
-    # reductions -----------------------------------------------------------------------------------
-    def _fast_reduce_ok(self, op, dtype) -> bool:
-        """The native library's reduction may take the call as is: a plain ReduceOp on a
-        reducible dtype (avg: NCCL only, which averages integers as braid does)."""
-        if dtype not in REDUCE_DTYPES or type(op) is not type(dist.ReduceOp.SUM):
-            return False
-        if op in _FAST_OPS:
-            return True
-        return op == dist.ReduceOp.AVG and self.cuda   # gloo has no AVG
+    def __init__(self, *, rank: int, world_size: int, cuda: bool, device: torch.device, ledger, library,
+                 nccl_group, native_group, gloo_group, lane_ctx, ce_lane, exchange, calls, hier):
+        self.rank, self.world_size, self.cuda = rank, world_size, cuda
+        self.ledger, self.library = ledger, library
+        self.nccl_group, self.native_group, self.gloo_group = nccl_group, native_group, gloo_group
+        self.lane_ctx, self.exchange, self.calls, self.hier = lane_ctx, exchange, calls, hier
+        # split reductions' GPU streams, scratch and the copy engines' reduction
+        self.gpu = GpuReductionParts(device, ce_lane, lane_ctx)
 
-    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
-        """In place, like torch.distributed.all_reduce."""
-        tkey = None
-        if self._cpu is not None and self._cpu_ok(tensor) and (red := self._cpu_reduction(op, tensor.dtype)):
-            return self._cpu_call("all_reduce", tensor, lambda: self._cpu.all_reduce(tensor, *red), async_op)
-        if type(op) is _RED_T and type(tensor) is torch.Tensor and tensor.is_cuda is self.cuda and tensor.is_contiguous():
-            n = tensor.numel()
-            if self.shortcuts.decide("ar", n, (tensor.dtype, op), self._rest_ar, tensor, op):
-                return self._native_fast("allreduce", ([tensor],), "allreduce", async_op, op=op, fallback=lambda a:
-                                         dist.all_reduce(tensor, op=op, group=self.library.group, async_op=a))
-            if self.cuda:
-                tkey = ("ar", tensor.data_ptr(), n, tensor.dtype, op)
-                if (h := self._fast_prepared(tkey, tensor, (tensor,), async_op,
-                                             lambda: self.all_reduce(tensor, op))) is not None:
-                    return h if async_op else None
-        if self.hier is not None and (h := self.hier.all_reduce(tensor, op, async_op)) is not None:
-            return h if async_op else None
-        return self._reduction("all_reduce", tensor, tensor, op, None, async_op, tkey)
-
-    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
-                              async_op: bool = False):
-        """output (numel m) = reduction over ranks of input[rank*m:(rank+1)*m]."""
-        tkey = None
-        if (self._cpu is not None and self._cpu_ok(output, input) and input.dtype is output.dtype
-                and input.numel() == output.numel() * self.world_size
-                and (red := self._cpu_reduction(op, output.dtype))):
-            src = input.detach() if input.requires_grad else input
-            return self._cpu_call("reduce_scatter", input, lambda: self._cpu.reduce_scatter(output, src, *red), async_op)
-        if getattr(input, "requires_grad", False):
-            input = input.detach()     # read only: the native library's copies of it stay out of autograd
-        if (type(op) is _RED_T and type(input) is torch.Tensor and type(output) is torch.Tensor and input.is_cuda is self.cuda
-                and output.is_cuda is self.cuda and input.is_contiguous() and output.is_contiguous()):
-            n = input.numel()
-            if self.shortcuts.decide("rs", n, (input.dtype, op, output.numel()), self._rest_rs, output, input, op):
-                return self._native_fast("_reduce_scatter_base", (output, input), "reducescatter", async_op, op=op,
-                                         fallback=lambda a: dist.reduce_scatter_tensor(
-                                             output, input, op=op, group=self.library.group, async_op=a))
-            if self.cuda:
-                tkey = ("rs", input.data_ptr(), output.data_ptr(), n, output.numel(), input.dtype, output.dtype, op)
-                if (h := self._fast_prepared(tkey, input, (output,), async_op,
-                                             lambda: self.reduce_scatter_tensor(output, input, op))) is not None:
-                    return h if async_op else None
-        if self.hier is not None and (h := self.hier.reduce_scatter_tensor(output, input, op, async_op)) is not None:
-            return h if async_op else None
-        return self._reduction("reduce_scatter", output, input, op, None, async_op, tkey)
+    def close(self) -> None:
+        self.gpu.close()
 
     def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op=dist.ReduceOp.SUM,
                        async_op: bool = False):
@@ -191,37 +152,12 @@ class Reductions:
         flat = torch.cat([t.reshape(-1) for t in input_list]) if output.numel() else output.new_empty(0)
         if self.hier is not None and (h := self.hier.reduce_scatter_tensor(output, flat, op, async_op)) is not None:
             return h if async_op else None
-        return self._reduction("reduce_scatter", output, flat, op, None, async_op)
-
-    def reduce(self, tensor: torch.Tensor, dst: int = 0, op=dist.ReduceOp.SUM, async_op: bool = False):
-        """The reduction lands in `tensor` on rank dst; other ranks' tensors are left unchanged."""
-        if (self._cpu is not None and self._cpu_ok(tensor) and type(dst) is int and 0 <= dst < self.world_size
-                and (red := self._cpu_reduction(op, tensor.dtype))):
-            return self._cpu_call("reduce", tensor, lambda: self._cpu.all_reduce(tensor, *red, root=dst), async_op)
-        if (self._fast_ok(tensor) and type(dst) is int and 0 <= dst < self.world_size
-                and self._fast_reduce_ok(op, tensor.dtype)
-                and self.policy.native_for("reduce", tensor.numel() * tensor.element_size())):
-            return self._native_fast("reduce", ([tensor],), "reduce", async_op, op=op, root=dst, fallback=lambda a:
-                                     dist.reduce(tensor, group_dst=dst, op=op, group=self.native_group, async_op=a))
-        check_rank(dst, self.world_size, "dst", "reduce")
-        return self._reduction("reduce", tensor, tensor, op, dst, async_op)
-
-    def _cpu_reduction(self, op, dtype) -> tuple[str, float] | None:
-        """(name, factor) where the segment's whole call reduces this op and dtype; None: the
-        full path (which also explains what braid cannot reduce)."""
-        red = self._cpu.reduction(op)
-        if red is None:
-            return None
-        try:
-            self._cpu.checked(dtype, red[0], "all_reduce")     # kept once accepted
-        except MisuseError:
-            return None
-        return red
+        return self.reduction("reduce_scatter", output, flat, op, None, async_op)
 
     @torch.no_grad()
-    def _reduction(self, opname: str, output, input, op, root, async_op, tkey=None):
+    def reduction(self, opname: str, output, input, op, root, async_op, tkey=None):
         """Every reducing op's full path: check the call, then the native library whole or a
-        split (_reduce_split)."""
+        split (reduce_split)."""
         if self.cuda and _nccl_takes(output, op, opname):
             # NCCL reduces these and braid's own reductions do not: its call, whole (through
             # torch's front end, which turns complex tensors into float pairs where NCCL needs it)
@@ -235,10 +171,10 @@ class Reductions:
             else:
                 work = dist.reduce_scatter_tensor(output, input, op=op, group=g, async_op=async_op)
             if async_op:
-                return self._finish(work, True)
-            self.last_handle = self.library.done
+                return self.calls.finish(work, True)
+            self.ledger.last_handle = self.library.done
             return None
-        rc = self._reduce_call(opname, output, input, op, root)
+        rc = self.reduce_call(opname, output, input, op, root)
         desc = {"op": opname, "dtype": str(output.dtype), "nbytes": rc.size, "red": rc.name,
                 "factor": rc.factor, "root": root}
         w, bounds = self.world_size, rc.bounds
@@ -248,17 +184,18 @@ class Reductions:
 
         emit = None
         if rc.dev.type == "cuda" and opname != "reduce":     # a graph when the copy engines take it alone
-            emit = lambda descs, shares, sig: self._reduce_program(rc, descs, shares, sig)    # noqa: E731
-        return self._run(opname, desc, rc.size, rc.ib, [rc.ob], movement_of, lambda g: self._reduce_native(rc, g),
-                         ("op", "dtype", "nbytes", "red", "factor", "root"), async_op,
-                         multi=lambda descs, shares, plan1, agreed: self._reduce_split(rc, desc, descs, shares,
-                                                                                        plan1, agreed),
-                         emit=emit, ticket=tkey)
+            emit = lambda descs, shares, sig: self.reduce_program(rc, descs, shares, sig)    # noqa: E731
+        return self.exchange.run(opname, desc, rc.size, rc.ib, [rc.ob], movement_of,
+                                 lambda g: self.reduce_native(rc, g),
+                                 ("op", "dtype", "nbytes", "red", "factor", "root"), async_op,
+                                 multi=lambda descs, shares, plan1, agreed: self.reduce_split(rc, desc, descs, shares,
+                                                                                             plan1, agreed),
+                                 emit=emit, ticket=tkey)
 
-    def _reduce_call(self, opname: str, output, input, op, root) -> "_ReduceCall":
+    def reduce_call(self, opname: str, output, input, op, root) -> "_ReduceCall":
         """The checked facts of one reducing call (clear errors for what braid cannot reduce)."""
         name = op_name(op)
-        dev = self._device_for(input)
+        dev = self.calls.device_for(input)
         if opname == "all_reduce" or opname == "reduce":
             ob = ib = output_bytes(output, "tensor", dev, opname)
             numel = output.numel()
@@ -275,14 +212,14 @@ class Reductions:
         return _ReduceCall(opname, output, input, op, root, name, reduce_factor(op), ib, ob, numel, esz,
                            chunk_bounds(numel, self.world_size, esz), dev)
 
-    def _reduce_native(self, rc: "_ReduceCall", g):
+    def reduce_native(self, rc: "_ReduceCall", g):
         """The whole call on the native library's group `g`."""
         opname, output, name = rc.opname, rc.output, rc.name
         if name == "premul_sum" or (g is self.gloo_group and (name == "avg" or opname == "reduce")):
             # gloo has no avg/premul-sum and its reduce writes into non-root tensors; NCCL's
             # premul-sum gave wrong bf16 results in torch 2.11 (GPU test, 2026-11-22): reduce a
             # (scaled) copy with SUM, then divide / copy back on the ranks that own the result
-            return self._reduce_copy(rc, g)
+            return self.reduce_copy(rc, g)
         top = torch_op(rc.op, name)
         if opname == "all_reduce":
             return dist.all_reduce(output, op=top, group=g, async_op=True)
@@ -290,7 +227,7 @@ class Reductions:
             return dist.reduce(output, group_dst=rc.root, op=top, group=g, async_op=True)
         return dist.reduce_scatter_tensor(output, rc.ib.view(output.dtype), op=top, group=g, async_op=True)
 
-    def _reduce_copy(self, rc: "_ReduceCall", g) -> Handle:
+    def reduce_copy(self, rc: "_ReduceCall", g) -> Handle:
         """The native library reduces a copy (scaled for premul-sum) with SUM, or the op itself;
         the result is divided (avg) and copied back on the ranks that own it."""
         opname, output, name, root, w = rc.opname, rc.output, rc.name, rc.root, self.world_size
@@ -316,13 +253,13 @@ class Reductions:
                 output.reshape(-1).copy_(out)
         return Handle(native=work, after=after)
 
-    def _reduce_program(self, rc: "_ReduceCall", descs, shares: dict[str, float], sig):
+    def reduce_program(self, rc: "_ReduceCall", descs, shares: dict[str, float], sig):
         """The copy engines' pipelined reduction of the whole call (shares: ce alone) as a
         program for a prepared call: f(stream, (reduce stream, gather stream), keep). Its slot
         rows are allocated in the program's own stream (inside a capture: from the graph's pool)."""
-        cuts = self._reduce_cuts(rc, shares)
+        cuts = self.reduce_cuts(rc, shares)
         assert cuts.ce_f > 0 and not cuts.rest and not cuts.base, cuts
-        red = self._gpu_parts.ce()
+        red = self.gpu.ce()
         peers = red.peer_ptrs(descs)
         w, me = self.world_size, self.rank
         my_len = cuts.ce_chunks[me][1]
@@ -344,7 +281,7 @@ class Reductions:
                      slots=slots, events=events)
         return program
 
-    def _reduce_cuts(self, rc: "_ReduceCall", shares: dict[str, float]) -> "_Cuts":
+    def reduce_cuts(self, rc: "_ReduceCall", shares: dict[str, float]) -> "_Cuts":
         """Which elements each part of a split reduction takes: NCCL's own all_reduce of a prefix
         (all_reduce on GPUs: its kernels run beside the copy engines, the host lane adds PCIe),
         the copy engines' pipelined share of every rank's chunk, and the staged lanes' rest."""
@@ -370,7 +307,7 @@ class Reductions:
         return _Cuts(base, ce_f, rest, cut, [(o, c) for (o, _), c in zip(elem, cut)],
                      [(o + c, n - c) for (o, n), c in zip(elem, cut)], out_at)
 
-    def _reduce_record(self, rc: "_ReduceCall", cuts: "_Cuts", shares: dict[str, float], staged_plan):
+    def reduce_record(self, rc: "_ReduceCall", cuts: "_Cuts", shares: dict[str, float], staged_plan):
         """The plan as it ran: the staged lanes' transfers, and the pulls of the copy engines'
         pipelined part (for Handle.shares and lane_bytes)."""
         if cuts.ce_f == 0 and cuts.base == 0:
@@ -383,40 +320,40 @@ class Reductions:
             lanes["nccl"] = []
         return Plan(rc.opname, self.world_size, rc.size, dict(shares), lanes, [])
 
-    def _reduce_split(self, rc: "_ReduceCall", desc: dict, descs, shares, plan1, agreed) -> Handle:
+    def reduce_split(self, rc: "_ReduceCall", desc: dict, descs, shares, plan1, agreed) -> Handle:
         """Split call. On GPUs the copy engines' share of every chunk runs as one pipelined
         reduction (collectives/ce_reduce.py) and NCCL's share as its own all_reduce of a prefix;
-        the other lanes' share takes the staged path (_reduce_staged)."""
+        the other lanes' share takes the staged path (reduce_staged)."""
         cuda = rc.dev.type == "cuda"
-        cuts = self._reduce_cuts(rc, shares)
+        cuts = self.reduce_cuts(rc, shares)
         start_event = None
         runs = []
         if cuda:
             caller = torch.cuda.current_stream(rc.dev)
-            if self._gpu_parts.staged_end is not None and cuts.rest:
-                caller.wait_event(self._gpu_parts.staged_end)   # the staged scratch is free again
+            if self.gpu.staged_end is not None and cuts.rest:
+                caller.wait_event(self.gpu.staged_end)   # the staged scratch is free again
             start_event = torch.cuda.Event()
             start_event.record(caller)
         if cuts.base:
-            runs.append(self._native_share(rc.output.reshape(-1)[:cuts.base], torch_op(rc.op, rc.name), start_event))
+            runs.append(self.native_share(rc.output.reshape(-1)[:cuts.base], torch_op(rc.op, rc.name), start_event))
         if cuts.ce_f > 0:
-            runs.append(self._gpu_parts.ce().post(
+            runs.append(self.gpu.ce().post(
                 start_event=start_event, inp=rc.ib.view(rc.output.dtype), out=rc.output.reshape(-1),
                 chunks=cuts.ce_chunks, out_offsets=cuts.out_at, gather=rc.opname == "all_reduce", descs=descs,
                 name=rc.name, factor=rc.factor))
         if not cuts.rest or not any(n for _, n in cuts.rest_chunks):
             event = runs[0].end if cuda and runs else None
             if cuda and len(runs) > 1:         # join the lanes' ends on braid's op stream
-                join = self._gpu_parts.op_stream()
+                join = self.gpu.op_stream()
                 for r in runs:
                     join.wait_event(r.end)
                 event = torch.cuda.Event()
                 event.record(join)
             staged_plan = None if cuts.ce_f > 0 or cuts.base else plan1
-            return Handle(runs, plan=self._reduce_record(rc, cuts, shares, staged_plan), event=event)
-        return self._reduce_staged(rc, desc, descs, shares, agreed, cuts, runs, start_event)
+            return Handle(runs, plan=self.reduce_record(rc, cuts, shares, staged_plan), event=event)
+        return self.reduce_staged(rc, desc, descs, shares, agreed, cuts, runs, start_event)
 
-    def _reduce_staged(self, rc: "_ReduceCall", desc: dict, descs, shares, agreed, cuts: "_Cuts", runs,
+    def reduce_staged(self, rc: "_ReduceCall", desc: dict, descs, shares, agreed, cuts: "_Cuts", runs,
                        start_event) -> Handle:
         """The staged lanes' part: reduce-scatter into per-rank slots on those lanes, reduce this
         rank's slots in rank order, gather the reduced chunks back (all_reduce, reduce). On GPUs
@@ -424,17 +361,17 @@ class Reductions:
         me, w, esz, dev, opname = self.rank, self.world_size, rc.esz, rc.dev, rc.opname
         output, rest, rest_chunks = rc.output, cuts.rest, cuts.rest_chunks
         cuda = dev.type == "cuda"
-        stream = self._gpu_parts.op_stream() if cuda else None
+        stream = self.gpu.op_stream() if cuda else None
         with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
             if cuda:
                 stream.wait_event(start_event)
                 t_start = torch.cuda.Event(enable_timing=True)
                 t_start.record(stream)
             byte_chunks = tuple((o * esz, n * esz) for o, n in rest_chunks)
-            p1 = self._plan(("rs", byte_chunks), lambda: reduce_scatter_chunks(w, list(byte_chunks)),
-                            rest, rc.size, dev)
+            p1 = self.exchange.plan(("rs", byte_chunks), lambda: reduce_scatter_chunks(w, list(byte_chunks)),
+                                    rest, rc.size, dev)
             o_me, n_me = rest_chunks[me]
-            slots = self._gpu_parts.scratch(w * n_me, output.dtype, dev)
+            slots = self.gpu.scratch(w * n_me, output.dtype, dev)
             h1 = execute(self.lane_ctx, p1, rc.ib, [rc.ob, flat_bytes(slots)], descs)
             h1.wait()
             if opname == "reduce_scatter":
@@ -447,9 +384,9 @@ class Reductions:
                 src = flat_bytes(target)
                 # only the staged lanes' descriptors (the copy engines' IPC handle of the
                 # output is wanted only when they are one of them: reduce)
-                d2 = self._exchange(dict(desc, op=f"{opname}/gather"), src, [k for k in agreed if k in rest])
+                d2 = self.exchange.exchange(dict(desc, op=f"{opname}/gather"), src, [k for k in agreed if k in rest])
                 mv = gather_chunks(w, list(byte_chunks), None if opname == "all_reduce" else rc.root)
-                p2 = self._plan(("gather", byte_chunks, rc.root), lambda: mv, rest, rc.size, dev)
+                p2 = self.exchange.plan(("gather", byte_chunks, rc.root), lambda: mv, rest, rc.size, dev)
                 h2 = execute(self.lane_ctx, p2, src, [rc.ob], d2)
                 h2.wait()
                 staged = h1.runs + h2.runs
@@ -463,18 +400,18 @@ class Reductions:
                     stream.wait_event(r.end)
                 event = torch.cuda.Event()
                 event.record(stream)
-                self._gpu_parts.staged_end = event
+                self.gpu.staged_end = event
                 for t in (output, rc.input, slots):
                     if t.numel():
                         t.record_stream(stream)
-        return Handle(runs + staged, plan=self._reduce_record(rc, cuts, shares, p1), event=event)
+        return Handle(runs + staged, plan=self.reduce_record(rc, cuts, shares, p1), event=event)
 
-    def _native_share(self, view: torch.Tensor, top, start_event) -> LaneRun:
+    def native_share(self, view: torch.Tensor, top, start_event) -> LaneRun:
         """NCCL's own all_reduce of `view` on braid's NCCL stream, after `start_event` (where the
         call was made on the caller's stream), timed for the balancer. torch runs a synchronous
         NCCL call on the current stream (2.11: no Work is returned); older versions run it on
         their own stream and make the current one wait: either way the end event follows it."""
-        ns = self._gpu_parts.nccl_stream()
+        ns = self.gpu.nccl_stream()
         t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(ns):
             ns.wait_event(start_event)

@@ -7,7 +7,7 @@ call in DDP, 246 with 256 MB buckets and 88-446 in FSDP2 (2 x H200, 2026-11-26),
 call returns at once and lets the GPU wait. Here the caller only posts its word and leaves the
 rest to a thread of the communicator:
 
-    caller (a call whose shape last replayed a graph, comm/exchange.py Exchange._fast_prepared):
+    caller (a call whose shape last replayed a graph, comm/callpath.py CallPath.fast_prepared):
         post the word (the round's slot)
         record a start event on the caller's stream
         synchronous: the caller's stream waits until end >= n (a stream memory wait);
@@ -296,7 +296,7 @@ class Rounds:
         data is not moved) and every later call of the communicator raises `exc`."""
         comm = self._comm()
         if comm is not None and isinstance(exc, BraidError):
-            comm._give_up(exc)
+            comm._faults.give_up(exc)
         with self.cv:           # no push after this (push checks the error under the same lock)
             self.error = exc
             self.queue.clear()
@@ -363,14 +363,14 @@ class Rounds:
             _cuda.stream_wait_event(rs.cuda_stream, job.start)
             _cuda.event_record(self._tail, self.lane_stream)
             _cuda.stream_wait_event(rs.cuda_stream, self._tail)
-            comm._round = (job.word, got)
+            comm._calls.round = (job.word, got)
             comm.shortcuts.redo_thread = self.ident
             try:
                 with torch.cuda.stream(rs):
                     job.redo()
             finally:
                 comm.shortcuts.redo_thread = 0
-                comm._round = None
+                comm._calls.round = None
                 comm._prepared.dirty = True     # the rebuild's own stream bookkeeping is not the caller's
             _cuda.event_record(self._tail, rs.cuda_stream)
             _cuda.stream_wait_event(self.lane_stream, self._tail)

@@ -15,16 +15,14 @@ from ..errors import BraidTimeoutError, LaneFailureError, PeerMismatchError
 from ..planner.plan import all_to_all_movement
 
 from .a2av import UnevenCe, word_of
+from .exchange import DECLINED
 from .policy import DEFAULT_COSTS
-from .uneven import skewed
+from .uneven import UnevenAgreement, skewed
 
 log = logging.getLogger("braid")
 
 
-_DECLINED = object()         # a skewed call's routing decision: the native collective, not a share split
-
-
-def _a2a_ticket(input: torch.Tensor, output: torch.Tensor) -> tuple:
+def a2a_ticket(input: torch.Tensor, output: torch.Tensor) -> tuple:
     """A balanced all_to_all's prepared-call ticket: the op's own arguments."""
     return ("a2a", input.data_ptr(), output.data_ptr(), input.numel(), output.numel(), input.dtype, output.dtype)
 
@@ -121,100 +119,113 @@ class RouteSamples:
 
 
 class Routing:
-    """Part of braid.comm.Communicator (a mixin of the façade: the parts it composes own the state)."""
+    """The all_to_all part of a communicator: the uneven call's agreement (`uneven`, comm/uneven.py)
+    and its path on the copy engines alone (`a2av_ce`, comm/a2av.py, made at first use), the
+    routing mode (`mode`: BRAID_ROUTE's auto, on or off) and the routing decision of a skewed
+    call over the router's paths. Its collaborators: the node segment and the lanes, the split
+    policy, the prepared calls, the shortcuts (the uneven call's kept shape facts), the call
+    ledger, the faults part, the fast path's part, the full path's part, the queue of pending
+    sends/recvs, the whole CPU calls, a multi-node world's steps (or None), the router and its
+    samples, and the native library's group."""
+
+    def __init__(self, *, rank: int, world_size: int, cuda: bool, device: torch.device, single_node: bool,
+                 segment, layout, seg_dev_ptr, lanes: dict, lanes_for, check: bool, policy, prepared, shortcuts,
+                 ledger, faults, calls, exchange, pending, cpu, hier, routed, samples, native_group, mode: str,
+                 ce_min: int):
+        self.rank, self.world_size, self.cuda, self.device = rank, world_size, cuda, device
+        self.single_node, self.segment, self.layout, self.seg_dev_ptr = single_node, segment, layout, seg_dev_ptr
+        self.lanes, self.lanes_for, self.check = lanes, lanes_for, check
+        self.policy, self.prepared, self.shortcuts, self.ledger = policy, prepared, shortcuts, ledger
+        self.faults, self.calls, self.exchange, self.pending, self.cpu = faults, calls, exchange, pending, cpu
+        self.hier, self.routed, self.samples, self.native_group = hier, routed, samples, native_group
+        self.mode = mode                # skewed all_to_all through the router: auto/on/off
+        self.a2av_ce = None             # uneven all_to_all on the copy engines alone, made at first use
+        # the uneven all_to_all's agreement and its counters (comm/uneven.py)
+        self.uneven = UnevenAgreement(
+            rank, world_size, segment, policy, ledger, policy.lanes_here, lambda: self.mode,
+            faults.check_open, faults.give_up, faults.abort_native, ce_min)
+
+    def close(self) -> None:
+        if self.a2av_ce is not None:
+            self.a2av_ce.close()
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
                           input_split_sizes=None, async_op: bool = False):
+        """Communicator.all_to_all_single past its fast path (the communicator's own entry): the
+        uneven call's agreement, a multi-node world's steps, the full path with routing."""
         op = "all_to_all_single"
-        if getattr(input, "requires_grad", False):
-            input = input.detach()     # read only: the native library's copies of it stay out of autograd
-        if (self._cpu is not None and not input_split_sizes and not output_split_sizes and self._cpu_ok(output, input)
-                and input.dtype is output.dtype and input.dim() > 0 and input.numel() == output.numel()
-                and input.size(0) % self.world_size == 0):
-            return self._cpu_call(op, input, lambda: self._cpu.all_to_all(output, input), async_op)
-        if (not input_split_sizes and not output_split_sizes and type(input) is torch.Tensor
-                and type(output) is torch.Tensor and input.is_cuda is self.cuda and output.is_cuda is self.cuda
-                and input.dim() > 0 and input.is_contiguous() and output.is_contiguous()):
-            n = input.numel()
-            if self.shortcuts.decide("a2a", n, (input.dtype, input.size(0), output.numel()), self._rest_a2a,
-                                     output, input):
-                return self._native_fast("alltoall_base", (output, input, [], []), "alltoall", async_op, fallback=lambda a:
-                                         dist.all_to_all_single(output, input, group=self.library.group, async_op=a))
-            if self.cuda and self.routing != "on":
-                if (h := self._fast_prepared(_a2a_ticket(input, output), input, (output,), async_op,
-                                             lambda: self.all_to_all_single(output, input))) is not None:
-                    return h if async_op else None
-        agreed = counted = False           # counted: in the ledger already (see _enter)
+        agreed = counted = False           # counted: in the ledger already
         if input_split_sizes and output_split_sizes and type(input) is torch.Tensor \
                 and type(output) is torch.Tensor and input.is_cuda and output.is_cuda and input.dim() > 0 \
                 and output.dim() > 0 and input.is_contiguous() and output.is_contiguous():
-            agreed, small, lean = self._a2av_agree(output, input, output_split_sizes, input_split_sizes)
+            agreed, small, lean = self.a2av_agree(output, input, output_split_sizes, input_split_sizes)
             counted = agreed
             if lean is not None:
-                h = self._a2av_lean(output, input, *lean, async_op)
+                h = self.a2av_lean(output, input, *lean, async_op)
                 return h if async_op else None
             if small:
                 args = (output, input, list(output_split_sizes), list(input_split_sizes))
-                return self._native_fast("alltoall_base", args, "alltoall", async_op, counted=True,
-                                         fallback=lambda x: dist.all_to_all_single(
-                                             output, input, args[2], args[3], group=self.native_group,
-                                             async_op=x))
-        dev = self._device_for(input)
+                return self.calls.native_fast("alltoall_base", args, "alltoall", async_op, counted=True,
+                                              fallback=lambda x: dist.all_to_all_single(
+                                                  output, input, args[2], args[3], group=self.native_group,
+                                                  async_op=x))
+        dev = self.calls.device_for(input)
         ib = input_bytes(input, "input", dev, op)
         ob = output_bytes(output, "output", dev, op)
         same_dtype(input, output, op)
         ins = split_bytes(input_split_sizes, input, self.world_size, "input", op)
         outs = split_bytes(output_split_sizes, output, self.world_size, "output", op)
         balanced = not input_split_sizes and not output_split_sizes
-        if (self._cpu is not None and not balanced and not counted and self._cpu_ok(output, input)
-                and dev.type == "cpu" and self.routing != "on"):      # BRAID_ROUTE=on: the router, as asked
-            self._cpu_enter(op, input)
+        if (self.cpu.shm is not None and not balanced and not counted and self.cpu.ok(output, input)
+                and dev.type == "cpu" and self.mode != "on"):      # BRAID_ROUTE=on: the router, as asked
+            self.cpu.enter(op, input)
             counted = True                 # in the ledger: the lanes' path below goes on from there
-            if self._cpu.all_to_all_v(ob, ib, ins, outs, input.dtype):
-                self.last_handle = self._cpu_done
-                return self._cpu_done if async_op else None
+            if self.cpu.shm.all_to_all_v(ob, ib, ins, outs, input.dtype):
+                self.ledger.last_handle = self.cpu.done
+                return self.cpu.done if async_op else None
         if self.hier is not None:
             h = (self.hier.all_to_all_single(output, input, async_op) if balanced else
                  self.hier.all_to_all_v(output, input, output_split_sizes, input_split_sizes, async_op))
             if h is not None:
                 return h if async_op else None
         if not agreed and not balanced and self.segment is not None and dev.type == "cuda" and not self.check \
-                and self.policy.fixed is None and self.routing != "on" and len(self.lanes_for(dev)) > 1:
+                and self.policy.fixed is None and self.mode != "on" and len(self.lanes_for(dev)) > 1:
             # the same agreement for the uneven calls the block above leaves (one split list given)
             me = self.rank
             big = max([v for d, v in enumerate(ins) if d != me] + [v for s, v in enumerate(outs) if s != me] + [0])
             if "nccl" in self.lanes_for(dev):
-                self._check_open()
+                self.faults.check_open()
                 self.ledger.enter(op, ib, "agreeing")
                 counted = True
                 if self.uneven.small(big, op):
-                    return self._native_fast("alltoall_base", (ob, ib, list(outs), list(ins)), "alltoall",
-                                             async_op, counted=True, fallback=lambda a: dist.all_to_all_single(
-                                                 ob, ib, list(outs), list(ins), group=self.native_group, async_op=a))
+                    return self.calls.native_fast("alltoall_base", (ob, ib, list(outs), list(ins)), "alltoall",
+                                                  async_op, counted=True, fallback=lambda a: dist.all_to_all_single(
+                                                      ob, ib, list(outs), list(ins), group=self.native_group,
+                                                      async_op=a))
         # A balanced call on GPUs is never routed (the router declines a balanced matrix unless
         # BRAID_ROUTE=on): it takes the prepared path, one round of words and a graph replay per
         # repeat (it posted every lane each call: 178-270 us of host time on 2 x H200). Its
         # descriptor leaves the routed observations out (they would change its word at every
         # call); the next skewed call carries them.
-        prepared = balanced and dev.type == "cuda" and self.routing != "on"
+        prepared = balanced and dev.type == "cuda" and self.mode != "on"
         desc = {"op": op, "dtype": str(input.dtype), "in": tuple(ins) if prepared else ins,
                 "out": tuple(outs) if prepared else outs}
         if not prepared:
-            desc.update(self.route_samples.report())
-        tkey = _a2a_ticket(input, output) if prepared and input.is_contiguous() and output.is_contiguous() else None
+            desc.update(self.samples.report())
+        tkey = a2a_ticket(input, output) if prepared and input.is_contiguous() and output.is_contiguous() else None
 
         def native(g):
             return dist.all_to_all_single(ob, ib, list(outs), list(ins), group=g, async_op=True)
 
-        movement_of, route = self._a2a_rules(op, dev)
+        movement_of, route = self.a2a_rules(op, dev)
 
         # Without split sizes the traffic is balanced by contract (as for NCCL), so every rank
         # knows the whole matrix and can pick the path alone; uneven splits must be exchanged first.
-        return self._run(op, desc, sum(ins), ib, [ob], movement_of, native, ("op", "dtype"), async_op,
-                         always_exchange=not balanced and (len(self.lanes_for(dev)) > 1 or self.check),
-                         route=None if prepared else route, counted=counted, ticket=tkey)
+        return self.exchange.run(op, desc, sum(ins), ib, [ob], movement_of, native, ("op", "dtype"), async_op,
+                                 always_exchange=not balanced and (len(self.lanes_for(dev)) > 1 or self.check),
+                                 route=None if prepared else route, counted=counted, ticket=tkey)
 
-    def _a2av_agree(self, output, input, output_split_sizes, input_split_sizes) -> tuple[bool, bool, tuple | None]:
+    def a2av_agree(self, output, input, output_split_sizes, input_split_sizes) -> tuple[bool, bool, tuple | None]:
         """An uneven all_to_all of CUDA tensors with both split lists: (agreed, small, lean).
         agreed: the ranks took part in the cheap agreement (the call is in the ledger); small:
         the call is NCCL's own, whole (no rank has a demand over the routing threshold, or the
@@ -235,27 +246,27 @@ class Routing:
             idx = self.device.index if self.cuda else None
             lanes = self.lanes_for(self.device)
             base = (dt is output.dtype and self.segment is not None and not self.check
-                    and self.routing != "on" and input.get_device() == idx and output.get_device() == idx)
+                    and self.mode != "on" and input.get_device() == idx and output.get_device() == idx)
             # the copy engines alone may take it (decided per call from the matrix): every rank
             # posts the matrix's row in the round (the same width everywhere)
-            lean = (base and self.cuda and self.single_node and "ce" in lanes and self._prepared.enabled
+            lean = (base and self.cuda and self.single_node and "ce" in lanes and self.prepared.enabled
                     and self.world_size > 1)
             ok = lean or (base and self.policy.fixed is None and len(lanes) > 1 and "nccl" in lanes)
             esz = input.element_size()     # bytes per row; an empty side's splits are all 0
             ent = self.shortcuts.put("a2av", key, (dt, rin, rout, key[0] // max(rin, 1) * esz,
-                                                         key[1] // max(rout, 1) * esz, lean), ok)
+                                                   key[1] // max(rout, 1) * esz, lean), ok)
         w = self.world_size
         if ent[-1] and len(input_split_sizes) == w and len(output_split_sizes) == w \
                 and sum(input_split_sizes) == rin and sum(output_split_sizes) == rout \
                 and min(input_split_sizes) >= 0 and min(output_split_sizes) >= 0:
             me = self.rank
             if w == 2 and ent[5] and self.uneven.pair_whole(input_split_sizes[1 - me] * ent[3],
-                                                      output_split_sizes[1 - me] * ent[4]):
+                                                            output_split_sizes[1 - me] * ent[4]):
                 return True, True, None
             a, b = list(input_split_sizes), list(output_split_sizes)
             a[me] = b[me] = 0
             big = max(max(a) * ent[3], max(b) * ent[4])
-            self._check_open()
+            self.faults.check_open()
             self.ledger.enter(op, input, "agreeing")
             if not ent[5]:
                 return True, self.uneven.small(big, op), None
@@ -264,22 +275,22 @@ class Routing:
                                     + [x * ent[3] for x in input_split_sizes], recv)
         return False, False, None
 
-    def _a2av_lean(self, output, input, matrix, words, async_op):
+    def a2av_lean(self, output, input, matrix, words, async_op):
         """The uneven call on the copy engines alone (comm/a2av.py), after its round."""
-        if self._a2av_ce is None:
-            self._a2av_ce = UnevenCe(self.rank, self.world_size, self.segment, self.seg_dev_ptr, self.layout,
-                                     self._lanes["ce"], self._prepared)
-        if self._p2p_pending:
-            self._flush_p2p()
+        if self.a2av_ce is None:
+            self.a2av_ce = UnevenCe(self.rank, self.world_size, self.segment, self.seg_dev_ptr, self.layout,
+                                    self.lanes["ce"], self.prepared)
+        if self.pending:
+            self.pending.flush()
         try:
-            handle = self._a2av_ce.run(output, input, matrix, words, async_op)
+            handle = self.a2av_ce.run(output, input, matrix, words, async_op)
         except (PeerMismatchError, BraidTimeoutError, LaneFailureError) as exc:
-            self._give_up(exc)
+            self.faults.give_up(exc)
             raise
-        self.last_handle = handle
+        self.ledger.last_handle = handle
         return handle
 
-    def _a2a_rules(self, op: str, dev: torch.device):
+    def a2a_rules(self, op: str, dev: torch.device):
         """The uneven all_to_all's matrix check and routing decision, from the exchanged
         descriptors ("in"/"out" byte counts per rank; "zc": False where a rank cannot hand its
         bytes over as one buffer, which keeps the router out)."""
@@ -301,11 +312,11 @@ class Routing:
             from ..collectives.routed import PATH_LANE
             kind = dev.type
             names = PATH_LANE[kind]
-            learned = self._routed.agree(descs, names)   # every rank reported these observations
+            learned = self.routed.agree(descs, names)   # every rank reported these observations
             if learned:
-                self.route_samples.forget(learned)
-            self._routed.begin()
-            mode = self.routing
+                self.samples.forget(learned)
+            self.routed.begin()
+            mode = self.mode
             if mode == "off" or (mode == "auto" and self.policy.fixed is not None):
                 return None
             if not all(n in agreed for n in names.values()):
@@ -319,23 +330,18 @@ class Routing:
             costs = {k: table.get(k, DEFAULT_COSTS[k]) for k in names.values()}
             native_name = "nccl" if kind == "cuda" else "gloo"
             native_cost = table.get(native_name, DEFAULT_COSTS[native_name]) if native_name in agreed else None
-            plan, routed_us, native_us = self._routed.plan(matrix, kind, costs, native_cost, force=mode == "on")
-            self.route_samples.last = (routed_us, native_us)
+            plan, routed_us, native_us = self.routed.plan(matrix, kind, costs, native_cost, force=mode == "on")
+            self.samples.last = (routed_us, native_us)
             if log.isEnabledFor(logging.DEBUG):
-                rt = self._routed
+                rt = self.routed
                 st = rt._classes.get(rt.last_cls, {})
                 log.debug("route rank %d class %s: routed %.0f us, native %.0f us, host %.0f us, fix %s, "
                           "trial %s, steady %s, in flight %d -> %s",
                           self.rank, rt.last_cls, routed_us, native_us, rt.host_time_us(),
                           rt.fix(rt.last_cls) if rt.last_cls else {}, st.get("trial"), rt.steady,
                           len(rt.in_flight), "routed" if plan is not None else "native")
-            if plan is None and self._routed.last_pred is not None and not self.check:
-                return _DECLINED           # the side compared with routing: the native call itself
+            if plan is None and self.routed.last_pred is not None and not self.check:
+                return DECLINED           # the side compared with routing: the native call itself
             return plan
 
         return movement_of, route
-
-    def _ipc_maps(self) -> int:
-        """Peer buffers the copy-engine lane has opened so far (a routed call that opened one
-        paid for it: its host time is not the steady cost)."""
-        return len(getattr(self._lanes.get("ce"), "maps", ()))

@@ -16,7 +16,7 @@ calibration splits is on trial: the arbiter counts every call of it once, so a "
 was told is handed to the op's own question (`said`) instead of being asked again.
 
 Each op gives, at its two call sites (its own path and the backend's CallPath.whole_*), the key
-into its table and the facts the entry must match (every call), and in CallPath._rest_* what only
+into its table and the facts the entry must match (every call), and in Communicator._rest_* what only
 a call the entry does not settle needs: whether the native call can take the shape at all
 (`valid`), the op's name and bytes for the calibration, and the arbiter's key. A shape the entry
 says is whole costs one lookup.
@@ -43,7 +43,7 @@ class Shortcuts:
         self.bc: dict = {}
         self.a2a: dict = {}
         self.a2av: dict = {}     # uneven all_to_all: (in, out elements) -> shape facts (comm/routing.py)
-        self.learn = False       # shapes the calibration splits go on trial (CallPath._learn_update)
+        self.learn = False       # shapes the calibration splits go on trial (Communicator._learn_update)
         self.said = None         # the arbiter's key of a "split" the backend was told for this call
         self.redo_thread = 0     # the rounds thread while it rebuilds a deferred call (comm/rounds.py)
         self.on_clear = None     # called when the answers are cleared (the backend's hand-off: backend.py)

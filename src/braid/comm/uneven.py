@@ -117,7 +117,7 @@ class UnevenAgreement:
         SMALL_RUN calls in a row that went to NCCL whole the ranks take the next ones whole
         without waiting and read each call's values at the next call; values that say
         otherwise (or split sizes that disagree: PeerMismatchError, one call late) end that
-        from the next call on. Returns (agreed, small, lean) as Routing._a2av_agree does."""
+        from the next call on. Returns (agreed, small, lean) as Routing.a2av_agree does."""
         seg, me = self.segment, self.rank
         last = seg.settle()
         if last is not None:

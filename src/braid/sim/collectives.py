@@ -20,7 +20,7 @@ of the resulting Plan becomes flows:
     nic_ring    step latency and a slot fill, then bytes at the lane's rate (the two rings share
                 each GPU's PCIe link)
 
-Reductions run as braid runs them (`Communicator._reduction` -> `multi`), in one of two versions:
+Reductions run as braid runs them (`Reductions.reduction` -> `multi`), in one of two versions:
     staged      (braid before the pipelined copy-engine reduction, bench run 3): every lane's part
                 reduce-scatters into slots, a reduction kernel runs, the reduced chunks gather back
     pipelined   (braid since the pipelined copy-engine reduction): all_reduce hands NCCL's share to NCCL's own
@@ -57,7 +57,7 @@ REDUCTIONS = ("all_reduce", "reduce_scatter", "reduce")
 OPS = ("all_gather", "all_reduce", "reduce_scatter", "broadcast", "send_recv", "all_to_all_single", "reduce")
 CE_REDUCE = ("pushed", "pipelined", "staged")   # braid's copy-engine reduction: now / before the push / staged
 
-PAGE = 4096                              # braid's cut points on GPUs (Communicator._plan, _reduction)
+PAGE = 4096                              # braid's cut points on GPUs (Exchange.plan, Reductions.reduction)
 
 
 @dataclass
@@ -392,7 +392,7 @@ def _staged_phases(topo: SimTopology, op: str, world: int, phase_plans: list[Pla
 
 def _simulate_reduction(topo: SimTopology, op: str, world: int, nbytes: int, shares: dict[str, float],
                         esz: int = 2, pushed: bool = True) -> OpResult:
-    """A split reduction as `Communicator._reduction`'s `multi` runs it (bf16: esz 2):
+    """A split reduction as `Reductions.reduction`'s `multi` runs it (bf16: esz 2):
       - all_reduce: NCCL's share is a prefix of the tensor (cut on a page) that NCCL's own
         all_reduce reduces on its stream, at the cost of NCCL's all_reduce of that many bytes
         (the measured table of h200x2 / h200x4), beside the other lanes and sharing NVLink with them;
