@@ -212,8 +212,9 @@ class BraidProcessGroup(dist.ProcessGroup):
         checked it): the inner group's own call, counted, its method found once per name."""
         if self._p2p_queue or comm._p2p_pending:
             return self._whole(name, (output, input), opts, comm)
-        comm.last_handle = comm.library.done
-        comm.ledger.count((op, input.numel() * input.element_size(), input.dtype, "whole"))
+        ledger = comm.ledger
+        ledger.last_handle = comm.library.done
+        ledger.count((op, input.numel() * input.element_size(), input.dtype, "whole"))
         fn = self._inner_calls.get(name)
         if fn is None:
             fn = self._inner_calls[name] = _method(self.nccl if comm.cuda else self.gloo, name)
@@ -794,7 +795,7 @@ def _forward_single(pg, slow, fn, keep: dict, comm, op: str):
                 and (not reduce or f[1] == opts.reduceOp.op) and input.is_cuda is cuda and type(output) is torch.Tensor
                 and output.is_cuda is cuda and not input.requires_grad and not pg._p2p_queue and not pending
                 and not profiler_on() and input.is_contiguous() and output.is_contiguous()):
-            comm.last_handle = comm.library.done
+            ledger.last_handle = comm.library.done
             ledger.count((op, input.numel() * input.element_size(), input.dtype, "whole"))
             pg._forwarded += 1
             work = fn(output, input, opts)
@@ -815,7 +816,7 @@ def _forward_all_reduce(pg, slow, fn, keep: dict, comm, op: str):
             if (f is not None and f[0] is t.dtype and f[1] == opts.reduceOp.op and t.is_cuda is cuda
                     and not t.requires_grad and not pg._p2p_queue and not pending and not profiler_on()
                     and t.is_contiguous()):
-                comm.last_handle = comm.library.done
+                ledger.last_handle = comm.library.done
                 ledger.count(("all_reduce", t.numel() * t.element_size(), t.dtype, "whole"))
                 pg._forwarded += 1
                 work = fn(tensors, opts)
