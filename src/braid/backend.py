@@ -234,11 +234,11 @@ class BraidProcessGroup(dist.ProcessGroup):
     # whole now straight to the inner NCCL group (gloo's on a CPU communicator), counted as braid
     # counts a whole call. Any other call (a shape not seen, other dtypes or ops, tensors on the
     # other kind of device or that require grad, a profiler on, sends or receives not yet
-    # matched) takes the class's method as before. The looks come at the same
-    # call on every rank (every rank makes the same calls and braid decides them alike), so every
-    # rank hands off at the same call. Given back (the class's methods again) when the
-    # communicator's kept answers are cleared: fixed shares, a new calibration, close, abort.
-    # The price: the shapes handed off are not tried again (comm/arbiter.py's reprobes) until then.
+    # matched) takes the class's method as before. The looks come at the same call on every rank
+    # (every rank makes the same calls and braid decides them alike), so every rank hands off at
+    # the same call. Given back (the class's methods again) when the communicator's kept answers
+    # are cleared: fixed shares, a new calibration, close, abort. The price: the shapes handed off
+    # are not tried again (comm/arbiter.py's reprobes) until then.
     def _look(self, comm) -> None:
         calls, wholes = comm.ledger.ncalls, self._wholes + self._forwarded
         was_calls, was_wholes = self._looked
