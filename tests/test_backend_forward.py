@@ -173,7 +173,7 @@ def _handoff_worker(rank: int, w: int, split_every: int):
         out["other_dtype"] = isinstance(call("all_reduce", SMALL[0], torch.float64), BraidWork)
         # fixed shares give the methods back: every call is braid's again
         with comm.fixed_shares({"shm": 1.0}):
-            out["inside"] = (sorted(pg._handed), sorted(n for n in HAND_OPS if n in pg.__dict__),
+            out["inside"] = (sorted(pg._handed), sorted(n for n in handed if n in pg.__dict__),
                              isinstance(call("all_gather", SMALL[0], DTYPES[1]), BraidWork))
         for i in range(60):           # and the job goes on: handed off again after a window
             op = HAND_OPS[i % 3]
@@ -209,3 +209,37 @@ def test_no_hand_off_while_some_calls_split_or_when_off():
         for rep in reports:
             assert rep["wrong"] == [], rep["wrong"]
             assert rep["handed"] == [] and rep["bound"] == [], rep
+
+
+def _handoff_abort_worker(rank: int, w: int):
+    import torch.distributed as dist
+    import braid  # noqa: F401  registers the backend
+    from braid.errors import BraidError
+    dist.init_process_group("braid", rank=rank, world_size=w, timeout=datetime.timedelta(seconds=60))
+    pg = dist.distributed_c10d._get_default_group()
+    comm = pg.ensure_communicator()
+    comm.set_calibration({f"{op}/{w}": dict(LANE_COSTS) for op in CALIBRATED_OPS})
+    for k in range(120):
+        op = HAND_OPS[k % 3]
+        work, check = _one_call(rank, w, k, op, SMALL[k % 3], DTYPES[k % 3])
+        work.wait()
+        assert check()
+    handed = list(pg._handed)
+    dist.barrier()
+    comm.abort("stopping on purpose")           # every rank, as a job that gives up would
+    after = list(pg._handed), sorted(n for n in handed if n in pg.__dict__)
+    try:
+        t = _data((0, rank), SMALL[0], DTYPES[0])
+        dist.all_reduce(t)                      # a handed-off shape: braid's path again, which refuses
+        raised = ""
+    except BraidError as exc:
+        raised = type(exc).__name__
+    return {"handed": handed, "after": after, "raised": raised}
+
+
+def test_an_abort_gives_the_handed_off_methods_back():
+    reports = run_world(_handoff_abort_worker, 2, init_pg=False, env=HAND_ENV, timeout=240)
+    for rep in reports:
+        assert len(rep["handed"]) == 3, rep
+        assert list(rep["after"]) == [[], []], rep
+        assert rep["raised"], rep
