@@ -16,6 +16,9 @@ class _Arbiter:
         self.asked[key] = self.asked.get(key, 0) + 1
         return key in self.whole_keys
 
+    def settled_whole(self, key):
+        return key in self.whole_keys
+
 
 def _r(*rest):
     """An op's `rest`: (valid, its name, its bytes, the arbiter's key), as given."""
@@ -94,3 +97,31 @@ def test_cleared_bounded_and_never_whole_once_unusable():
     state["usable"] = False                 # closed or aborted
     assert not s.decide("ar", 3, ("f32", "sum"), _r, True, "all_reduce", 12, ("ar", 3))
     assert s.ar[3][-1] is False
+
+
+def test_settled_shapes_are_the_kept_whole_and_the_arbiters_whole_verdicts():
+    """What the backend's hand-off may forward: entries kept whole, and split entries whose
+    arbiter key (op, elements, then the entry's leading facts) has a whole verdict, only while
+    learning; every op's key form."""
+    s, _, _ = _make(native=False, whole=[("ar", 20, "f32", "sum"), ("rs", 8, "f32", "avg"), ("ag", 4, "bf16")],
+                    learn=True)
+    s.put("ar", 10, ("f32", "sum"), True)        # kept whole
+    s.put("ar", 20, ("f32", "sum"), False)       # split, sent back whole
+    s.put("ar", 30, ("f32", "sum"), False)       # split, no whole verdict
+    s.put("rs", 8, ("f32", "avg", 4), False)
+    s.put("ag", 4, ("bf16", 8), False)
+    s.put("ag", 5, ("bf16", 10), False)
+    assert s.settled("ar") == {10: ("f32", "sum"), 20: ("f32", "sum")}
+    assert s.settled("rs") == {8: ("f32", "avg", 4)}
+    assert s.settled("ag") == {4: ("bf16", 8)}
+    s.learn = False                               # fixed shares or check mode: the kept ones only
+    assert s.settled("ar") == {10: ("f32", "sum")} and s.settled("ag") == {}
+
+
+def test_clearing_tells_the_hand_off():
+    s, _, _ = _make()
+    told = []
+    s.on_clear = lambda: told.append(1)
+    s.put("ag", 4, ("bf16", 8), True)
+    s.clear()
+    assert told == [1] and s.settled("ag") == {}

@@ -26,6 +26,9 @@ from __future__ import annotations
 from threading import get_ident
 
 MAX_SHAPES = 1024       # entries per op before its table starts over
+# how many of an entry's leading facts the arbiter's key of the shape holds after (op, elements):
+# all_reduce and reduce-scatter (dtype, op), all-gather (dtype) (the communicator's _rest_* keys)
+_KEY_FACTS = {"ar": 2, "rs": 2, "ag": 1}
 
 
 class Shortcuts:
@@ -73,10 +76,11 @@ class Shortcuts:
         """The shapes of `op` (ar, rs, ag) whose calls go whole now without a trial under way:
         element count -> the entry's facts; kept whole, or split by the calibration and sent back
         whole by the arbiter's last verdict."""
+        in_key = _KEY_FACTS[op]
         out = {}
         for n, ent in list(getattr(self, op).items()):
             facts = ent[:-1]
-            if ent[-1] or (self.learn and self.arbiter.settled_whole((op, n) + facts[:2 if op != "ag" else 1])):
+            if ent[-1] or (self.learn and self.arbiter.settled_whole((op, n) + facts[:in_key])):
                 out[n] = facts
         return out
 
