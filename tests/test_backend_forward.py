@@ -151,8 +151,12 @@ def _handoff_worker(rank: int, w: int, split_every: int):
             wrong.append(f"call {k}: {op} {n} {dtype} wrong")
         return work
 
-    # a job of small calls (each shape keeps its dtype), with a split-size call every `split_every`
+    # a job of small calls (each shape keeps its dtype), with a split-size call every `split_every`;
+    # handing_off(): before a call with no hand-off yet, is one on its way?
+    coming = []
     for i in range(200):
+        if not pg._handed:
+            coming.append(pg.handing_off())
         if split_every and i % split_every == split_every - 1:
             call("all_reduce", LARGE[0])
         else:
@@ -161,7 +165,7 @@ def _handoff_worker(rank: int, w: int, split_every: int):
     handed = sorted(pg._handed)
     bound = sorted(name for name in handed if name in pg.__dict__)
     calls = comm.ledger.ncalls
-    out = {"handed": handed, "bound": bound}
+    out = {"handed": handed, "bound": bound, "coming": any(coming), "coming_end": pg.handing_off()}
     if handed:
         # a handed-off shape: the inner group's own Work, counted as a whole call
         work = call("all_gather", SMALL[0], DTYPES[1])
@@ -194,6 +198,8 @@ def test_hand_off_after_a_window_of_whole_calls():
             assert rep["wrong"] == [], rep["wrong"]
             assert "allreduce" in rep["handed"] and len(rep["handed"]) == 3, rep
             assert rep["bound"] == rep["handed"], rep
+            # the hand-off was seen coming before it came, and nothing is coming once it is in place
+            assert rep["coming"] and not rep["coming_end"], rep
             assert rep["inner_work"] and rep["counted"] == 1, rep
             assert rep["new_size"] and rep["split_size"] and rep["other_dtype"], rep
             assert list(rep["inside"]) == [[], [], True], rep
@@ -209,6 +215,10 @@ def test_no_hand_off_while_some_calls_split_or_when_off():
         for rep in reports:
             assert rep["wrong"] == [], rep["wrong"]
             assert rep["handed"] == [] and rep["bound"] == [], rep
+            # the last call split (or hand-offs are off): none on its way
+            assert not rep["coming_end"], rep
+        if env["BRAID_HANDOFF"] == "0":
+            assert not any(r["coming"] for r in reports), reports
 
 
 def _handoff_abort_worker(rank: int, w: int):

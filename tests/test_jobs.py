@@ -235,7 +235,19 @@ def test_trial_steps_run_until_the_verdicts_and_the_baseline_keeps_pace(monkeypa
     arb.left = 100
     assert jobs.settle_trials(ctx, reps)[0] == 3                  # the cap (a shorter last run)
     assert ran == {"braid": 11, "baseline": 11}
+    # the trials over, the backend's hand-off on its way: the steps go on until it is in place
+    monkeypatch.setattr(jobs, "TRIAL_STEPS_MAX", 500)
+    arb.left, coming = 0, [6]
+
+    def handing():
+        return coming[0] > 0
+    monkeypatch.setattr(jobs, "_handing_off", lambda: handing)
+    Rep.run = lambda self, k: (ran.__setitem__(self.name, ran[self.name] + k),
+                               self.name == "braid" and coming.__setitem__(0, coming[0] - k))
+    assert jobs.settle_trials(ctx, reps)[0] == 8                  # two runs of 4 steps
+    assert jobs.settle_trials(ctx, reps) == (0, None)              # in place: nothing more
     arb.enabled = False
+    coming[0] = 5
     assert jobs.settle_trials(ctx, reps) == (0, None)              # no trials (CPU, or learning off)
 
 

@@ -272,6 +272,17 @@ class BraidProcessGroup(dist.ProcessGroup):
             self.handed_at = comm.ledger.ncalls
             sc.on_clear = self._take_back
 
+    def handing_off(self) -> bool:
+        """A hand-off is on its way: none is in place, hand-offs are on, and every call since
+        the last look went whole with nothing that stops one (the next look hands off, if the
+        calls stay so). `braid bench --workload` warms a job up until this and the trials end."""
+        comm = self._comm
+        if comm is None or self._handed or not self._handoff_every or comm.policy.fixed is not None or comm.check:
+            return False
+        calls, wholes = comm.ledger.ncalls, self._wholes + self._forwarded
+        was_calls, was_wholes = self._looked
+        return calls > was_calls and calls - was_calls == wholes - was_wholes
+
     def _take_back(self) -> None:
         """The class's own methods again (the communicator's kept answers were cleared)."""
         for name in self._handed:

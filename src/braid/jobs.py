@@ -296,6 +296,14 @@ TRIAL_STEPS_MAX = 500        # warm-up steps at most while braid's whole-or-spli
 TRIAL_SECONDS_MAX = 120.0
 
 
+def _handing_off():
+    """The backend's test of a hand-off on its way (backend.py, `handing_off`) where the default
+    group is braid's, else None."""
+    if not dist.is_initialized():
+        return None
+    return getattr(dist.distributed_c10d._get_default_group(), "handing_off", None)
+
+
 def settle_trials(ctx: Ctx, by: dict) -> tuple[int, float | None]:
     """Warm-up steps beyond `warmup` while braid's whole-or-split trials (comm/arbiter.py) have
     no verdict yet: (steps, braid's ms per step in them). A job of thousands of steps spends its
@@ -305,17 +313,22 @@ def settle_trials(ctx: Ctx, by: dict) -> tuple[int, float | None]:
     them: the ranks' flags (are trials under way?) are reduced on the timer group between runs
     only, since a host sync at every step kept the ranks' hosts in step, and DDP's split calls ran
     faster under it (680-720 us a call, 2 x H200, 2026-11-27) than in the windows (760-1070), where
-    the same trials, run again, sent them whole. The baseline runs as many extra steps, so the
-    losses compare step by step. Every rank stops at the same step."""
+    the same trials, run again, sent them whole. Where every call has gone whole since the
+    backend's last look, the steps go on until its hand-off (backend.py, `handing_off`) is in
+    place too: a job's first ~256 whole calls after its trials are not its steady state. The
+    baseline runs as many extra steps, so the losses compare step by step. Every rank stops at
+    the same step."""
     arb = getattr(ctx.comm, "_arbiter", None)
     if arb is None or not arb.enabled:
         return 0, None
+    handing = _handing_off()
     steps, t0 = 0, time.perf_counter()
     rep = by["braid"]
     run = max(1, ctx.s["steps"])
     while True:
         over = steps >= TRIAL_STEPS_MAX or time.perf_counter() - t0 > TRIAL_SECONDS_MAX
-        flag = torch.tensor([2 if over else int(arb.trying())], dtype=torch.int64)
+        busy = arb.trying() or (handing is not None and handing())
+        flag = torch.tensor([2 if over else int(busy)], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.timer)
         if int(flag.item()) != 1:
             break
@@ -611,8 +624,9 @@ def run(comm, cfg, cuda: bool):
             if row.get("host_time") and cuda:
                 say("  " + " " * WIDTHS[0] + host_line(row["host_time"]))
             if row.get("trial_steps"):
-                say("  " + " " * WIDTHS[0] + f"the trials took {row['trial_steps']} warm-up steps before the timed "
-                    f"windows, at {row['trial_ms_per_step']:.2f} ms/step (braid)")
+                say("  " + " " * WIDTHS[0] + f"the trials (and the hand-off, where one came) took "
+                    f"{row['trial_steps']} warm-up steps before the timed windows, at "
+                    f"{row['trial_ms_per_step']:.2f} ms/step (braid)")
             if r0 and cfg.json_path:
                 write_json(cfg.json_path, rows)
     bad = [r["workload"] for r in rows if r.get("losses_equal") is False]
