@@ -125,7 +125,7 @@ def test_schedule_warm_detect_probe_then_paired_blocks_then_the_verdict():
     # kept pairs at each agreement: pair 0 (the split's warm-up) is left out, so 3, not 4, at pair 4
     assert [v[0] for v in seen[3:]] == [A.CHECK - 1, EARLIEST - 1]
     assert len(arb.decisions) == 1
-    _, split_us, whole_us, whole = arb.decisions[0]
+    _, split_us, whole_us, whole, _ = arb.decisions[0]
     assert split_us == pytest.approx(100.0, abs=0.2) and whole_us == pytest.approx(130.0, abs=0.2)
     assert whole is False
 
@@ -148,7 +148,7 @@ def test_a_periodic_job_times_whole_steps():
     assert got[seg0:verdict] == timed_modes(EARLIEST, period=P)
     assert seen.at[1:] == [seg0 + 2 * q, seg0 + 2 * (q + r), verdict - A.CHECK * 2 * length, verdict]
     assert got[verdict:] == [False] * 20
-    _, split_us, whole_us, whole = arb.decisions[0]
+    _, split_us, whole_us, whole, _ = arb.decisions[0]
     assert whole is False
     assert split_us == pytest.approx((P * 60 + 2000 + P * 100) / P, abs=0.2)     # 410 us a call
     assert whole_us == pytest.approx((P * 50 + 2000 + P * 130) / P, abs=0.2)     # 430 us a call
@@ -232,7 +232,7 @@ def test_a_split_that_loses_by_more_than_the_quick_bar_goes_whole_after_the_quic
     quick_end = SEG0 + 2 * A.QUICK
     assert got[SEG0:quick_end] == timed_modes(0)[:2 * A.QUICK] and got[quick_end:] == [True] * (VERDICT - quick_end)
     assert len(seen) == 2 and seen.at[-1] == quick_end and got.count(False) == A.WARM + A.QUICK
-    _, split_us, whole_us, whole = arb.decisions[0]
+    _, split_us, whole_us, whole, _ = arb.decisions[0]
     assert whole is True and split_us == pytest.approx(slower, abs=0.2) and whole_us == pytest.approx(100.0, abs=0.2)
     # a split that loses by less goes on to the rest of the probe
     got, _, seen = run_job(100.0 * (1 + A.QUICK_BAR / 2), 100.0, PAIRS0)
@@ -257,7 +257,7 @@ def test_the_probe_pools_both_parts_by_their_calls():
     late = q * (quick - rest)
     got, arb, seen = run_job(rest, 100.0, PAIRS0 + 1, extra=lambda i: late * 1e-6 if i == SEG0 else 0.0)
     assert seen.at[-1] == PAIRS0 and arb.decisions[0][3] is True
-    _, split_us, whole_us, _ = arb.decisions[0]
+    _, split_us, whole_us, _, _ = arb.decisions[0]
     assert split_us == pytest.approx(pooled, abs=0.2) and whole_us == pytest.approx(100.0, abs=0.2)
     got, arb, seen = run_job(rest, 100.0, PAIRS0 + 1)                # the rest's pace alone: on to the pairs
     assert arb.decisions == [] and got[PAIRS0] == timed_modes(1)[2 * (q + r)]
@@ -297,7 +297,7 @@ def test_every_rank_must_see_the_gain():
     pairs: whole."""
     peer = after_probe([A.CHECK, A._OFF + int(1e6 * math.log(0.9)), 0, int(1e7 * 110e-6), int(1e7 * 100e-6)])
     got, arb, seen = run_job(90.0, 100.0, VERDICT + 1, peer=peer)
-    _, split_us, whole_us, whole = arb.decisions[0]
+    _, split_us, whole_us, whole, _ = arb.decisions[0]
     assert (split_us, whole_us) == (pytest.approx(110.0, abs=0.2), pytest.approx(100.0, abs=0.2))
     assert whole is True and got[-1] is True and seen.at[-1] == VERDICT
     assert seen[-1][0] == EARLIEST - 1 and seen[-1][3] == pytest.approx(900, abs=2)   # its own pace, 0.1 us
@@ -410,7 +410,7 @@ def test_a_pause_inside_a_block_does_not_decide_the_trial():
     pause_at = PAIRS0 + 2 * A.BLOCK + A.BLOCK + 3   # inside pair 1's split block
     got, arb, seen = run_job(1000.0, 1100.0, VERDICT + 1, extra=lambda i: 0.4 if i == pause_at else 0.0)
     assert got[pause_at] is False
-    key, split_us, whole_us, went_whole = arb.decisions[-1]
+    key, split_us, whole_us, went_whole, _ = arb.decisions[-1]
     assert not went_whole and split_us == pytest.approx(1000, rel=1e-3) and whole_us == pytest.approx(1100, rel=1e-3)
     assert seen.at[-1] == VERDICT and seen[-1][0] == EARLIEST - 2     # pairs 0 and 1 left out
 
@@ -599,7 +599,7 @@ def test_the_probes_verdicts_keep_the_first_interval():
     starts, arb = _trial_starts(40_000, {"split": 150.0, "whole": 100.0})
     gaps = [b - a for a, b in zip(starts, starts[1:])]
     assert len(gaps) >= 5 and set(gaps) == {SEG0 + 2 * A.QUICK + 1 + A.REPROBE}
-    assert all(d[3] for d in arb.decisions) and arb._shapes["k"].verdicts == 0
+    assert all(d[3] and d[4] == "probe" for d in arb.decisions) and arb._shapes["k"].verdicts == 0
 
 
 @pytest.mark.parametrize("loss", [0.05, 0.07, 0.1, 0.15, 0.25, 0.3, 0.5, 0.75, 1.0])
@@ -711,7 +711,9 @@ def test_the_warm_up_pair_and_a_block_with_a_build_are_left_out(monkeypatch):
                                  extra=lambda i: count.__setitem__(0, count[0] + (build and i == build_at)) or 0.0)
         return got, arb, seen, lines, kept
     got, arb, seen, lines, kept = run(False)
-    assert kept == [(A.CHECK, A.CHECK - 1), (2 * A.CHECK, 2 * A.CHECK - 1)] and seen.at[-1] == VERDICT
+    assert kept == [(A.CHECK, A.CHECK - 1), (2 * A.CHECK, 2 * A.CHECK - 1)]
+    # the verdict at VERDICT; then the kept split's watch agrees every WATCH_CHECK blocks
+    assert [at for at in seen.at if at >= VERDICT] == [VERDICT, VERDICT + A.WATCH_CHECK * A.WATCH]
     assert not any(line.endswith(" built") for line in lines)
     got, arb, seen, lines, kept = run(True)
     assert kept == [(A.CHECK, A.CHECK - 2), (2 * A.CHECK, 2 * A.CHECK - 2), (3 * A.CHECK, 3 * A.CHECK - 2)]
@@ -951,9 +953,9 @@ def test_paired_blocks_are_read_a_block_late_but_decide_at_the_same_calls():
             return b[1] - a[1]
     clock = LateClock()
     arb = A.Arbiter(lambda v: [list(v)], clock=clock)
-    ref_got, _, _ = run_job(100.0, 130.0, VERDICT + 50)
+    ref_got, _, _ = run_job(100.0, 130.0, VERDICT + 80)
     got = []
-    for i in range(VERDICT + 50):
+    for i in range(VERDICT + 80):
         clock.call = i
         w = arb.whole(KEY)
         got.append(w)
@@ -963,11 +965,14 @@ def test_paired_blocks_are_read_a_block_late_but_decide_at_the_same_calls():
     assert [(m, r) for m, r in reads if SEG0 <= m <= PAIRS0] == \
         [(SEG0 + A.QUICK, SEG0 + 2 * A.QUICK), (SEG0 + 2 * A.QUICK,) * 2,
          (SEG0 + 2 * A.QUICK + A.REST, PAIRS0), (PAIRS0, PAIRS0)]        # the probe's: as they end
-    paired = [(m, r) for m, r in reads if m > PAIRS0]
+    paired = [(m, r) for m, r in reads if PAIRS0 < m <= VERDICT]
     agreements = {PAIRS0 + p * 2 * A.BLOCK for p in (A.CHECK, 2 * A.CHECK)}
     assert {(a, a) for a in agreements} <= set(paired)          # the pair ending at an agreement: at once
     late = [(m, r) for m, r in paired if m not in agreements]
     assert late and all(r == m + A.BLOCK for m, r in late)      # every other block: a block later
+    # the kept split's watch: its blocks read WATCH_LAG blocks after they ended
+    watched = [(m, r) for m, r in reads if m > VERDICT]
+    assert watched == [(VERDICT + k * A.WATCH, VERDICT + (k + A.WATCH_LAG) * A.WATCH) for k in (2, 3, 4)]
 
 
 def test_a_longer_block_and_the_block_log(tmp_path):
@@ -1157,3 +1162,153 @@ def test_the_host_s_clock_leaves_out_the_trial_s_own_waits():
         assert d[1] - c[1] == pytest.approx(0.1) and pace.span(c, d) == pytest.approx(0.1)
     finally:
         A.time = real
+
+
+# the watch of a kept split (Arbiter._watch): its steady pace against the trial's whole pace
+WATCHED = A.WATCH_CHECK * A.WATCH           # calls from a kept split's verdict to the watch's first agreement
+
+
+class _BoundedQueue(_Queue):
+    """_Queue with a host that runs at most `ahead` seconds ahead of its GPU (a launch queue
+    that fills, a step's sync): a job all split at host 860 us and GPU 700 a call then runs at
+    its host's pace, the GPU waiting for it."""
+
+    def __init__(self, ahead: float = 6e-3):
+        super().__init__()
+        self.ahead = ahead
+
+    def call(self, host: float, gpu: float) -> None:
+        self.host = max(self.host, self.gpu_end - self.ahead)
+        super().call(host, gpu)
+
+
+def _watched_job(host_split: float, gpu_split: float, calls: int):
+    """One rank's job of one shape on the bounded model stream, timed by GpuPace: NCCL's whole
+    call 300 us of host and 790 of GPU, the split `host_split` / `gpu_split`. Returns (the
+    arbiter, its answers, the values it gave at each exchange)."""
+    q = _BoundedQueue()
+    clock = A.GpuPace(0)
+    clock._cuda, clock._raw = q, lambda dev: 0
+    real = A.time
+    A.time = types.SimpleNamespace(perf_counter=lambda: q.host)
+    answers, seen = [], []
+    try:
+        arb = A.Arbiter(lambda v: seen.append(list(v)) or [list(v)], clock=clock)
+        for _ in range(calls):
+            whole = arb.whole(KEY)
+            answers.append(whole)
+            q.call(300e-6, 790e-6) if whole else q.call(host_split * 1e-6, gpu_split * 1e-6)
+    finally:
+        A.time = real
+    return arb, answers, seen
+
+
+def test_the_watch_sends_a_host_bound_split_whole():
+    """The GPU's clock keeps a split whose host is slower than the whole call's GPU: the trial's
+    alternating blocks hide it (each split block starts with the GPU behind its host). Kept
+    split, the job runs at its host's 860 us a call against the trial's whole 790, the GPU
+    waiting for the host (once the backlog the trial's whole blocks left has drained): the watch
+    sees it at one of its first three agreements and sends the shape whole from that call on,
+    with the paces in its verdict."""
+    arb, answers, _ = _watched_job(860.0, 700.0, VERDICT + 1 + 4 * WATCHED)
+    assert [d[3] for d in arb.decisions] == [False, True], arb.decisions
+    _, split_us, whole_us, _, by = arb.decisions[1]
+    assert arb.decisions[0][4] == "trial" and by == "watch"
+    assert whole_us == pytest.approx(790.0, rel=0.02) and 1.05 * whole_us < split_us <= 861.0
+    assert answers[VERDICT] is False                                  # the trial's verdict: split
+    back = answers.index(True, VERDICT)
+    assert back - VERDICT in (WATCHED, 2 * WATCHED, 3 * WATCHED)       # at an agreement's call
+    assert not any(answers[VERDICT:back]) and all(answers[back:])      # split until then, whole after
+    st = arb._shapes[KEY]
+    assert st.whole and not st.trying and st.base == 0.0 and st.wmark is None and st.wdone == []
+    # the watch's verdict keeps the trial's interval: the next trial comes REPROBE calls after
+    # the trial's verdict, not after the watch's
+    assert st.start == VERDICT + 1 and st.reprobe == A.REPROBE
+
+
+def test_the_watch_keeps_a_split_that_stays_faster():
+    """A split whose host keeps ahead of its GPU (host 600 us, GPU 700, whole 790): kept, and
+    the watch leaves it kept up to the next trial, agreeing every WATCH_CHECK blocks."""
+    arb, answers, seen = _watched_job(600.0, 700.0, VERDICT + A.REPROBE)
+    assert [d[3] for d in arb.decisions] == [False]
+    st = arb._shapes[KEY]
+    assert not st.trying and not st.whole and not any(answers[VERDICT:])
+    assert st.base == pytest.approx(790e-6, rel=0.02)
+    assert len(st.wlogs) == A.WATCH_KEEP and all(x == pytest.approx(math.log(790 / 700), rel=0.02) for x in st.wlogs)
+    before = len(_watched_job(600.0, 700.0, VERDICT + 1)[2])             # the trial's exchanges
+    assert len(seen) - before == (A.REPROBE - 1) // WATCHED             # then one every WATCHED calls
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_watch_does_not_give_up_a_gain_for_noise(seed):
+    """A job whose pace varies +-20% from call to call and whose split gains 15%: kept at every
+    trial, and watched between them without a whole verdict."""
+    rng = random.Random(seed)
+    clock = Clock()
+    arb = A.Arbiter(lambda v: [list(v)], clock=clock)
+    for _ in range(VERDICT + 2 * A.REPROBE):
+        w = arb.whole("k")
+        clock.t += 100.0 * (1.0 if w else 0.85) * rng.uniform(0.8, 1.2) * 1e-6
+    assert arb.decisions and all(d[3] is False for d in arb.decisions), arb.decisions
+
+
+def test_the_watch_leaves_out_builds_and_pauses():
+    """Watched blocks with a prepared call built in them, or a pause (an evaluation) of more
+    than PAIR_RATIO blocks' time, do not count: a kept split stays kept through them."""
+    clock = Clock()
+    count = [0]
+    arb = A.Arbiter(lambda v: [list(v)], clock=clock, builds=lambda: count[0])
+    for i in range(VERDICT + 1 + 6 * WATCHED):
+        w = arb.whole("k")
+        clock.t += (100.0 if w else 80.0) * 1e-6
+        if i > VERDICT and (i - VERDICT) % 40 == 0:
+            count[0] += 1                   # a build (another shape's first call) every 40 calls,
+            clock.t += 1e-3                 # which takes a millisecond
+        if i > VERDICT and (i - VERDICT) % 100 == 0:
+            clock.t += 0.5                  # a pause of half a second
+    assert [d[3] for d in arb.decisions] == [False]
+    st = arb._shapes["k"]
+    assert st.wlogs and all(x == pytest.approx(math.log(100.0 / 80.0), rel=1e-6) for x in st.wlogs)
+
+
+def test_one_rank_s_slow_steady_split_sends_every_rank_whole():
+    """The watch's agreement: a peer whose kept split now runs 20% slower than its trial's whole
+    pace sends the shape whole on this rank too, at the same call; a peer that saw its split
+    stay faster leaves it kept."""
+    def peer_report(slow, box):
+        def peer(values):
+            st = box[0]._shapes.get("k") if box else None
+            if st is not None and st.base and not st.trying and not st.whole:    # the watch's agreement
+                pace = values[4] * (1.2 if slow else 0.8)
+                mean = math.log(values[4] / pace)
+                return [A.WATCH_KEEP, A._OFF + int(1e6 * mean), 1000, int(pace), values[4]]
+            return list(values)
+        return peer
+    for slow in (True, False):
+        box = []
+        answers, arb, seen = run_job(80.0, 100.0, VERDICT + 1 + 2 * WATCHED, peer=peer_report(slow, box),
+                                     spy=box.append, key="k")
+        assert arb.decisions[0][3] is False
+        if slow:
+            assert [d[3] for d in arb.decisions] == [False, True]
+            assert not any(answers[VERDICT:VERDICT + WATCHED]) and all(answers[VERDICT + WATCHED:])
+        else:
+            assert [d[3] for d in arb.decisions] == [False] and not any(answers[VERDICT:])
+
+
+def test_the_watch_leaves_a_small_steady_loss_to_the_next_trial():
+    """Kept split, the job changes: the split now runs 1% slower than the trial's whole pace (a
+    loss inside MARGIN) and stays kept; 10% slower, it goes whole at the watch's first agreement."""
+    for slower, whole_after in ((1.01, False), (1.10, True)):
+        clock = Clock()
+        arb = A.Arbiter(lambda v: [list(v)], clock=clock)
+        answers = []
+        for i in range(VERDICT + 1 + 2 * WATCHED):
+            w = arb.whole("k")
+            answers.append(w)
+            split = 80.0 if i <= VERDICT else 100.0 * slower
+            clock.t += (100.0 if w else split) * 1e-6
+        assert arb.decisions[0][3] is False
+        assert [d[3] for d in arb.decisions[1:]] == ([True] if whole_after else [])
+        if whole_after:
+            assert answers.index(True, VERDICT) == VERDICT + WATCHED

@@ -507,7 +507,9 @@ def run_workload(ctx: Ctx, name: str) -> dict:
     windows = time_replicas(ctx, reps, trial, host)
     # the whole-or-split trials the job ran (comm/arbiter.py): shape, pace split / whole (us), verdict
     new = arb.count - tried if arb is not None else 0
-    learned = [[str(k), s, w, "whole" if wh else "split"] for k, s, w, wh in arb.decisions[-new:]] if new else []
+    # (the watch's: split's pace since the trial / the trial's whole pace, "whole (watch)")
+    learned = [[str(k), s, w, ("whole" if wh else "split") + (" (watch)" if by == "watch" else "")]
+               for k, s, w, wh, by in arb.decisions[-new:]] if new else []
     # braid's split calls over the run (warm-up and check steps too): built = agreed and planned
     # anew (a new shape or buffer), hits = taken from the prepared cache, replays = graph launches
     split_calls = {k: v - before.get(k, 0) for k, v in prep.stats.items()} if prep is not None else {}
@@ -613,8 +615,10 @@ def run(comm, cfg, cuda: bool):
                 say("  " + " " * WIDTHS[0] + split_calls_line(sc))
             if row.get("learned"):
                 kept = [x[3] for x in row["learned"]]
+                watched = kept.count("whole (watch)")
                 say("  " + " " * WIDTHS[0] + f"learned in the job ({len(kept)} verdicts, the same on every rank): "
-                    f"{kept.count('split')} kept split, {kept.count('whole')} went whole; pace split/whole us: "
+                    f"{kept.count('split')} kept split, {kept.count('whole') + watched} went whole"
+                    + (f" ({watched} by the watch of a kept split)" if watched else "") + "; pace split/whole us: "
                     + ", ".join(f"{s:.0f}/{w:.0f}" for _, s, w, _ in row["learned"][:8])
                     + (" ..." if len(kept) > 8 else ""))
             if row.get("handed_off"):

@@ -42,6 +42,10 @@ So, for a call shape the calibration splits, the job itself decides, from its ow
   standard error), beats MARGIN; the shape goes whole once one rank's gain plus that margin stays
   under MARGIN (the slowest rank sets the job's pace), or
   after MAX_PAIRS pairs without a verdict (ties go to the native library);
+- while a verdict keeps the split, the watch times the job's own pace in blocks of whole periods
+  and, every WATCH_CHECK blocks, the ranks agree: a split that now runs slower than the trial's
+  whole pace by more than MARGIN (beyond its blocks' 95% margin of error) on some rank goes whole
+  (`_watch`: alternating blocks can hide a host-bound split from the GPU's clock);
 - REPROBE calls after a verdict the trial runs again (the job may change, the machine may drift);
   each full trial that repeats the last full trial's verdict doubles that interval, up to
   REPROBE_MAX.
@@ -89,6 +93,10 @@ MARGIN = 0.02       # the split must beat the whole call's pace by this fraction
 PAIR_RATIO = 3.0    # a pair whose two paces differ more holds a pause: left out
 REPROBE = 4096      # calls between a verdict and the next trial of the same shape (at first)
 REPROBE_MAX = 1 << 16   # ... doubled by every trial that repeats the last verdict, up to this
+WATCH = BLOCK        # calls (at least; whole periods) per block the watch times while a split is kept
+WATCH_CHECK = 8      # watched blocks between two agreements of the watch
+WATCH_KEEP = 16      # the latest watched blocks a rank's test uses
+WATCH_LAG = 2        # a watched block is read this many blocks after it ended (its marks long run on the GPU)
 STALE = 4096        # calls of any shape after which a shape's unfinished trial is not under way
 ONCE = 64           # ... for a shape called once so far (a set-up call's)
 MAX_SHAPES = 256    # shapes followed at once (the oldest is forgotten: it starts over)
@@ -167,6 +175,11 @@ class _Shape:
     full: bool = False          # the last full trial's verdict
     trials: int = 0             # trials begun (the probe's order alternates with it)
     seen: int = 0               # the arbiter's call count at this shape's last call
+    base: float = 0.0           # the watch: this rank's whole pace in the trial that kept the split (0: none)
+    wmark: tuple | None = None  # ... the watched block under way: (first mark, builds at its start)
+    wdone: list = field(default_factory=list)    # ... ended blocks not read yet: (first, end, clean)
+    wlogs: list = field(default_factory=list)    # ... log(base / pace) of the latest read blocks
+    wsum: list = field(default_factory=lambda: [0.0, 0])   # ... their paces summed, and their count
 
 
 # Student's t, two-sided 95%, by degrees of freedom (pairs - 1); 2.0 beyond the table
@@ -209,7 +222,8 @@ class Arbiter:
         # clock.hold(s): s seconds of the host's were the trial's own (an exchange's wait), not the job's
         self._hold = getattr(clock, "hold", None)
         self._shapes: dict = {}
-        self.decisions: list[tuple] = []    # (shape, split us, whole us, whole?): the last KEPT verdicts
+        # (shape, split us, whole us, whole?, by: "probe", "trial" or "watch"): the last KEPT verdicts
+        self.decisions: list[tuple] = []
         self.count = 0                      # verdicts so far
         self.calls = 0                      # calls of every shape so far
 
@@ -248,7 +262,10 @@ class Arbiter:
         st.seen = self.calls
         if not st.trying:
             if c < st.reprobe:
+                if st.base:
+                    self._watch(key, st, c + 1)     # a kept split, timed (may send it whole from here)
                 return st.whole
+            self._unwatch(st)
             st.start, st.trying, st.seg0, st.split_built, c = i, True, -1, -1, 0   # a new trial of the shape
             st.trials += 1
         if c < WARM:
@@ -283,6 +300,73 @@ class Arbiter:
         if st.open is not None:         # (set whenever a block has ended: the last one's end)
             self._drop(st.open[0])
         st.marks, st.open, st.done = [], None, []
+        self._unwatch(st)
+
+    def _unwatch(self, st: _Shape) -> None:
+        """End the watch of a kept split: its marks given back, its blocks forgotten."""
+        for blk in st.wdone:
+            self._drop(blk[0])
+        if st.wmark is not None:
+            self._drop(st.wmark[0])
+        st.base, st.wmark, st.wdone, st.wlogs, st.wsum = 0.0, None, [], [], [0.0, 0]
+
+    def _watch(self, key, st: _Shape, w: int) -> None:
+        """Call w since the verdict that kept the split (w = 0: the verdict's call, a step's first):
+        blocks of whole periods, each paced as the trial's (the time from its first call to the
+        next block's first, over its calls), read WATCH_LAG blocks late (so that reading a GPU
+        mark seldom waits for the GPU, and a host that runs ahead of its GPU keeps a block or two
+        of its lead where it waits); every WATCH_CHECK blocks the
+        ranks agree, and where on some rank the split's pace now exceeds the whole pace its trial
+        measured by more than MARGIN, beyond the 95% margin of error of its latest blocks, the
+        shape goes whole from this call.
+
+        Why: a trial alternates split and whole blocks, and a split block that follows a whole
+        one starts with the GPU behind its host (the whole calls let the host run ahead), so the
+        GPU's clock times the split at the GPU's speed even where the job, all split, runs at its
+        host's slower pace. DDP on 2 x H200 (2026-11-27) kept splits timed at 676-691 us a call
+        against 778-794 whole, and ran 1.12-1.16x NCCL in most runs; in others the same verdict
+        ran 0.89-0.91x, its host 6.9-7.0 ms a step against a GPU's 5.6. Kept split, the job's own
+        pace shows which: the watch compares it with the whole pace the trial measured. Its
+        verdict keeps the trial's interval to the next trial (which, where it keeps the split
+        again, doubles it: a job that stays host-bound is tried less and less often)."""
+        calls = _whole_periods(WATCH, st.period)
+        if w % calls:
+            return
+        mark, built = self._clock(), self._builds()
+        if st.wmark is not None:
+            first, since = st.wmark
+            st.wdone.append((first, mark, since == built))
+        st.wmark = (mark, built)
+        self._watch_read(st, len(st.wdone) - WATCH_LAG)
+        if (w // calls) % WATCH_CHECK:
+            return
+        n = len(st.wlogs)
+        mean, se = _stats(st.wlogs)
+        pace = st.wsum[0] / st.wsum[1] if st.wsum[1] else 0.0
+        got = self._swap([n, _OFF + int(1e6 * mean), int(1e6 * min(se, 1.0)), int(1e7 * pace), int(1e7 * st.base)])
+        bar = -math.log1p(MARGIN)
+        if any(g[0] >= MIN_PAIRS and (g[1] - _OFF + _t95(g[0]) * g[2]) / 1e6 < bar for g in got):
+            if self._log is not None:
+                self._log(f"{key} watch: the kept split runs slower than the trial's whole pace: whole")
+            self._verdict(key, st, True, got, watch=True)
+
+    def _watch_read(self, st: _Shape, count: int) -> None:
+        """Read the first `count` ended watched blocks: a block in which a prepared call was
+        built, or whose pace differs from the trial's whole pace more than PAIR_RATIO times (a
+        pause), is left out; the latest WATCH_KEEP are kept."""
+        for _ in range(max(0, count)):
+            first, end, clean = st.wdone.pop(0)
+            pace = self._span(first, end) / _whole_periods(WATCH, st.period)
+            self._drop(first)           # (its end is the next block's first mark)
+            if not clean or pace <= 0 or max(pace, st.base) > PAIR_RATIO * min(pace, st.base):
+                continue
+            st.wlogs.append(math.log(st.base / pace))
+            st.wsum[0] += pace
+            st.wsum[1] += 1
+            if len(st.wlogs) > WATCH_KEEP:
+                gone = st.wlogs.pop(0)
+                st.wsum[0] -= st.base / math.exp(gone)
+                st.wsum[1] -= 1
 
     def _find_period(self, key, st: _Shape, i: int) -> None:
         """At call i, the last of the period's search: the ranks agree on rank 0's period and
@@ -432,21 +516,29 @@ class Arbiter:
             return                                           # not clear yet: more pairs
         self._verdict(key, st, whole, got)
 
-    def _verdict(self, key, st: _Shape, whole: bool, got: list, probe: bool = False) -> None:
+    def _verdict(self, key, st: _Shape, whole: bool, got: list, probe: bool = False, watch: bool = False) -> None:
         split_us, whole_us = (max(g[i] for g in got) / 10.0 for i in (3, 4))
-        if probe:
+        # a split kept: this rank's whole pace in the trial, which the watch compares with (_watch)
+        base = st.sums[1] / len(st.logs) if not whole and st.logs else 0.0
+        if watch:
+            pass                        # the interval the trial set (a repeated split doubled it)
+        elif probe:
             st.reprobe = REPROBE
         elif st.verdicts and whole == st.full:
             st.reprobe = min(2 * st.reprobe, REPROBE_MAX)      # the same again: look less often
         else:
             st.reprobe = REPROBE
-        if not probe:
+        if not probe and not watch:
             st.verdicts, st.full = st.verdicts + 1, whole
-        # the next trial counts from the call after this one (a verdict comes at a block's first call)
-        st.whole, st.trying, st.start = whole, False, st.n
+        # the next trial counts from the call after this one (a verdict comes at a block's first
+        # call); a watch's verdict keeps the trial's count (its interval runs from the trial)
+        st.whole, st.trying = whole, False
+        if not watch:
+            st.start = st.n
         st.logs, st.sums = [], [0.0, 0.0]
         self._release(st)
-        self.decisions.append((key, split_us, whole_us, whole))
+        st.base = base
+        self.decisions.append((key, split_us, whole_us, whole, "watch" if watch else "probe" if probe else "trial"))
         self.count += 1
         if len(self.decisions) > 2 * KEPT:          # a long job: the list must not grow without end
             del self.decisions[:-KEPT]
