@@ -1226,6 +1226,23 @@ def test_the_watch_sends_a_host_bound_split_whole():
     assert st.start == VERDICT + 1 and st.reprobe == A.REPROBE
 
 
+def test_the_watch_off_keeps_a_host_bound_split_to_the_next_trial():
+    """BRAID_TRIAL_WATCH=0 (Arbiter(watch=False)): the kept split stays split, nothing exchanged
+    after the trial's verdict."""
+    clock = Clock()
+    seen = []
+    arb = A.Arbiter(lambda v: seen.append(list(v)) or [list(v)], clock=clock, watch=False)
+    answers = []
+    for i in range(VERDICT + 1 + 3 * WATCHED):
+        w = arb.whole("k")
+        answers.append(w)
+        if i == VERDICT:
+            done = len(seen)
+        clock.t += (100.0 if w else (80.0 if i <= VERDICT else 120.0)) * 1e-6
+    assert [d[3] for d in arb.decisions] == [False] and not any(answers[VERDICT:])
+    assert len(seen) == done and arb._shapes["k"].base == 0.0
+
+
 def test_the_watch_keeps_a_split_that_stays_faster():
     """A split whose host keeps ahead of its GPU (host 600 us, GPU 700, whole 790): kept, and
     the watch leaves it kept up to the next trial, agreeing every WATCH_CHECK blocks."""

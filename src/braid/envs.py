@@ -296,6 +296,11 @@ _define("BRAID_TRIAL_BLOCK", _block, 12,
         "Calls per block of the in-job trials' paired blocks (one block split, one whole), at least: "
         "a block is a whole number of the job's periods (its calls of the shape per step, found by the "
         "trial); at least 4.")
+_define("BRAID_TRIAL_WATCH", _bool, True,
+        "1 (default): while an in-job trial's verdict keeps a call shape split, the job's own pace is "
+        "timed and, where on some rank it runs slower than the whole pace the trial measured (by more "
+        "than 2%, beyond its margin of error), the shape goes whole until its next trial; 0: kept "
+        "splits stay split until then.")
 _define("BRAID_TRIAL_LOG", str, "",
         "A file name: each rank appends the in-job trials' findings to it, the rank's number added to "
         "the name: per shape the period found (calls a step), then one line per timed block (shape, "

@@ -205,9 +205,10 @@ class Arbiter:
     """Per call shape: split or whole now (the same answer on every rank, at the same call)."""
 
     def __init__(self, exchange, enabled: bool = True, clock=time.perf_counter, block: int = BLOCK,
-                 log=None, builds=None):
+                 log=None, builds=None, watch: bool = True):
         self._exchange = exchange           # values -> every rank's values (a node-segment round)
         self.enabled = enabled
+        self.watch = watch                  # kept splits are watched (_watch; BRAID_TRIAL_WATCH)
         self.block = block                  # calls per paired block, at least (BRAID_TRIAL_BLOCK)
         # log(line): each timed block's pace as it is read (BRAID_TRIAL_LOG), else None
         self._log = log
@@ -519,7 +520,7 @@ class Arbiter:
     def _verdict(self, key, st: _Shape, whole: bool, got: list, probe: bool = False, watch: bool = False) -> None:
         split_us, whole_us = (max(g[i] for g in got) / 10.0 for i in (3, 4))
         # a split kept: this rank's whole pace in the trial, which the watch compares with (_watch)
-        base = st.sums[1] / len(st.logs) if not whole and st.logs else 0.0
+        base = st.sums[1] / len(st.logs) if not whole and st.logs and self.watch else 0.0
         if watch:
             pass                        # the interval the trial set (a repeated split doubled it)
         elif probe:

@@ -121,7 +121,7 @@ class Communicator:
         pace = envs.get("BRAID_TRIAL_PACE")
         self._pace = GpuPace(self.device.index, slower=pace == "max") if learn and pace != "host" else None
         self._arbiter = Arbiter(self._trial_exchange, enabled=learn, clock=self._pace or time.perf_counter,
-                                block=envs.get("BRAID_TRIAL_BLOCK"),
+                                block=envs.get("BRAID_TRIAL_BLOCK"), watch=envs.get("BRAID_TRIAL_WATCH"),
                                 log=trial_log(envs.get("BRAID_TRIAL_LOG"), self.rank) if learn else None,
                                 builds=lambda: self._prepared.stats["built"])
         # whole or split per call shape, the hot path's one decision (comm/shortcuts.py)
