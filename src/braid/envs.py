@@ -300,7 +300,7 @@ _define("BRAID_TRIAL_WATCH", _bool, True,
         "1 (default): while an in-job trial's verdict keeps a call shape split, the job's own pace is "
         "timed and, where on some rank it runs slower than the whole pace the trial measured (by more "
         "than 2%, beyond its margin of error), the shape goes whole until its next trial; 0: kept "
-        "splits stay split until then.")
+        "splits stay split until then. Every rank must have the same setting.")
 _define("BRAID_TRIAL_LOG", str, "",
         "A file name: each rank appends the in-job trials' findings to it, the rank's number added to "
         "the name: per shape the period found (calls a step), then one line per timed block (shape, "
