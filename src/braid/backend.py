@@ -240,13 +240,18 @@ class BraidProcessGroup(dist.ProcessGroup):
     # are cleared: fixed shares, a new calibration, close, abort. The price: the shapes handed off
     # are not tried again (comm/arbiter.py's reprobes) until then.
     def _look(self, comm) -> None:
+        whole = self._all_whole(comm)
+        self._looked = (comm.ledger.ncalls, self._wholes + self._forwarded)
+        self._look_at = self._wholes + self._handoff_every
+        if whole and not comm._arbiter.trying():
+            self._hand_off(comm)          # (again after a look that found more shapes)
+
+    def _all_whole(self, comm) -> bool:
+        """Every call since the last look went whole, and nothing stops a hand-off (fixed
+        shares, check mode)."""
         calls, wholes = comm.ledger.ncalls, self._wholes + self._forwarded
         was_calls, was_wholes = self._looked
-        self._looked = (calls, wholes)
-        self._look_at = self._wholes + self._handoff_every
-        if (calls - was_calls == wholes - was_wholes and comm.policy.fixed is None and not comm.check
-                and not comm._arbiter.trying()):
-            self._hand_off(comm)          # (again after a look that found more shapes)
+        return calls - was_calls == wholes - was_wholes and comm.policy.fixed is None and not comm.check
 
     def _hand_off(self, comm) -> None:
         sc = comm.shortcuts
@@ -277,11 +282,9 @@ class BraidProcessGroup(dist.ProcessGroup):
         the last look went whole with nothing that stops one (the next look hands off, if the
         calls stay so). `braid bench --workload` warms a job up until this and the trials end."""
         comm = self._comm
-        if comm is None or self._handed or not self._handoff_every or comm.policy.fixed is not None or comm.check:
+        if comm is None or self._handed or not self._handoff_every:
             return False
-        calls, wholes = comm.ledger.ncalls, self._wholes + self._forwarded
-        was_calls, was_wholes = self._looked
-        return calls > was_calls and calls - was_calls == wholes - was_wholes
+        return comm.ledger.ncalls > self._looked[0] and self._all_whole(comm)
 
     def _take_back(self) -> None:
         """The class's own methods again (the communicator's kept answers were cleared)."""

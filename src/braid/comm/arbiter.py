@@ -178,8 +178,8 @@ class _Shape:
     base: float = 0.0           # the watch: this rank's whole pace in the trial that kept the split (0: none)
     wmark: tuple | None = None  # ... the watched block under way: (first mark, builds at its start)
     wdone: list = field(default_factory=list)    # ... ended blocks not read yet: (first, end, clean)
+    wcalls: int = 0             # ... calls per watched block (whole periods), set with base
     wlogs: list = field(default_factory=list)    # ... log(base / pace) of the latest read blocks
-    wsum: list = field(default_factory=lambda: [0.0, 0])   # ... their paces summed, and their count
 
 
 # Student's t, two-sided 95%, by degrees of freedom (pairs - 1); 2.0 beyond the table
@@ -263,8 +263,8 @@ class Arbiter:
         st.seen = self.calls
         if not st.trying:
             if c < st.reprobe:
-                if st.base:
-                    self._watch(key, st, c + 1)     # a kept split, timed (may send it whole from here)
+                if st.base and (c + 1) % st.wcalls == 0:    # a kept split's watched block begins
+                    self._watch(key, st, (c + 1) // st.wcalls)   # (may send it whole from here)
                 return st.whole
             self._unwatch(st)
             st.start, st.trying, st.seg0, st.split_built, c = i, True, -1, -1, 0   # a new trial of the shape
@@ -309,11 +309,11 @@ class Arbiter:
             self._drop(blk[0])
         if st.wmark is not None:
             self._drop(st.wmark[0])
-        st.base, st.wmark, st.wdone, st.wlogs, st.wsum = 0.0, None, [], [], [0.0, 0]
+        st.base, st.wmark, st.wdone, st.wlogs = 0.0, None, [], []
 
-    def _watch(self, key, st: _Shape, w: int) -> None:
-        """Call w since the verdict that kept the split (w = 0: the verdict's call, a step's first):
-        blocks of whole periods, each paced as the trial's (the time from its first call to the
+    def _watch(self, key, st: _Shape, k: int) -> None:
+        """Watched block k begins (at call k * st.wcalls since the verdict that kept the split, the
+        verdict's call being 0, a step's first): blocks of whole periods, each paced as the trial's (the time from its first call to the
         next block's first, over its calls), read WATCH_LAG blocks late (so that reading a GPU
         mark seldom waits for the GPU, and a host that runs ahead of its GPU keeps a block or two
         of its lead where it waits); every WATCH_CHECK blocks the
@@ -330,20 +330,17 @@ class Arbiter:
         pace shows which: the watch compares it with the whole pace the trial measured. Its
         verdict keeps the trial's interval to the next trial (which, where it keeps the split
         again, doubles it: a job that stays host-bound is tried less and less often)."""
-        calls = _whole_periods(WATCH, st.period)
-        if w % calls:
-            return
         mark, built = self._clock(), self._builds()
         if st.wmark is not None:
             first, since = st.wmark
             st.wdone.append((first, mark, since == built))
         st.wmark = (mark, built)
         self._watch_read(st, len(st.wdone) - WATCH_LAG)
-        if (w // calls) % WATCH_CHECK:
+        if k % WATCH_CHECK:
             return
         n = len(st.wlogs)
         mean, se = _stats(st.wlogs)
-        pace = st.wsum[0] / st.wsum[1] if st.wsum[1] else 0.0
+        pace = sum(st.base / math.exp(x) for x in st.wlogs) / n if n else 0.0     # the blocks' mean pace
         got = self._swap([n, _OFF + int(1e6 * mean), int(1e6 * min(se, 1.0)), int(1e7 * pace), int(1e7 * st.base)])
         bar = -math.log1p(MARGIN)
         if any(g[0] >= MIN_PAIRS and (g[1] - _OFF + _t95(g[0]) * g[2]) / 1e6 < bar for g in got):
@@ -357,17 +354,13 @@ class Arbiter:
         pause), is left out; the latest WATCH_KEEP are kept."""
         for _ in range(max(0, count)):
             first, end, clean = st.wdone.pop(0)
-            pace = self._span(first, end) / _whole_periods(WATCH, st.period)
+            pace = self._span(first, end) / st.wcalls
             self._drop(first)           # (its end is the next block's first mark)
             if not clean or pace <= 0 or max(pace, st.base) > PAIR_RATIO * min(pace, st.base):
                 continue
             st.wlogs.append(math.log(st.base / pace))
-            st.wsum[0] += pace
-            st.wsum[1] += 1
             if len(st.wlogs) > WATCH_KEEP:
-                gone = st.wlogs.pop(0)
-                st.wsum[0] -= st.base / math.exp(gone)
-                st.wsum[1] -= 1
+                st.wlogs.pop(0)
 
     def _find_period(self, key, st: _Shape, i: int) -> None:
         """At call i, the last of the period's search: the ranks agree on rank 0's period and
@@ -538,7 +531,7 @@ class Arbiter:
             st.start = st.n
         st.logs, st.sums = [], [0.0, 0.0]
         self._release(st)
-        st.base = base
+        st.base, st.wcalls = base, _whole_periods(WATCH, st.period)
         self.decisions.append((key, split_us, whole_us, whole, "watch" if watch else "probe" if probe else "trial"))
         self.count += 1
         if len(self.decisions) > 2 * KEPT:          # a long job: the list must not grow without end
