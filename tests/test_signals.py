@@ -422,16 +422,16 @@ class _RecStream:
         self.log.append(("ewait", self.cuda_stream, id(ev)))
 
 
-def _reduction_runs(monkeypatch, world, elems, gather, per_mb, scheme, calls, push, cut=None):
+def _reduction_runs(monkeypatch, world, elems, gather, per_mb, scheme, calls, push, cut=None, root=None):
     """Per rank, per call: the list of operations emit issued. `scheme`: "flags" (one program
     replayed) or "rising" (a program per call, counters raised by its sequence number); `cut`:
-    names of the signal methods to leave out (negative controls)."""
+    names of the signal methods to leave out (negative controls); `root`: a reduce to that rank."""
     import contextlib
 
     import torch
 
     from braid.collectives import ce_reduce
-    from braid.collectives.ce_reduce import CeReduction
+    from braid.collectives.ce_reduce import CeReduction, slot_rows
     from braid.envs import override
     from braid.planner.pieces import MAX_PIECES
 
@@ -444,7 +444,7 @@ def _reduction_runs(monkeypatch, world, elems, gather, per_mb, scheme, calls, pu
         n = sum(elems)
         inp = torch.zeros(n, dtype=torch.bfloat16)
         my_len = elems[me]
-        slots = torch.zeros(1 if world == 2 else world, my_len, dtype=torch.bfloat16) if my_len else None
+        slots = torch.zeros(slot_rows(world, me, root), my_len, dtype=torch.bfloat16) if my_len else None
         metas.append({"base": inp.data_ptr(), "nbytes": n * 2, "slot": slots.data_ptr() if slots is not None else -1,
                       "slot_bytes": slots.numel() * 2 if slots is not None else 0})
         per_call = []
@@ -479,16 +479,19 @@ def _reduction_runs(monkeypatch, world, elems, gather, per_mb, scheme, calls, pu
                 k = red_.num_pieces(chunks, 2)
                 red_.emit(_RecStream(1, ops), _RecStream(2, ops), _RecStream(3, ops), inp=inp, out=inp, chunks=chunks,
                           out_offsets=offs, gather=gather, peers={p: (p + 1) << 40 for p in range(world) if p != me},
-                          name="sum", factor=1.0, sig=sig, slots=slots, events=[Ev() for _ in range(2 * k)])
+                          name="sum", factor=1.0, sig=sig, slots=slots, events=[Ev() for _ in range(2 * k)],
+                          root=root)
             per_call.append(ops)
         runs.append(per_call)
     return runs, metas, chunks
 
 
-def _run_reduction(runs, metas, chunks, calls, seed, per_elems, gather, lane_calls=()):
+def _run_reduction(runs, metas, chunks, calls, seed, per_elems, gather, lane_calls=(), root=None):
     """Run every rank's calls interleaved at random; returns (deadlock, bad, flags). Calls whose
     index is in `lane_calls` are `ce` lane programs (one stream: flag operations and pulls from a
-    peer's input, ("lanecopy", 1, src rank)): checked for reading a peer inside the call only."""
+    peer's input, ("lanecopy", 1, src rank)): checked for reading a peer inside the call only.
+    `root`: a reduce to that rank (the others reduce into their last slot row and push it to the
+    root; their own buffers must end the call untouched)."""
     from braid.planner.pieces import pieces
 
     rng = random.Random(seed)
@@ -497,6 +500,8 @@ def _run_reduction(runs, metas, chunks, calls, seed, per_elems, gather, lane_cal
     regions = {d: [off + a for a, _ in pieces(n, per_elems)] for d, (off, n) in enumerate(chunks)}
     state = {(r, e): ("in", 0) for r in range(world) for d in range(world) for e in regions[d]}
     slotw: dict = {}
+    redw: dict = {}         # (rank, element) -> the call whose reduction wrote it into a slot row
+    nrows = 1 if world == 2 else world
     mem: dict = {}
     call = [0] * world
     bad: list = []
@@ -531,6 +536,10 @@ def _run_reduction(runs, metas, chunks, calls, seed, per_elems, gather, lane_cal
     def inside(q, r):
         return call[q] == call[r] and bool(done[q])
 
+    def reduced_row(r, off):
+        """The element of r's chunk at byte `off` of its slot rows, in its reduced row."""
+        return chunks[r][0] + off // esz - nrows * chunks[r][1]
+
     while any(c < calls for c in call):
         movable = []
         for r in range(world):
@@ -562,9 +571,11 @@ def _run_reduction(runs, metas, chunks, calls, seed, per_elems, gather, lane_cal
                 if not inside(q, r) or state[(q, e)] != ("in", c):
                     bad.append(("pull", r, q, e, c, call[q], state[(q, e)]))
                 slotw[(r, dst[1])] = c
-            elif src[0] == "mine" and dst[0] == "peer":                # a push of my reduced piece
+            elif src[0] in ("mine", "slot") and dst[0] == "peer":      # a push of my reduced piece
                 q, e = dst[1], dst[2]
-                if not inside(q, r) or state[(q, e)] != ("in", c) or state[(r, src[1])] != ("out", c):
+                ready = state[(r, src[1])] == ("out", c) if src[0] == "mine" else \
+                    redw.get((r, reduced_row(r, src[1]))) == c
+                if not inside(q, r) or state[(q, e)] != ("in", c) or not ready or (root is not None and q != root):
                     bad.append(("push", r, q, e, c, call[q], state[(q, e)]))
                 state[(q, e)] = ("out", c)
             elif src[0] == "peer" and dst[0] == "mine":                # a gather pulling q's piece
@@ -576,23 +587,30 @@ def _run_reduction(runs, metas, chunks, calls, seed, per_elems, gather, lane_cal
             if not inside(op[2], r):
                 bad.append(("lane pull", r, op[2], c, call[op[2]]))
         elif op[0] == "reduce":
-            e = (op[2] - metas[r]["base"]) // esz
+            loc = where(r, op[2])
+            e = loc[1] if loc[0] == "mine" else reduced_row(r, loc[1])
             my_off, my_len = chunks[r]
             a = e - my_off
             rows = [0] if world == 2 else [p for p in range(world) if p != r]
             for row in rows:
                 if slotw.get((r, row * my_len * esz + a * esz)) != c:
                     bad.append(("slot", r, e, c))
-            if state[(r, e)] != ("in", c):
-                bad.append(("reduce", r, e, c, state[(r, e)]))
-            state[(r, e)] = ("out", c)
+            if loc[0] == "slot":          # a reduce's non-root rank: its scratch row
+                redw[(r, e)] = c
+            elif root is not None and r != root:
+                bad.append(("reduce into a non-root tensor", r, e, c))
+            else:
+                if state[(r, e)] != ("in", c):
+                    bad.append(("reduce", r, e, c, state[(r, e)]))
+                state[(r, e)] = ("out", c)
         done[r].add(i)
         pos[r][s] += 1
         if all(pos[r][t] >= len(idx) for t, idx in cur[r][1].items()):     # the call is over
-            keys = [(r, e) for d in range(world) for e in regions[d]] if gather else \
+            keys = [(r, e) for d in range(world) for e in regions[d]] if gather or root is not None else \
                 [(r, e) for e in regions[r]]
+            want = ("in", c) if root is not None and r != root else ("out", c)
             for key in (keys if c not in lane_calls else ()):
-                if state[key] != ("out", c):
+                if state[key] != want:
                     bad.append(("unfinished", key, c, state[key]))
             for d in range(world):                                      # the caller writes anew
                 for e in regions[d]:
@@ -605,7 +623,7 @@ def _run_reduction(runs, metas, chunks, calls, seed, per_elems, gather, lane_cal
     return False, bad, mem
 
 
-def _reduction_case(monkeypatch, world, sizes, gather, scheme, push, cut=None, calls=4, seeds=12):
+def _reduction_case(monkeypatch, world, sizes, gather, scheme, push, cut=None, calls=4, seeds=12, root=None):
     mib = (1 << 20) // 2
     if sizes == "even":
         elems = [2 * mib] * world
@@ -613,12 +631,12 @@ def _reduction_case(monkeypatch, world, sizes, gather, scheme, push, cut=None, c
         elems = [(1 + (d % 3)) * mib + 4096 * d for d in range(world)]
     from braid.collectives.ce_reduce import piece_elems
     from braid.envs import override
-    runs, metas, chunks = _reduction_runs(monkeypatch, world, elems, gather, 1, scheme, calls, push, cut)
+    runs, metas, chunks = _reduction_runs(monkeypatch, world, elems, gather, 1, scheme, calls, push, cut, root)
     with override(BRAID_CE_PIECE_MB=1):
         per = piece_elems(chunks, 2)
     out = []
     for seed in range(seeds):
-        out.append(_run_reduction(runs, metas, chunks, calls, seed, per, gather))
+        out.append(_run_reduction(runs, metas, chunks, calls, seed, per, gather, root=root))
     return out
 
 
@@ -646,6 +664,32 @@ def test_the_interpreter_catches_a_reduction_that_ends_too_early(monkeypatch, wo
     buffer after my call ended; the pushed gather without its wait for the peers' last pieces
     ends a call before its output is complete. Both must be caught."""
     results = _reduction_case(monkeypatch, world, "even", True, "rising", push, cut=cut, seeds=20)
+    assert any(bad for _, bad, _ in results)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("scheme", ["flags", "rising"])
+@pytest.mark.parametrize("sizes", ["even", "uneven"])
+@pytest.mark.parametrize("root", [0, -1])
+def test_a_reduce_to_a_root_reads_and_writes_peers_only_inside_the_call(monkeypatch, world, scheme, sizes, root):
+    """reduce (the all_reduce's pipeline pushing to the root alone), replayed and posted call by
+    call, under random interleavings: no deadlock; a peer's input read and the root's tensor
+    written only inside the call; pushes into the root only, from a row reduced in this call; the
+    root's tensor all reduced when its call ends, every other rank's tensor untouched; flags back
+    at 0."""
+    for deadlock, bad, mem in _reduction_case(monkeypatch, world, sizes, False, scheme, True, root=root % world):
+        assert not deadlock
+        assert not bad, bad[:3]
+        if scheme == "flags":
+            assert all(v == 0 for v in mem.values())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_interpreter_catches_a_reduce_that_ends_too_early(monkeypatch, world):
+    """Negative control: the reduce without its wait for the peers' last pieces lets the root end
+    before every push came, and a non-root rank end while a peer still pulls from it."""
+    results = _reduction_case(monkeypatch, world, "even", False, "rising", True, cut=("_wait_pieces_ops",),
+                              seeds=20, root=0)
     assert any(bad for _, bad, _ in results)
 
 

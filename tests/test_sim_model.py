@@ -153,6 +153,27 @@ def test_pipelined_ce_reduction_overlaps_its_steps():
     assert n * 3 / 4 / 390e3 < rs.time_us < n * 3 / 4 / 335e3 + 18.6 + 6 * (n / 16) / 2100e3
 
 
+def test_the_copy_engines_reduce_pushes_to_the_root_alone():
+    """A reduce on the copy engines (collectives/ce_reduce.py, root 0): the all_reduce's pipeline
+    with the reduced pieces pushed into rank 0 only. Rank 0's in-port carries what it carries in
+    the all_reduce, so the reduce takes about as long (never longer); it is slower than the
+    reduce_scatter (which gathers nothing) and faster than its staged version."""
+    from braid.sim.collectives import ce_reduction_flows
+    topo = load("h200x4")
+    flows = ce_reduction_flows(topo, "reduce", 4, [16 << 20] * 4)
+    into = {f.name.split("<")[0].split(".")[1] for f in flows if f.name.startswith("ce.gather")}
+    assert into == {"gather0"}
+    assert {f.name.split("<")[1] for f in flows if f.name.startswith("ce.gather")} == {"1", "2", "3"}
+    n = 64 << 20
+    rd = simulate_op(topo, "reduce", 4, n, {"ce": 1.0}).time_us
+    ar = simulate_op(topo, "all_reduce", 4, n, {"ce": 1.0}).time_us
+    rs = simulate_op(topo, "reduce_scatter", 4, n, {"ce": 1.0}).time_us
+    staged = simulate_op(topo, "reduce", 4, n, {"ce": 1.0}, ce_reduce="staged").time_us
+    assert rs < rd <= ar + 1e-6 and rd < staged, (rs, rd, ar, staged)
+    # before the push, a reduce's copy-engine share took the staged path
+    assert simulate_op(topo, "reduce", 4, n, {"ce": 1.0}, "pipelined").time_us == pytest.approx(staged)
+
+
 def test_ce_pulls_are_serial_per_destination_and_the_busy_rate_lasts_while_a_port_sends():
     """lanes/ce.py: each destination pulls its pieces one after the other, sources rotated. A GPU
     that receives from three peers while sending a little gets the all-at-once rate (335) only while

@@ -1,6 +1,7 @@
 """GPU tier: prepared calls (comm/prepared.py) and CUDA graphs.
 
-- 1,000+ repeated and interleaved calls of every op the copy engines replay as a graph, several
+- 1,000+ repeated and interleaved calls of every op the copy engines replay as a graph (reduce to
+  the last rank and to rank 0 among them), several
   dtypes and odd sizes, with buffers kept, reallocated at other addresses and reallocated at the
   same address (a new allocation the peers must not read through an old mapping), against a
   reference every rank computes from seeds; the calls really replayed graphs (the cache's counts);
@@ -24,7 +25,10 @@ import torch.distributed as dist
 from gpu_world import needs, run
 
 ENV = {"BRAID_MIN_SPLIT_KB": "1"}
-OPS = ("all_gather", "all_gather_list", "broadcast", "all_reduce", "all_reduce_max", "reduce_scatter", "all_to_all")
+OPS = ("all_gather", "all_gather_list", "broadcast", "all_reduce", "all_reduce_max", "reduce_scatter", "all_to_all",
+       "reduce", "reduce_max")
+REDUCING = ("all_reduce", "all_reduce_max", "reduce_scatter", "reduce", "reduce_max")
+ROOT = {"reduce": -1, "reduce_max": 0}      # -1: the last rank
 DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.int32, torch.uint8)
 SIZES = (1, 4097, 65_539, 1_000_003)
 
@@ -93,8 +97,14 @@ class _Case:
             return c.reduce_scatter_tensor(self.out, self.x, async_op=async_op)
         if op == "all_to_all":
             return c.all_to_all_single(self.out, self.x, async_op=async_op)
-        red = dist.ReduceOp.MAX if op == "all_reduce_max" else dist.ReduceOp.SUM
+        red = dist.ReduceOp.MAX if op.endswith("_max") else dist.ReduceOp.SUM
+        if op in ROOT:
+            return c.reduce(self.x, self.root, op=red, async_op=async_op)
         return c.all_reduce(self.x, op=red, async_op=async_op)
+
+    @property
+    def root(self) -> int:
+        return ROOT[self.op] % self.world
 
     def right(self) -> bool:
         xs, op = self.xs, self.op
@@ -110,9 +120,11 @@ class _Case:
         elif op == "all_to_all":
             m, r = self.n // self.world, self.rank
             exp, got = torch.cat([x[r * m:(r + 1) * m] for x in xs]), self.out
+        elif op in ROOT and self.rank != self.root:      # a reduce leaves the other ranks' tensors as they were
+            exp, got = xs[self.rank], self.x
         else:
-            exp, got = _reduce(xs, "max" if op == "all_reduce_max" else "sum", self.dtype), self.x
-        if self.world > 2 and self.dtype.is_floating_point and op in ("all_reduce", "reduce_scatter"):
+            exp, got = _reduce(xs, "max" if op.endswith("_max") else "sum", self.dtype), self.x
+        if self.world > 2 and self.dtype.is_floating_point and op in ("all_reduce", "reduce_scatter", "reduce"):
             # more than two rows: torch.sum's own order within braid's rank-ordered reduction
             tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[self.dtype] * self.world
             return bool(((got.double() - exp.double()).abs() <= tol * (exp.double().abs() + 1)).all())
@@ -123,13 +135,13 @@ def _repeated(rank, world, comm, dev):
     prep = comm._prepared
     g = torch.Generator().manual_seed(5)                  # the same sequence on every rank
     cases = {}
-    wrong, calls = [], 0
+    wrong, calls, staged = [], 0, 0
     with comm.fixed_shares({"ce": 1.0}):
         for i in range(1000):
             op = OPS[int(torch.randint(len(OPS), (1,), generator=g))]
             dt = DTYPES[int(torch.randint(len(DTYPES), (1,), generator=g))]
             n = SIZES[int(torch.randint(len(SIZES), (1,), generator=g))]
-            if op.startswith("all_reduce") or op == "reduce_scatter":
+            if op in REDUCING:
                 if dt == torch.uint8:
                     dt = torch.int32
             what = int(torch.randint(10, (1,), generator=g))
@@ -150,11 +162,14 @@ def _repeated(rank, world, comm, dev):
             else:
                 c.call(("rep", i))
             calls += 1
+            # a reduce of fewer elements than ranks takes the staged path (some rank has nothing
+            # to push to the root), not a graph
+            staged += op in ROOT and c.n < world
             if not c.right():
                 wrong.append((i, op, str(dt), n, what))
     assert not wrong, f"rank {rank}: {len(wrong)} of {calls} calls wrong, first {wrong[:5]}"
     st = prep.stats
-    assert st["graphs"] > 0 and st["replays"] >= calls - 50, st    # tiny calls may go to NCCL whole
+    assert st["graphs"] > 0 and st["replays"] >= calls - staged - 50, (staged, st)    # tiny calls may go to NCCL whole
     if comm._rounds is None and prep.fast is not False:
         # the native call (BRAID_NATIVE_CALL, default on) took the repeats whose round matched:
         # launched them itself, or handed them to Python where a peer was not there within the

@@ -18,8 +18,15 @@ Rank r of w reduces chunk r of the region the `ce` lane was given (chunk d is a 
                                  write red[r] = base + K (after the last push: the stream's pushes
                                  end in order, and the peers wait only for the last piece), and
                                  wait red[p] >= base + (p's piece count) for every p != r
-    then, on the pull stream: join the others (reduce_scatter and reduce also write finish[r] and
-    wait finish[p] for every peer: nobody reads my buffers once the call is over).
+    then, on the pull stream: join the others (reduce_scatter also writes finish[r] and waits
+    finish[p] for every peer: nobody reads my buffers once the call is over).
+
+A reduce to rank `root` runs the same pipeline and pushes only to the root: rank r != root reduces
+its chunk into a scratch row (its own tensor stays as it was, as NCCL's reduce leaves it) and
+pushes each reduced piece into the root's tensor; the root reduces its own chunk in place and
+pushes nothing. Every rank then says its last piece and waits for every peer's, as the pushed
+all_reduce does: a rank's last piece comes after its last pull, so that wait also says that no
+peer reads this rank's input any more.
 
 Why the all_reduce needs no closing handshake: p's last piece counter says that p pushed its last
 reduced piece into my output, and p pushes a piece only after pulling that piece from every rank,
@@ -32,9 +39,9 @@ in one batch with the wait for the peers' last pieces (K stream memory operation
 replayed call; a launch costs the host per node: ~2.5 us a node inside DDP's steps on 2 x H200,
 2026-11-27).
 
-Why an in-place all_reduce is safe: p reads my chunk p (its pulls) and writes my chunk p (its
-pushes, each after the pull of the same piece); I read and write only my own chunk r, and p's
-chunk r. Nobody reads my chunk r before I reduce it.
+Why an in-place all_reduce (and reduce) is safe: p reads my chunk p (its pulls) and writes my
+chunk p (its pushes, each after the pull of the same piece); I read and write only my own chunk r,
+and p's chunk r. Nobody reads my chunk r before I reduce it.
 
 The counters live in the node segment like the `ce` lane's arrive/finish; `base` is the call's
 sequence number times MAX_PIECES, so the counters only grow (GEQ waits are cyclic in 32 bits).
@@ -69,6 +76,12 @@ from ..planner.plan import LaneKind
 from .reduce import reduce_pair, reduce_slots
 
 
+def slot_rows(world: int, me: int, root: int | None) -> int:
+    """Scratch rows of one call: the peer's row (two ranks) or every rank's, and for a reduce's
+    non-root rank one more, the last, for its reduced chunk."""
+    return (1 if world == 2 else world) + (root is not None and me != root)
+
+
 def piece_elems(chunks: list[tuple[int, int]], esz: int) -> int:
     """Elements per piece for these agreed chunks (`planner.pieces`' rule on the largest)."""
     longest = max((n for _, n in chunks), default=0) * esz
@@ -96,10 +109,12 @@ class CeReduction:
         self.pool: list = []
 
     def post(self, *, start_event, inp: torch.Tensor, out: torch.Tensor, chunks: list[tuple[int, int]],
-             out_offsets: list[int], gather: bool, descs: list, name: str, factor: float) -> LaneRun:
+             out_offsets: list[int], gather: bool, descs: list, name: str, factor: float,
+             root: int | None = None) -> LaneRun:
         """inp/out: this rank's flat tensors (out may be inp: in place). chunks[d] = (element offset
         into every rank's input, length) of chunk d; out_offsets[d]: where chunk d's result goes in
-        the output of the rank that reduces it (and, with `gather`, in every rank's output)."""
+        the output of the rank that reduces it (and, with `gather`, in every rank's output).
+        `root`: a reduce to that rank (in place, every chunk non-empty; `gather` False)."""
         lc, lane = self.lc, self.lane
         lane.coll_seq += 1
         seq = lane.coll_seq
@@ -110,11 +125,11 @@ class CeReduction:
         start = torch.cuda.Event(enable_timing=True)
         start.record(ps)
         my_len = chunks[lc.rank][1]
-        rows = 1 if lc.world_size == 2 else lc.world_size
-        slots = self._scratch(rows, my_len, inp.dtype) if my_len else None
+        slots = self._scratch(slot_rows(lc.world_size, lc.rank, root), my_len, inp.dtype) if my_len else None
         events = self._events(2 * self.num_pieces(chunks, inp.element_size()))
         self.emit(ps, rs, gs, inp=inp, out=out, chunks=chunks, out_offsets=out_offsets, gather=gather,
-                  peers=self.peer_ptrs(descs), name=name, factor=factor, sig=sig, slots=slots, events=events)
+                  peers=self.peer_ptrs(descs), name=name, factor=factor, sig=sig, slots=slots, events=events,
+                  root=root)
         for s in (ps, rs, gs):
             for t in (inp, out, slots):
                 if t is not None and t.numel():
@@ -133,10 +148,11 @@ class CeReduction:
 
     def emit(self, ps, rs, gs, *, inp: torch.Tensor, out: torch.Tensor, chunks: list[tuple[int, int]],
              out_offsets: list[int], gather: bool, peers: dict[int, int], name: str, factor: float, sig,
-             slots: torch.Tensor | None, events: list) -> None:
+             slots: torch.Tensor | None, events: list, root: int | None = None) -> None:
         """The pipeline on streams ps (pulls), rs (reductions), gs (gathers), all three already
         after the call's start; ends with rs and gs joined into ps. `sig`: the signal scheme
-        (lanes/signals.py); `slots`: (rows, my chunk) scratch; `events`: two per piece."""
+        (lanes/signals.py); `slots`: (slot_rows(...), my chunk) scratch; `events`: two per piece;
+        `root`: a reduce to that rank (see the module docstring)."""
         lc = self.lc
         me, w = lc.rank, lc.world_size
         esz = inp.element_size()
@@ -149,13 +165,18 @@ class CeReduction:
         sig.ready_then_wait(psh, me, others, others)
         row = (lambda p: 0) if w == 2 else (lambda p: p)                # noqa: E731
         my_in = inp[my_off: my_off + my_len]
-        my_out = out[out_offsets[me]: out_offsets[me] + my_len]
+        if root is None or me == root:
+            my_out = out[out_offsets[me]: out_offsets[me] + my_len]
+        else:                 # a reduce's non-root rank: its reduced chunk goes to the root alone
+            my_out = slots[-1]
         slot_ptr = slots.data_ptr() if slots is not None else 0
         row_bytes = my_len * esz
-        readers = others if gather else ()
+        readers = others if gather or root is not None else ()
         # an all_reduce pushes its reduced pieces (no closing handshake: see the docstring) when
-        # every rank reduces something, so that every rank hears from every peer after its start
-        push = gather and envs.get("BRAID_CE_PUSH") and all(n for _, n in chunks)
+        # every rank reduces something, so that every rank hears from every peer after its start;
+        # a reduce always does (Reductions.reduce_cuts gives it the copy engines only then)
+        push = root is not None or (gather and envs.get("BRAID_CE_PUSH") and all(n for _, n in chunks))
+        pushees = others if root is None else [root] if me != root else []
         with torch.cuda.stream(rs):
             for k, (a, b) in enumerate(mine):
                 for p in others:
@@ -169,13 +190,13 @@ class CeReduction:
                     reduce_pair(x0, x1, name, my_out[a:b], factor)
                 else:
                     slots[me, a:b].copy_(my_in[a:b])
-                    reduce_slots(slots[:, a:b], w, name, my_out[a:b], factor)
-                if push:              # my reduced piece into every peer's output, then say so
+                    reduce_slots(slots[:w, a:b], w, name, my_out[a:b], factor)
+                if push:              # my reduced piece into the peers' outputs (a reduce: the root's)
                     done_k = events[len(mine) + k]
                     done_k.record(rs)
                     gs.wait_event(done_k)
                     at = (out_offsets[me] + a) * esz
-                    for p in others:
+                    for p in pushees:
                         _cuda.memcpy_async(peers[p] + at, my_out[a:b].data_ptr(), (b - a) * esz, gs.cuda_stream)
                 else:
                     sig.piece(rs.cuda_stream, me, k, readers)

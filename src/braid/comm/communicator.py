@@ -386,16 +386,21 @@ class Communicator:
 
     def reduce(self, tensor: torch.Tensor, dst: int = 0, op=dist.ReduceOp.SUM, async_op: bool = False):
         """The reduction lands in `tensor` on rank dst; other ranks' tensors are left unchanged."""
+        tkey = None
         if (self._cpu is not None and self._cpu_ok(tensor) and type(dst) is int and 0 <= dst < self.world_size
                 and (red := self._cpu_calls.reduction(op, tensor.dtype))):
             return self._cpu_call("reduce", tensor, lambda: self._cpu.all_reduce(tensor, *red, root=dst), async_op)
         if (self._calls.fast_ok(tensor) and type(dst) is int and 0 <= dst < self.world_size
-                and fast_reduce_ok(op, tensor.dtype, self.cuda)
-                and self.policy.native_for("reduce", tensor.numel() * tensor.element_size())):
-            return self._native_fast("reduce", ([tensor],), "reduce", async_op, op=op, root=dst, fallback=lambda a:
-                                     dist.reduce(tensor, group_dst=dst, op=op, group=self.native_group, async_op=a))
+                and fast_reduce_ok(op, tensor.dtype, self.cuda)):
+            if self.policy.native_for("reduce", tensor.numel() * tensor.element_size()):
+                return self._native_fast("reduce", ([tensor],), "reduce", async_op, op=op, root=dst, fallback=lambda a:
+                                         dist.reduce(tensor, group_dst=dst, op=op, group=self.native_group, async_op=a))
+            tkey = ("rd", tensor.data_ptr(), tensor.numel(), tensor.dtype, op, dst)
+            if (h := self._fast_prepared(tkey, tensor, (tensor,), async_op,
+                                         lambda: self.reduce(tensor, dst, op))) is not None:
+                return h if async_op else None
         check_rank(dst, self.world_size, "dst", "reduce")
-        return self._reductions.reduction("reduce", tensor, tensor, op, dst, async_op)
+        return self._reductions.reduction("reduce", tensor, tensor, op, dst, async_op, tkey)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
                           input_split_sizes=None, async_op: bool = False):

@@ -14,13 +14,14 @@ import torch.distributed as dist
 
 from ..collectives import flat_bytes, input_bytes, output_bytes, same_dtype
 from ..errors import MisuseError
-from ..collectives.ce_reduce import CeReduction
+from ..collectives.ce_reduce import CeReduction, slot_rows
 from ..executor import Handle, execute
 from ..lanes.base import LaneRun
 from ..planner.plan import LaneKind, Plan
 
 from ..collectives.reduce import check_reduce_dtype, divide, op_name, reduce_factor, reduce_slots, torch_op
-from ..planner.plan import chunk_bounds, cut_points, gather_chunks, reduce_scatter_chunks, reduce_scatter_movement
+from ..planner.plan import (ce_cut, chunk_bounds, cut_points, gather_chunks, reduce_scatter_chunks,
+                            reduce_scatter_movement)
 from .callpath import NATIVE_SHARE_REDS
 
 log = logging.getLogger("braid")
@@ -183,7 +184,9 @@ class Reductions:
             return rc.size, ("rs", tuple(bounds)), lambda: reduce_scatter_movement(w, bounds)
 
         emit = None
-        if rc.dev.type == "cuda" and opname != "reduce":     # a graph when the copy engines take it alone
+        # a graph when the copy engines take it alone (a reduce: where every rank has a chunk to
+        # push to the root, as reduce_cuts has it; with fewer elements than ranks it goes staged)
+        if rc.dev.type == "cuda" and (opname != "reduce" or all(b > a for a, b in zip(bounds, bounds[1:]))):
             emit = lambda descs, shares, sig: self.reduce_program(rc, descs, shares, sig)    # noqa: E731
         return self.exchange.run(opname, desc, rc.size, rc.ib, [rc.ob], movement_of,
                                  lambda g: self.reduce_native(rc, g),
@@ -263,7 +266,8 @@ class Reductions:
         peers = red.peer_ptrs(descs)
         w, me = self.world_size, self.rank
         my_len = cuts.ce_chunks[me][1]
-        rows = 1 if w == 2 else w
+        root = rc.root if rc.opname == "reduce" else None
+        rows = slot_rows(w, me, root)
         npieces = red.num_pieces(cuts.ce_chunks, rc.esz)
         inp, out = rc.ib.view(rc.output.dtype), rc.output.reshape(-1)
 
@@ -278,7 +282,7 @@ class Reductions:
             keep += [start, *events, slots]
             red.emit(stream, rs, gs, inp=inp, out=out, chunks=cuts.ce_chunks, out_offsets=cuts.out_at,
                      gather=rc.opname == "all_reduce", peers=peers, name=rc.name, factor=rc.factor, sig=sig,
-                     slots=slots, events=events)
+                     slots=slots, events=events, root=root)
         return program
 
     def reduce_cuts(self, rc: "_ReduceCall", shares: dict[str, float]) -> "_Cuts":
@@ -295,12 +299,14 @@ class Reductions:
             shares = {k: v / (1.0 - nat_f) for k, v in shares.items() if k != "nccl"}
             chunk_b = [base * esz + b for b in chunk_bounds(numel - base, w, esz)]
         elem = [(chunk_b[d] // esz, (chunk_b[d + 1] - chunk_b[d]) // esz) for d in range(w)]
-        ce_f = shares.get("ce", 0.0) if cuda and opname != "reduce" and base < numel else 0.0
+        ce_f = shares.get("ce", 0.0) if cuda and base < numel else 0.0
+        cut = ce_cut(elem, ce_f, any(k != "ce" for k in shares), esz)
+        if opname == "reduce" and ce_f > 0 and not all(cut):
+            # the copy engines' reduce pushes every rank's reduced chunk to the root: every rank
+            # needs one (calls of fewer elements than ranks, or a sliver share, go staged)
+            ce_f = 0.0
+            cut = [0] * w
         rest = {k: v for k, v in shares.items() if not (k == "ce" and ce_f > 0)} if base < numel else {}
-        if ce_f > 0 and rest:
-            cut = [cut_points(n * esz, [ce_f, 1.0 - ce_f], 4096)[1] // esz for _, n in elem]
-        else:
-            cut = [n if ce_f > 0 else 0 for _, n in elem]
         # where rank d's reduced chunk goes in its own output: in place for all_reduce/reduce,
         # the start of the output for reduce_scatter
         out_at = [o for o, _ in elem] if opname != "reduce_scatter" else [0] * w
@@ -340,7 +346,7 @@ class Reductions:
             runs.append(self.gpu.ce().post(
                 start_event=start_event, inp=rc.ib.view(rc.output.dtype), out=rc.output.reshape(-1),
                 chunks=cuts.ce_chunks, out_offsets=cuts.out_at, gather=rc.opname == "all_reduce", descs=descs,
-                name=rc.name, factor=rc.factor))
+                name=rc.name, factor=rc.factor, root=rc.root if rc.opname == "reduce" else None))
         if not cuts.rest or not any(n for _, n in cuts.rest_chunks):
             event = runs[0].end if cuda and runs else None
             if cuda and len(runs) > 1:         # join the lanes' ends on braid's op stream

@@ -207,6 +207,15 @@ def cut_points(nbytes: int, fractions: list[float], align: int) -> list[int]:
     return points
 
 
+def ce_cut(chunks: list[tuple[int, int]], ce_f: float, others: bool, esz: int, align: int = 4096) -> list[int]:
+    """Elements of each reduction chunk ((offset, length) in elements) that the copy engines'
+    pipelined reduction takes, from the front: a page-aligned `ce_f` of it beside other lanes
+    (`others`), all of it alone, none where ce_f is 0."""
+    if ce_f > 0 and others:
+        return [cut_points(n * esz, [ce_f, 1.0 - ce_f], align)[1] // esz for _, n in chunks]
+    return [n if ce_f > 0 else 0 for _, n in chunks]
+
+
 def split(movement: Movement, shares: dict[str, float], nbytes: int,
           align: int = 256, min_split: int = 256 << 10) -> Plan:
     """Cut every transfer into one contiguous piece per lane, sized by the shares.

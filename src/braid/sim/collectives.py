@@ -31,7 +31,9 @@ Reductions run as braid runs them (`Reductions.reduction` -> `multi`), in one of
                 `after`); the other lanes' part takes the staged path above
     pushed      (braid now): as pipelined, but the all_reduce's peers push their reduced pieces and
                 the call ends when every peer's last piece has come: the lane pays its start
-                handshake and no done handshake (half of ce_latency_us, which counts both)
+                handshake and no done handshake (half of ce_latency_us, which counts both); a
+                reduce runs the same pipeline and pushes to the root alone (before, and in the
+                other two versions, its copy engines' share took the staged path)
 
 Shares come from the planner (`braid.planner.model`): each lane is simulated alone at two sizes,
 `fit()` turns that into a LaneCost (what `braid calibrate` does on hardware), and `choose_shares` /
@@ -45,7 +47,7 @@ from dataclasses import dataclass, field
 from .. import envs
 from ..planner.model import MULTI_LANE_OVERHEAD_US, LaneCost, choose_shares, choose_with_native, fit
 from ..planner.plan import (Movement, Plan, all_gather_movement, all_to_all_movement, broadcast_movement,
-                            chunk_bounds, cut_points, gather_chunks, gather_chunks_movement, p2p_movement,
+                            ce_cut, chunk_bounds, cut_points, gather_chunks, gather_chunks_movement, p2p_movement,
                             reduce_scatter_chunks, reduce_scatter_movement, split)
 from ..planner.pieces import piece_elems, pieces, tail_elems
 from .busbw import algbytes, bus_factor
@@ -256,9 +258,10 @@ def ce_reduction_flows(topo: SimTopology, op: str, world: int, chunk_bytes: list
     The lane's start and done handshakes (ce_latency_us) are paid before the first pull. The pull
     and gather streams share nv_in{me}; nothing is assumed about overlap beyond what the waits allow.
     `pushed` (all_reduce): the peers push their reduced pieces (the same flows) and no done
-    handshake closes the call: only the start handshake is paid."""
+    handshake closes the call: only the start handshake is paid. A reduce (to rank 0) always
+    pushes, to rank 0 alone."""
     lat = topo.c("ce_latency_us") if topo.has("ce_latency_us") else 0.0
-    if pushed and op == "all_reduce":
+    if (pushed and op == "all_reduce") or op == "reduce":
         lat /= 2
     per = ce_piece_bytes(chunk_bytes, esz)
     # the executor's cut (collectives/ce_reduce.py), under the same settings
@@ -277,8 +280,8 @@ def ce_reduction_flows(topo: SimTopology, op: str, world: int, chunk_bytes: list
                 prev = name
             out.append(Flow(f"ce.red{r}.{k}", nb, ((f"hbm{r}", red_w),),
                             after=(prev,) + ((f"ce.red{r}.{k - 1}",) if k else ()), group="ce"))
-    if op == "all_reduce":
-        for r in range(world):
+    if op in ("all_reduce", "reduce"):
+        for r in range(world) if op == "all_reduce" else (0,):
             peers = [(r + i) % world for i in range(1, world)]
             prev = None
             for k in range(max((len(pcs[p]) for p in peers), default=0)):
@@ -408,12 +411,11 @@ def _simulate_reduction(topo: SimTopology, op: str, world: int, nbytes: int, sha
         rest_shares = {k: v / (1.0 - nat_f) for k, v in shares.items() if k != "nccl"}
     bounds = [base * esz + b for b in chunk_bounds(numel - base, world, esz)]
     elem = [(bounds[d] // esz, (bounds[d + 1] - bounds[d]) // esz) for d in range(world)]
-    ce_f = rest_shares.get("ce", 0.0) if op != "reduce" and base < numel else 0.0
+    ce_f = rest_shares.get("ce", 0.0) if base < numel else 0.0
+    cut = ce_cut(elem, ce_f, any(k != "ce" for k in rest_shares), esz, PAGE)
+    if op == "reduce" and ce_f > 0 and (not pushed or not all(cut)):     # (Reductions.reduce_cuts: staged)
+        ce_f, cut = 0.0, [0] * world
     rest = {k: v for k, v in rest_shares.items() if not (k == "ce" and ce_f > 0)} if base < numel else {}
-    if ce_f > 0 and rest:
-        cut = [cut_points(n * esz, [ce_f, 1.0 - ce_f], PAGE)[1] // esz for _, n in elem]
-    else:
-        cut = [n if ce_f > 0 else 0 for _, n in elem]
     flows: list[Flow] = []
     if base:
         flows += nccl_flows(topo, "all_reduce", world, base * esz)
