@@ -693,6 +693,39 @@ def test_the_interpreter_catches_a_reduce_that_ends_too_early(monkeypatch, world
     assert any(bad for _, bad, _ in results)
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_a_reduce_takes_the_copy_engines_only_where_every_rank_pushes(world):
+    """Reductions.reduce_cuts for a reduce: the copy engines alone take every chunk; beside the
+    host lane a page-aligned front of each; with fewer elements than ranks, or a share so small
+    that some chunk's front rounds to nothing, no rank would push: the whole call goes staged.
+    all_reduce keeps its cuts (an empty chunk is fine there)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from braid.comm.reductions import Reductions
+    from braid.planner.plan import chunk_bounds
+
+    def cuts(opname, numel, shares):
+        rc = SimpleNamespace(opname=opname, esz=2, numel=numel, name="sum", dev=torch.device("cuda"),
+                             bounds=chunk_bounds(numel, world, 2))
+        return Reductions.reduce_cuts(SimpleNamespace(world_size=world), rc, shares)
+
+    big = cuts("reduce", 1 << 22, {"ce": 1.0})
+    assert big.ce_f == 1.0 and not big.rest and all(n for _, n in big.ce_chunks)
+    assert sum(n for _, n in big.ce_chunks) == 1 << 22
+    mixed = cuts("reduce", 1 << 22, {"ce": 0.75, "host": 0.25})
+    assert mixed.ce_f == 0.75 and mixed.rest == {"host": 0.25}
+    assert all(n and (n * 2) % 4096 == 0 for _, n in mixed.ce_chunks)
+    assert sum(n for _, n in mixed.ce_chunks) + sum(n for _, n in mixed.rest_chunks) == 1 << 22
+    for numel, shares in ((world - 1, {"ce": 1.0}), (world * 3000, {"ce": 0.1, "host": 0.9})):
+        small = cuts("reduce", numel, shares)
+        assert small.ce_f == 0.0 and "ce" in small.rest and not any(n for _, n in small.ce_chunks)
+        assert sum(n for _, n in small.rest_chunks) == numel
+    ar = cuts("all_reduce", world - 1, {"ce": 1.0})
+    assert ar.ce_f == 1.0 and not ar.rest
+
+
 def test_a_pushed_all_reduce_between_other_programs_on_the_same_flags(monkeypatch):
     """Replayed programs of different ops in one order on every rank (a pushed all_reduce, an
     all_gather, a broadcast, the all_reduce again ...) share the flags: the all_reduce no longer
