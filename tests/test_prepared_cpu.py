@@ -231,3 +231,15 @@ def _moves(rank: int, w: int) -> dict:
         built.append(comm._prepared.stats["built"] - before)
         versions.append(comm.balancer.version)
     return {"versions": versions, "built": built}
+
+
+def test_what_cannot_be_captured_says_why_and_what_to_do():
+    """A split over several lanes names them and the setting that makes the call capturable; the
+    copy engines' staged path (a reduce of fewer elements than ranks) says that and points to NCCL."""
+    from braid.comm.prepared import not_capturable
+    from braid.errors import MisuseError
+    split = not_capturable("all_gather", {"ce": 0.5, "host": 0.5})
+    assert isinstance(split, MisuseError)
+    assert "['ce', 'host']" in str(split) and "fixed_shares({'ce': 1.0})" in str(split)
+    staged = not_capturable("reduce", {"ce": 1.0})
+    assert "fewer elements than ranks" in str(staged) and "fixed_shares({'nccl': 1.0})" in str(staged)

@@ -424,6 +424,11 @@ class PreparedCalls:
 
 
 def not_capturable(op: str, shares: dict[str, float]) -> MisuseError:
+    if graph_shares(shares):        # the copy engines alone, on a path that is not one program
+        return MisuseError(
+            f"{op}: this call takes the copy engines' staged path (a reduce of fewer elements than ranks "
+            f"does), which cannot be captured in a CUDA graph. Capture it on NCCL (comm.fixed_shares({{'nccl': 1.0}}) "
+            f"around the capture) or take it out of the captured region.")
     return MisuseError(
         f"{op}: this call is split over lanes {sorted(shares)}, which cannot be captured in a CUDA graph "
         f"(only NCCL's whole call and the copy engines alone can). Capture it with the copy engines "
