@@ -160,7 +160,8 @@ _define("BRAID_CE_BATCH", _bool, True,
 _define("BRAID_CE_PUSH", _bool, True,
         "In the copy engines' all_reduce, push each reduced piece into every peer's output (and "
         "end when every peer's last piece has come) instead of letting the peers pull it and "
-        "closing with a handshake; 0: pull. Must be the same on every rank.")
+        "closing with a handshake; 0: pull. The copy engines' reduce always pushes (to the root). "
+        "Must be the same on every rank.")
 _define("BRAID_CE_PRIORITY", _bool, False,
         "1: the copy engines' streams (the lane's, its captured programs' and the pipelined reduction's) "
         "are made at CUDA's highest stream priority, so that the reduction's kernels take SMs ahead of "
