@@ -313,13 +313,13 @@ class Arbiter:
 
     def _watch(self, key, st: _Shape, k: int) -> None:
         """Watched block k begins (at call k * st.wcalls since the verdict that kept the split, the
-        verdict's call being 0, a step's first): blocks of whole periods, each paced as the trial's (the time from its first call to the
-        next block's first, over its calls), read WATCH_LAG blocks late (so that reading a GPU
-        mark seldom waits for the GPU, and a host that runs ahead of its GPU keeps a block or two
-        of its lead where it waits); every WATCH_CHECK blocks the
-        ranks agree, and where on some rank the split's pace now exceeds the whole pace its trial
-        measured by more than MARGIN, beyond the 95% margin of error of its latest blocks, the
-        shape goes whole from this call.
+        verdict's call being 0, a step's first). Blocks are whole periods, each paced as the
+        trial's (the time from its first call to the next block's first, over its calls), read
+        WATCH_LAG blocks late (so that reading a GPU mark seldom waits for the GPU, and a host that
+        runs ahead of its GPU keeps a block or two of its lead where it waits). Every WATCH_CHECK
+        blocks the ranks agree, and where on some rank the split's pace now exceeds the whole pace
+        its trial measured by more than MARGIN, beyond the 95% margin of error of its latest
+        blocks, the shape goes whole from this call.
 
         Why: a trial alternates split and whole blocks, and a split block that follows a whole
         one starts with the GPU behind its host (the whole calls let the host run ahead), so the
@@ -514,21 +514,18 @@ class Arbiter:
         split_us, whole_us = (max(g[i] for g in got) / 10.0 for i in (3, 4))
         # a split kept: this rank's whole pace in the trial, which the watch compares with (_watch)
         base = st.sums[1] / len(st.logs) if not whole and st.logs and self.watch else 0.0
-        if watch:
-            pass                        # the interval the trial set (a repeated split doubled it)
-        elif probe:
-            st.reprobe = REPROBE
-        elif st.verdicts and whole == st.full:
-            st.reprobe = min(2 * st.reprobe, REPROBE_MAX)      # the same again: look less often
-        else:
-            st.reprobe = REPROBE
-        if not probe and not watch:
-            st.verdicts, st.full = st.verdicts + 1, whole
-        # the next trial counts from the call after this one (a verdict comes at a block's first
-        # call); a watch's verdict keeps the trial's count (its interval runs from the trial)
-        st.whole, st.trying = whole, False
+        # a watch's verdict keeps the interval the trial set (a repeated split doubled it) and the
+        # trial's count; otherwise the next trial counts from the call after this one (a verdict
+        # comes at a block's first call)
         if not watch:
+            if not probe and st.verdicts and whole == st.full:
+                st.reprobe = min(2 * st.reprobe, REPROBE_MAX)      # the same again: look less often
+            else:
+                st.reprobe = REPROBE
+            if not probe:
+                st.verdicts, st.full = st.verdicts + 1, whole
             st.start = st.n
+        st.whole, st.trying = whole, False
         st.logs, st.sums = [], [0.0, 0.0]
         self._release(st)
         st.base, st.wcalls = base, _whole_periods(WATCH, st.period)

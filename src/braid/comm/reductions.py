@@ -48,6 +48,11 @@ class _ReduceCall:
     def size(self) -> int:
         return self.numel * self.esz
 
+    @property
+    def to_root(self) -> int | None:
+        """The rank a reduce's copy-engine pipeline pushes to; None for the other ops."""
+        return self.root if self.opname == "reduce" else None
+
 
 @dataclass
 class _Cuts:
@@ -266,8 +271,7 @@ class Reductions:
         peers = red.peer_ptrs(descs)
         w, me = self.world_size, self.rank
         my_len = cuts.ce_chunks[me][1]
-        root = rc.root if rc.opname == "reduce" else None
-        rows = slot_rows(w, me, root)
+        rows = slot_rows(w, me, rc.to_root)
         npieces = red.num_pieces(cuts.ce_chunks, rc.esz)
         inp, out = rc.ib.view(rc.output.dtype), rc.output.reshape(-1)
 
@@ -282,7 +286,7 @@ class Reductions:
             keep += [start, *events, slots]
             red.emit(stream, rs, gs, inp=inp, out=out, chunks=cuts.ce_chunks, out_offsets=cuts.out_at,
                      gather=rc.opname == "all_reduce", peers=peers, name=rc.name, factor=rc.factor, sig=sig,
-                     slots=slots, events=events, root=root)
+                     slots=slots, events=events, root=rc.to_root)
         return program
 
     def reduce_cuts(self, rc: "_ReduceCall", shares: dict[str, float]) -> "_Cuts":
@@ -346,7 +350,7 @@ class Reductions:
             runs.append(self.gpu.ce().post(
                 start_event=start_event, inp=rc.ib.view(rc.output.dtype), out=rc.output.reshape(-1),
                 chunks=cuts.ce_chunks, out_offsets=cuts.out_at, gather=rc.opname == "all_reduce", descs=descs,
-                name=rc.name, factor=rc.factor, root=rc.root if rc.opname == "reduce" else None))
+                name=rc.name, factor=rc.factor, root=rc.to_root))
         if not cuts.rest or not any(n for _, n in cuts.rest_chunks):
             event = runs[0].end if cuda and runs else None
             if cuda and len(runs) > 1:         # join the lanes' ends on braid's op stream
