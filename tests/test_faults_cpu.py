@@ -219,6 +219,7 @@ def _run(scenario: str, worker=_fault_worker, env: dict | None = None, init_pg: 
             hung = str(exc)[:3000]
         wall = time.monotonic() - t0
         reports = {r: _read(folder, f"rank{r}") for r in range(w)}
+        decided = {r: _read(folder, f"ended{r}") for r in range(w)}      # GPU workers: braid's end
         fault = _read(folder, "fault")
         if hung:
             for r in range(w):
@@ -227,7 +228,7 @@ def _run(scenario: str, worker=_fault_worker, env: dict | None = None, init_pg: 
                     hung += f"\n--- rank {r}'s threads before the world was terminated:\n" + f.read_text()[-6000:]
     left = {e for e in braid_shm_entries() if any(e.startswith(f"braid-{p}-") for p in info.get("pids", []))}
     return {"reports": reports, "fault": fault, "hung": hung, "wall": wall, "shm_left": left,
-            "exits": info.get("exits", {})}
+            "exits": info.get("exits", {}), "decided": {r: d["t"] for r, d in decided.items() if d}}
 
 
 def check_survivors(scenario: str, res: dict, capsys, scenarios: dict | None = None, what: str = "fault",
@@ -239,13 +240,18 @@ def check_survivors(scenario: str, res: dict, capsys, scenarios: dict | None = N
     w, faulty, _, survivors, expected, _ = (scenarios or SCENARIOS)[scenario]
     fault_t = (res["fault"] or {}).get("t")
     lines = []
+    # ended by braid: exit code 70, decided within the bound (where the worker noted when braid
+    # decided; else the exit's own time, which also counts the driver's teardown of the process)
+    decided = res.get("decided", {})
     ended = {r for r in survivors if res["reports"][r] is None and ended_by_braid is not None
              and res["exits"].get(r, (None,))[0] == 70 and fault_t is not None
-             and res["exits"][r][1] - fault_t <= BOUND_S + ended_by_braid}
+             and decided.get(r, res["exits"][r][1]) - fault_t <= BOUND_S + ended_by_braid}
     for r in survivors:
         rep = res["reports"][r]
         if r in ended:
-            lines.append(f"rank {r}: ended by braid (exit code 70) {res['exits'][r][1] - fault_t:.1f} s "
+            when = (f"decided {decided[r] - fault_t:.1f} s, exited {res['exits'][r][1] - fault_t:.1f} s"
+                    if r in decided else f"{res['exits'][r][1] - fault_t:.1f} s")
+            lines.append(f"rank {r}: ended by braid (exit code 70) {when} "
                          f"after the fault: its NCCL abort did not release it")
         elif rep is None:
             lines.append(f"rank {r}: no report (hung until the world was terminated)")

@@ -1,5 +1,7 @@
 """GPU tier: the faults of tests/test_faults_cpu.py on CUDA tensors; every surviving rank raises a
-braid error within BRAID_TIMEOUT_S + 5 s, nothing is left in /dev/shm.
+braid error within BRAID_TIMEOUT_S + 5 s (or braid decides to end it, exit code 70, within 5 s more:
+its NCCL abort did not release it; the process's exit can take seconds after that decision, the
+driver's teardown), nothing is left in /dev/shm.
 
 The same loop (all_reduce on even calls, all_gather_into_tensor on odd ones, sizes differing per
 call) over an NCCL default group, with a calibration that gives NCCL small calls whole, the copy
@@ -36,7 +38,21 @@ GPU_SCENARIOS["dtype_nodes"] = (4, 3, 4, [0, 1, 2, 3], {"PeerMismatchError"}, {}
 
 
 def _gpu_worker(rank, w, scenario, faulty, fault_at, survivors, folder):
+    import time
+
     import torch.distributed as dist
+
+    from braid.comm import ledger
+    from test_faults_cpu import _write
+    end = ledger._end_process
+
+    def noted_end(r, why, limit):
+        # when braid decided to end this process: the exit itself can take seconds more (the
+        # driver tears down a context whose NCCL kernels still wait), which the parent sees
+        _write(folder, f"ended{rank}", {"t": time.time()})
+        end(r, why, limit)
+
+    ledger._end_process = noted_end
     dev = start_rank(rank, w)
     dist.init_process_group("nccl", rank=rank, world_size=w, timeout=datetime.timedelta(seconds=120))
     _fault_worker(rank, w, scenario, faulty, fault_at, survivors, folder, dev=dev, lanes=GPU_LANES)
