@@ -125,3 +125,18 @@ def test_clearing_tells_the_hand_off():
     s.put("ag", 4, ("bf16", 8), True)
     s.clear()
     assert told == [1] and s.settled("ag") == {}
+
+
+def test_a_split_shape_outside_a_trial_is_settled_by_its_entry():
+    s, calls, _ = _make(native=False)
+    assert not s.decide("ag", 8, ("f32", 16), _r, True, "all_gather", 32, ("ag", 8))
+    assert calls == [("all_gather", 32)] and s.ag[8] == ("f32", 16, False)
+    # a repeat with the same facts, no trial: `rest` is not asked, the answer stays split
+    asked = []
+    assert not s.decide("ag", 8, ("f32", 16), lambda: asked.append(1) or (True, "all_gather", 32, ("ag", 8)))
+    assert asked == [] and calls == [("all_gather", 32)]
+    # on trial the same shape asks `rest` for the arbiter's key, and the arbiter decides
+    s.learn = True
+    s.arbiter.whole_keys.add(("ag", 8))
+    assert s.decide("ag", 8, ("f32", 16), lambda: asked.append(1) or (True, "all_gather", 32, ("ag", 8)))
+    assert asked == [1] and s.arbiter.asked == {("ag", 8): 1}

@@ -86,15 +86,18 @@ class Shortcuts:
 
     def decide(self, op: str, n: int, facts: tuple, rest, *args) -> bool:
         """The op's own question: True when this call goes to the native library whole. A shape
-        whose entry says whole costs one lookup; otherwise `rest(*args)` gives (valid, the op's
-        name, its bytes, the arbiter's key), and a shape not seen yet is worked out from them
-        (valid and the calibration's answer). The rounds thread rebuilding a deferred call (its
+        whose entry says whole costs one lookup, as does one it says split while no trial runs;
+        otherwise `rest(*args)` gives (valid, the op's name, its bytes, the arbiter's key), and a
+        shape not seen yet is worked out from them (valid and the calibration's answer). The rounds thread rebuilding a deferred call (its
         trial step was counted when the call was made) is told split."""
         if self.redo_thread and self.rebuilding():
             return False
         ent = getattr(self, op).get(n)
-        if ent is not None and ent[-1] and ent[:-1] == facts:
-            return True
+        if ent is not None and ent[:-1] == facts:
+            if ent[-1]:
+                return True
+            if not self.learn:
+                return False        # split, and no trial to count: nothing more to ask
         valid, name, nbytes, key = rest(*args)
         if ent is None or ent[:-1] != facts:
             ent = self.put(op, n, facts, valid and self.native_for(name, nbytes))
