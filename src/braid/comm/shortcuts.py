@@ -88,8 +88,9 @@ class Shortcuts:
         """The op's own question: True when this call goes to the native library whole. A shape
         whose entry says whole costs one lookup, as does one it says split while no trial runs;
         otherwise `rest(*args)` gives (valid, the op's name, its bytes, the arbiter's key), and a
-        shape not seen yet is worked out from them (valid and the calibration's answer). The rounds thread rebuilding a deferred call (its
-        trial step was counted when the call was made) is told split."""
+        shape not seen yet is worked out from them (valid and the calibration's answer). The
+        rounds thread rebuilding a deferred call (its trial step was counted when the call was
+        made) is told split."""
         if self.redo_thread and self.rebuilding():
             return False
         ent = getattr(self, op).get(n)
