@@ -304,12 +304,11 @@ class Reductions:
             chunk_b = [base * esz + b for b in chunk_bounds(numel - base, w, esz)]
         elem = [(chunk_b[d] // esz, (chunk_b[d + 1] - chunk_b[d]) // esz) for d in range(w)]
         ce_f = shares.get("ce", 0.0) if cuda and base < numel else 0.0
-        cut = ce_cut(elem, ce_f, any(k != "ce" for k in shares), esz)
-        if opname == "reduce" and ce_f > 0 and not all(cut):
-            # the copy engines' reduce pushes every rank's reduced chunk to the root: every rank
-            # needs one (calls of fewer elements than ranks, or a sliver share, go staged)
+        # a reduce's copy engines take every rank's chunk or none (fewer elements than ranks, or
+        # a sliver share: staged)
+        cut = ce_cut(elem, ce_f, any(k != "ce" for k in shares), esz, every=opname == "reduce")
+        if opname == "reduce" and not any(cut):
             ce_f = 0.0
-            cut = [0] * w
         rest = {k: v for k, v in shares.items() if not (k == "ce" and ce_f > 0)} if base < numel else {}
         # where rank d's reduced chunk goes in its own output: in place for all_reduce/reduce,
         # the start of the output for reduce_scatter

@@ -207,13 +207,17 @@ def cut_points(nbytes: int, fractions: list[float], align: int) -> list[int]:
     return points
 
 
-def ce_cut(chunks: list[tuple[int, int]], ce_f: float, others: bool, esz: int, align: int = 4096) -> list[int]:
+def ce_cut(chunks: list[tuple[int, int]], ce_f: float, others: bool, esz: int, align: int = 4096,
+           every: bool = False) -> list[int]:
     """Elements of each reduction chunk ((offset, length) in elements) that the copy engines'
     pipelined reduction takes, from the front: a page-aligned `ce_f` of it beside other lanes
-    (`others`), all of it alone, none where ce_f is 0."""
+    (`others`), all of it alone, none where ce_f is 0. `every` (a reduce, whose pipeline pushes
+    every rank's reduced chunk to the root): every chunk gets some, or none does."""
     if ce_f > 0 and others:
-        return [cut_points(n * esz, [ce_f, 1.0 - ce_f], align)[1] // esz for _, n in chunks]
-    return [n if ce_f > 0 else 0 for _, n in chunks]
+        cut = [cut_points(n * esz, [ce_f, 1.0 - ce_f], align)[1] // esz for _, n in chunks]
+    else:
+        cut = [n if ce_f > 0 else 0 for _, n in chunks]
+    return cut if not every or all(cut) else [0] * len(chunks)
 
 
 def split(movement: Movement, shares: dict[str, float], nbytes: int,

@@ -412,8 +412,8 @@ def _simulate_reduction(topo: SimTopology, op: str, world: int, nbytes: int, sha
     bounds = [base * esz + b for b in chunk_bounds(numel - base, world, esz)]
     elem = [(bounds[d] // esz, (bounds[d + 1] - bounds[d]) // esz) for d in range(world)]
     ce_f = rest_shares.get("ce", 0.0) if base < numel else 0.0
-    cut = ce_cut(elem, ce_f, any(k != "ce" for k in rest_shares), esz, PAGE)
-    if op == "reduce" and ce_f > 0 and (not pushed or not all(cut)):     # (Reductions.reduce_cuts: staged)
+    cut = ce_cut(elem, ce_f, any(k != "ce" for k in rest_shares), esz, PAGE, every=op == "reduce")
+    if op == "reduce" and (not any(cut) or not pushed):     # (Reductions.reduce_cuts: staged)
         ce_f, cut = 0.0, [0] * world
     rest = {k: v for k, v in rest_shares.items() if not (k == "ce" and ce_f > 0)} if base < numel else {}
     flows: list[Flow] = []
