@@ -140,3 +140,19 @@ def test_a_split_shape_outside_a_trial_is_settled_by_its_entry():
     s.arbiter.whole_keys.add(("ag", 8))
     assert s.decide("ag", 8, ("f32", 16), lambda: asked.append(1) or (True, "all_gather", 32, ("ag", 8)))
     assert asked == [1] and s.arbiter.asked == {("ag", 8): 1}
+
+
+def test_an_op_without_a_trial_never_asks_the_arbiter():
+    """reduce keeps its answers like the others but has no in-job trial: its rest's key is None."""
+    s, calls, _ = _make(native=False, learn=True)
+    for _ in range(3):
+        assert not s.decide("rd", 6, ("f32", "sum", 1), _r, True, "reduce", 24, None)
+    # worked out once from the calibration; on trial `rest` is asked again, but not the arbiter
+    assert calls == [("reduce", 24)] and s.rd[6] == ("f32", "sum", 1, False) and s.arbiter.asked == {}
+    s2, calls2, _ = _make(native=True, learn=True)
+    assert all(s2.decide("rd", 6, ("f32", "sum", 0), _r, True, "reduce", 24, None) for _ in range(3))
+    assert calls2 == [("reduce", 24)]
+    # another root is another shape's facts: worked out again; clear() empties reduce's table too
+    assert s2.decide("rd", 6, ("f32", "sum", 1), _r, True, "reduce", 24, None) and len(calls2) == 2
+    s2.clear()
+    assert s2.rd == {}

@@ -392,7 +392,7 @@ class Communicator:
             return self._cpu_call("reduce", tensor, lambda: self._cpu.all_reduce(tensor, *red, root=dst), async_op)
         if (self._calls.fast_ok(tensor) and type(dst) is int and 0 <= dst < self.world_size
                 and fast_reduce_ok(op, tensor.dtype, self.cuda)):
-            if self.policy.native_for("reduce", tensor.numel() * tensor.element_size()):
+            if self.shortcuts.decide("rd", tensor.numel(), (tensor.dtype, op, dst), self._rest_rd, tensor):
                 return self._native_fast("reduce", ([tensor],), "reduce", async_op, op=op, root=dst, fallback=lambda a:
                                          dist.reduce(tensor, group_dst=dst, op=op, group=self.native_group, async_op=a))
             tkey = ("rd", tensor.data_ptr(), tensor.numel(), tensor.dtype, op, dst)
@@ -673,6 +673,10 @@ class Communicator:
     def _rest_bc(self, t, root) -> tuple:
         n, dt = t.numel(), t.dtype
         return 0 <= root < self.world_size, "broadcast", n * t.element_size(), ("bc", n, dt, root)
+
+    def _rest_rd(self, t) -> tuple:
+        # reduce: its checks ran at the call site (fast_reduce_ok, dst); no in-job trial (key None)
+        return True, "reduce", t.numel() * t.element_size(), None
 
     def _rest_a2a(self, out, inp) -> tuple:
         n, dt = inp.numel(), inp.dtype

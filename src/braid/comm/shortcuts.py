@@ -18,8 +18,8 @@ was told is handed to the op's own question (`said`) instead of being asked agai
 Each op gives, at its two call sites (its own path and the backend's CallPath.whole_*), the key
 into its table and the facts the entry must match (every call), and in Communicator._rest_* what only
 a call the entry does not settle needs: whether the native call can take the shape at all
-(`valid`), the op's name and bytes for the calibration, and the arbiter's key. A shape the entry
-says is whole costs one lookup.
+(`valid`), the op's name and bytes for the calibration, and the arbiter's key (None: the op has
+no in-job trial, as reduce). A shape the entry says is whole costs one lookup.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ _KEY_FACTS = {"ar": 2, "rs": 2, "ag": 1}
 class Shortcuts:
     """The kept whole-or-split answers of a communicator, and the arbiter's hand-off."""
 
-    OPS = ("ar", "rs", "ag", "bc", "a2a", "a2av")
+    OPS = ("ar", "rs", "ag", "bc", "rd", "a2a", "a2av")
 
     def __init__(self, native_for, arbiter, usable):
         # native_for(op name, bytes): the calibration's answer (NCCL/gloo whole?);
@@ -44,6 +44,7 @@ class Shortcuts:
         self.rs: dict = {}
         self.ag: dict = {}
         self.bc: dict = {}
+        self.rd: dict = {}       # reduce: no in-job trial (its rest's key is None)
         self.a2a: dict = {}
         self.a2av: dict = {}     # uneven all_to_all: (in, out elements) -> shape facts (comm/routing.py)
         self.learn = False       # shapes the calibration splits go on trial (Communicator._learn_update)
@@ -104,7 +105,7 @@ class Shortcuts:
             ent = self.put(op, n, facts, valid and self.native_for(name, nbytes))
             if ent[-1]:
                 return True
-        if not (self.learn and valid):
+        if not (self.learn and valid) or key is None:
             return False
         said, self.said = self.said, None
         if said is not None and said == key:
