@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from braid.comm import native_cpu
+
 REQUIRED = {"op", "nbytes", "world_size", "dtype", "time_us", "algbw_gbps", "busbw_gbps", "wrong", "shares",
             "baseline", "ratio", "host_us"}
 
@@ -47,8 +49,12 @@ def test_bench_every_op_on_cpu_lanes(tmp_path):
         if p["op"] == "all_reduce":
             assert p["copy_us"] > 0 and p["ratio_bound"] == pytest.approx(p["baseline"]["time_us"] / p["copy_us"])
             assert p["host_summary"]["ratio_bound"] == [[256 << 10, p["ratio_bound"]]]
+            # ...and over braid's own copies and reductions with no wait, where the native pool builds
+            if native_cpu.build() is not None:
+                assert p["floor_us"] > 0 and p["ratio_floor"] == pytest.approx(p["baseline"]["time_us"] / p["floor_us"])
+                assert p["host_summary"]["ratio_floor"] == [[256 << 10, p["ratio_floor"]]]
         else:
-            assert "ratio_bound" not in p
+            assert "ratio_bound" not in p and "floor_us" not in p
     assert "# other baselines: symm_mem two_shot: unavailable (needs CUDA tensors" in proc.stdout
     assert "the ratio could reach" in proc.stdout
     assert proc.stdout.count("# host per call: braid/gloo median") == len(points)

@@ -114,6 +114,21 @@ def test_cpu_all_reduce_tables_say_the_ratio_one_copy_would_give():
     assert "ratio_bound" not in output.host_summary([_pt(1 << 20, 50.0, 100.0)])
 
 
+def test_cpu_all_reduce_tables_say_the_ratio_at_braids_own_floor():
+    """A CPU all_reduce point may carry the baseline's time over braid's own copies and reductions
+    with no wait (the native call's floor); the summary lists it per size after the copy's bound."""
+    pts = [dict(_pt(n, 50.0, 100.0), ratio_bound=b, ratio_floor=f)
+           for n, b, f in ((1 << 20, 20.44, 6.27), (4 << 20, 9.0, 3.14))]
+    pts.append(dict(_pt(16 << 20, 50.0, 100.0), ratio_bound=4.5))     # no floor measured there
+    s = output.host_summary(pts)
+    assert s["ratio_floor"] == [(1 << 20, 6.27), (4 << 20, 3.14)]
+    line = output.summary_line(s)
+    assert line.endswith("| at the floor of braid's own copies and reductions (every rank at once in its own memory, no wait) "
+                         "6.3 at 1 MiB, 3.1 at 4 MiB")
+    assert line.index("could reach") < line.index("floor of braid's")
+    assert "ratio_floor" not in output.host_summary([_pt(1 << 20, 50.0, 100.0)])
+
+
 def test_plain_table_prints_the_summary_once_after_its_rows(capsys):
     ui = output.PlainUi(2)
     ui.start_op("all_reduce", "all_reduce  world 2", "nccl")

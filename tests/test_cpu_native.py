@@ -154,6 +154,45 @@ def test_interleaved_with_the_other_paths():
         assert calls > 20           # about a third of the calls are native all_reduces
 
 
+def _floor_worker(rank, w):
+    """The bench's floor of the native all_reduce (every rank's copies and reductions, no wait):
+    it runs on every rank at once, writes its scratch tensor, and leaves the native calls and
+    their areas as they were: the calls around it stay right."""
+    import torch.distributed as dist
+    import braid
+    comm = braid.init()
+    out = []
+    for k, dt in enumerate((torch.float32, torch.bfloat16)):
+        xs = [data(r, 1_000_003, dt, 5 + k) for r in range(w)]
+        t = xs[rank].clone()
+        comm.all_reduce(t)
+        right = [bool(close(t, reference(xs, "sum", 1.0), xs, "sum"))]
+        calls = comm._cpu.native_calls
+        ran, changed = [], []
+        for _ in range(3):
+            scratch = data(rank, 1_000_003, dt, 11)
+            before = scratch.clone()
+            dist.barrier(group=comm.gloo_group)
+            ran.append(comm._cpu.all_reduce_floor(scratch))
+            changed.append(not torch.equal(scratch.view(torch.uint8), before.view(torch.uint8)))
+        xs = [data(r, 1_000_003, dt, 50 + k) for r in range(w)]
+        t = xs[rank].clone()
+        comm.all_reduce(t)
+        right.append(bool(close(t, reference(xs, "sum", 1.0), xs, "sum")))
+        out.append((ran, changed, right, comm._cpu.native_calls - calls))
+    small = comm._cpu.all_reduce_floor(torch.ones(1000))      # below the native path: not taken
+    braid.close()
+    return out, small
+
+
+@pytest.mark.parametrize("w", [2, 3])
+def test_the_benchs_floor_runs_beside_the_calls_without_touching_them(w):
+    for out, small in run_world(_floor_worker, w, timeout=240):
+        assert small is False
+        for ran, changed, right, calls in out:
+            assert ran == [True] * 3 and all(changed) and right == [True, True] and calls == 1
+
+
 def _autograd_worker(rank, w):
     """A tensor autograd saved, then reduced in place by the native path: backward says it was
     modified, as after torch's own in-place ops."""

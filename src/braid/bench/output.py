@@ -160,6 +160,10 @@ def host_summary(points: list[dict]) -> dict | None:
         # the most any all_reduce could gain over the baseline here: the baseline's time over one
         # copy of the tensor on every rank at once, per size
         out["ratio_bound"] = bounds
+    floors = [(p["nbytes"], p["ratio_floor"]) for p in points if p.get("ratio_floor") is not None]
+    if floors:
+        # ...and over braid's own copies and reductions with no wait (the native call's floor)
+        out["ratio_floor"] = floors
     for key, get in (("first_call_us", lambda p: p.get("first_call_us")),
                      ("baseline_first_call_us", lambda p: p["baseline"].get("first_call_us"))):
         vals = [v for v in map(get, points) if v is not None]
@@ -208,6 +212,9 @@ def summary_line(s: dict) -> str:
     if "ratio_bound" in s:
         line += (" | at one copy's time (every rank copying its tensor at once) the ratio could reach "
                  + ", ".join(f"{r:.1f} at {_size(n)}" for n, r in s["ratio_bound"]))
+    if "ratio_floor" in s:
+        line += (" | at the floor of braid's own copies and reductions (every rank at once in its own memory, no wait) "
+                 + ", ".join(f"{r:.1f} at {_size(n)}" for n, r in s["ratio_floor"]))
     return line
 
 

@@ -168,6 +168,31 @@ def copy_seconds(comm, nbytes: int, reps: int = 3) -> float:
     return float(t.item())
 
 
+def floor_seconds(comm, nbytes: int, dtype: torch.dtype, reps: int = 5) -> float | None:
+    """Seconds of the memory's floor under braid's own CPU all_reduce of `nbytes`: every rank at
+    once runs the native call's copies and reductions (the same stripes, chunks and slots) with no
+    wait for a peer (`_cpucoll.c` run_floor), the slowest rank's best of `reps`. None where the
+    native pool does not take the call (small, no compiler). A collective call on every rank."""
+    cpu = getattr(comm, "_cpu", None)
+    esz = torch.empty(0, dtype=dtype).element_size()
+    scratch = torch.randn(max(nbytes // esz, 1)).to(dtype)
+    ok = cpu is not None and cpu.all_reduce_floor(scratch)
+    flags = torch.tensor([0.0 if ok else 1.0], dtype=torch.float64)
+    dist.all_reduce(flags, group=comm.gloo_group)       # every rank runs it, or none
+    if flags.item():
+        return None
+    best = float("inf")
+    for _ in range(reps):
+        scratch.normal_()           # the reductions see numbers, not the garbage of the last run
+        dist.barrier(group=comm.gloo_group)
+        t0 = time.perf_counter()
+        cpu.all_reduce_floor(scratch)
+        best = min(best, time.perf_counter() - t0)
+    t = torch.tensor([best], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=comm.gloo_group)
+    return float(t.item())
+
+
 def _check_fixed_shares(comm, cfg: Config, lanes: list[str]) -> None:
     if cfg.shares and any(k not in lanes for k in cfg.shares):
         from ..errors import MisuseError
@@ -222,14 +247,19 @@ def _sweep(comm, cfg: Config, plan, common: dict, info: dict, baseline: str, ui,
         got = _lane_views(comm, load)
         # a CPU all_reduce reads each input byte and writes each output byte at least once: it
         # cannot beat one copy of its tensor on every rank at once, which bounds its ratio
-        copy_us = (copy_seconds(comm, load.nbytes) * 1e6
-                   if not comm.cuda and op == "all_reduce" and nbytes is not None and hot is None else None)
+        cpu_ar = not comm.cuda and op == "all_reduce" and nbytes is not None and hot is None
+        copy_us = copy_seconds(comm, load.nbytes) * 1e6 if cpu_ar else None
+        # ...and it cannot beat its own copies and reductions with every wait taken out
+        floor_s = floor_seconds(comm, load.nbytes, dtype) if cpu_ar else None
         if r0:
             point = _point(op, load, esz, cfg.dtype, comm.world_size, t_braid, t_base, wrong, got,
                            baseline, BUS_FACTOR[op](comm.world_size), common, first)
             if copy_us is not None:
                 point["copy_us"] = copy_us
                 point["ratio_bound"] = t_base / copy_us
+            if floor_s is not None:
+                point["floor_us"] = floor_s * 1e6
+                point["ratio_floor"] = t_base / point["floor_us"]
             _add_alternatives(point, alts, baseline, t_base, t_braid)
             _record(comm, cfg, point, hot, ui, results, table)
         bad += wrong or 0

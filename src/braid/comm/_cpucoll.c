@@ -83,6 +83,8 @@ typedef struct {
     int scatter;                /* 0: all_reduce or reduce, 1: reduce_scatter, 2: all_to_all, 3: all_gather */
     int root;                   /* a reduce's root; -1: all_reduce */
     int esz, dtype, op, stripes;
+    int dry;                    /* 1: the all_reduce's copies and reductions alone, no counter read or
+                                 * written (cpucoll_all_reduce_floor) */
     uint64_t epoch;
     uint64_t stripe_bytes, slot_bytes;
 } job_t;
@@ -330,6 +332,33 @@ static red_fn reducer(int dtype) {
     return NULL;
 }
 
+/* The floor of one stripe: the copies and reductions of run_stripe's all_reduce, as many bytes
+ * each, with no wait and no counter, and every read of a peer's slot made in this rank's own slot
+ * instead (the same offsets, kept inside the chunk), so that no byte crosses between cores while
+ * every rank runs it at once: what the memory alone takes for the call's bytes, a floor under any
+ * call that moves them this way. The values are garbage (the bench's floor, on a scratch tensor). */
+static void run_floor(ctx_t *c, int t, int64_t lo, int64_t hi, red_fn red) {
+    job_t *j = &c->job;
+    const int n = c->world, me = c->me, esz = j->esz;
+    const int64_t chunks = (hi - lo + j->chunk - 1) / j->chunk;
+    uint8_t *src[MAXW];
+    int64_t bd[MAXW + 1];
+    for (int64_t k = 0; k < chunks; k++) {
+        const int s = (int)(k % SLOTS);
+        const int64_t k0 = lo + k * j->chunk, m = (hi - k0) < j->chunk ? hi - k0 : j->chunk;
+        uint8_t *mine = slot(c, me, t, s), *base = j->buf + k0 * esz;
+        for (int r = 0; r <= n; r++) bd[r] = m * r / n;
+        for (int r = 0; r < n; r++)
+            if (r != me) memcpy(mine + bd[r] * esz, base + bd[r] * esz, (bd[r + 1] - bd[r]) * esz);
+        const int64_t len = bd[me + 1] - bd[me];
+        for (int r = 0; r < n; r++)     /* rank r's part in this rank's slot stands for rank r's slot */
+            src[r] = r == me ? base + bd[me] * esz : mine + (bd[r] + len <= m ? bd[r] : m - len) * esz;
+        red(src, n, len, base + bd[me] * esz, mine + bd[me] * esz, j->op);
+        for (int r = 0; r < n; r++)
+            if (r != me) memcpy(base + bd[r] * esz, mine + bd[r] * esz, (bd[r + 1] - bd[r]) * esz);
+    }
+}
+
 /* one stripe, every chunk (the header comment's steps 1-3) ------------------------------------ */
 static void run_stripe(ctx_t *c, int t) {
     job_t *j = &c->job;
@@ -340,6 +369,10 @@ static void run_stripe(ctx_t *c, int t) {
     red_fn red = reducer(j->dtype);
     uint8_t *src[MAXW];
     int64_t bd[MAXW + 1];
+    if (j->dry) {
+        run_floor(c, t, lo, hi, red);
+        return;
+    }
     for (int64_t k = 0; k < chunks; k++) {
         const int s = (int)(k % SLOTS);
         const int64_t k0 = lo + k * j->chunk, m = (hi - k0) < j->chunk ? hi - k0 : j->chunk;
@@ -523,7 +556,7 @@ int cpucoll_has_f16(void) {
 
 /* one call of either op on every stripe: the caller runs stripe 0, the pool the others */
 static int go(ctx_t *c, void *buf, void *out, int64_t count, int esz, int dtype, int op, uint64_t epoch, int stripes,
-              int64_t chunk, int scatter, int root, int *peer) {
+              int64_t chunk, int scatter, int root, int *peer, int dry) {
     *peer = -1;
     if (getpid() != c->owner) return E_FORKED;
     if (c->sleepy > 0) c->sleepy--;
@@ -534,6 +567,7 @@ static int go(ctx_t *c, void *buf, void *out, int64_t count, int esz, int dtype,
     j->buf = (uint8_t *)buf;
     j->out = (uint8_t *)out;
     j->scatter = scatter;
+    j->dry = dry;
     j->root = root < 0 || root >= c->world ? -1 : root;
     j->count = count;
     j->esz = esz;
@@ -573,28 +607,36 @@ static int go(ctx_t *c, void *buf, void *out, int64_t count, int esz, int dtype,
  * the call's header round). */
 int cpucoll_all_reduce(void *h, void *buf, int64_t count, int esz, int dtype, int op, uint64_t epoch, int stripes,
                        int64_t chunk, int root, int *peer) {
-    return go((ctx_t *)h, buf, buf, count, esz, dtype, op, epoch, stripes, chunk, 0, root, peer);
+    return go((ctx_t *)h, buf, buf, count, esz, dtype, op, epoch, stripes, chunk, 0, root, peer, 0);
+}
+
+/* The floor of an all_reduce of `count` elements at `buf` (a scratch tensor: it ends with garbage):
+ * this rank's copies and reductions of the call with these stripes and chunk, with no wait (see
+ * run_floor). Every rank runs it at once for the bench's measured ceiling. */
+int cpucoll_all_reduce_floor(void *h, void *buf, int64_t count, int esz, int dtype, int op, int stripes, int64_t chunk) {
+    int peer;
+    return go((ctx_t *)h, buf, buf, count, esz, dtype, op, 0, stripes, chunk, 0, -1, &peer, 1);
 }
 
 /* The whole all_to_all of `inp` (world blocks of `count` bytes, block d to rank d) into `out`
  * (world blocks, block r from rank r), as cpucoll_all_reduce; `chunk` is bytes per block. */
 int cpucoll_all_to_all(void *h, void *out, void *inp, int64_t count, uint64_t epoch, int stripes, int64_t chunk,
                        int *peer) {
-    return go((ctx_t *)h, inp, out, count, 1, DT_F32, OP_SUM, epoch, stripes, chunk, 2, -1, peer);
+    return go((ctx_t *)h, inp, out, count, 1, DT_F32, OP_SUM, epoch, stripes, chunk, 2, -1, peer, 0);
 }
 
 /* The whole all_gather of `inp` (`count` bytes) into `out` (world blocks, block r from rank r), as
  * cpucoll_all_reduce; `chunk` is bytes. */
 int cpucoll_all_gather(void *h, void *out, void *inp, int64_t count, uint64_t epoch, int stripes, int64_t chunk,
                        int *peer) {
-    return go((ctx_t *)h, inp, out, count, 1, DT_F32, OP_SUM, epoch, stripes, chunk, 3, -1, peer);
+    return go((ctx_t *)h, inp, out, count, 1, DT_F32, OP_SUM, epoch, stripes, chunk, 3, -1, peer, 0);
 }
 
 /* The whole reduce_scatter of `inp` (world x count elements) into `out` (count elements), as
  * cpucoll_all_reduce; `chunk` is elements per destination block. */
 int cpucoll_reduce_scatter(void *h, void *out, void *inp, int64_t count, int esz, int dtype, int op, uint64_t epoch,
                            int stripes, int64_t chunk, int *peer) {
-    return go((ctx_t *)h, inp, out, count, esz, dtype, op, epoch, stripes, chunk, 1, -1, peer);
+    return go((ctx_t *)h, inp, out, count, esz, dtype, op, epoch, stripes, chunk, 1, -1, peer, 0);
 }
 
 /* A small call's reduction on the caller's thread: out = rows[0] (op) ... rows[n-1] in rank order

@@ -391,6 +391,20 @@ class CpuShm:
                         a, b = bounds[r], bounds[r + 1]
                         flat[start + a: start + b].copy_(rows[r, a:b])
 
+    def all_reduce_floor(self, scratch: torch.Tensor, name: str = "sum") -> bool:
+        """The native all_reduce's copies and reductions of a tensor like `scratch` (which ends
+        with garbage), with the stripes and chunk this rank offers and no wait: every rank runs it
+        at once for the bench's floor. False where the native pool does not take the call."""
+        flat = scratch.view(-1)
+        nbytes = flat.numel() * flat.element_size()
+        nat = self._native_pool()
+        if nbytes < NATIVE_MIN or nat is None or not nat.takes(flat.dtype, name):
+            return False
+        threads, chunk_kb, stripe_kb = nat.idle_offer
+        stripes = max(1, min(threads, nbytes // (max(stripe_kb, 1) << 10)))
+        nat.all_reduce_floor(flat, name, stripes, (chunk_kb << 10) // flat.element_size())
+        return True
+
     def _native_pool(self):
         """The native pool of this communicator, made on first use (None: not here)."""
         if self._native_tried:

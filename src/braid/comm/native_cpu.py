@@ -55,6 +55,8 @@ def build() -> ctypes.CDLL | None:
                                 _i64, _int]
     lib.cpucoll_all_reduce.restype = _int
     lib.cpucoll_all_reduce.argtypes = [_vp, _vp, _i64, _int, _int, _int, _u64, _int, _i64, _int, ctypes.POINTER(_int)]
+    lib.cpucoll_all_reduce_floor.restype = _int
+    lib.cpucoll_all_reduce_floor.argtypes = [_vp, _vp, _i64, _int, _int, _int, _int, _i64]
     lib.cpucoll_all_to_all.restype = _int
     lib.cpucoll_all_to_all.argtypes = [_vp, _vp, _vp, _i64, _u64, _int, _i64, ctypes.POINTER(_int)]
     lib.cpucoll_all_gather.restype = _int
@@ -140,6 +142,16 @@ class NativePool:
                                          _DTYPES[flat.dtype], OPS[name], epoch, stripes, chunk, root,
                                          ctypes.byref(self._peer))
         return rc, self._peer.value
+
+    def all_reduce_floor(self, scratch: torch.Tensor, name: str, stripes: int, chunk: int) -> None:
+        """This rank's copies and reductions of an all_reduce of `scratch` (left with garbage),
+        as many bytes each, with no wait, no counter and no byte read from a peer's area: run by
+        every rank at once, the memory's floor under the call (the bench's measured ceiling,
+        `_cpucoll.c` run_floor)."""
+        rc = self.lib.cpucoll_all_reduce_floor(self._h, scratch.data_ptr(), scratch.numel(), scratch.element_size(),
+                                               _DTYPES[scratch.dtype], OPS[name], stripes, chunk)
+        if rc:
+            raise OSError(f"the native all_reduce's floor could not run (code {rc})")
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, epoch: int, stripes: int, chunk: int) -> tuple[int, int]:
         """Byte views, world blocks each: block d of `inp` to rank d, block r of `out` from rank r."""
