@@ -559,8 +559,10 @@ static int go(ctx_t *c, void *buf, void *out, int64_t count, int esz, int dtype,
               int64_t chunk, int scatter, int root, int *peer, int dry) {
     *peer = -1;
     if (getpid() != c->owner) return E_FORKED;
-    if (c->sleepy > 0) c->sleepy--;
-    c->busy_before = __atomic_exchange_n(&c->busy, 0, __ATOMIC_RELAXED);
+    if (!dry) {                 /* the floor waits for nobody: it leaves the waits' record alone */
+        if (c->sleepy > 0) c->sleepy--;
+        c->busy_before = __atomic_exchange_n(&c->busy, 0, __ATOMIC_RELAXED);
+    }
     if (stripes < 1) stripes = 1;
     if (stripes > c->nworkers + 1) stripes = c->nworkers + 1;
     job_t *j = &c->job;
@@ -596,7 +598,7 @@ static int go(ctx_t *c, void *buf, void *out, int64_t count, int esz, int dtype,
             if (now_ns() - t0 < SPIN_NS) relax(); else sched_yield();
         }
     }
-    if (__atomic_load_n(&c->busy, __ATOMIC_RELAXED) + c->busy_before >= BUSY_YIELDS) c->sleepy = BUSY_CALLS;
+    if (!dry && __atomic_load_n(&c->busy, __ATOMIC_RELAXED) + c->busy_before >= BUSY_YIELDS) c->sleepy = BUSY_CALLS;
     *peer = c->fail_peer;
     return c->fail;
 }
