@@ -111,6 +111,12 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return code
 
 
+def _cut(threads: int, chunk_kb: int, stripe_kb: int, per: int, esz: int) -> tuple[int, int]:
+    """A native call's stripes (one a thread, at least `stripe_kb` of the `per` bytes a thread
+    works through each) and its chunk in elements, from the offer every rank agreed on."""
+    return max(1, min(threads, per // (max(stripe_kb, 1) << 10))), (chunk_kb << 10) // esz
+
+
 class CpuShm:
     """The whole-call collectives of one CPU communicator (every rank of one node)."""
 
@@ -393,16 +399,14 @@ class CpuShm:
 
     def all_reduce_floor(self, scratch: torch.Tensor, name: str = "sum") -> bool:
         """The native all_reduce's copies and reductions of a tensor like `scratch` (which ends
-        with garbage), with the stripes and chunk this rank offers and no wait: every rank runs it
-        at once for the bench's floor. False where the native pool does not take the call."""
+        with garbage), with the stripes and chunk of this rank's idle offer and no wait: every rank
+        runs it at once for the bench's floor. False where the native pool does not take the call."""
         flat = scratch.view(-1)
         nbytes = flat.numel() * flat.element_size()
         nat = self._native_pool()
         if nbytes < NATIVE_MIN or nat is None or not nat.takes(flat.dtype, name):
             return False
-        threads, chunk_kb, stripe_kb = nat.idle_offer
-        stripes = max(1, min(threads, nbytes // (max(stripe_kb, 1) << 10)))
-        nat.all_reduce_floor(flat, name, stripes, (chunk_kb << 10) // flat.element_size())
+        nat.all_reduce_floor(flat, name, *_cut(*nat.idle_offer, nbytes, flat.element_size()))
         return True
 
     def _native_pool(self):
@@ -444,8 +448,7 @@ class CpuShm:
         # block (one H200 host's 16 vCPUs, 4 and 8 ranks, 2026-11-27: threads by the input ran
         # 256 KiB-1 MiB at 435-1052 us, one thread at 145-370); an all_to_all's likewise
         per = nbytes if inp is None or op == "all_gather" else nbytes // self.world
-        stripes = max(1, min(threads, per // (max(stripe_kb, 1) << 10)))
-        chunk = (chunk_kb << 10) // esz
+        stripes, chunk = _cut(threads, chunk_kb, stripe_kb, per, esz)
         if op == "all_to_all_single":
             # a block per destination of at least A2A_BLOCK: 16 ranks on 16 vCPUs, 2026-11-27,
             # 16 KiB blocks ran 0.99-1.10x gloo at 16-64 MiB, 64 KiB blocks 1.32-1.65x
