@@ -157,15 +157,7 @@ def copy_seconds(comm, nbytes: int, reps: int = 3) -> float:
     a = torch.ones(max(nbytes, 1), dtype=torch.uint8)
     b = torch.empty_like(a)
     b.copy_(a)
-    best = float("inf")
-    for _ in range(reps):
-        dist.barrier(group=comm.gloo_group)
-        t0 = time.perf_counter()
-        b.copy_(a)
-        best = min(best, time.perf_counter() - t0)
-    t = torch.tensor([best], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=comm.gloo_group)
-    return float(t.item())
+    return _slowest_best(comm, lambda: None, lambda: b.copy_(a), reps)
 
 
 def floor_seconds(comm, nbytes: int, dtype: torch.dtype, reps: int = 5) -> float | None:
@@ -181,12 +173,19 @@ def floor_seconds(comm, nbytes: int, dtype: torch.dtype, reps: int = 5) -> float
     dist.all_reduce(flags, group=comm.gloo_group)       # every rank runs it, or none
     if flags.item():
         return None
+    # before each run the reductions get numbers again, not the garbage of the last run
+    return _slowest_best(comm, scratch.normal_, lambda: cpu.all_reduce_floor(scratch), reps)
+
+
+def _slowest_best(comm, prepare, run, reps: int) -> float:
+    """Seconds of `run()` started on every rank at once (after `prepare()` and a barrier): each
+    rank's best of `reps`, the slowest rank's of those (a collective call on every rank)."""
     best = float("inf")
     for _ in range(reps):
-        scratch.normal_()           # the reductions see numbers, not the garbage of the last run
+        prepare()
         dist.barrier(group=comm.gloo_group)
         t0 = time.perf_counter()
-        cpu.all_reduce_floor(scratch)
+        run()
         best = min(best, time.perf_counter() - t0)
     t = torch.tensor([best], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=comm.gloo_group)
