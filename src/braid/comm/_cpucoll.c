@@ -337,10 +337,12 @@ static red_fn reducer(int dtype) {
  * instead (the same offsets, kept inside the chunk), so that no byte crosses between cores while
  * every rank runs it at once: what the memory alone takes for the call's bytes, a floor under any
  * call that moves them this way. The values are garbage (the bench's floor, on a scratch tensor). */
-static void run_floor(ctx_t *c, int t, int64_t lo, int64_t hi, red_fn red) {
+static void run_floor(ctx_t *c, int t) {
     job_t *j = &c->job;
     const int n = c->world, me = c->me, esz = j->esz;
+    const int64_t lo = j->count * t / j->stripes, hi = j->count * (t + 1) / j->stripes;
     const int64_t chunks = (hi - lo + j->chunk - 1) / j->chunk;
+    red_fn red = reducer(j->dtype);
     uint8_t *src[MAXW];
     int64_t bd[MAXW + 1];
     for (int64_t k = 0; k < chunks; k++) {
@@ -369,10 +371,6 @@ static void run_stripe(ctx_t *c, int t) {
     red_fn red = reducer(j->dtype);
     uint8_t *src[MAXW];
     int64_t bd[MAXW + 1];
-    if (j->dry) {
-        run_floor(c, t, lo, hi, red);
-        return;
-    }
     for (int64_t k = 0; k < chunks; k++) {
         const int s = (int)(k % SLOTS);
         const int64_t k0 = lo + k * j->chunk, m = (hi - k0) < j->chunk ? hi - k0 : j->chunk;
@@ -464,7 +462,9 @@ static void run_scatter_stripe(ctx_t *c, int t) {
 }
 
 static void run(ctx_t *c, int t) {
-    if (c->job.scatter) run_scatter_stripe(c, t); else run_stripe(c, t);
+    if (c->job.dry) run_floor(c, t);
+    else if (c->job.scatter) run_scatter_stripe(c, t);
+    else run_stripe(c, t);
 }
 
 /* the pool ---------------------------------------------------------------------------------- */
