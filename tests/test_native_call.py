@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from braid.comm import callpath, native_rounds
+from braid.comm import prepared as prepared_mod
 from braid.comm.callpath import CallPath
 from braid.comm.ledger import CallLedger
 from braid.comm.prepared import NO_OBS, Entry, Ticket, mix_word
@@ -220,7 +221,7 @@ def _comm(seg, fast, key, monkeypatch):
     prep = _Prep(tickets={"t": tk}, enabled=True, stats=stats, fast=fast, dirty=False, entries={key: entry},
                  end_event=lambda: 0xE0, fork_event=lambda: 0x31)
     prep.get = lambda k: (stats.__setitem__("hits", stats["hits"] + 1), prep.entries.get(k))[1]
-    prep.joined = lambda async_op, end, stream, tensors, plan: ("joined", async_op, end)
+    prep.joined = lambda async_op, end, stream, tensors, plan, done=None: ("joined", async_op, end)
     led = CallLedger(0, True, None)
     led.ncalls = 40
     comm = SimpleNamespace(
@@ -251,7 +252,7 @@ def test_fast_prepared_books_a_native_hit_as_the_python_path(world, monkeypatch)
     key = (mix_word(10, 7), 55)
     comm, tk = _comm(segs[0], fasts[0], key, monkeypatch)
     token1 = segs[1].post_values([55, *NO_OBS])
-    assert CallPath.fast_prepared(comm, "t", _Inp(0xA000), (), False) is callpath._DONE
+    assert CallPath.fast_prepared(comm, "t", _Inp(0xA000), (), False) is prepared_mod._DONE
     assert comm.ledger.ncalls == 41 and comm.ledger.last_call == tk.ledger
     st = comm.prepared.stats
     assert st["replays"] == 1 and st["hits"] == 1 and st["native_calls"] == 1
@@ -335,4 +336,4 @@ def test_an_async_replay_tells_the_allocator_of_each_tensor_once():
     h = PreparedCalls.joined(me, True, 0xE0, "lane", (t, t, None, empty, out), None)
     assert t.recorded == ["lane"] and empty.recorded == [] and out.recorded == ["lane"]
     assert isinstance(h, PreparedHandle) and h.stream == "lane" and me.dirty is True
-    assert PreparedCalls.joined(me, False, 0xE1, "lane", (t,), None) is callpath._DONE and me.dirty is False
+    assert PreparedCalls.joined(me, False, 0xE1, "lane", (t,), None) is prepared_mod._DONE and me.dirty is False

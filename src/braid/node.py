@@ -36,6 +36,7 @@ from .planner.relay import geometry as relay_geometry
 
 log = logging.getLogger("braid")
 
+GRAPH_SLOTS = 4            # slots of each rank's graph ring (the host lane's captured programs)
 LINE = 64                  # bytes between counters (no false sharing between writers)
 COLL_MBOX_BYTES = 16384    # one collective descriptor (all_to_all splits for large worlds fit)
 # A rank's collective mailboxes, used in turn. Writing exchange t reuses the slot of t - 3, which
@@ -91,7 +92,7 @@ class Layout:
     """Where everything lives in the segment, computed identically on every rank."""
 
     def __init__(self, world_size: int, host_buffer_bytes: int, chunk_bytes: int, relay_buffer_bytes: int = 0,
-                 cpu_area_bytes: int = 0):
+                 cpu_area_bytes: int = 0, graph_rings: bool = False):
         n = world_size
         self.world_size = n
         # abort() pushes every counter before `pid`; `pid` and the abort flags after it stay
@@ -104,6 +105,9 @@ class Layout:
                  ("flag_ready", n * n), ("flag_done", n * n), ("flag_piece", n * n * MAX_PIECES),
                  # the same for prepared send/recv on the copy engines, per direction (src, dst)
                  ("flag_p2p_ready", n * n), ("flag_p2p_done", n * n),
+                 # the same for the host lane's captured programs (lanes/host.py emit): per
+                 # producer, slot of its graph ring and consumer, "full" (staged) and "free" (read)
+                 ("flag_host_full", n * GRAPH_SLOTS * n), ("flag_host_free", n * GRAPH_SLOTS * n),
                  # rounds of the CPU communicators' whole calls through the segment (comm/cpushm.py)
                  ("cpu_ready", n),
                  # the end of each deferred prepared call, raised on the copy engines' stream
@@ -148,6 +152,13 @@ class Layout:
                 pslots = max(2, pair_budget // pair_chunk)
                 self.pair_rings[(r, d)] = RingGeometry(off, pslots, pair_chunk)
                 off = _align(off + pslots * pair_chunk)
+        # the host lane's captured programs (GPU communicators) stage through rings of their own
+        # (GRAPH_SLOTS slots of the collective ring's size per rank): a replay starts at slot 0 every time, beside the
+        # posted calls' rings, whose slots and counters move on from call to call
+        self.graph_rings: list[RingGeometry] = []
+        for r in range(n if graph_rings else 0):
+            self.graph_rings.append(RingGeometry(off, GRAPH_SLOTS, coll_chunk))
+            off = _align(off + GRAPH_SLOTS * coll_chunk)
         # relay staging for CPU tensors: one ring per relay rank (planner/relay.py's geometry)
         self.relay_rings: list[RingGeometry] = []
         if relay_buffer_bytes > 0:
@@ -188,6 +199,11 @@ class Layout:
         else:
             flat = (index[0] * self.world_size + index[1]) * MAX_PIECES + index[2]
         return PAGE + (self.counter_base[name] + flat) * LINE
+
+    def host_flag(self, name: str, producer: int, slot: int, consumer: int) -> int:
+        """Byte offset of a host-lane graph flag ("flag_host_full" or "flag_host_free") of
+        `producer`'s graph ring slot `slot` and reader `consumer`."""
+        return self.counter(name, (producer * GRAPH_SLOTS + slot) * self.world_size + consumer)
 
     def ring(self, rid: tuple) -> RingGeometry:
         return self.coll_rings[rid[1]] if rid[0] == "coll" else self.pair_rings[(rid[1], rid[2])]

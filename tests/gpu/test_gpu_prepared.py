@@ -5,9 +5,10 @@
   dtypes and odd sizes, with buffers kept, reallocated at other addresses and reallocated at the
   same address (a new allocation the peers must not read through an old mapping), against a
   reference every rank computes from seeds; the calls really replayed graphs (the cache's counts);
-- the same through other lane sets (ce + host, nccl + ce: agreed from the cache, posted eagerly);
-- a user's torch.cuda.graph capture of every op, replayed with new data; a split that cannot be
-  captured raises MisuseError at capture time;
+- the same through other lane sets, interleaved: data movement with the host lane (alone or with
+  the copy engines) replays a graph; reductions with it and nccl + ce are posted between;
+- a user's torch.cuda.graph capture of every op, and of data movement on ce + host, replayed with
+  new data; a split that cannot be captured raises MisuseError at capture time;
 - async replays waited later;
 - abort while a peer's replay waits: every rank ends within BRAID_TIMEOUT_S, the next call raises.
 Runs with any GPU (ranks share it where there are fewer GPUs than ranks: gpu_world.py).
@@ -215,21 +216,52 @@ def test_thousand_repeated_calls_deferred_python_launcher(tmp_path):
     run(2, tmp_path, _repeated, {**DEFER, "BRAID_DEFER_NATIVE": "0"})
 
 
+MOVING = ("all_gather", "all_gather_list", "broadcast")       # data movement through run_prepared
+
+
 def _other_lanes(rank, world, comm, dev):
-    """Splits the cache agrees but cannot replay as one graph: posted eagerly, still right."""
-    for shares in ({"ce": 0.5, "host": 0.5}, {"nccl": 0.5, "ce": 0.5}, {"host": 1.0}):
+    """Other lane sets through the cache, every op's calls interleaved with the others' and with
+    new buffers now and then: with the host lane (alone or beside the copy engines) a data
+    movement replays one graph (its host part staged through the graph rings with replay-safe
+    flags), while reductions with it and nccl + ce are posted eagerly, through the posted calls'
+    rings and counters, between those replays."""
+    prep = comm._prepared
+    g = torch.Generator().manual_seed(11)
+    for shares in ({"ce": 0.5, "host": 0.5}, {"nccl": 0.5, "ce": 0.5}, {"host": 1.0}, {"ce": 0.7, "host": 0.3}):
+        graphs, replays = prep.stats["graphs"], prep.stats["replays"]
         with comm.fixed_shares(shares):
-            for op in OPS:
-                c = _Case(comm, op, 300_007, torch.bfloat16, rank, world, dev)
-                for i in range(6):
-                    c.call(("other", str(shares), op, i))
+            # (gpu_world's 512 KiB ring slots: the all_gather's host part goes round the graph ring)
+            cases = {op: _Case(comm, op, 300_007 if op != "all_gather" else 2_500_001, torch.bfloat16,
+                               rank, world, dev) for op in OPS}
+            for i in range(8):
+                order = torch.randperm(len(OPS), generator=g).tolist()
+                for j in order:
+                    op = OPS[j]
+                    c = cases[op]
+                    if i == 5:
+                        c.alloc()                       # new buffers: a new word, a new program
+                    if (i + j) % 4 == 0:                # async, waited after the next op's call
+                        h = c.call(("other", str(shares), op, i), async_op=True)
+                        h.wait()
+                    else:
+                        c.call(("other", str(shares), op, i))
                     assert c.right(), (shares, op, i)
+        torch.cuda.synchronize()
+        if "nccl" not in shares:
+            # every moving op built a program (and again after its new buffers) and replayed the rest
+            assert prep.stats["graphs"] - graphs >= 2 * len(MOVING), (shares, prep.stats)
+            assert prep.stats["replays"] - replays >= 5 * len(MOVING), (shares, prep.stats)
     assert comm._prepared.stats["hits"] > 0
 
 
 @needs(2)
 def test_other_lane_sets_through_the_cache(tmp_path):
     run(2, tmp_path, _other_lanes, ENV)
+
+
+@needs(4)
+def test_other_lane_sets_through_the_cache_four_ranks(tmp_path):
+    run(4, tmp_path, _other_lanes, ENV)
 
 
 def _user_graphs(rank, world, comm, dev):
@@ -252,16 +284,32 @@ def _user_graphs(rank, world, comm, dev):
                 assert c.right(), (op, i)
             del graph
     with comm.fixed_shares({"ce": 0.5, "host": 0.5}):
-        c = _Case(comm, "all_gather", 1_000_003, torch.float32, rank, world, dev)
-        c.call(("warm2",))
+        for op in MOVING:                               # the copy engines and the host lane: captured
+            c = _Case(comm, op, 1_000_003, torch.float32, rank, world, dev)
+            c.call(("warm2", op))
+            assert c.right()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                c.run()
+            torch.cuda.synchronize()
+            dist.barrier()
+            for i in range(5):
+                c.fill(("replay2", op, i))
+                graph.replay()
+                torch.cuda.synchronize()
+                assert c.right(), (op, i)
+            del graph
+        c = _Case(comm, "all_reduce", 1_000_003, torch.float32, rank, world, dev)
+        c.call(("warm3",))
         c.fill(("nope",))
         graph = torch.cuda.CUDAGraph()
-        with pytest.raises(MisuseError, match="cannot be captured"):
+        with pytest.raises(MisuseError, match="cannot be captured"):   # a reduction with the host lane
             with torch.cuda.graph(graph):
                 c.run()
     torch.cuda.synchronize()
     dist.barrier()
-    assert comm._prepared.stats["captured"] >= len(OPS)
+    assert comm._prepared.stats["captured"] >= len(OPS) + len(MOVING)
 
 
 @needs(2)

@@ -21,7 +21,7 @@ from ..executor import Handle
 from ..lanes import _cuda
 from ..node import COLL_MBOX_BYTES, COLL_SLOTS
 from . import native_rounds
-from .prepared import _DONE, _RAW, NO_OBS
+from .prepared import _RAW, NO_OBS
 from .rounds import DeferredHandle, Job
 
 log = logging.getLogger("braid")
@@ -229,8 +229,8 @@ class CallPath:
             prep.stats["native_calls"] += 1
             ledger = self.ledger
             ledger.last_call = tk.ledger
-            handle = prep.joined(mode == 2, end, self.ce.stream, (inp, *outs), tk.entry.plan) \
-                if mode else _DONE
+            handle = prep.joined(mode == 2, end, self.ce.stream, (inp, *outs), tk.entry.plan, tk.entry.done) \
+                if mode else tk.entry.done
             ledger.last_handle = handle
             return handle, None
         if code in (native_rounds.CAPTURING, native_rounds.ID_ERR):     # nothing posted: undone
@@ -298,6 +298,6 @@ class CallPath:
             handle = DeferredHandle(rd, n, tensors, tk.entry.plan, self.device.index)
         else:
             rd.stream_wait(caller, n)
-            handle = _DONE
+            handle = tk.entry.done
         ledger.last_handle = handle
         return handle

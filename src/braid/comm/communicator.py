@@ -253,13 +253,13 @@ class Communicator:
         cpu_area = CPU_AREA if self.cuda else 0     # a GPU communicator's whole CPU calls (comm/cpushm.py)
         box = [None]
         if self.rank == 0:     # decide the size, create the segment, then tell the others its name
-            budget, relay = _fit_shm(self.world_size, wanted_budget, chunk, wanted_relay, cpu_area)
-            self.layout = Layout(self.world_size, budget, chunk, relay, cpu_area)
+            budget, relay = _fit_shm(self.world_size, wanted_budget, chunk, wanted_relay, cpu_area, self.cuda)
+            self.layout = Layout(self.world_size, budget, chunk, relay, cpu_area, self.cuda)
             box = [(NodeSegment.new_name(), budget, relay)]
             self.segment = NodeSegment(box[0][0], self.layout, self.rank, create=True, spin_s=self._spin_s())
         dist.broadcast_object_list(box, group_src=0, group=self.gloo_group)
         name, budget, relay = box[0]
-        self.layout = Layout(self.world_size, budget, chunk, relay, cpu_area)
+        self.layout = Layout(self.world_size, budget, chunk, relay, cpu_area, self.cuda)
         name = [name]
         try:
             if self.rank != 0:
@@ -842,7 +842,8 @@ def usable_lanes(lanes: dict, unavailable: dict[str, str], wanted: set | None, d
             and (wanted is None or k.value in wanted)]
 
 
-def _fit_shm(world_size: int, budget: int, chunk: int, relay: int = 0, cpu_area: int = 0) -> tuple[int, int]:
+def _fit_shm(world_size: int, budget: int, chunk: int, relay: int = 0, cpu_area: int = 0,
+             graph: bool = False) -> tuple[int, int]:
     """Shrink the per-rank host buffer and relay staging so the node segment fits in /dev/shm (a
     container's default /dev/shm is 64 MiB; writing past it kills the process with SIGBUS instead
     of an error). Both are halved together; returns (host buffer bytes, relay staging bytes)."""
@@ -851,11 +852,11 @@ def _fit_shm(world_size: int, budget: int, chunk: int, relay: int = 0, cpu_area:
         free = st.f_bavail * st.f_frsize
     except OSError:
         return budget, relay
-    need = Layout(world_size, budget, chunk, relay, cpu_area).total_bytes
+    need = Layout(world_size, budget, chunk, relay, cpu_area, graph).total_bytes
     if need <= free * 0.9:
         return budget, relay
     fitted, fitted_relay = budget, relay
-    while fitted > (64 << 10) and Layout(world_size, fitted, chunk, fitted_relay, cpu_area).total_bytes > free * 0.9:
+    while fitted > (64 << 10) and Layout(world_size, fitted, chunk, fitted_relay, cpu_area, graph).total_bytes > free * 0.9:
         fitted //= 2
         fitted_relay = max(fitted_relay // 2, 64 << 10) if relay else 0
     log.warning("braid: /dev/shm has %d MiB free, too little for BRAID_HOST_BUFFER_MB=%d (and %d MiB of relay "

@@ -20,7 +20,7 @@ from ..planner.plan import Plan, split
 
 from ..lanes import _cuda
 from ..lanes.signals import Flags
-from .prepared import _DONE, Entry, graph_shares, not_capturable
+from .prepared import SAMPLE_EVERY, SAMPLE_FIRST, Entry, graph_shares, not_capturable
 
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 
@@ -312,14 +312,16 @@ class Exchange:
                 raise LaneFailureError(f"{op}: a deferred call of a shape prepared on the copy engines came out "
                                        f"whole when rebuilt; the ranks' lanes changed under it")
             return self.whole(native, entry.shares), entry
-        if self.cuda and graph_shares(entry.shares) and (multi is None or emit is not None):
+        host = "host" in entry.shares
+        if (self.cuda and graph_shares(entry.shares) and (multi is None or (emit is not None and not host))
+                and "ce" in self.lanes and not self.sampled(op, entry, capturing)):
             if not entry.size:              # nothing to move (an empty graph cannot be launched)
-                return _DONE, entry
+                return entry.done, entry
             if capturing:           # a user's capture: the same program into the caller's stream
                 _, sides = prep.streams()
                 self.program(entry, inp, outs, emit)(torch.cuda.current_stream(self.device), sides, [])
                 prep.stats["captured"] += 1
-                return _DONE, entry
+                return entry.done, entry
             if entry.graph is None:
                 if self.shortcuts.rebuilding():
                     # the rounds thread rebuilds a deferred call (comm/rounds.py): no capture there
@@ -329,9 +331,9 @@ class Exchange:
                     self.program(entry, inp, outs, emit)(torch.cuda.current_stream(self.device), prep.streams()[1], [])
                     if ticket is not None:
                         prep.tickets.pop(ticket, None)
-                    return _DONE, entry
+                    return entry.done, entry
                 prep.capture(entry, self.program(entry, inp, outs, emit))
-            if ticket is not None and bal == self.policy.balancer.version:
+            if ticket is not None and bal == self.policy.balancer.version and not self.balanced(op, entry):
                 if posted is None or posted[0] == prep.finish_word(base, inp, lanes):
                     t = inp if inp is not None else outs[0]
                     prep.ticket(ticket, base, bal, key, entry, op,
@@ -346,6 +348,19 @@ class Exchange:
         if multi is not None:
             return multi(entry.descs, entry.shares, entry.plan, entry.agreed), entry
         return execute(self.lane_ctx, entry.plan, inp, outs, entry.descs), entry
+
+    def balanced(self, op: str, entry: Entry) -> bool:
+        """A split over several lanes whose shares the balancer still moves (it needs their times)."""
+        return len(entry.shares) > 1 and self.policy.adapt and self.policy.fixed_for(op) is None
+
+    def sampled(self, op: str, entry: Entry, capturing: bool) -> bool:
+        """Post this call of a balanced split (its lanes timed for the balancer) instead of
+        replaying it: its first SAMPLE_FIRST calls and every SAMPLE_EVERY-th after. Every rank
+        counts the same calls of the same entry, so every rank takes the same way."""
+        if capturing or not self.balanced(op, entry):
+            return False
+        entry.calls += 1
+        return entry.calls <= SAMPLE_FIRST or entry.calls % SAMPLE_EVERY == 0
 
     def prepare(self, op: str, desc: dict, inp, lanes, movement_of, native, agree_keys, device) -> Entry:
         """The full agreement of a call not prepared yet: every rank's JSON descriptor, the
@@ -370,8 +385,8 @@ class Exchange:
         return Entry(descs, self.plan(mkey, build, shares, size, device), shares, agreed, size, native=False)
 
     def program(self, entry: Entry, inp, outs, emit):
-        """The GPU work of a call on the copy engines alone, with replay-safe flags, as a
-        function of (stream, side streams, keep-alive list). Peers' buffers are mapped here,
+        """The GPU work of a call on the copy engines and the host lane, with replay-safe flags,
+        as a function of (stream, side streams, keep-alive list). Peers' buffers are mapped here,
         before any capture (opening an IPC handle is not a stream operation)."""
         sig = Flags(self.seg_dev_ptr, self.layout)
         me = self.rank
@@ -384,8 +399,29 @@ class Exchange:
         in_ptr = inp.data_ptr() if inp is not None and inp.numel() else 0
         local = [(out_ptrs[c.buf] + c.dst_off, in_ptr + c.src_off, c.nbytes)
                  for c in entry.plan.local if c.rank == me and c.nbytes]
+        staged = entry.plan.lanes.get("host", [])
+        if staged:          # the host lane's share: its producer and consumer on its two streams
+            host = self.lanes["host"]
+            progs = host.programs(me, staged, in_ptr, out_ptrs)
+            hs = (host.produce_stream, host.consume_stream)
 
         def program(stream, sides, keep) -> None:
+            if staged:
+                fork = torch.cuda.Event()
+                fork.record(stream)
+                for s in hs:
+                    s.wait_event(fork)
+                host.emit(hs[0].cuda_stream, hs[1].cuda_stream, progs)
+                keep.append(fork)
+            ce_program(stream, sides, keep)
+            if staged:                  # joined after the copy engines' part, which runs beside it
+                for s in hs:
+                    join = torch.cuda.Event()
+                    join.record(s)
+                    stream.wait_event(join)
+                    keep.append(join)
+
+        def ce_program(stream, sides, keep) -> None:
             # the rank's own part (input to output, device-local) on a side stream, beside the
             # pulls: in line before them it held up this rank's `ready` and the peers' pulls
             # by its whole time (~50 us of a 250 us all_gather of 64 MiB on 2 x H200)

@@ -76,8 +76,19 @@ def mix_word(base: int, ident: int) -> int:
     return h & MASK63
 
 
+GRAPH_LANES = frozenset(("ce", "host"))
+# a split over several lanes that the balancer still moves is posted (its lanes timed) at its
+# first SAMPLE_FIRST calls and every SAMPLE_EVERY-th after, and replayed between
+SAMPLE_FIRST, SAMPLE_EVERY = 8, 64
+
+
 def graph_shares(shares: dict[str, float]) -> bool:
-    """Shares a prepared call replays as a CUDA graph: the copy engines alone."""
+    """Shares a prepared call can replay as a CUDA graph: the copy engines, the host lane, or
+    both (the host lane in data movement only: a reduction with it stays posted)."""
+    return bool(shares) and GRAPH_LANES.issuperset(shares)
+
+
+def ce_alone(shares: dict[str, float]) -> bool:
     return len(shares) == 1 and "ce" in shares
 
 
@@ -94,7 +105,7 @@ class Entry:
     """One prepared call: what every rank agreed (descriptors, lanes, shares, plan) and, for the
     copy engines alone on GPUs, the captured program."""
 
-    __slots__ = ("descs", "plan", "shares", "agreed", "size", "native", "graph", "exec_ptr", "keep")
+    __slots__ = ("descs", "plan", "shares", "agreed", "size", "native", "graph", "exec_ptr", "keep", "calls", "done")
 
     def __init__(self, descs, plan, shares, agreed, size, native: bool):
         self.descs, self.plan, self.shares, self.agreed, self.size = descs, plan, shares, agreed, size
@@ -102,6 +113,8 @@ class Entry:
         self.graph = None
         self.exec_ptr = 0
         self.keep: list = []            # events the captured program records (alive with it)
+        self.calls = 0                  # calls of a balanced split (SAMPLE_FIRST, SAMPLE_EVERY)
+        self.done = _DONE if ce_alone(shares) else _Replayed(shares)      # a synchronous replay's handle
 
 
 class Ticket:
@@ -148,13 +161,14 @@ _RAW = _current_raw_stream()
 class _Replayed(Handle):
     """last_handle after a synchronous replay (already in the caller's stream)."""
 
-    def __init__(self):
+    def __init__(self, shares=None):
         super().__init__()
         self._waited = True
+        self._shares = dict(shares or {"ce": 1.0})
 
     @property
     def shares(self) -> dict[str, float]:
-        return {"ce": 1.0}
+        return dict(self._shares)
 
 
 _DONE = _Replayed()
@@ -198,7 +212,7 @@ class PreparedCalls:
         """This rank's facts of the call but the input's allocation, hashed (within this process)."""
         facts = [op, tuple(desc.items()), tuple(lanes), tuple(shares.items()), calib, bal, self.epoch, capturing,
                  -1 if inp is None else inp.numel(), tuple(o.numel() for o in outs)]
-        if self.cuda and "ce" in lanes:     # the copy engines read and write these buffers in place
+        if self.cuda and ("ce" in lanes or "host" in lanes):   # programs read and write these buffers in place
             facts += [inp.data_ptr() if inp is not None else 0, tuple(o.data_ptr() for o in outs)]
         try:
             return hash(tuple(facts))
@@ -356,7 +370,7 @@ class PreparedCalls:
         if not async_op and not self.dirty and entry.exec_ptr:
             _cuda.graph_launch(entry.exec_ptr, caller)
             self.stats["replays"] += 1
-            return _DONE
+            return entry.done
         self.fork(stream, caller)
         if entry.exec_ptr:
             _cuda.graph_launch(entry.exec_ptr, stream.cuda_stream)
@@ -364,7 +378,7 @@ class PreparedCalls:
             with torch.cuda.stream(stream):
                 entry.graph.replay()
         self.stats["replays"] += 1
-        return self.join(caller, stream, async_op, tensors, entry.plan)
+        return self.join(caller, stream, async_op, tensors, entry.plan, entry.done)
 
     def fork(self, stream, caller: int | None = None) -> int:
         """`stream` (a lane's) waits for the caller's current stream to reach this call; returns
@@ -386,21 +400,21 @@ class PreparedCalls:
         self._ev_next = (self._ev_next + 1) % EVENT_RING
         return end
 
-    def join(self, caller: int, stream, async_op: bool, tensors: tuple, plan=None):
+    def join(self, caller: int, stream, async_op: bool, tensors: tuple, plan=None, done=None):
         """The end of a call posted on `stream` after fork(): synchronous, the caller's stream
         waits for it; async, a handle whose wait() does that."""
         end = self.end_event()
         _cuda.event_record(end, stream.cuda_stream)
         if not async_op:
             _cuda.stream_wait_event(caller, end)
-        return self.joined(async_op, end, stream, tensors, plan)
+        return self.joined(async_op, end, stream, tensors, plan, done)
 
-    def joined(self, async_op: bool, end: int, stream, tensors: tuple, plan=None):
+    def joined(self, async_op: bool, end: int, stream, tensors: tuple, plan=None, done=None):
         """After the end event of a forked call was recorded on `stream` (and, synchronous, the
         caller's stream made to wait for it): the handle, and what braid's streams now owe."""
         if not async_op:
             self.dirty = False          # the caller's stream is now after everything braid posted
-            return _DONE
+            return done if done is not None else _DONE
         self.dirty = True
         last = None
         for t in tensors:           # the caller may free them before waiting: the allocator must know
@@ -424,13 +438,14 @@ class PreparedCalls:
 
 
 def not_capturable(op: str, shares: dict[str, float]) -> MisuseError:
-    if graph_shares(shares):        # the copy engines alone, on a path that is not one program
+    if ce_alone(shares):        # the copy engines alone, on a path that is not one program
         return MisuseError(
             f"{op}: this call takes the copy engines' staged path (a reduce of fewer elements than ranks "
             f"does), which cannot be captured in a CUDA graph. Capture it on NCCL (comm.fixed_shares({{'nccl': 1.0}}) "
             f"around the capture) or take it out of the captured region.")
     return MisuseError(
         f"{op}: this call is split over lanes {sorted(shares)}, which cannot be captured in a CUDA graph "
-        f"(only NCCL's whole call and the copy engines alone can). Capture it with the copy engines "
+        f"(NCCL's whole call, the copy engines alone and, for data movement, the copy engines with the "
+        f"host lane can). Capture it with the copy engines "
         f"alone (comm.fixed_shares({{'ce': 1.0}}) around the capture, or BRAID_LANES=nccl,ce) or take "
         f"it out of the captured region.")

@@ -13,15 +13,33 @@ The chunk schedule is planner/rings.py's (shared with the CPU `shm` lane). On ra
 
 Producer and consumer run on two streams: on one stream a rank's staging could wait for a peer
 that itself waits for this rank to read (a cycle). Every wait is a stream memory operation on a
-counter in the node segment, so the CPU never blocks; reductions (next issue) go on the GPU after
-the H2D. The ring memory is bounded by BRAID_HOST_BUFFER_MB.
+counter in the node segment, so the CPU never blocks; reductions go on the GPU after the H2D.
+The ring memory is bounded by BRAID_HOST_BUFFER_MB.
+
+A prepared call (comm/prepared.py) captures its host part once and replays it (`programs`,
+`emit`): the counters above rise from call to call, which a replayed program cannot do, so a
+captured program stages through a ring of its own (Layout.graph_rings, GRAPH_SLOTS slots),
+starting at slot 0 in every call, and hands each slot over with flags that return to rest:
+
+    producer:  [take free[s][c] for every reader c of slot s's previous use in this call]
+               D2H (input piece -> slot s);  set full[s][c] = 1 for every reader c of the chunk
+               ... at the end: take free[s][c] of every slot's last use
+    consumer:  take full[s][me] (wait for 1, set back to 0);  H2D (slot s -> output piece(s));
+               set free[s][me] = 1
+
+(take: wait until the flag is 1, then set it back to 0; one batch of stream memory operations.)
+A flag is set only after its waiter took its previous setting, and the producer's program ends
+only when every reader has read every slot, so after each call every flag is 0 and every slot
+free: the same program runs right the next time, and the posted calls' ring is never touched.
+An abort sets the flags far above 1 (NodeSegment.release_flags), releasing every wait.
 """
 from __future__ import annotations
 
 import torch
 
+from ..node import GRAPH_SLOTS
 from ..planner.plan import LaneKind, Transfer
-from ..planner.rings import schedule
+from ..planner.rings import graph_schedule, schedule
 from . import _cuda
 from .base import GpuLaneMixin, Lane, LaneRun, OpContext
 
@@ -70,3 +88,66 @@ class HostLane(GpuLaneMixin, Lane):
         cs.wait_stream(ps)
         self._keep_alive(ctx, ps, cs)
         return LaneRun(self.kind, start=start, end=self._end(cs))
+
+    # captured programs (see the module docstring) ----------------------------------------------
+    def programs(self, me: int, transfers: list[Transfer], in_ptr: int, out_ptrs: list[int]) -> tuple[list, list]:
+        """This rank's host part of a collective call as two replay-safe programs (producer,
+        consumer): lists of ("ops", [(wait, device address, value)...]) (one batch of flag
+        operations) and ("copy", dst, src, nbytes)."""
+        lc = self.lc
+        return graph_programs(lc.layout, me, transfers, in_ptr, out_ptrs, lc.seg_dev_ptr, lc.segment.address)
+
+    @staticmethod
+    def emit(ph: int, ch: int, progs: tuple[list, list]) -> None:
+        """The two programs on streams `ph` (producer) and `ch` (consumer)."""
+        for sh, prog in ((ph, progs[0]), (ch, progs[1])):
+            for op in prog:
+                if op[0] == "ops":
+                    _cuda.memops(sh, op[1])
+                else:
+                    _cuda.memcpy_async(op[1], op[2], op[3], sh)
+
+
+def graph_programs(lay, me: int, transfers: list[Transfer], in_ptr: int, out_ptrs: list[int],
+                   dev_base: int, host_base: int) -> tuple[list, list]:
+    """HostLane.programs on a layout and the segment's device (flags) and host (slots) bases;
+    consecutive flag operations go in one batch."""
+    ring = lay.graph_rings[me]
+    slot_bytes = ring.slot_bytes
+    produce, consume, tail = graph_schedule(transfers, me, slot_bytes, GRAPH_SLOTS)
+
+    def flag(name: str, producer: int, slot: int, reader: int) -> int:
+        return dev_base + lay.host_flag(name, producer, slot, reader)
+
+    def take(addr: int) -> list:
+        return [(True, addr, 1), (False, addr, 0)]
+
+    def slot_addr(producer: int, slot: int) -> int:
+        return host_base + lay.graph_rings[producer].slot_offset(slot)
+
+    prod: list = []
+    batch: list = []
+    for st in produce:
+        for c in st.free:
+            batch += take(flag("flag_host_free", me, st.slot, c))
+        if batch:
+            prod.append(("ops", batch))
+        prod.append(("copy", slot_addr(me, st.slot), in_ptr + st.src_off, st.nbytes))
+        batch = [(False, flag("flag_host_full", me, st.slot, c), 1) for c in st.readers]
+    for slot, readers in tail:
+        for c in readers:
+            batch += take(flag("flag_host_free", me, slot, c))
+    if batch:
+        prod.append(("ops", batch))
+    cons: list = []
+    batch = []
+    for st in consume:
+        batch += take(flag("flag_host_full", st.producer, st.slot, me))
+        cons.append(("ops", batch))
+        src = slot_addr(st.producer, st.slot)
+        for b, off in st.dsts:
+            cons.append(("copy", out_ptrs[b] + off, src, st.nbytes))
+        batch = [(False, flag("flag_host_free", st.producer, st.slot, me), 1)]
+    if batch:
+        cons.append(("ops", batch))
+    return prod, cons

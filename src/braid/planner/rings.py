@@ -124,3 +124,61 @@ def schedule(transfers: list[Transfer], rank: int, world_size: int, chunk: int,
             if not q:
                 queues.remove(q)
     return produce, consume
+
+
+# captured programs ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GraphProduce:
+    slot: int
+    src_off: int
+    nbytes: int
+    free: tuple[int, ...]            # readers of the slot's previous use in this call (wait for each)
+    readers: tuple[int, ...]         # readers of this chunk (tell each)
+
+
+@dataclass(frozen=True)
+class GraphConsume:
+    producer: int
+    slot: int
+    nbytes: int
+    dsts: tuple[tuple[int, int], ...]   # (output buffer index, byte offset) on this rank
+
+
+def graph_schedule(transfers: list[Transfer], rank: int, chunk: int, slots: int
+                   ) -> tuple[list[GraphProduce], list[GraphConsume], tuple[tuple[int, tuple[int, ...]], ...]]:
+    """The host lane's part of one collective call as a program that can run again unchanged
+    (a CUDA graph): each producer's chunks go through its graph ring from slot 0 in every call,
+    handed over by per-slot, per-reader flags instead of counters that rise from call to call.
+    Returns this rank's produce steps, its consume steps (round-robin over producers, each
+    producer's chunks in order) and the tail: for each slot of its own ring, the readers of its
+    last use, which the producer waits for before its program ends (so that the next call, or
+    the next program, finds every slot free and every flag back at rest)."""
+    by_src: dict[int, list[Transfer]] = {}
+    for t in transfers:
+        by_src.setdefault(t.src, []).append(t)
+    produce: list[GraphProduce] = []
+    consume_lists: list[list[GraphConsume]] = []
+    tail: tuple = ()
+    for src in sorted(by_src):
+        last: dict[int, tuple[int, ...]] = {}
+        mine: list[GraphConsume] = []
+        for g, piece in enumerate(chunk_transfers(by_src[src], chunk)):
+            slot = g % slots
+            readers = tuple(sorted({d for d, _, _ in piece.dsts}))
+            if src == rank:
+                produce.append(GraphProduce(slot, piece.src_off, piece.nbytes, last.get(slot, ()), readers))
+            last[slot] = readers
+            here = tuple((b, off) for d, b, off in piece.dsts if d == rank)
+            if here:
+                mine.append(GraphConsume(src, slot, piece.nbytes, here))
+        if src == rank:
+            tail = tuple((s, r) for s, r in sorted(last.items()) if r)
+        consume_lists.append(mine)
+    consume: list[GraphConsume] = []
+    queues = [deque(c) for c in consume_lists if c]
+    while queues:
+        for q in list(queues):
+            consume.append(q.popleft())
+            if not q:
+                queues.remove(q)
+    return produce, consume, tail

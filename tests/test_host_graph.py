@@ -1,0 +1,256 @@
+"""The host lane's captured programs (lanes/host.py `programs`), run on the CPU.
+
+Each rank's two programs (producer, consumer) for a collective's host share are built from the
+same plan the GPU would run, then executed by a small interpreter standing in for the GPUs: one
+flat memory holds the node segment (flags and graph-ring slots) and every rank's input and
+outputs, each stream runs its program's operations in order, a wait blocks until its flag is
+set, copies move real bytes, and the streams are interleaved at random. A rank's call ends when
+both its streams finished the program; its outputs are checked then and its input refilled with
+fresh bytes for its next call, while its peers may still be in the call before (as replays on
+two GPUs may be). Checked for every world size, op and interleaving, calls after calls:
+- no stream waits forever;
+- every rank's outputs hold exactly the bytes the plan's host transfers deliver, from this call's
+  inputs (a slot read too early or overwritten too soon shows as wrong bytes);
+- after the last call every flag is back at 0 (what lets the same program run again);
+- an abort (every flag set far above 1) releases a rank whose peer never comes.
+Negative controls: without the waits for a slot's readers (or without the tail), the checks
+catch the corruption or the flags left set.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from braid.lanes.host import graph_programs
+from braid.node import GRAPH_SLOTS, Layout
+from braid.planner.plan import all_gather_movement, all_to_all_movement, broadcast_movement, split
+
+CHUNK = 4096
+
+
+def _plans(world: int, n: int) -> dict:
+    matrix = [[((s * 7 + d * 3 + 1) % 5) * 1000 + 8 for d in range(world)] for s in range(world)]
+    out = {
+        "all_gather": split(all_gather_movement(world, n, False), {"host": 1.0}, n),
+        "all_gather_list": split(all_gather_movement(world, n, True), {"host": 1.0}, n),
+        "broadcast": split(broadcast_movement(world, n, world - 1), {"host": 1.0}, n),
+        "all_to_all": split(all_to_all_movement(matrix), {"host": 1.0}, sum(map(sum, matrix))),
+        "all_gather_mixed": split(all_gather_movement(world, n, False), {"ce": 0.5, "host": 0.5}, n,
+                                  min_split=1024),
+    }
+    return out
+
+
+class _World:
+    """The flat memory of every rank's buffers and the segment, and each rank's two programs."""
+
+    def __init__(self, world: int, plan, drop=None):
+        self.world = world
+        self.layout = lay = Layout(world, 1 << 16, CHUNK, graph_rings=True)
+        assert lay.graph_rings[0].slot_bytes == CHUNK
+        self.transfers = plan.lanes.get("host", [])
+        in_bytes = max([t.src_off + t.nbytes for t in self.transfers] + [1])
+        nbufs = 1 + max([b for t in self.transfers for _, b, _ in t.dsts] + [0])
+        out_bytes = max([off + t.nbytes for t in self.transfers for _, _, off in t.dsts] + [1])
+        base = lay.total_bytes
+        self.inp, self.outs = [], []
+        for r in range(world):
+            self.inp.append(base)
+            base += in_bytes
+            self.outs.append([base + b * out_bytes for b in range(nbufs)])
+            base += nbufs * out_bytes
+        self.in_bytes = in_bytes
+        self.mem = bytearray(base)
+        self.flags: dict[int, int] = {}
+        self.progs = []
+        for r in range(world):
+            prod, cons = graph_programs(lay, r, self.transfers, self.inp[r], self.outs[r], 0, 0)
+            if drop is not None:
+                prod = drop(prod)
+            self.progs.append([self._flat(prod), self._flat(cons)])
+
+    @staticmethod
+    def _flat(prog: list) -> list:
+        """A batch runs its operations in order, as the driver does: one step each."""
+        out = []
+        for op in prog:
+            if op[0] == "ops":
+                out += [("wait" if w else "write", addr, v) for w, addr, v in op[1]]
+            else:
+                out.append(op)
+        return out
+
+    def fill(self, rank: int, rng: random.Random) -> bytes:
+        data = bytes(rng.getrandbits(8) for _ in range(self.in_bytes))
+        self.mem[self.inp[rank]: self.inp[rank] + self.in_bytes] = data
+        return data
+
+    def expected(self, rank: int, inputs: list[bytes]) -> list[tuple[int, bytes]]:
+        """(address, bytes) the host transfers deliver to `rank`."""
+        want = []
+        for t in self.transfers:
+            for d, b, off in t.dsts:
+                if d == rank:
+                    want.append((self.outs[rank][b] + off, inputs[t.src][t.src_off: t.src_off + t.nbytes]))
+        return want
+
+    def run(self, calls: int, seed: int, absent: int | None = None, abort_at: int | None = None) -> dict:
+        rng = random.Random(seed)
+        live = [r for r in range(self.world) if r != absent]
+        inputs: list[list[bytes]] = [[b""] * self.world for _ in range(calls)]
+        for r in live:
+            inputs[0][r] = self.fill(r, rng)
+        streams = [(r, s) for r in live for s in (0, 1) if self.progs[r][s]]
+        pc = {k: 0 for k in streams}
+        call = {k: 0 for k in streams}
+
+        def rank_call(r: int) -> int:
+            return min(call[k] for k in streams if k[0] == r)
+        wrong, steps, aborted = [], 0, False
+        while any(call[k] < calls for k in streams):
+            movable = []
+            for k in streams:
+                r, s = k
+                if call[k] >= calls or call[k] > rank_call(r):
+                    continue            # a rank's next call starts when all its streams ended this one
+                op = self.progs[r][s][pc[k]]
+                if op[0] != "wait" or self.flags.get(op[1], 0) >= op[2]:
+                    movable.append(k)
+            if not movable:
+                return {"deadlock": True, "wrong": wrong, "call": call}
+            k = rng.choice(movable)
+            r, s = k
+            op = self.progs[r][s][pc[k]]
+            if op[0] == "write":
+                if not aborted:
+                    self.flags[op[1]] = op[2]
+            elif op[0] == "copy":
+                _, dst, src, n = op
+                self.mem[dst: dst + n] = self.mem[src: src + n]
+            pc[k] += 1
+            if pc[k] == len(self.progs[r][s]):
+                pc[k] = 0
+                call[k] += 1
+                if all(call[j] == call[k] for j in streams if j[0] == r):      # rank r ended a call
+                    done = call[k] - 1
+                    for addr, data in self.expected(r, inputs[done]):
+                        if bytes(self.mem[addr: addr + len(data)]) != data:
+                            wrong.append((r, done, addr))
+                            break
+                    if call[k] < calls:
+                        inputs[call[k]][r] = self.fill(r, rng)
+            steps += 1
+            if abort_at is not None and steps >= abort_at:
+                aborted = True
+            if aborted:
+                for p in self.progs:
+                    for prog in p:
+                        for o in prog:
+                            if o[0] != "copy":
+                                self.flags[o[1]] = 0x40000000
+        return {"deadlock": False, "wrong": wrong, "call": call}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("op", ["all_gather", "all_gather_list", "broadcast", "all_to_all", "all_gather_mixed"])
+def test_host_programs_move_the_right_bytes_call_after_call(world, op):
+    n = CHUNK * (3 * GRAPH_SLOTS) + 4096 * 3 + 512       # more chunks than slots, and a short last one
+    plan = _plans(world, n)[op]
+    assert plan.lanes.get("host")
+    for seed in range(4 if world < 8 else 2):
+        w = _World(world, plan)
+        res = w.run(calls=4, seed=seed)
+        assert not res["deadlock"], (op, world, seed, res["call"])
+        assert not res["wrong"], (op, world, seed, res["wrong"][:3])
+        assert not any(w.flags.values()), "a flag was left set after the last call"
+
+
+def test_the_programs_use_their_own_ring_and_flags():
+    """Graph rings sit apart from the posted calls' rings; the flags lie below `pid` (released by
+    an abort) and every address a program names is inside the segment."""
+    world = 3
+    lay = Layout(world, 1 << 16, CHUNK, graph_rings=True)
+    plan = _plans(world, 10 * CHUNK)["all_gather"]
+    coll = [(g.offset, g.offset + g.num_slots * g.slot_bytes) for g in lay.coll_rings]
+    graph = [(g.offset, g.offset + g.num_slots * g.slot_bytes) for g in lay.graph_rings]
+    assert all(b <= c or d <= a for a, b in graph for c, d in coll)
+    limit = 4096 + lay.counter_base["pid"] * 64
+    first = 4096 + lay.counter_base["flag_ready"] * 64
+    for r in range(world):
+        for prog in graph_programs(lay, r, plan.lanes["host"], 10 ** 9, [2 * 10 ** 9], 0, 0):
+            for op in prog:
+                if op[0] == "ops":
+                    assert all(first <= a < limit for _, a, _ in op[1])
+                else:
+                    _, dst, src, _n = op
+                    slot = src if src < lay.total_bytes else dst
+                    assert any(a <= slot < b for a, b in graph)
+    assert not Layout(world, 1 << 16, CHUNK).graph_rings          # CPU communicators: none
+
+
+def _without_free_waits(prog: list) -> list:
+    """The producer without its waits for the readers of a slot's previous use (nor the tail):
+    only its settings of "full" (to 1) are kept."""
+    out = []
+    for op in prog:
+        if op[0] == "ops":
+            kept = [(w, a, v) for w, a, v in op[1] if not w and v == 1]
+            if kept:
+                out.append(("ops", kept))
+        else:
+            out.append(op)
+    return out
+
+
+def test_negative_control_without_the_readers_waits():
+    """A producer that reuses slots without waiting for their readers corrupts some call's bytes
+    or leaves flags set: the checks above can fail."""
+    plan = _plans(2, CHUNK * 4 * GRAPH_SLOTS)["all_gather"]
+    caught = 0
+    for seed in range(10):
+        w = _World(2, plan, drop=_without_free_waits)
+        res = w.run(calls=3, seed=seed)
+        caught += bool(res["deadlock"] or res["wrong"] or any(w.flags.values()))
+    assert caught >= 5, caught
+
+
+def test_an_abort_releases_a_rank_whose_peer_never_comes():
+    plan = _plans(2, CHUNK * 6)["all_gather"]
+    w = _World(2, plan)
+    res = w.run(calls=1, seed=0, absent=1)
+    assert res["deadlock"]                                # rank 0 waits for rank 1 forever...
+    w = _World(2, plan)
+    res = w.run(calls=1, seed=0, absent=1, abort_at=5)
+    assert not res["deadlock"]                            # ...until an abort releases it
+
+
+def test_a_balanced_split_is_posted_at_its_first_calls_and_now_and_then():
+    """A split over several lanes that the balancer moves is posted (timed) at its first calls and
+    every SAMPLE_EVERY-th, replayed between; fixed shares, one lane and captures always replay."""
+    from types import SimpleNamespace
+
+    from braid.comm.exchange import Exchange
+    from braid.comm.prepared import SAMPLE_EVERY, SAMPLE_FIRST, Entry
+
+    class _Policy:
+        adapt, fixed = True, None
+
+        def fixed_for(self, op):
+            return self.fixed
+
+    def posted(shares, n=3 * SAMPLE_EVERY, capturing=False, fixed=None, adapt=True):
+        pol = _Policy()
+        pol.fixed, pol.adapt = fixed, adapt
+        ex = SimpleNamespace(policy=pol)
+        ex.balanced = lambda op, e: Exchange.balanced(ex, op, e)
+        entry = Entry(None, None, shares, ["ce", "host"], 1 << 20, native=False)
+        return [i + 1 for i in range(n) if Exchange.sampled(ex, "all_gather", entry, capturing)]
+
+    mixed = {"ce": 0.7, "host": 0.3}
+    got = posted(mixed)
+    assert got == list(range(1, SAMPLE_FIRST + 1)) + [SAMPLE_EVERY, 2 * SAMPLE_EVERY, 3 * SAMPLE_EVERY]
+    assert posted({"ce": 1.0}) == []
+    assert posted(mixed, fixed=mixed) == []
+    assert posted(mixed, adapt=False) == []
+    assert posted(mixed, capturing=True) == []
