@@ -24,7 +24,8 @@ import pytest
 
 from braid.lanes.host import graph_programs
 from braid.node import GRAPH_SLOTS, Layout
-from braid.planner.plan import all_gather_movement, all_to_all_movement, broadcast_movement, split
+from braid.planner.plan import (all_gather_movement, all_to_all_movement, broadcast_movement, gather_chunks,
+                                reduce_scatter_chunks, split)
 
 CHUNK = 4096
 
@@ -39,6 +40,12 @@ def _plans(world: int, n: int) -> dict:
         "all_gather_mixed": split(all_gather_movement(world, n, False), {"ce": 0.5, "host": 0.5}, n,
                                   min_split=1024),
     }
+    # a staged reduction's two phases (comm/reductions.py reduce_program): every rank's chunk d
+    # into rank d's slots (buffer 1), then each rank's reduced chunk to every rank or to a root
+    chunks = [(d * (n // world), n // world - 8 * d) for d in range(world)]
+    out["reduce_scatter_chunks"] = split(reduce_scatter_chunks(world, chunks), {"host": 1.0}, n)
+    out["gather_chunks"] = split(gather_chunks(world, chunks, None), {"host": 1.0}, n)
+    out["gather_to_root"] = split(gather_chunks(world, chunks, world - 1), {"host": 1.0}, n)
     return out
 
 
@@ -153,7 +160,8 @@ class _World:
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
-@pytest.mark.parametrize("op", ["all_gather", "all_gather_list", "broadcast", "all_to_all", "all_gather_mixed"])
+@pytest.mark.parametrize("op", ["all_gather", "all_gather_list", "broadcast", "all_to_all", "all_gather_mixed",
+                                "reduce_scatter_chunks", "gather_chunks", "gather_to_root"])
 def test_host_programs_move_the_right_bytes_call_after_call(world, op):
     n = CHUNK * (3 * GRAPH_SLOTS) + 4096 * 3 + 512       # more chunks than slots, and a short last one
     plan = _plans(world, n)[op]
@@ -254,3 +262,29 @@ def test_a_balanced_split_is_posted_at_its_first_calls_and_now_and_then():
     assert posted(mixed, fixed=mixed) == []
     assert posted(mixed, adapt=False) == []
     assert posted(mixed, capturing=True) == []
+
+
+def test_which_split_reductions_one_program_holds():
+    """The copy engines' pipelined share and the host lane's staged rest go in one program; an
+    NCCL prefix, or a reduce whose chunks the copy engines cannot all take, stay posted."""
+    import torch
+
+    from braid.comm.reductions import Reductions, _ReduceCall
+    from braid.planner.plan import chunk_bounds
+
+    red = Reductions.__new__(Reductions)
+    red.world_size = 4
+    dev = torch.device("cuda")
+
+    def call(opname: str, numel: int) -> _ReduceCall:
+        return _ReduceCall(opname, None, None, None, 0 if opname == "reduce" else None, "sum", 1.0, None, None,
+                           numel, 4, chunk_bounds(numel, 4, 4), dev)
+
+    ar = call("all_reduce", 1 << 20)
+    assert red.graphable(ar, {"ce": 0.7, "host": 0.3})
+    assert red.graphable(ar, {"host": 1.0})
+    assert red.graphable(ar, {"ce": 1.0})
+    assert not red.graphable(ar, {"nccl": 0.7, "host": 0.3})          # NCCL's prefix: posted
+    assert red.graphable(call("reduce_scatter", 1 << 20), {"ce": 0.5, "host": 0.5})
+    assert red.graphable(call("reduce", 1 << 20), {"ce": 0.5, "host": 0.5})
+    assert not red.graphable(call("reduce", 3), {"ce": 0.5, "host": 0.5})   # fewer elements than ranks

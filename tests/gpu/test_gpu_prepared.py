@@ -5,10 +5,11 @@
   dtypes and odd sizes, with buffers kept, reallocated at other addresses and reallocated at the
   same address (a new allocation the peers must not read through an old mapping), against a
   reference every rank computes from seeds; the calls really replayed graphs (the cache's counts);
-- the same through other lane sets, interleaved: data movement with the host lane (alone or with
-  the copy engines) replays a graph; reductions with it and nccl + ce are posted between;
-- a user's torch.cuda.graph capture of every op, and of data movement on ce + host, replayed with
-  new data; a split that cannot be captured raises MisuseError at capture time;
+- the same through other lane sets, interleaved: data movement and reductions with the host lane
+  (alone or with the copy engines) replay a graph; nccl + ce is posted between;
+- a user's torch.cuda.graph capture of every op, and of every moving and reducing op on
+  ce + host, replayed with new data; a split that cannot be captured raises MisuseError at
+  capture time;
 - async replays waited later;
 - abort while a peer's replay waits: every rank ends within BRAID_TIMEOUT_S, the next call raises.
 Runs with any GPU (ranks share it where there are fewer GPUs than ranks: gpu_world.py).
@@ -222,9 +223,8 @@ MOVING = ("all_gather", "all_gather_list", "broadcast")       # data movement th
 def _other_lanes(rank, world, comm, dev):
     """Other lane sets through the cache, every op's calls interleaved with the others' and with
     new buffers now and then: with the host lane (alone or beside the copy engines) a data
-    movement replays one graph (its host part staged through the graph rings with replay-safe
-    flags), while reductions with it and nccl + ce are posted eagerly, through the posted calls'
-    rings and counters, between those replays."""
+    movement or a reduction replays one graph (its host part staged through the graph rings with
+    replay-safe flags), while nccl + ce and the all_to_all are posted eagerly between them."""
     prep = comm._prepared
     g = torch.Generator().manual_seed(11)
     for shares in ({"ce": 0.5, "host": 0.5}, {"nccl": 0.5, "ce": 0.5}, {"host": 1.0}, {"ce": 0.7, "host": 0.3}):
@@ -248,9 +248,11 @@ def _other_lanes(rank, world, comm, dev):
                     assert c.right(), (shares, op, i)
         torch.cuda.synchronize()
         if "nccl" not in shares:
-            # every moving op built a program (and again after its new buffers) and replayed the rest
-            assert prep.stats["graphs"] - graphs >= 2 * len(MOVING), (shares, prep.stats)
-            assert prep.stats["replays"] - replays >= 5 * len(MOVING), (shares, prep.stats)
+            # every moving and reducing op built a program (and again after its new buffers) and
+            # replayed the rest
+            n = len(MOVING) + len(REDUCING)
+            assert prep.stats["graphs"] - graphs >= 2 * n, (shares, prep.stats)
+            assert prep.stats["replays"] - replays >= 5 * n, (shares, prep.stats)
     assert comm._prepared.stats["hits"] > 0
 
 
@@ -284,7 +286,7 @@ def _user_graphs(rank, world, comm, dev):
                 assert c.right(), (op, i)
             del graph
     with comm.fixed_shares({"ce": 0.5, "host": 0.5}):
-        for op in MOVING:                               # the copy engines and the host lane: captured
+        for op in MOVING + REDUCING:                    # the copy engines and the host lane: captured
             c = _Case(comm, op, 1_000_003, torch.float32, rank, world, dev)
             c.call(("warm2", op))
             assert c.right()
@@ -300,16 +302,17 @@ def _user_graphs(rank, world, comm, dev):
                 torch.cuda.synchronize()
                 assert c.right(), (op, i)
             del graph
-        c = _Case(comm, "all_reduce", 1_000_003, torch.float32, rank, world, dev)
+    with comm.fixed_shares({"nccl": 0.5, "ce": 0.5}):
+        c = _Case(comm, "all_gather", 1_000_003, torch.float32, rank, world, dev)
         c.call(("warm3",))
         c.fill(("nope",))
         graph = torch.cuda.CUDAGraph()
-        with pytest.raises(MisuseError, match="cannot be captured"):   # a reduction with the host lane
+        with pytest.raises(MisuseError, match="cannot be captured"):   # a split with NCCL
             with torch.cuda.graph(graph):
                 c.run()
     torch.cuda.synchronize()
     dist.barrier()
-    assert comm._prepared.stats["captured"] >= len(OPS) + len(MOVING)
+    assert comm._prepared.stats["captured"] >= len(OPS) + len(MOVING) + len(REDUCING)
 
 
 @needs(2)

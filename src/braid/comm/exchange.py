@@ -312,8 +312,7 @@ class Exchange:
                 raise LaneFailureError(f"{op}: a deferred call of a shape prepared on the copy engines came out "
                                        f"whole when rebuilt; the ranks' lanes changed under it")
             return self.whole(native, entry.shares), entry
-        host = "host" in entry.shares
-        if (self.cuda and graph_shares(entry.shares) and (multi is None or (emit is not None and not host))
+        if (self.cuda and graph_shares(entry.shares) and (multi is None or (emit is not None and emit.ok(entry.shares)))
                 and "ce" in self.lanes and not self.sampled(op, entry, capturing)):
             if not entry.size:              # nothing to move (an empty graph cannot be launched)
                 return entry.done, entry

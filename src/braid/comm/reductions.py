@@ -16,6 +16,7 @@ from ..collectives import flat_bytes, input_bytes, output_bytes, same_dtype
 from ..errors import MisuseError
 from ..collectives.ce_reduce import CeReduction, slot_rows
 from ..executor import Handle, execute
+from ..lanes import _cuda
 from ..lanes.base import LaneRun
 from ..planner.plan import LaneKind, Plan
 
@@ -189,10 +190,12 @@ class Reductions:
             return rc.size, ("rs", tuple(bounds)), lambda: reduce_scatter_movement(w, bounds)
 
         emit = None
-        # a graph when the copy engines take it alone (a reduce: where every rank has a chunk to
-        # push to the root, as reduce_cuts has it; with fewer elements than ranks it goes staged)
-        if rc.dev.type == "cuda" and (opname != "reduce" or all(b > a for a, b in zip(bounds, bounds[1:]))):
+        # a graph where the copy engines and the host lane take it (a reduce on the copy engines:
+        # where every rank has a chunk to push to the root, as reduce_cuts has it; with fewer
+        # elements than ranks it goes staged)
+        if rc.dev.type == "cuda":
             emit = lambda descs, shares, sig: self.reduce_program(rc, descs, shares, sig)    # noqa: E731
+            emit.ok = lambda shares: self.graphable(rc, shares)                              # noqa: E731
         return self.exchange.run(opname, desc, rc.size, rc.ib, [rc.ob], movement_of,
                                  lambda g: self.reduce_native(rc, g),
                                  ("op", "dtype", "nbytes", "red", "factor", "root"), async_op,
@@ -261,32 +264,101 @@ class Reductions:
                 output.reshape(-1).copy_(out)
         return Handle(native=work, after=after)
 
-    def reduce_program(self, rc: "_ReduceCall", descs, shares: dict[str, float], sig):
-        """The copy engines' pipelined reduction of the whole call (shares: ce alone) as a
-        program for a prepared call: f(stream, (reduce stream, gather stream), keep). Its slot
-        rows are allocated in the program's own stream (inside a capture: from the graph's pool)."""
+    def graphable(self, rc: "_ReduceCall", shares: dict[str, float]) -> bool:
+        """A split reduction one program can hold: the copy engines' pipelined share and the
+        host lane's staged rest (no NCCL prefix, no other staged lane)."""
         cuts = self.reduce_cuts(rc, shares)
-        assert cuts.ce_f > 0 and not cuts.rest and not cuts.base, cuts
-        red = self.gpu.ce()
-        peers = red.peer_ptrs(descs)
+        return not cuts.base and (cuts.ce_f > 0 or bool(cuts.rest)) and set(cuts.rest) <= {"host"}
+
+    def reduce_program(self, rc: "_ReduceCall", descs, shares: dict[str, float], sig):
+        """A split reduction (graphable shares) as a program for a prepared call: f(stream,
+        (reduce stream, gather stream), keep). The copy engines' pipelined share on `stream` and
+        the side streams; the host lane's staged rest on braid's op stream beside it (its
+        reduce-scatter into slots, this rank's reduction, its gather: reduce_staged's steps with
+        the host lane's replay-safe programs). Slot rows and scratch are allocated in the
+        program's own streams (inside a capture: from the graph's pool)."""
+        cuts = self.reduce_cuts(rc, shares)
+        assert not cuts.base and set(cuts.rest) <= {"host"}, cuts
         w, me = self.world_size, self.rank
-        my_len = cuts.ce_chunks[me][1]
-        rows = slot_rows(w, me, rc.to_root)
-        npieces = red.num_pieces(cuts.ce_chunks, rc.esz)
         inp, out = rc.ib.view(rc.output.dtype), rc.output.reshape(-1)
+        staged = bool(cuts.rest) and any(n for _, n in cuts.rest_chunks)
+        if cuts.ce_f > 0:
+            red = self.gpu.ce()
+            peers = red.peer_ptrs(descs)
+            my_len = cuts.ce_chunks[me][1]
+            rows = slot_rows(w, me, rc.to_root)
+            npieces = red.num_pieces(cuts.ce_chunks, rc.esz)
+        if staged:
+            host = self.exchange.lanes["host"]
+            hs = (host.produce_stream, host.consume_stream)
+            esz = rc.esz
+            byte_chunks = [(o * esz, n * esz) for o, n in cuts.rest_chunks]
+            p1 = self.exchange.plan(("rs", tuple(byte_chunks)), lambda: reduce_scatter_chunks(w, byte_chunks),
+                                    {"host": 1.0}, rc.size, rc.dev)
+            p2 = None
+            if rc.opname != "reduce_scatter":
+                mv = gather_chunks(w, byte_chunks, None if rc.opname == "all_reduce" else rc.root)
+                p2 = self.exchange.plan(("gather", tuple(byte_chunks), rc.root), lambda: mv, {"host": 1.0},
+                                        rc.size, rc.dev)
+
+        def hosted(seq, plan, src: int, outs: list[int], keep) -> None:
+            """One staged phase on the host lane's streams, after `seq`'s work so far; `seq`
+            then waits for it. Local copies of the phase on `seq`."""
+            progs = host.programs(me, plan.lanes.get("host", []), src, outs)
+            fork = torch.cuda.Event()
+            fork.record(seq)
+            for st in hs:
+                st.wait_event(fork)
+            host.emit(hs[0].cuda_stream, hs[1].cuda_stream, progs)
+            for c in plan.local:
+                if c.rank == me and c.nbytes:
+                    _cuda.memcpy_async(outs[c.buf] + c.dst_off, src + c.src_off, c.nbytes, seq.cuda_stream)
+            keep.append(fork)
+            for st in hs:
+                join = torch.cuda.Event()
+                join.record(st)
+                seq.wait_event(join)
+                keep.append(join)
 
         def program(stream, sides, keep) -> None:
-            rs, gs = sides
-            start = torch.cuda.Event()
-            start.record(stream)
-            rs.wait_event(start)
-            gs.wait_event(start)
-            slots = torch.empty((rows, my_len), dtype=rc.output.dtype, device=rc.dev) if my_len else None
-            events = [torch.cuda.Event() for _ in range(2 * npieces)]
-            keep += [start, *events, slots]
-            red.emit(stream, rs, gs, inp=inp, out=out, chunks=cuts.ce_chunks, out_offsets=cuts.out_at,
-                     gather=rc.opname == "all_reduce", peers=peers, name=rc.name, factor=rc.factor, sig=sig,
-                     slots=slots, events=events, root=rc.to_root)
+            if staged:
+                seq = self.gpu.op_stream()
+                start = torch.cuda.Event()
+                start.record(stream)
+                seq.wait_event(start)
+                keep.append(start)
+                o_me, n_me = cuts.rest_chunks[me]
+                with torch.cuda.stream(seq):
+                    slots = torch.empty(w * n_me, dtype=rc.output.dtype, device=rc.dev)
+                keep.append(slots)
+                hosted(seq, p1, rc.ib.data_ptr(), [rc.ob.data_ptr(), slots.data_ptr()], keep)
+                with torch.cuda.stream(seq):
+                    if rc.opname == "reduce_scatter":
+                        c = cuts.cut[me]
+                        reduce_slots(slots, w, rc.name, out[c: c + n_me], rc.factor)
+                    else:
+                        target = out if (rc.opname == "all_reduce" or me == rc.root) else torch.empty_like(out)
+                        keep.append(target)
+                        reduce_slots(slots, w, rc.name, target[o_me: o_me + n_me], rc.factor)
+                if p2 is not None:
+                    hosted(seq, p2, target.data_ptr(), [rc.ob.data_ptr()], keep)
+            if cuts.ce_f > 0:
+                rs, gs = sides
+                start = torch.cuda.Event()
+                start.record(stream)
+                rs.wait_event(start)
+                gs.wait_event(start)
+                slots_ce = torch.empty((rows, my_len), dtype=rc.output.dtype, device=rc.dev) if my_len else None
+                events = [torch.cuda.Event() for _ in range(2 * npieces)]
+                keep += [start, *events, slots_ce]
+                red.emit(stream, rs, gs, inp=inp, out=out, chunks=cuts.ce_chunks, out_offsets=cuts.out_at,
+                         gather=rc.opname == "all_reduce", peers=peers, name=rc.name, factor=rc.factor, sig=sig,
+                         slots=slots_ce, events=events, root=rc.to_root)
+            if staged:                  # joined after the copy engines' share, which ran beside it
+                end = torch.cuda.Event()
+                end.record(seq)
+                stream.wait_event(end)
+                keep.append(end)
         return program
 
     def reduce_cuts(self, rc: "_ReduceCall", shares: dict[str, float]) -> "_Cuts":
