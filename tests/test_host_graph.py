@@ -265,8 +265,9 @@ def test_a_balanced_split_is_posted_at_its_first_calls_and_now_and_then():
 
 
 def test_which_split_reductions_one_program_holds():
-    """The copy engines' pipelined share and the host lane's staged rest go in one program; an
-    NCCL prefix, or a reduce whose chunks the copy engines cannot all take, stay posted."""
+    """NCCL's all_reduce prefix, the copy engines' pipelined share and the host lane's staged
+    rest go in one program; NCCL as a staged lane, or a reduce whose chunks the copy engines
+    cannot all take, stay posted."""
     import torch
 
     from braid.comm.reductions import Reductions, _ReduceCall
@@ -284,7 +285,9 @@ def test_which_split_reductions_one_program_holds():
     assert red.graphable(ar, {"ce": 0.7, "host": 0.3})
     assert red.graphable(ar, {"host": 1.0})
     assert red.graphable(ar, {"ce": 1.0})
-    assert not red.graphable(ar, {"nccl": 0.7, "host": 0.3})          # NCCL's prefix: posted
+    assert red.graphable(ar, {"nccl": 0.7, "host": 0.3})              # NCCL's prefix, captured
+    assert red.graphable(ar, {"nccl": 0.5, "ce": 0.5})
+    assert not red.graphable(call("reduce_scatter", 1 << 20), {"nccl": 0.5, "host": 0.5})   # NCCL staged
     assert red.graphable(call("reduce_scatter", 1 << 20), {"ce": 0.5, "host": 0.5})
     assert red.graphable(call("reduce", 1 << 20), {"ce": 0.5, "host": 0.5})
     assert not red.graphable(call("reduce", 3), {"ce": 0.5, "host": 0.5})   # fewer elements than ranks

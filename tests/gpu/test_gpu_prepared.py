@@ -6,7 +6,8 @@
   same address (a new allocation the peers must not read through an old mapping), against a
   reference every rank computes from seeds; the calls really replayed graphs (the cache's counts);
 - the same through other lane sets, interleaved: data movement and reductions with the host lane
-  (alone or with the copy engines) replay a graph; nccl + ce is posted between;
+  (alone or with the copy engines) replay a graph, so does an all_reduce with NCCL's prefix; the
+  other splits with NCCL are posted between;
 - a user's torch.cuda.graph capture of every op, and of every moving and reducing op on
   ce + host, replayed with new data; a split that cannot be captured raises MisuseError at
   capture time;
@@ -224,10 +225,12 @@ def _other_lanes(rank, world, comm, dev):
     """Other lane sets through the cache, every op's calls interleaved with the others' and with
     new buffers now and then: with the host lane (alone or beside the copy engines) a data
     movement or a reduction replays one graph (its host part staged through the graph rings with
-    replay-safe flags), while nccl + ce and the all_to_all are posted eagerly between them."""
+    replay-safe flags); an all_reduce with NCCL's prefix replays one too (NCCL's call captured in
+    it); the other splits with NCCL are posted eagerly between them."""
     prep = comm._prepared
     g = torch.Generator().manual_seed(11)
-    for shares in ({"ce": 0.5, "host": 0.5}, {"nccl": 0.5, "ce": 0.5}, {"host": 1.0}, {"ce": 0.7, "host": 0.3}):
+    for shares in ({"ce": 0.5, "host": 0.5}, {"nccl": 0.5, "ce": 0.5}, {"host": 1.0}, {"ce": 0.7, "host": 0.3},
+                   {"nccl": 0.4, "ce": 0.3, "host": 0.3}):
         graphs, replays = prep.stats["graphs"], prep.stats["replays"]
         with comm.fixed_shares(shares):
             # (gpu_world's 512 KiB ring slots: the all_gather's host part goes round the graph ring)
@@ -253,6 +256,9 @@ def _other_lanes(rank, world, comm, dev):
             n = len(MOVING) + len(REDUCING)
             assert prep.stats["graphs"] - graphs >= 2 * n, (shares, prep.stats)
             assert prep.stats["replays"] - replays >= 5 * n, (shares, prep.stats)
+        else:
+            # the all_reduces (sum and max) captured NCCL's prefix in their programs
+            assert prep.stats["graphs"] - graphs >= 4 and prep.stats["replays"] - replays >= 10, (shares, prep.stats)
     assert comm._prepared.stats["hits"] > 0
 
 
@@ -303,6 +309,20 @@ def _user_graphs(rank, world, comm, dev):
                 assert c.right(), (op, i)
             del graph
     with comm.fixed_shares({"nccl": 0.5, "ce": 0.5}):
+        c = _Case(comm, "all_reduce", 1_000_003, torch.float32, rank, world, dev)
+        c.call(("warm4",))
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):                   # NCCL's prefix and the copy engines' share
+            c.run()
+        torch.cuda.synchronize()
+        dist.barrier()
+        for i in range(5):
+            c.fill(("replay4", i))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert c.right(), i
+        del graph
         c = _Case(comm, "all_gather", 1_000_003, torch.float32, rank, world, dev)
         c.call(("warm3",))
         c.fill(("nope",))
@@ -312,7 +332,7 @@ def _user_graphs(rank, world, comm, dev):
                 c.run()
     torch.cuda.synchronize()
     dist.barrier()
-    assert comm._prepared.stats["captured"] >= len(OPS) + len(MOVING) + len(REDUCING)
+    assert comm._prepared.stats["captured"] >= len(OPS) + len(MOVING) + len(REDUCING) + 1
 
 
 @needs(2)

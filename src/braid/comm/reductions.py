@@ -265,10 +265,10 @@ class Reductions:
         return Handle(native=work, after=after)
 
     def graphable(self, rc: "_ReduceCall", shares: dict[str, float]) -> bool:
-        """A split reduction one program can hold: the copy engines' pipelined share and the
-        host lane's staged rest (no NCCL prefix, no other staged lane)."""
+        """A split reduction one program can hold: NCCL's own all_reduce of a prefix, the copy
+        engines' pipelined share and the host lane's staged rest (no other staged lane)."""
         cuts = self.reduce_cuts(rc, shares)
-        return not cuts.base and (cuts.ce_f > 0 or bool(cuts.rest)) and set(cuts.rest) <= {"host"}
+        return (bool(cuts.base) or cuts.ce_f > 0 or bool(cuts.rest)) and set(cuts.rest) <= {"host"}
 
     def reduce_program(self, rc: "_ReduceCall", descs, shares: dict[str, float], sig):
         """A split reduction (graphable shares) as a program for a prepared call: f(stream,
@@ -276,9 +276,11 @@ class Reductions:
         the side streams; the host lane's staged rest on braid's op stream beside it (its
         reduce-scatter into slots, this rank's reduction, its gather: reduce_staged's steps with
         the host lane's replay-safe programs). Slot rows and scratch are allocated in the
-        program's own streams (inside a capture: from the graph's pool)."""
+        program's own streams (inside a capture: from the graph's pool). NCCL's prefix, where
+        the shares give it one, is its own all_reduce on braid's NCCL stream beside both (NCCL's
+        calls can be captured; every rank's replays reach its communicator in the same order)."""
         cuts = self.reduce_cuts(rc, shares)
-        assert not cuts.base and set(cuts.rest) <= {"host"}, cuts
+        assert set(cuts.rest) <= {"host"}, cuts
         w, me = self.world_size, self.rank
         inp, out = rc.ib.view(rc.output.dtype), rc.output.reshape(-1)
         staged = bool(cuts.rest) and any(n for _, n in cuts.rest_chunks)
@@ -321,6 +323,16 @@ class Reductions:
                 keep.append(join)
 
         def program(stream, sides, keep) -> None:
+            if cuts.base:
+                ns = self.gpu.nccl_stream()
+                nstart = torch.cuda.Event()
+                nstart.record(stream)
+                ns.wait_event(nstart)
+                with torch.cuda.stream(ns):
+                    dist.all_reduce(out[:cuts.base], op=torch_op(rc.op, rc.name), group=self.nccl_group)
+                nend = torch.cuda.Event()
+                nend.record(ns)
+                keep += [nstart, nend]
             if staged:
                 seq = self.gpu.op_stream()
                 start = torch.cuda.Event()
@@ -359,6 +371,8 @@ class Reductions:
                 end.record(seq)
                 stream.wait_event(end)
                 keep.append(end)
+            if cuts.base:
+                stream.wait_event(nend)
         return program
 
     def reduce_cuts(self, rc: "_ReduceCall", shares: dict[str, float]) -> "_Cuts":
