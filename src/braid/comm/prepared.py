@@ -9,18 +9,27 @@ it; a repeat costs one round of a few words and, on GPUs, one CUDA graph launch.
 One split collective call on rank r:
 
     word  = hash of what this rank knows alone: op, dtype, sizes, root, lanes, shares, calibration,
-            balancer version, cache epoch, and (when the copy engines read it) the input's address
-            and the driver's id of its allocation (a new allocation at the same address has
+            balancer version, cache epoch, the buffers' addresses (where the copy engines or the
+            host lane can run) and, where the copy engines read it, the driver's id of the input's
+            allocation (a new allocation at the same address has
             another id: a peer's mapping of the old one is never read)
     post [word, last split call's lane times] through the node segment; read every rank's
     T     = every rank's words, in rank order: the same tuple on every rank
     entry = cache[T]
       hit:  run the entry (below)
       miss: the full exchange (JSON descriptors, agreement checks, plan); cache[T] = a new entry
-    run:  shares on the copy engines alone (GPU): the entry's CUDA graph, captured at its first
-          call; a synchronous repeat with no braid work left unjoined launches it on the caller's
-          stream (one driver call), others on the ce lane's stream between two events;
+    run:  shares on the copy engines and the host lane, and an all_reduce with NCCL's prefix
+          beside them (GPU): the entry's CUDA graph, captured at its first call; a synchronous
+          repeat with no braid work left unjoined launches it on the caller's stream (one driver
+          call), others on the ce lane's stream between two events;
           any other split: each lane posts its part from the kept descriptors and plan (no JSON)
+
+A split over several lanes whose shares the balancer still moves is posted at its first
+SAMPLE_FIRST calls and every SAMPLE_EVERY-th (its lanes timed, their times in the next round),
+replayed between: every rank counts the same calls of the same entry, so every rank takes the
+same way. Fixed shares always replay. Measured on 2 x H200 (2026-11-28), a repeated split with
+the host lane cost 29-87 us of host time a call (ce + host, nccl + host, 1-64 MiB), against
+520-1747 us posted.
 
 A repeat of a shape whose last call replayed a graph goes from the op's entry straight to the
 round and the launch (a Ticket keyed by the op's own arguments). Measured with 2 ranks sharing one
@@ -34,11 +43,13 @@ T is new for everyone. Graphs use replay-safe flags (lanes/signals.py), never a 
 sequence number. The balancer's input (the slowest rank's lane times of the previous split call)
 rides in the same round, so every rank makes the same move at the same call.
 
-Inside a user's CUDA graph capture a split call on the copy engines alone is emitted into the
+Inside a user's CUDA graph capture a split call that replays a graph here is emitted into the
 caller's capturing stream with the same flags; any other split cannot be captured and says so.
+The host lane's programs stage through rings of their own with replay-safe flags (lanes/host.py):
+the posted calls' rings and counters, which advance from call to call, are never touched by a
+replay, so posted calls and replays may follow each other in any order.
 Rejected: keying the cache by this rank's own facts alone (ranks could disagree on hit or miss
-and one would replay while its peer exchanges: a hang), a graph per lane set with the host lane
-(its ring slots and counters advance across calls; it stays eager, agreed from the cache).
+and one would replay while its peer exchanges: a hang).
 """
 from __future__ import annotations
 
@@ -83,8 +94,8 @@ SAMPLE_FIRST, SAMPLE_EVERY = 8, 64
 
 
 def graph_shares(shares: dict[str, float]) -> bool:
-    """Shares a prepared call can replay as a CUDA graph: the copy engines, the host lane, or
-    both (the host lane in data movement only: a reduction with it stays posted)."""
+    """Shares a data movement can replay as a CUDA graph: the copy engines, the host lane, or
+    both (a reduction's own program says which shares it holds: Reductions.graphable)."""
     return bool(shares) and GRAPH_LANES.issuperset(shares)
 
 
@@ -445,7 +456,7 @@ def not_capturable(op: str, shares: dict[str, float]) -> MisuseError:
             f"around the capture) or take it out of the captured region.")
     return MisuseError(
         f"{op}: this call is split over lanes {sorted(shares)}, which cannot be captured in a CUDA graph "
-        f"(NCCL's whole call, the copy engines alone and, for data movement, the copy engines with the "
-        f"host lane can). Capture it with the copy engines "
+        f"(NCCL's whole call, the copy engines, the host lane and, in an all_reduce, NCCL's share beside "
+        f"them can). Capture it with the copy engines "
         f"alone (comm.fixed_shares({{'ce': 1.0}}) around the capture, or BRAID_LANES=nccl,ce) or take "
         f"it out of the captured region.")
