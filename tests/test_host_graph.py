@@ -291,3 +291,5 @@ def test_which_split_reductions_one_program_holds():
     assert red.graphable(call("reduce_scatter", 1 << 20), {"ce": 0.5, "host": 0.5})
     assert red.graphable(call("reduce", 1 << 20), {"ce": 0.5, "host": 0.5})
     assert not red.graphable(call("reduce", 3), {"ce": 0.5, "host": 0.5})   # fewer elements than ranks
+    assert not red.graphable(call("reduce", 3), {"ce": 1.0})                 # the copy engines' staged path
+    assert red.graphable(call("reduce", 4), {"ce": 1.0})

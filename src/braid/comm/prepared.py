@@ -332,8 +332,8 @@ class PreparedCalls:
                         for b, o in zip(bufs, outs):
                             if self.world_size == 2:
                                 reduce_pair(b[0], b[1], "sum", o)
-                            else:
-                                reduce_slots(b, 2, "sum", o)
+                            # the staged reduction's kernel (the host lane's share) at any world size
+                            reduce_slots(b, 2, "sum", o)
                     for s in (rs, gs):
                         ev = torch.cuda.Event()
                         ev.record(s)
