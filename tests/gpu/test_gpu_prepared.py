@@ -272,57 +272,36 @@ def test_other_lane_sets_through_the_cache_four_ranks(tmp_path):
     run(4, tmp_path, _other_lanes, ENV)
 
 
+def _captured(c, op, tag) -> None:
+    """The call (made once before) captured in a user's graph, replayed five times with new data
+    in the same buffers: every replay right."""
+    c.call(("warm", tag, op))                           # prepared before the capture
+    assert c.right()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        c.run()
+    torch.cuda.synchronize()
+    dist.barrier()
+    for i in range(5):
+        c.fill(("replay", tag, op, i))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert c.right(), (tag, op, i)
+    del graph
+
+
 def _user_graphs(rank, world, comm, dev):
     from braid.errors import MisuseError
     with comm.fixed_shares({"ce": 1.0}):
         for op in OPS:
-            c = _Case(comm, op, 1_000_003, torch.float32, rank, world, dev)
-            c.call(("warm", op))                          # prepared before the capture
-            assert c.right()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                c.run()
-            torch.cuda.synchronize()
-            dist.barrier()
-            for i in range(5):
-                c.fill(("replay", op, i))
-                graph.replay()
-                torch.cuda.synchronize()
-                assert c.right(), (op, i)
-            del graph
+            _captured(_Case(comm, op, 1_000_003, torch.float32, rank, world, dev), op, "ce")
     with comm.fixed_shares({"ce": 0.5, "host": 0.5}):
         for op in MOVING + REDUCING:                    # the copy engines and the host lane: captured
-            c = _Case(comm, op, 1_000_003, torch.float32, rank, world, dev)
-            c.call(("warm2", op))
-            assert c.right()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                c.run()
-            torch.cuda.synchronize()
-            dist.barrier()
-            for i in range(5):
-                c.fill(("replay2", op, i))
-                graph.replay()
-                torch.cuda.synchronize()
-                assert c.right(), (op, i)
-            del graph
+            _captured(_Case(comm, op, 1_000_003, torch.float32, rank, world, dev), op, "ce+host")
     with comm.fixed_shares({"nccl": 0.5, "ce": 0.5}):
-        c = _Case(comm, "all_reduce", 1_000_003, torch.float32, rank, world, dev)
-        c.call(("warm4",))
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):                   # NCCL's prefix and the copy engines' share
-            c.run()
-        torch.cuda.synchronize()
-        dist.barrier()
-        for i in range(5):
-            c.fill(("replay4", i))
-            graph.replay()
-            torch.cuda.synchronize()
-            assert c.right(), i
-        del graph
+        # NCCL's prefix and the copy engines' share in one program
+        _captured(_Case(comm, "all_reduce", 1_000_003, torch.float32, rank, world, dev), "all_reduce", "nccl+ce")
         c = _Case(comm, "all_gather", 1_000_003, torch.float32, rank, world, dev)
         c.call(("warm3",))
         c.fill(("nope",))

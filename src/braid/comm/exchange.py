@@ -403,23 +403,12 @@ class Exchange:
         if staged:          # the host lane's share: its producer and consumer on its two streams
             host = self.lanes["host"]
             progs = host.programs(me, staged, in_ptr, out_ptrs)
-            hs = (host.produce_stream, host.consume_stream)
 
         def program(stream, sides, keep) -> None:
-            if staged:
-                fork = torch.cuda.Event()
-                fork.record(stream)
-                for s in hs:
-                    s.wait_event(fork)
-                host.emit(hs[0].cuda_stream, hs[1].cuda_stream, progs)
-                keep.append(fork)
+            join = host.beside(stream, progs, keep) if staged else None
             ce_program(stream, sides, keep)
-            if staged:                  # joined after the copy engines' part, which runs beside it
-                for s in hs:
-                    join = torch.cuda.Event()
-                    join.record(s)
-                    stream.wait_event(join)
-                    keep.append(join)
+            if join is not None:        # joined after the copy engines' part, which runs beside it
+                join(stream)
 
         def ce_program(stream, sides, keep) -> None:
             # the rank's own part (input to output, device-local) on a side stream, beside the

@@ -292,7 +292,6 @@ class Reductions:
             npieces = red.num_pieces(cuts.ce_chunks, rc.esz)
         if staged:
             host = self.exchange.lanes["host"]
-            hs = (host.produce_stream, host.consume_stream)
             esz = rc.esz
             byte_chunks = [(o * esz, n * esz) for o, n in cuts.rest_chunks]
             p1 = self.exchange.plan(("rs", tuple(byte_chunks)), lambda: reduce_scatter_chunks(w, byte_chunks),
@@ -306,21 +305,11 @@ class Reductions:
         def hosted(seq, plan, src: int, outs: list[int], keep) -> None:
             """One staged phase on the host lane's streams, after `seq`'s work so far; `seq`
             then waits for it. Local copies of the phase on `seq`."""
-            progs = host.programs(me, plan.lanes.get("host", []), src, outs)
-            fork = torch.cuda.Event()
-            fork.record(seq)
-            for st in hs:
-                st.wait_event(fork)
-            host.emit(hs[0].cuda_stream, hs[1].cuda_stream, progs)
+            join = host.beside(seq, host.programs(me, plan.lanes.get("host", []), src, outs), keep)
             for c in plan.local:
                 if c.rank == me and c.nbytes:
                     _cuda.memcpy_async(outs[c.buf] + c.dst_off, src + c.src_off, c.nbytes, seq.cuda_stream)
-            keep.append(fork)
-            for st in hs:
-                join = torch.cuda.Event()
-                join.record(st)
-                seq.wait_event(join)
-                keep.append(join)
+            join(seq)
 
         def program(stream, sides, keep) -> None:
             if cuts.base:

@@ -97,6 +97,26 @@ class HostLane(GpuLaneMixin, Lane):
         lc = self.lc
         return graph_programs(lc.layout, me, transfers, in_ptr, out_ptrs, lc.seg_dev_ptr, lc.segment.address)
 
+    def beside(self, stream, progs: tuple[list, list], keep: list):
+        """The two programs on the lane's streams once `stream` reached this point (posted or
+        inside a capture, where they become two branches of the graph); returns join(s), which
+        makes stream `s` wait for both. Events go into `keep` (alive with the graph)."""
+        hs = (self.produce_stream, self.consume_stream)
+        fork = torch.cuda.Event()
+        fork.record(stream)
+        for st in hs:
+            st.wait_event(fork)
+        self.emit(hs[0].cuda_stream, hs[1].cuda_stream, progs)
+        keep.append(fork)
+
+        def join(s) -> None:
+            for st in hs:
+                end = torch.cuda.Event()
+                end.record(st)
+                s.wait_event(end)
+                keep.append(end)
+        return join
+
     @staticmethod
     def emit(ph: int, ch: int, progs: tuple[list, list]) -> None:
         """The two programs on streams `ph` (producer) and `ch` (consumer)."""

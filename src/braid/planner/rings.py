@@ -116,14 +116,19 @@ def schedule(transfers: list[Transfer], rank: int, world_size: int, chunk: int,
                 mine.append(ConsumeStep(rid, piece.src, g, g % cur.num_slots, piece.nbytes, here))
         consume_lists.append(mine)
     # interleave consumption across producers (round-robin), keeping each ring's order
-    consume: list[ConsumeStep] = []
-    queues = [deque(c) for c in consume_lists if c]
+    return produce, round_robin(consume_lists)
+
+
+def round_robin(lists: list[list]) -> list:
+    """One item of each list in turn (each list's own order kept) until all are used up."""
+    out = []
+    queues = [deque(c) for c in lists if c]
     while queues:
         for q in list(queues):
-            consume.append(q.popleft())
+            out.append(q.popleft())
             if not q:
                 queues.remove(q)
-    return produce, consume
+    return out
 
 
 # captured programs ---------------------------------------------------------------------------
@@ -174,11 +179,4 @@ def graph_schedule(transfers: list[Transfer], rank: int, chunk: int, slots: int
         if src == rank:
             tail = tuple((s, r) for s, r in sorted(last.items()) if r)
         consume_lists.append(mine)
-    consume: list[GraphConsume] = []
-    queues = [deque(c) for c in consume_lists if c]
-    while queues:
-        for q in list(queues):
-            consume.append(q.popleft())
-            if not q:
-                queues.remove(q)
-    return produce, consume, tail
+    return produce, round_robin(consume_lists), tail
