@@ -312,9 +312,11 @@ class Exchange:
                 raise LaneFailureError(f"{op}: a deferred call of a shape prepared on the copy engines came out "
                                        f"whole when rebuilt; the ranks' lanes changed under it")
             return self.whole(native, entry.shares), entry
-        if (self.cuda and "ce" in self.lanes
-                and (graph_shares(entry.shares) if multi is None else emit is not None and emit.ok(entry.shares))
-                and not self.sampled(op, entry, capturing)):
+        ok = entry.graph_ok          # one program can hold the call (decided once per entry: its key holds the op)
+        if ok is None:
+            ok = entry.graph_ok = bool(self.cuda and "ce" in self.lanes and (
+                graph_shares(entry.shares) if multi is None else emit is not None and emit.ok(entry.shares)))
+        if ok and not self.sampled(op, entry, capturing):
             if not entry.size:              # nothing to move (an empty graph cannot be launched)
                 return entry.done, entry
             if capturing:           # a user's capture: the same program into the caller's stream

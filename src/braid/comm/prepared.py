@@ -113,10 +113,11 @@ def _current_raw_stream():
 
 
 class Entry:
-    """One prepared call: what every rank agreed (descriptors, lanes, shares, plan) and, for the
-    copy engines alone on GPUs, the captured program."""
+    """One prepared call: what every rank agreed (descriptors, lanes, shares, plan) and, where
+    one program can hold it on GPUs, the captured program."""
 
-    __slots__ = ("descs", "plan", "shares", "agreed", "size", "native", "graph", "exec_ptr", "keep", "calls", "done")
+    __slots__ = ("descs", "plan", "shares", "agreed", "size", "native", "graph", "exec_ptr", "keep", "calls", "done",
+                 "graph_ok")
 
     def __init__(self, descs, plan, shares, agreed, size, native: bool):
         self.descs, self.plan, self.shares, self.agreed, self.size = descs, plan, shares, agreed, size
@@ -125,6 +126,7 @@ class Entry:
         self.exec_ptr = 0
         self.keep: list = []            # events the captured program records (alive with it)
         self.calls = 0                  # calls of a balanced split (SAMPLE_FIRST, SAMPLE_EVERY)
+        self.graph_ok = None            # one CUDA graph can hold the call (Exchange.run_prepared)
         self.done = _DONE if ce_alone(shares) else _Replayed(shares)      # a synchronous replay's handle
 
 
