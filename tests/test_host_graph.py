@@ -293,3 +293,221 @@ def test_which_split_reductions_one_program_holds():
     assert not red.graphable(call("reduce", 3), {"ce": 0.5, "host": 0.5})   # fewer elements than ranks
     assert not red.graphable(call("reduce", 3), {"ce": 1.0})                 # the copy engines' staged path
     assert red.graphable(call("reduce", 4), {"ce": 1.0})
+
+
+class _Log:
+    """Stream operations in the order they are made (what a capture turns into graph edges)."""
+
+    def __init__(self):
+        self.ops: list = []
+
+
+class _Event:
+    log: _Log = None
+    count = 0
+
+    def __init__(self, *a, **k):
+        _Event.count += 1
+        self.name = f"e{_Event.count}"
+        self.at = None
+
+    def record(self, stream):
+        self.at = stream.name
+        self.log.ops.append(("record", stream.name, self.name))
+
+
+class _Stream:
+    def __init__(self, name: str, log: _Log):
+        self.name, self.log = name, log
+        self.cuda_stream = name
+
+    def wait_event(self, ev):
+        self.log.ops.append(("wait", self.name, ev.name))
+
+
+def test_the_host_programs_run_beside_the_stream_that_forks_them(monkeypatch):
+    """HostLane.beside: both programs start after what `stream` holds so far (an event recorded
+    there, waited by the producer's and the consumer's streams), run on their own streams, and
+    join(s) makes `s` wait for both ends; every event stays alive in `keep`. The copy engines'
+    part of a call, posted on `stream` between beside() and join(), does not wait for the host
+    lane's part (two branches of one graph)."""
+    from braid.lanes import _cuda
+    from braid.lanes import host as host_mod
+
+    log = _Log()
+    _Event.log = log
+    monkeypatch.setattr(host_mod.torch.cuda, "Event", _Event)
+    monkeypatch.setattr(_cuda, "memops", lambda sh, batch: log.ops.append(("memops", sh, len(batch))))
+    monkeypatch.setattr(_cuda, "memcpy_async", lambda dst, src, n, sh: log.ops.append(("copy", sh, n)))
+    lane = host_mod.HostLane.__new__(host_mod.HostLane)
+    lane.produce_stream, lane.consume_stream = _Stream("prod", log), _Stream("cons", log)
+    caller = _Stream("caller", log)
+    prod = [("ops", [(True, 64, 1), (False, 64, 0)]), ("copy", 1, 2, 3)]
+    cons = [("ops", [(True, 128, 1)]), ("copy", 4, 5, 6), ("ops", [(False, 128, 1)])]
+    keep: list = []
+    join = lane.beside(caller, (prod, cons), keep)
+    log.ops.append(("copy", "caller", 99))              # the copy engines' part, beside
+    join(caller)
+    ops = log.ops
+    fork = ops[0]
+    assert fork[:2] == ("record", "caller")
+    assert ("wait", "prod", fork[2]) in ops and ("wait", "cons", fork[2]) in ops
+    first_work = {s: next(i for i, o in enumerate(ops) if o[0] in ("memops", "copy") and o[1] == s) for s in ("prod", "cons")}
+    assert all(ops.index(("wait", s, fork[2])) < first_work[s] for s in ("prod", "cons"))
+    assert [o for o in ops if o[1] == "prod" and o[0] in ("memops", "copy")] == [("memops", "prod", 2), ("copy", "prod", 3)]
+    assert [o for o in ops if o[1] == "cons" and o[0] in ("memops", "copy")] == \
+        [("memops", "cons", 1), ("copy", "cons", 6), ("memops", "cons", 1)]
+    ce_at = ops.index(("copy", "caller", 99))
+    ends = [o for o in ops if o[0] == "record" and o[1] in ("prod", "cons")]
+    assert {o[1] for o in ends} == {"prod", "cons"}
+    for _, s, ev in ends:                                # recorded after each stream's last work...
+        last = max(i for i, o in enumerate(ops) if o[1] == s and o[0] in ("memops", "copy"))
+        assert ops.index(("record", s, ev)) > last
+        assert ops.index(("wait", "caller", ev)) > ce_at    # ...and waited by the caller after its own part
+    assert not any(o[0] == "wait" and o[1] == "caller" for o in ops[:ce_at])   # the ce part waits for nothing
+    assert len(keep) == 3 and all(isinstance(k, _Event) for k in keep)
+
+
+def test_a_moving_calls_program_runs_the_host_lane_beside_the_copy_engines(monkeypatch):
+    """Exchange.program for an all_gather on ce + host: the host lane's programs fork from the
+    program's stream before the copy engines' pulls are posted there, carry this rank's host
+    transfers (staged through its graph ring), and are joined only after the pulls."""
+    from types import SimpleNamespace
+
+    from braid.comm import exchange as ex_mod
+    from braid.comm.exchange import Exchange
+    from braid.comm.prepared import Entry
+    from braid.lanes import _cuda
+    from braid.lanes import host as host_mod
+
+    log = _Log()
+    _Event.log = log
+    for mod in (host_mod, ex_mod):
+        monkeypatch.setattr(mod.torch.cuda, "Event", _Event)
+    monkeypatch.setattr(_cuda, "memops", lambda sh, batch: log.ops.append(("memops", sh, len(batch))))
+    monkeypatch.setattr(_cuda, "memcpy_async", lambda dst, src, n, sh: log.ops.append(("copy", sh, n)))
+    world, me, n = 2, 0, 12 * CHUNK
+    lay = Layout(world, 1 << 16, CHUNK, graph_rings=True)
+    plan = split(all_gather_movement(world, n, False), {"ce": 0.5, "host": 0.5}, n, min_split=1024)
+    assert plan.lanes["ce"] and plan.lanes["host"]
+
+    class _Ce:
+        def peer_ptrs(self, transfers, me, descs):
+            return {t.src: 1 << 40 for t in transfers}
+
+        def emit(self, sh, me, transfers, peers, out_ptrs, sig):
+            log.ops.append(("pulls", sh, len([t for t in transfers if any(d == me for d, _, _ in t.dsts)])))
+
+    lane = host_mod.HostLane.__new__(host_mod.HostLane)
+    lane.lc = SimpleNamespace(layout=lay, seg_dev_ptr=0, segment=SimpleNamespace(address=0))
+    lane.produce_stream, lane.consume_stream = _Stream("prod", log), _Stream("cons", log)
+    ex = Exchange.__new__(Exchange)
+    ex.seg_dev_ptr, ex.layout, ex.rank, ex.lanes = 0, lay, me, {"ce": _Ce(), "host": lane}
+    entry = Entry([{}, {}], plan, {"ce": 0.5, "host": 0.5}, ["ce", "host"], n, native=False)
+    inp = SimpleNamespace(data_ptr=lambda: 1 << 30, numel=lambda: n)
+    out = SimpleNamespace(data_ptr=lambda: 1 << 31)
+    keep: list = []
+    ex.program(entry, inp, [out], None)(_Stream("cap", log), (_Stream("red", log), _Stream("side", log)), keep)
+    ops = log.ops
+    pulls = ops.index(("pulls", "cap", 1))
+    fork = ops.index(next(o for o in ops if o[0] == "record" and o[1] == "cap"))
+    assert fork < pulls
+    staged = sum(o[2] for o in ops if o[0] == "copy" and o[1] == "prod")
+    assert staged == sum(t.nbytes for t in plan.lanes["host"] if t.src == me)      # this rank's host share, staged
+    read = sum(o[2] for o in ops if o[0] == "copy" and o[1] == "cons")
+    assert read == sum(t.nbytes for t in plan.lanes["host"] if t.src != me)
+    host_ends = [o[2] for o in ops if o[0] == "record" and o[1] in ("prod", "cons")]
+    assert len(host_ends) == 2
+    assert all(ops.index(("wait", "cap", e)) > pulls for e in host_ends)    # joined after the pulls
+    assert not any(o[0] == "wait" and o[1] == "cap" and o[2] in host_ends for o in ops[:pulls])
+
+
+def test_a_split_reductions_program_holds_nccl_the_copy_engines_and_the_host_lane(monkeypatch):
+    """Reductions.reduce_program for an all_reduce on nccl + ce + host (2 ranks): NCCL's own
+    all_reduce of the prefix on braid's NCCL stream, the copy engines' pipelined share on the
+    program's stream, and the host lane's staged rest on the op stream (its reduce-scatter
+    phase, this rank's reduction, its gather phase, in that order), each forked from the
+    program's stream before the copy engines' work and joined into it after."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+
+    from braid.comm import reductions as red_mod
+    from braid.comm.exchange import Exchange
+    from braid.comm.reductions import Reductions, _ReduceCall
+    from braid.lanes import _cuda
+    from braid.lanes import host as host_mod
+    from braid.planner.plan import chunk_bounds
+
+    log = _Log()
+    _Event.log = log
+    for mod in (host_mod, red_mod):
+        monkeypatch.setattr(mod.torch.cuda, "Event", _Event)
+    cur = ["cap"]
+
+    @contextlib.contextmanager
+    def on(stream):
+        was, cur[0] = cur[0], stream.name
+        try:
+            yield
+        finally:
+            cur[0] = was
+    monkeypatch.setattr(red_mod.torch.cuda, "stream", on)
+    monkeypatch.setattr(_cuda, "memops", lambda sh, batch: log.ops.append(("memops", sh, len(batch))))
+    monkeypatch.setattr(_cuda, "memcpy_async", lambda dst, src, n, sh: log.ops.append(("copy", sh, n)))
+    monkeypatch.setattr(red_mod, "reduce_slots", lambda slots, w, name, out, factor=1.0:
+                        log.ops.append(("reduce", cur[0], out.numel())))
+    monkeypatch.setattr(red_mod.dist, "all_reduce", lambda t, op=None, group=None:
+                        log.ops.append(("nccl", cur[0], t.numel())))
+
+    class _CeRed:
+        def peer_ptrs(self, descs):
+            return {1: 1 << 40}
+
+        def num_pieces(self, chunks, esz):
+            return 2
+
+        def emit(self, ps, rs, gs, **kw):
+            log.ops.append(("ce_reduction", ps.name, kw["chunks"][0][1]))
+
+    world, me, numel = 2, 0, 1 << 20
+    lay = Layout(world, 1 << 16, CHUNK, graph_rings=True)
+    lane = host_mod.HostLane.__new__(host_mod.HostLane)
+    lane.lc = SimpleNamespace(layout=lay, seg_dev_ptr=0, segment=SimpleNamespace(address=0))
+    lane.produce_stream, lane.consume_stream = _Stream("prod", log), _Stream("cons", log)
+    ex = Exchange.__new__(Exchange)
+    ex.lanes, ex.plans = {"host": lane}, {}
+    red = Reductions.__new__(Reductions)
+    red.world_size, red.rank, red.exchange, red.nccl_group = world, me, ex, "nccl-group"
+    red.gpu = SimpleNamespace(ce=lambda: _CeRed(), op_stream=lambda: _Stream("op", log),
+                              nccl_stream=lambda: _Stream("nccl", log))
+    out = torch.arange(numel, dtype=torch.float32)
+    ib = out.view(torch.uint8)
+    rc = _ReduceCall("all_reduce", out, out, None, None, "sum", 1.0, ib, ib, numel, 4,
+                     chunk_bounds(numel, world, 4), torch.device("cuda"))
+    empty = torch.empty                 # the program's slots: host memory here
+    monkeypatch.setattr(red_mod.torch, "empty", lambda *a, device=None, **k: empty(*a, **k))
+    shares = {"nccl": 0.3, "ce": 0.4, "host": 0.3}
+    assert red.graphable(rc, shares)
+    cuts = red.reduce_cuts(rc, shares)
+    assert cuts.base and cuts.ce_f > 0 and set(cuts.rest) == {"host"}
+    keep: list = []
+    red.reduce_program(rc, [{}, {}], shares, None)(_Stream("cap", log), (_Stream("red", log), _Stream("gat", log)), keep)
+    ops = log.ops
+    assert ("nccl", "nccl", cuts.base) in ops                               # NCCL's prefix on its stream
+    ce_at = next(i for i, o in enumerate(ops) if o[0] == "ce_reduction")
+    assert ops[ce_at][1] == "cap"
+    forks = {o[2] for o in ops[:ce_at] if o[0] == "record" and o[1] == "cap"}
+    assert any(("wait", "nccl", e) in ops for e in forks) and any(("wait", "op", e) in ops for e in forks)
+    seq = [o for o in ops if o[1] == "op" and o[0] in ("reduce", "copy", "wait")]
+    red_at = next(i for i, o in enumerate(seq) if o[0] == "reduce")
+    assert seq[red_at] == ("reduce", "op", cuts.rest_chunks[me][1])         # this rank's staged chunk
+    # the op stream waits for the host lane's first phase before reducing, and its second after
+    assert sum(1 for o in seq[:red_at] if o[0] == "wait") >= 3 and sum(1 for o in seq[red_at:] if o[0] == "wait") >= 2
+    ends = [[o[2] for o in ops if o[0] == "record" and o[1] == s][-1] for s in ("op", "nccl")]   # each one's last
+    assert ends and all(ops.index(("wait", "cap", e)) > ce_at for e in ends)   # joined after the copy engines' part
+    staged = sum(o[2] for o in ops if o[0] == "copy" and o[1] == "prod")
+    n_other = cuts.rest_chunks[1][1] * 4
+    n_mine = cuts.rest_chunks[me][1] * 4
+    assert staged == n_other + n_mine            # phase 1: my part of the peer's chunk; phase 2: my reduced chunk
