@@ -15,6 +15,11 @@ two GPUs may be). Checked for every world size, op and interleaving, calls after
 - an abort (every flag set far above 1) releases a rank whose peer never comes.
 Negative controls: without the waits for a slot's readers (or without the tail), the checks
 catch the corruption or the flags left set.
+
+Also here: which split reductions one program holds, when a balanced split is posted rather than
+replayed, and the stream wiring of the programs (fake streams and events record the order of
+the stream operations a capture turns into graph edges): the host lane's two programs beside the
+stream that forks them, a moving call's program, a split reduction's program.
 """
 from __future__ import annotations
 
