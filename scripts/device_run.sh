@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One run on a GPU machine: environment, GPU tests, bench. Usage: bash scripts/device_run.sh STEP...
-# Steps: info | tests | guard (or guard1, guard2, guard_deferred) | faults | frameworks | bench2 | bench4 | ab2 | ab4 | work2 | work4 | workab2 | hot4 | trace2 | trace4 | first2 |
+# Steps: info | tests | guard (or guard1, guard2, guard_deferred) | faults | frameworks | bench2 | bench4 | mixed2 | ab2 | ab4 | work2 | work4 | workab2 | hot4 | trace2 | trace4 | first2 |
 #        first4 | conformance | hier2 | moe2 | fsdp2 | cpuab | ddphost | fsdphost | relaunch | pack
 # Logs and JSON go to $LOGS (default $OUT); `pack` tars $LOGS into $OUT/run.tgz (one file to copy
 # back). bench: BENCH_OP, BENCH_SIZES, BENCH_FACTOR, BENCH_EXTRA (more flags),
@@ -35,6 +35,12 @@ for step in "$@"; do
     bench4|bench2) n=${step#bench}; op=${BENCH_OP:-all}; tag=${BENCH_TAG:-$op};
           timeout ${BENCH_TIMEOUT:-240} python3 -m braid bench --op $op --nproc $n --sizes ${BENCH_SIZES:-1M:1G} --factor ${BENCH_FACTOR:-4} --plain \
             ${BENCH_EXTRA:-} --json "$LOGS/bench_x${n}_$tag.json" 2>&1 | grep -v Warning | tee "$LOGS/bench${n}_$tag.log" ;;
+    # host time of repeated splits over mixed lane sets, fixed shares (MIXED_SHARES, separated by
+    # spaces), each against NCCL's own call: one JSON and log per lane set, ~40 s each at 1-64 MiB
+    mixed2) for sh in ${MIXED_SHARES:-ce=0.7,host=0.3 nccl=0.7,host=0.3 nccl=0.5,ce=0.5 host=1}; do tag=$(echo "$sh" | tr ',=.' '___');
+          timeout ${BENCH_TIMEOUT:-200} python3 -m braid bench --op ${BENCH_OP:-all_gather,broadcast,all_reduce,reduce_scatter} --nproc 2 \
+            --sizes ${BENCH_SIZES:-1M:64M} --factor ${BENCH_FACTOR:-4} --plain --shares "$sh" --no-calibrate \
+            --json "$LOGS/bench_x2_mixed_$tag.json" 2>&1 | grep -v Warning | tee "$LOGS/bench2_mixed_$tag.log" | grep -E "^ +[0-9]+ |host per call"; done ;;
     # the same bench under several settings in turn (AB_ENVS: settings separated by ';', each a
     # list of VAR=value; AB_ROUNDS rounds of all of them), one JSON per run
     ab2|ab4) n=${step#ab}; i=0; for r in $(seq ${AB_ROUNDS:-2}); do IFS=';' read -ra sets <<< "${AB_ENVS:-BRAID_CE_PUSH=0;BRAID_CE_PUSH=1}";
