@@ -516,3 +516,45 @@ def test_a_split_reductions_program_holds_nccl_the_copy_engines_and_the_host_lan
     n_other = cuts.rest_chunks[1][1] * 4
     n_mine = cuts.rest_chunks[me][1] * 4
     assert staged == n_other + n_mine            # phase 1: my part of the peer's chunk; phase 2: my reduced chunk
+
+
+def test_the_segment_is_fitted_to_dev_shm_with_its_graph_rings(monkeypatch):
+    """A GPU communicator's segment holds the graph rings too: where /dev/shm is small, the host
+    buffer is shrunk until the whole segment, graph rings included, fits (a segment written past
+    /dev/shm's end kills the process with SIGBUS instead of an error)."""
+    import os
+    from types import SimpleNamespace
+
+    from braid.comm import communicator as comm_mod
+
+    world, budget, chunk = 4, 64 << 20, 4 << 20
+    plain = Layout(world, budget, chunk, graph_rings=False).total_bytes
+    graphs = Layout(world, budget, chunk, graph_rings=True).total_bytes
+    assert graphs - plain >= world * GRAPH_SLOTS * chunk
+    free = int(plain / 0.9) + 4096          # room for the plain segment, not for the graph rings
+    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_bavail=free // 4096, f_frsize=4096))
+    assert comm_mod._fit_shm(world, budget, chunk, graph=False) == (budget, 0)
+    fitted, _ = comm_mod._fit_shm(world, budget, chunk, graph=True)
+    assert fitted < budget
+    assert Layout(world, fitted, chunk, graph_rings=True).total_bytes <= free * 0.9
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_plans_move_the_right_bytes(seed):
+    """Random worlds, uneven all_to_all matrices (zeros included) and random host shares beside
+    the copy engines: the host programs deliver every byte, call after call, and leave the flags
+    at rest."""
+    rng = random.Random(1000 + seed)
+    world = rng.randint(2, 5)
+    matrix = [[rng.choice((0, 1, 7, 4096, 5000, 3 * CHUNK + 11, 9 * CHUNK)) for _ in range(world)]
+              for _ in range(world)]
+    total = sum(map(sum, matrix))
+    host = rng.choice((0.2, 0.5, 1.0))
+    shares = {"host": 1.0} if host == 1.0 else {"ce": 1.0 - host, "host": host}
+    plan = split(all_to_all_movement(matrix), shares, max(total, 1), min_split=256)
+    assert plan.lanes.get("host")
+    w = _World(world, plan)
+    res = w.run(calls=3, seed=seed)
+    assert not res["deadlock"], (world, matrix, shares)
+    assert not res["wrong"], (world, matrix, shares, res["wrong"][:3])
+    assert not any(w.flags.values())
