@@ -75,7 +75,8 @@ _define("BRAID_LANES", _lanes, None,
 _define("BRAID_HOST_BUFFER_MB", _positive_int, 64,
         "Pinned shared host memory per rank for the host and shm lanes, in MiB. Half feeds the "
         "collective ring, half the point-to-point rings; a GPU communicator adds 4 slots of the "
-        "collective ring's size per rank for the host lane's replayed graphs.")
+        "collective ring's size per rank for the host lane's replayed graphs, and 4 slots of the "
+        "point-to-point rings' size per direction for its repeated send/recv.")
 _define("BRAID_HOST_CHUNK_KB", _positive_int, 4096,
         "Chunk (slot) size of the host and shm lanes in KiB; FlexLink used 4 MB slots.")
 _define("BRAID_RELAY_BUFFER_MB", _positive_int, 64,

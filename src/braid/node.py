@@ -108,6 +108,9 @@ class Layout:
                  # the same for the host lane's captured programs (lanes/host.py emit): per
                  # producer, slot of its graph ring and consumer, "full" (staged) and "free" (read)
                  ("flag_host_full", n * GRAPH_SLOTS * n), ("flag_host_free", n * GRAPH_SLOTS * n),
+                 # and for a prepared send/recv's host share: per direction (src, dst) and slot of
+                 # the direction's graph ring
+                 ("flag_pair_full", n * n * GRAPH_SLOTS), ("flag_pair_free", n * n * GRAPH_SLOTS),
                  # rounds of the CPU communicators' whole calls through the segment (comm/cpushm.py)
                  ("cpu_ready", n),
                  # the end of each deferred prepared call, raised on the copy engines' stream
@@ -159,6 +162,14 @@ class Layout:
         for r in range(n if graph_rings else 0):
             self.graph_rings.append(RingGeometry(off, GRAPH_SLOTS, coll_chunk))
             off = _align(off + GRAPH_SLOTS * coll_chunk)
+        # and a prepared send/recv's host share, per direction (GRAPH_SLOTS slots of the pair
+        # rings' size): a rank's sends and receives of different directions may run at once
+        self.pair_graph_rings: dict[tuple[int, int], RingGeometry] = {}
+        for r in range(n if graph_rings else 0):
+            for d in range(n):
+                if d != r:
+                    self.pair_graph_rings[(r, d)] = RingGeometry(off, GRAPH_SLOTS, pair_chunk)
+                    off = _align(off + GRAPH_SLOTS * pair_chunk)
         # relay staging for CPU tensors: one ring per relay rank (planner/relay.py's geometry)
         self.relay_rings: list[RingGeometry] = []
         if relay_buffer_bytes > 0:
@@ -204,6 +215,11 @@ class Layout:
         """Byte offset of a host-lane graph flag ("flag_host_full" or "flag_host_free") of
         `producer`'s graph ring slot `slot` and reader `consumer`."""
         return self.counter(name, (producer * GRAPH_SLOTS + slot) * self.world_size + consumer)
+
+    def pair_flag(self, name: str, src: int, dst: int, slot: int) -> int:
+        """Byte offset of a send/recv graph flag ("flag_pair_full" or "flag_pair_free") of the
+        direction `src` -> `dst` and slot `slot` of its graph ring."""
+        return self.counter(name, (src * self.world_size + dst) * GRAPH_SLOTS + slot)
 
     def ring(self, rid: tuple) -> RingGeometry:
         return self.coll_rings[rid[1]] if rid[0] == "coll" else self.pair_rings[(rid[1], rid[2])]

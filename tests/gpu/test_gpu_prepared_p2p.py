@@ -5,9 +5,10 @@
   reallocated elsewhere and reallocated at the same address (the receiver must never read a new
   allocation through an old mapping), async calls waited later; every message bitwise against data
   both ranks derive from seeds; the calls really came from the cache (its counts);
-- the same shapes over other lane sets (ce + host, host alone): agreed from the cache, posted
-  eagerly, right;
-- a user's torch.cuda.graph capture of a ring shift on the copy engines, replayed with new data.
+- the same shapes over other lane sets (ce + host, host alone), 2 and 4 ranks: agreed from the
+  cache, repeats run as programs on the pair flags (the sender runs ahead), right;
+- a user's torch.cuda.graph capture of a ring shift on the copy engines, and on the copy engines
+  and the host lane, replayed with new data.
 Runs with any GPU (ranks share it where there are fewer GPUs than ranks: gpu_world.py).
 """
 from __future__ import annotations
@@ -110,17 +111,26 @@ def test_mixed_send_recv_four_ranks(tmp_path):
     run(4, tmp_path, _repeated, ENV)
 
 
-def _other_lanes(rank, world, comm, dev):
-    for k, shares in enumerate(({"ce": 0.5, "host": 0.5}, {"host": 1.0})):
+def _other_lanes(rank, world, comm, dev, calls=200):
+    pairs = comm._p2p.pairs
+    for k, shares in enumerate(({"ce": 0.5, "host": 0.5}, {"ce": 0.9, "host": 0.1}, {"host": 1.0})):
         with comm.fixed_shares(shares):
-            wrong = _mixed(rank, world, comm, dev, calls=60, seed=100 + k)
+            wrong = _mixed(rank, world, comm, dev, calls=calls, seed=100 + k)
         assert not wrong, (shares, wrong[:5])
-    assert comm._prepared.stats["p2p_hits"] > 0
+        # repeats ran as programs on the pair flags with the host lane's share (no reply waited for)
+        staged = [e for side in pairs.recvs.values() for e in side.slots.values() if e.flags and e.host]
+        assert any(set(e.shares) == set(shares) for e in staged), (shares, len(staged))
+    assert comm._prepared.stats["p2p_hits"] > calls
 
 
 @needs(2)
 def test_send_recv_over_other_lane_sets(tmp_path):
     run(2, tmp_path, _other_lanes, ENV)
+
+
+@needs(4)
+def test_send_recv_over_other_lane_sets_four_ranks(tmp_path):
+    run(4, tmp_path, _other_lanes, ENV)
 
 
 def _user_graph(rank, world, comm, dev):
@@ -134,25 +144,26 @@ def _user_graph(rank, world, comm, dev):
         for h in hs:
             h.wait()
 
-    with comm.fixed_shares({"ce": 1.0}):
-        x.copy_(_data(("warm", rank), n, torch.float32, dev))
-        shift()                                          # prepared before the capture
-        assert _same(out, _data(("warm", prv), n, torch.float32, dev))
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            shift()
+    for shares in ({"ce": 1.0}, {"ce": 0.6, "host": 0.4}):
+        with comm.fixed_shares(shares):
+            x.copy_(_data(("warm", rank), n, torch.float32, dev))
+            shift()                                          # prepared before the capture
+            assert _same(out, _data(("warm", prv), n, torch.float32, dev))
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                shift()
+            torch.cuda.synchronize()
+            dist.barrier()
+            for i in range(5):
+                x.copy_(_data(("replay", i, rank), n, torch.float32, dev))
+                out.fill_(0)
+                graph.replay()
+                torch.cuda.synchronize()
+                assert _same(out, _data(("replay", i, prv), n, torch.float32, dev)), (shares, i)
+            del graph
         torch.cuda.synchronize()
         dist.barrier()
-        for i in range(5):
-            x.copy_(_data(("replay", i, rank), n, torch.float32, dev))
-            out.fill_(0)
-            graph.replay()
-            torch.cuda.synchronize()
-            assert _same(out, _data(("replay", i, prv), n, torch.float32, dev)), i
-        del graph
-    torch.cuda.synchronize()
-    dist.barrier()
 
 
 @needs(2)

@@ -13,11 +13,14 @@ the receiver's matching call (the k-th send meets the k-th recv):
                                        replies on channel 1 with its own (or a refusal)
 
 Replies go back on channel 1, tagged with the call's number k. On a hit of an entry on the copy
-engines alone the sender does not wait for anything: its program (set `ready`, wait for `done`,
-reset it; replay-safe flags per direction, lanes/signals.py) goes on the stream at once, and the
-sender's call returns. The receiver's program (wait for `ready`, reset it, pull, set `done`) goes on
-when it reads the message. Other entries (the host lane, NCCL's share, mixed) wait for the
-receiver's reply ("ok") before posting their lanes, as a miss does.
+engines, the host lane or both, the sender does not wait for anything: its program (set `ready`,
+stage the host lane's share through the direction's graph ring, wait for `done`, reset it;
+replay-safe flags per direction and ring slot, lanes/signals.py and lanes/host.py) goes on the
+stream at once, and the sender's call returns. The receiver's program (wait for `ready`, reset it,
+pull, set `done`; beside it on a second stream, take each staged slot, copy it out, free it) goes
+on when it reads the message. Other entries (NCCL's share) wait for the receiver's reply ("ok")
+before posting their lanes, as a miss does. Measured on 2 x H200 before the host lane's share ran
+this way: 325-851 us of host time a call for ce 0.9 + host 0.1 at 256 MiB-1 GiB.
 
 A receiver whose call does not match a run-ahead send (another size, dtype, calibration) cannot
 stop the sender's program: it posts a drain (wait for `ready`, reset, set `done`: no copy), raises
@@ -49,10 +52,11 @@ from .. import envs
 from ..errors import BraidTimeoutError, LaneUnavailableError, PeerMismatchError
 from ..executor import Handle, as_handle, execute
 from ..lanes import _cuda
+from ..lanes.host import graph_programs, pair_programs, run_program
 from ..planner.plan import p2p_movement
 from ..node import NodeSegment, geq
 from .exchange import agree, agreed_lanes
-from .prepared import MASK63, _RAW, not_capturable
+from .prepared import GRAPH_LANES, MASK63, _RAW, not_capturable
 
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 OP = "send_recv"
@@ -209,14 +213,16 @@ def _pair_shares(sender: dict, agreed: list[str]) -> dict[str, float]:
 
 class PairEntry:
     """One agreed shape of a direction: both descriptors, the shares and the plan; `flags`: on
-    the copy engines alone (GPU), run with the pair flags; `copies` (receiver): (destination
-    offset, mapped source address, bytes); `rw`: the receiver's facts when it was built."""
+    the copy engines, the host lane or both (GPU), run with the pair flags; `copies` (receiver):
+    the copy engines' share as (destination offset, mapped source address, bytes); `host`: this
+    side's program of the host lane's share (lanes/host.py pair_programs); `rw`: the receiver's
+    facts when it was built."""
 
-    __slots__ = ("descs", "plan", "shares", "native", "flags", "copies", "rw")
+    __slots__ = ("descs", "plan", "shares", "native", "flags", "copies", "host", "rw")
 
-    def __init__(self, descs, plan, shares, native: bool, flags: bool = False, copies=(), rw: int = 0):
+    def __init__(self, descs, plan, shares, native: bool, flags: bool = False, copies=(), rw: int = 0, host=()):
         self.descs, self.plan, self.shares, self.native = descs, plan, shares, native
-        self.flags, self.copies, self.rw = flags, copies, rw
+        self.flags, self.copies, self.rw, self.host = flags, copies, rw, host
 
 
 class _Send:
@@ -252,8 +258,8 @@ def ticket_key(sending: bool, peer: int, tensor) -> tuple:
 
 
 class _Ticket:
-    """A repeated call on the copy engines alone, keyed by the tensor's own facts (direction,
-    address, count, dtype): the next such call skips the lanes, shares, descriptor and word and
+    """A repeated call on the pair flags (the copy engines, the host lane), keyed by the tensor's
+    own facts (direction, address, count, dtype): the next such call skips the lanes, shares, descriptor and word and
     goes from the op's entry to the message and the program (Pairs.send_fast / recv_fast). Valid
     while the cache's epoch (calibration, fixed shares) is the one it was made under and, for a
     sender, while its input is the same allocation and its entry is still in the table."""
@@ -328,6 +334,7 @@ class Pairs:
         # must not leave a GPU waiting forever), and where each peer's reading stood when last seen
         self.ahead: dict[int, int] = {}
         self._seen: dict[int, tuple[int, float]] = {}
+        self._beside = None
 
     def overdue(self, limit: float) -> str:
         """Why this rank gives up, when a receiver has left a send that ran ahead unread and read
@@ -345,7 +352,7 @@ class Pairs:
             if seen is None or seen[0] != read:
                 self._seen[peer] = (read, now)
             elif now - seen[1] > limit:
-                return (f"rank {me}: send #{read + 1} to rank {peer} ran ahead on the copy engines and rank {peer} "
+                return (f"rank {me}: send #{read + 1} to rank {peer} ran ahead (pair flags) and rank {peer} "
                         f"did not post its matching recv within {limit:.0f} s (a blocking send whose recv the peer "
                         f"posts only after a later collective waits on the GPU for good: use isend); the GPU waits "
                         f"are released and this communicator is broken")
@@ -468,8 +475,8 @@ class Pairs:
         return self._flags(tk.entry, True, p2p.rank, tk.peer, t, start, async_op, side)
 
     def recv_fast(self, tk: _Ticket, t, async_op: bool):
-        """A recv under a ticket whose sender's message is there and names an entry on the copy
-        engines that fits this call; None: not this way (a message read is left to the full path)."""
+        """A recv under a ticket whose sender's message is there and names an entry on the pair
+        flags that fits this call; None: not this way (a message read is left to the full path)."""
         p2p = self.p2p
         side = tk.side
         if tk.epoch != p2p.prepared.epoch or p2p.pending or side.held is not None:
@@ -519,14 +526,21 @@ class Pairs:
         if p2p.policy.native_ok(shares):
             return PairEntry(descs, None, shares, native=True, rw=rw)
         plan = p2p.exchange.plan(("p2p", src, dst, n), lambda: p2p_movement(p2p.world_size, src, dst, n), shares, n, dev)
-        flags = dev.type == "cuda" and shares == {"ce": 1.0}
-        copies = ()
-        if flags and dst == me:
+        flags = (dev.type == "cuda" and GRAPH_LANES.issuperset(shares)
+                 and ("host" not in shares or (src, dst) in p2p.layout.pair_graph_rings))
+        copies, host = (), []
+        if flags and dst == me and "ce" in shares:
             transfers = plan.lanes.get("ce", [])
             peers = p2p.lanes["ce"].peer_ptrs(transfers, me, descs)
             copies = tuple((off, peers[t.src] + t.src_off, t.nbytes)
                            for t in transfers for d, _, off in t.dsts if d == me and t.nbytes)
-        return PairEntry(descs, plan, shares, native=False, flags=flags, copies=copies, rw=rw)
+        if flags and plan.lanes.get("host"):
+            progs = graph_programs(p2p.layout, me, plan.lanes["host"], 0, [0], p2p.seg_dev_ptr,
+                                   p2p.segment.address, pair=(src, dst))
+            host = progs[0] if src == me else progs[1]
+            if dst == me and "ce" in shares:
+                self.beside_stream()            # made now: not inside a user's capture
+        return PairEntry(descs, plan, shares, native=False, flags=flags, copies=copies, rw=rw, host=host)
 
     # running an entry -------------------------------------------------------------------------
     def run(self, entry: PairEntry, sending: bool, src: int, dst: int, inp, outs, dev, start: int, async_op: bool,
@@ -556,9 +570,13 @@ class Pairs:
                drain: bool = False):
         """This side's program on the pair flags (see the module docstring)."""
         p2p = self.p2p
-        base, lay = p2p.seg_dev_ptr, p2p.layout
-        ready = base + lay.counter("flag_p2p_ready", src, dst)
-        done = base + lay.counter("flag_p2p_done", src, dst)
+        ready = done = 0
+        if "ce" in entry.shares:
+            base, lay = p2p.seg_dev_ptr, p2p.layout
+            ready = base + lay.counter("flag_p2p_ready", src, dst)
+            done = base + lay.counter("flag_p2p_done", src, dst)
+        progs = pair_programs(sending, t.data_ptr() if t.numel() else 0, ready, done, entry.copies, entry.host,
+                              drain)
         caller = _RAW(self.dev_index)
         lane = None
         if async_op or side.open or start:
@@ -574,16 +592,20 @@ class Pairs:
                 self.give_event(ev)
         else:
             sh = caller
-        # each side's consecutive flag operations in one batch (in order: one driver call)
-        if sending:
-            _cuda.memops(sh, [(False, ready, 1), (True, done, 1), (False, done, 0)])
-        else:
-            _cuda.memops(sh, [(True, ready, 1), (False, ready, 0)])
-            if not drain:
-                out = t.data_ptr()
-                for off, src_ptr, nbytes in entry.copies:
-                    _cuda.memcpy_async(out + off, src_ptr, nbytes, sh)
-            _cuda.write_value(sh, done, 1)
+        if progs:
+            if len(progs) > 1:          # the host lane's share beside the copy engines' (receiver)
+                bs = self.beside_stream().cuda_stream
+                ev = self.take_event()
+                _cuda.event_record(ev, sh)
+                _cuda.stream_wait_event(bs, ev)
+                self.give_event(ev)
+                run_program(bs, progs[1])
+            run_program(sh, progs[0])
+            if len(progs) > 1:
+                ev = self.take_event()
+                _cuda.event_record(ev, bs)
+                _cuda.stream_wait_event(sh, ev)
+                self.give_event(ev)
         if lane is None:
             return _FlagRun(self, side, 0, entry, ())
         end = self.take_event()
@@ -596,6 +618,12 @@ class Pairs:
         run = _FlagRun(self, side, end, entry, ())
         run.wait()
         return run
+
+    def beside_stream(self):
+        """The stream a receiver's host share runs on beside its copy engines' share."""
+        if self._beside is None:
+            self._beside = torch.cuda.Stream(device=self.p2p.device)
+        return self._beside
 
 
 class _Call(PendingP2P):

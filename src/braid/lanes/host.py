@@ -121,53 +121,112 @@ class HostLane(GpuLaneMixin, Lane):
     def emit(ph: int, ch: int, progs: tuple[list, list]) -> None:
         """The two programs on streams `ph` (producer) and `ch` (consumer)."""
         for sh, prog in ((ph, progs[0]), (ch, progs[1])):
-            for op in prog:
-                if op[0] == "ops":
-                    _cuda.memops(sh, op[1])
-                else:
-                    _cuda.memcpy_async(op[1], op[2], op[3], sh)
+            run_program(sh, prog)
+
+
+def run_program(sh: int, prog: list) -> None:
+    """One program's operations on stream `sh` (raw): batches of flag operations and copies."""
+    for op in prog:
+        if op[0] == "ops":
+            _cuda.memops(sh, op[1])
+        else:
+            _cuda.memcpy_async(op[1], op[2], op[3], sh)
 
 
 def graph_programs(lay, me: int, transfers: list[Transfer], in_ptr: int, out_ptrs: list[int],
-                   dev_base: int, host_base: int) -> tuple[list, list]:
+                   dev_base: int, host_base: int, pair: tuple[int, int] | None = None) -> tuple[list, list]:
     """HostLane.programs on a layout and the segment's device (flags) and host (slots) bases;
-    consecutive flag operations go in one batch."""
-    ring = lay.graph_rings[me]
-    slot_bytes = ring.slot_bytes
-    produce, consume, tail = graph_schedule(transfers, me, slot_bytes, GRAPH_SLOTS)
+    consecutive flag operations go in one batch. `pair` (src, dst): a send/recv's host share,
+    through that direction's graph ring and flags (Layout.pair_graph_rings) instead of the
+    collective calls' per-rank ones."""
+    if pair is None:
+        ring = lay.graph_rings[me]
 
-    def flag(name: str, producer: int, slot: int, reader: int) -> int:
-        return dev_base + lay.host_flag(name, producer, slot, reader)
+        def flag(name: str, producer: int, slot: int, reader: int) -> int:
+            return dev_base + lay.host_flag("flag_host_" + name, producer, slot, reader)
+
+        def slot_addr(producer: int, slot: int) -> int:
+            return host_base + lay.graph_rings[producer].slot_offset(slot)
+    else:
+        ring = lay.pair_graph_rings[pair]
+
+        def flag(name: str, producer: int, slot: int, reader: int) -> int:
+            return dev_base + lay.pair_flag("flag_pair_" + name, pair[0], pair[1], slot)
+
+        def slot_addr(producer: int, slot: int) -> int:
+            return host_base + ring.slot_offset(slot)
+    produce, consume, tail = graph_schedule(transfers, me, ring.slot_bytes, GRAPH_SLOTS)
 
     def take(addr: int) -> list:
         return [(True, addr, 1), (False, addr, 0)]
-
-    def slot_addr(producer: int, slot: int) -> int:
-        return host_base + lay.graph_rings[producer].slot_offset(slot)
 
     prod: list = []
     batch: list = []
     for st in produce:
         for c in st.free:
-            batch += take(flag("flag_host_free", me, st.slot, c))
+            batch += take(flag("free", me, st.slot, c))
         if batch:
             prod.append(("ops", batch))
         prod.append(("copy", slot_addr(me, st.slot), in_ptr + st.src_off, st.nbytes))
-        batch = [(False, flag("flag_host_full", me, st.slot, c), 1) for c in st.readers]
+        batch = [(False, flag("full", me, st.slot, c), 1) for c in st.readers]
     for slot, readers in tail:
         for c in readers:
-            batch += take(flag("flag_host_free", me, slot, c))
+            batch += take(flag("free", me, slot, c))
     if batch:
         prod.append(("ops", batch))
     cons: list = []
     batch = []
     for st in consume:
-        batch += take(flag("flag_host_full", st.producer, st.slot, me))
+        batch += take(flag("full", st.producer, st.slot, me))
         cons.append(("ops", batch))
         src = slot_addr(st.producer, st.slot)
         for b, off in st.dsts:
             cons.append(("copy", out_ptrs[b] + off, src, st.nbytes))
-        batch = [(False, flag("flag_host_free", st.producer, st.slot, me), 1)]
+        batch = [(False, flag("free", st.producer, st.slot, me), 1)]
     if batch:
         cons.append(("ops", batch))
     return prod, cons
+
+
+def pair_programs(sending: bool, ptr: int, ready: int, done: int, copies, host: list, drain: bool = False
+                  ) -> list[list]:
+    """One side of a prepared send/recv (comm/pairs.py) as programs of the host lane's kind, the
+    first for the call's stream, any second for a stream beside it (forked from the first at
+    its start, joined into it at its end):
+
+        sender:    [set ready]  host producer (input -> the direction's graph ring)  [take done]
+        receiver:  [take ready  pull the copy engines' share from the sender's input  set done]
+                   beside it:  host consumer (ring -> output)
+
+    ready/done are the direction's flags on the copy engines (0: no copy engines' share);
+    `copies`: the receiver's (output offset, mapped source address, bytes) of that share;
+    `host`: this side's host program built with a base pointer of 0 (graph_programs with
+    `pair`), its input (sender) or output (receiver) offsets moved here by `ptr`. A drain (the
+    receiver refusing a send that ran ahead) takes every hand-off and copies nothing. Every flag
+    is back at 0 once both sides' programs ended."""
+    if sending:
+        prog = [("ops", [(False, ready, 1)])] if ready else []
+        prog += [op if op[0] == "ops" else ("copy", op[1], ptr + op[2], op[3]) for op in host]
+        if ready:
+            prog.append(("ops", [(True, done, 1), (False, done, 0)]))
+        return [_batched(prog)] if prog else []
+    main: list = []
+    if ready:
+        main.append(("ops", [(True, ready, 1), (False, ready, 0)]))
+        if not drain:
+            main += [("copy", ptr + off, src, nbytes) for off, src, nbytes in copies]
+        main.append(("ops", [(False, done, 1)]))
+    side = [op if op[0] == "ops" else ("copy", ptr + op[1], op[2], op[3]) for op in host
+            if not (drain and op[0] == "copy")]
+    return [_batched(p) for p in (main, side) if p]
+
+
+def _batched(prog: list) -> list:
+    """Consecutive batches of flag operations as one (one driver call)."""
+    out: list = []
+    for op in prog:
+        if op[0] == "ops" and out and out[-1][0] == "ops":
+            out[-1] = ("ops", out[-1][1] + op[1])
+        else:
+            out.append(op)
+    return out
