@@ -247,14 +247,14 @@ def test_a_balanced_split_is_posted_at_its_first_calls_and_now_and_then():
     from braid.comm.prepared import SAMPLE_EVERY, SAMPLE_FIRST, Entry
 
     class _Policy:
-        adapt, fixed = True, None
+        adapt, fixed, lane_timing = True, None, False
 
         def fixed_for(self, op):
             return self.fixed
 
-    def posted(shares, n=3 * SAMPLE_EVERY, capturing=False, fixed=None, adapt=True):
+    def posted(shares, n=3 * SAMPLE_EVERY, capturing=False, fixed=None, adapt=True, timing=False):
         pol = _Policy()
-        pol.fixed, pol.adapt = fixed, adapt
+        pol.fixed, pol.adapt, pol.lane_timing = fixed, adapt, timing
         ex = SimpleNamespace(policy=pol)
         ex.balanced = lambda op, e: Exchange.balanced(ex, op, e)
         entry = Entry(None, None, shares, ["ce", "host"], 1 << 20, native=False)
@@ -266,6 +266,10 @@ def test_a_balanced_split_is_posted_at_its_first_calls_and_now_and_then():
     assert posted({"ce": 1.0}) == []
     assert posted(mixed, fixed=mixed) == []
     assert posted(mixed, adapt=False) == []
+    # fixed_shares(..., timed=True), the calibration's balancing: every call of a split posts
+    assert posted(mixed, n=20, fixed=mixed, timing=True) == list(range(1, 21))
+    assert posted({"ce": 1.0}, n=5, fixed={"ce": 1.0}, timing=True) == []
+    assert posted(mixed, n=5, fixed=mixed, timing=True, capturing=True) == []
     assert posted(mixed, capturing=True) == []
 
 

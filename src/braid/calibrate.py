@@ -172,7 +172,7 @@ def calibrate_op(comm, op: str, lanes: list[str], sizes=None, iters: int = 5, ro
         shares = comm.split_rule(op, costs, big.nbytes)
         if len(shares) < 2:
             break
-        with comm.fixed_shares(shares):
+        with comm.fixed_shares(shares, timed=True):
             for _ in range(2):
                 big.braid()
             _sync(comm)
@@ -291,7 +291,7 @@ def balance_at(comm, load, shares: dict[str, float], costs: dict[str, LaneCost],
     lat = {k: costs[k].latency_us for k in shares if k in costs}
     for _ in range(rounds):
         times: dict[str, float] = {}
-        with comm.fixed_shares(shares):
+        with comm.fixed_shares(shares, timed=True):
             for _ in range(2):
                 load.braid()
             for _ in range(BALANCE_CALLS):

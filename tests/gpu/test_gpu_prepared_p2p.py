@@ -121,6 +121,23 @@ def _other_lanes(rank, world, comm, dev, calls=200):
         staged = [e for side in pairs.recvs.values() for e in side.slots.values() if e.flags and e.host]
         assert any(set(e.shares) == set(shares) for e in staged), (shares, len(staged))
     assert comm._prepared.stats["p2p_hits"] > calls
+    # the calibration's balancing (fixed_shares(..., timed=True)): every split call posts its
+    # lanes and times them, a send/recv and a collective alike
+    x = torch.randn(1 << 20, device=dev)
+    out = torch.empty_like(x)
+    g = torch.empty(world * x.numel(), device=dev)
+    with comm.fixed_shares({"ce": 0.5, "host": 0.5}, timed=True):
+        for _ in range(3):
+            if rank < 2:
+                if rank == 0:
+                    comm.send(x, 1)
+                else:
+                    comm.recv(out, 0)
+                torch.cuda.synchronize()
+                assert set(comm.last_handle.lane_times_us()) == {"ce", "host"}, comm.last_handle
+            comm.all_gather_into_tensor(g, x)
+            torch.cuda.synchronize()
+            assert set(comm.last_handle.lane_times_us()) == {"ce", "host"}, comm.last_handle
 
 
 @needs(2)

@@ -543,12 +543,16 @@ class Communicator:
 
     # shares -----------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def fixed_shares(self, shares: dict[str, float] | None, op: str = "*") -> Iterator[None]:
-        """Use these shares for every op (or one op) inside the block (tests, calibration, bench)."""
+    def fixed_shares(self, shares: dict[str, float] | None, op: str = "*", timed: bool = False) -> Iterator[None]:
+        """Use these shares for every op (or one op) inside the block (tests, calibration, bench).
+        timed=True: every split call inside posts its lanes and times each (the handle's
+        lane_times_us), where a repeat would otherwise replay a program that times nothing; every
+        rank must pass the same."""
         self._drain()
         policy = self.policy
-        old = policy.fixed
+        old, old_timing = policy.fixed, policy.lane_timing
         policy.set_fixed(None if shares is None else {**(old or {}), op: dict(shares)})
+        policy.lane_timing = timed
         self.shortcuts.clear()
         self._prepared.clear()
         self._learn_update()
@@ -557,6 +561,7 @@ class Communicator:
         finally:
             self._drain(raising=False)
             policy.set_fixed(old)
+            policy.lane_timing = old_timing
             self.shortcuts.clear()
             self._prepared.clear()
             self._learn_update()

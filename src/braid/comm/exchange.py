@@ -359,7 +359,11 @@ class Exchange:
         """Post this call of a balanced split (its lanes timed for the balancer) instead of
         replaying it: its first SAMPLE_FIRST calls and every SAMPLE_EVERY-th after. Every rank
         counts the same calls of the same entry, so every rank takes the same way."""
-        if capturing or not self.balanced(op, entry):
+        if capturing:
+            return False
+        if self.policy.lane_timing:         # fixed_shares(..., timed=True): every split call
+            return len(entry.shares) > 1
+        if not self.balanced(op, entry):
             return False
         entry.calls += 1
         return entry.calls <= SAMPLE_FIRST or entry.calls % SAMPLE_EVERY == 0

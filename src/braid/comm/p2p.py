@@ -224,7 +224,8 @@ class PointToPoint:
         calib = self.policy.digest        # as at the call (the descriptor may be built later)
 
         def full_of() -> dict:
-            d = dict(desc, lanes=lanes, calib=calib, rank=self.rank, shares=shares if sending else None)
+            d = dict(desc, lanes=lanes, calib=calib, rank=self.rank, shares=shares if sending else None,
+                     timed=self.policy.lane_timing)
             if "ce" in lanes:
                 d.update(self.lanes["ce"].descriptor(inp))
             return d

@@ -526,8 +526,10 @@ class Pairs:
         if p2p.policy.native_ok(shares):
             return PairEntry(descs, None, shares, native=True, rw=rw)
         plan = p2p.exchange.plan(("p2p", src, dst, n), lambda: p2p_movement(p2p.world_size, src, dst, n), shares, n, dev)
+        # the sender's `timed` (fixed_shares(..., timed=True)): a split posts its lanes and times them
         flags = (dev.type == "cuda" and GRAPH_LANES.issuperset(shares)
-                 and ("host" not in shares or (src, dst) in p2p.layout.pair_graph_rings))
+                 and ("host" not in shares or (src, dst) in p2p.layout.pair_graph_rings)
+                 and not (len(shares) > 1 and descs[src].get("timed")))
         copies, host = (), []
         if flags and dst == me and "ce" in shares:
             transfers = plan.lanes.get("ce", [])

@@ -54,6 +54,9 @@ class SplitPolicy:
         self.world_size, self.cuda, self.check = world_size, cuda, check
         self.lanes_here, self._unavailable, self._wanted, self._hier = lanes_here, unavailable, wanted, hier
         self.fixed: dict[str, dict[str, float]] | None = None   # op (or "*") -> shares (fixed_shares)
+        # fixed_shares(..., timed=True): every split call posts its lanes and times them (the
+        # calibration's balancing reads their times), none replays a program
+        self.lane_timing = False
         self.calib: dict[str, dict[str, LaneCost]] = {}         # "op/world" -> lane -> cost
         self.pays: dict[str, dict[int, bool | str | dict]] = {}  # "op/world" -> log2 bucket -> verdict
         self.timed: dict[str, dict[int, dict]] = {}             # "op/world" -> log2 bucket -> lane -> us
