@@ -3,6 +3,7 @@ path calls NCCL's backend (GPU tier and bench); on a CPU communicator it calls g
 when the calibration gives gloo the whole call."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -290,7 +291,7 @@ def test_calibration_balances_the_split_before_timing_it(monkeypatch):
         used.append(dict(c.now))
         if len(c.now) > 1:
             return max(lane_us(c.now).values())
-        return {"nccl": 1400.0, "ce": 1050.0}[next(iter(c.now))]
+        return {"nccl": 1400.0, "ce": 1100.0}[next(iter(c.now))]
     monkeypatch.setattr(calibrate, "time_call", fake_time)
     monkeypatch.setattr(calibrate, "_max_over_ranks", lambda c, values: values)
     monkeypatch.setattr(workloads, "make", lambda c, op, n, dt: Load(n))
@@ -299,8 +300,8 @@ def test_calibration_balances_the_split_before_timing_it(monkeypatch):
     got = calibrate.split_pays(comm, "reduce_scatter", costs, record=record)
     assert set(got) == {"20", "22", "24", "26", "28", "30"}
     # the table keeps what was timed: the balanced split and each lane alone, per bucket
-    assert record["30"]["split_shares"] == got["30"] and record["30"]["ce"] == 1050.0
-    assert record["30"]["nccl"] == 1400.0 and record["30"]["split"] < 1050.0
+    assert record["30"]["split_shares"] == got["30"] and record["30"]["ce"] == 1100.0
+    assert record["30"]["nccl"] == 1400.0 and record["30"]["split"] < (1 - calibrate.SPLIT_MARGIN) * 1100.0
     for verdict in got.values():
         assert isinstance(verdict, dict) and set(verdict) == {"ce", "host"}
         assert abs(sum(verdict.values()) - 1) < 1e-3
@@ -308,8 +309,8 @@ def test_calibration_balances_the_split_before_timing_it(monkeypatch):
         assert abs(verdict["host"] - 850 / 11000) < 0.01                   # equal finish: 0.077
     # the split was timed with the balanced shares, never with the model's
     assert {"ce": 0.905, "host": 0.095} not in [u for u in used if len(u) > 1]
-    # an unbalanced model split would have lost to the copy engines alone (1147 us vs 1050)
-    assert max(lane_us({"ce": 0.905, "host": 0.095}).values()) > 1050 > max(lane_us(got["30"]).values())
+    # an unbalanced model split would have lost to the copy engines alone (1147 us vs 1100)
+    assert max(lane_us({"ce": 0.905, "host": 0.095}).values()) > 1100 > max(lane_us(got["30"]).values())
 
 
 def test_shares_for_uses_the_balanced_verdict():
@@ -527,3 +528,40 @@ def test_small_cpu_calls_take_gloos_own_call():
     for ok, cached in run_world(_cpu_fast_worker, 3, env={"BRAID_LANES": "gloo"}):
         assert all(ok), ok
         assert all(cached), cached
+
+
+@pytest.mark.parametrize("split_us, want", [(1020.0, "ce"), (990.0, "split"), (1300.0, "ce")])
+def test_a_split_must_beat_the_fastest_lane_by_the_margin(monkeypatch, split_us, want):
+    """split_pays: a split over several lanes that measured within SPLIT_MARGIN of the fastest
+    single lane (here the copy engines, 1050 us) leaves the call to that lane; beyond it, the
+    split's balanced shares are the verdict."""
+    import contextlib
+    from braid import calibrate, workloads
+    from braid.planner.model import LaneCost
+
+    class FakeComm:
+        cuda, now, last_handle = True, None, None
+
+        def split_rule(self, op, costs, n):
+            return {"ce": 0.9, "host": 0.1}
+
+        @contextlib.contextmanager
+        def fixed_shares(self, shares, timed=False):
+            self.now = dict(shares)
+            yield
+
+    class Load:
+        participates = True
+
+        def __init__(self, n):
+            self.nbytes, self.braid = n, lambda: None
+
+    comm = FakeComm()
+    alone = {"nccl": 1400.0, "ce": 1050.0}
+    monkeypatch.setattr(calibrate, "time_call",
+                        lambda c, fn, iters, warm: split_us if len(c.now) > 1 else alone[next(iter(c.now))])
+    monkeypatch.setattr(calibrate, "_max_over_ranks", lambda c, values: values)
+    monkeypatch.setattr(workloads, "make", lambda c, op, n, dt: Load(n))
+    costs = {"nccl": LaneCost(10.0, 1000.0), "ce": LaneCost(50.0, 1000.0), "host": LaneCost(200.0, 100.0)}
+    got = calibrate.split_pays(comm, "reduce_scatter", costs)
+    assert got and all((v == "ce") if want == "ce" else isinstance(v, dict) for v in got.values()), got

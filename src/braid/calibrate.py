@@ -213,6 +213,13 @@ ALONE_CHECK = 1.5
 # calibration that took the copy engines on a point within that noise left broadcast and send/recv
 # at 4 MiB at 0.84 of NCCL in the sweep that followed (2026-11-26). A tie goes to NCCL.
 NATIVE_MARGIN = 0.05
+# A split over several lanes replaces the fastest single lane only when it measured this much
+# faster than that lane: in a job it costs more than its timed calls show (its first calls and
+# every 64th are posted and timed for the balancer, each move of the balancer builds the shape
+# anew). On 2 x H200 (2026-11-28) a DDP job's 64 MiB all_reduce buckets, calibrated to a
+# balanced ce + host split, ran 2270 us a call in the job's trial against 782 whole (the copy
+# engines alone had run 704 and been kept), and the trial sent them whole.
+SPLIT_MARGIN = 0.05
 
 
 def ce_alone_ok(comm, op: str, costs: dict) -> bool:
@@ -263,6 +270,10 @@ def split_pays(comm, op: str, costs: dict[str, LaneCost], iters: int | None = No
                     t = time_call(comm, load.braid, iters, warm)
                 timed[key] = min(timed.get(key, t), t)
         best = min(timed, key=lambda k: (timed[k], str(k)))
+        if best is True:            # the split against the fastest single lane: a tie goes to the lane
+            lane = min((k for k in timed if k is not True), key=lambda k: (timed[k], str(k)))
+            if timed[True] > (1 - SPLIT_MARGIN) * timed[lane]:
+                best = lane
         if best is not False and False in timed and timed[best] > (1 - NATIVE_MARGIN) * timed[False]:
             best = False            # within the margin of the native library: it keeps the call
         bucket = str(OnlineBalancer.bucket(op, load.nbytes)[1])
