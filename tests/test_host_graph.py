@@ -255,7 +255,7 @@ def test_a_balanced_split_is_posted_at_its_first_calls_and_now_and_then():
     def posted(shares, n=3 * SAMPLE_EVERY, capturing=False, fixed=None, adapt=True, timing=False):
         pol = _Policy()
         pol.fixed, pol.adapt, pol.lane_timing = fixed, adapt, timing
-        ex = SimpleNamespace(policy=pol)
+        ex = SimpleNamespace(policy=pol, sample_counts={})
         ex.balanced = lambda op, e: Exchange.balanced(ex, op, e)
         entry = Entry(None, None, shares, ["ce", "host"], 1 << 20, native=False)
         return [i + 1 for i in range(n) if Exchange.sampled(ex, "all_gather", entry, capturing)]
@@ -271,6 +271,18 @@ def test_a_balanced_split_is_posted_at_its_first_calls_and_now_and_then():
     assert posted({"ce": 1.0}, n=5, fixed={"ce": 1.0}, timing=True) == []
     assert posted(mixed, n=5, fixed=mixed, timing=True, capturing=True) == []
     assert posted(mixed, capturing=True) == []
+    # the count is the shape's, not its entry's: the entries a balancer's moves build anew (other
+    # shares, the same lanes) go on from it; another size or lane set counts on its own
+    ex = SimpleNamespace(policy=_Policy(), sample_counts={})
+    ex.balanced = lambda op, e: Exchange.balanced(ex, op, e)
+    seen = []
+    for i in range(2 * SAMPLE_EVERY):
+        entry = Entry(None, None, {"ce": 0.7 - i / 1000, "host": 0.3 + i / 1000}, ["ce", "host"], 1 << 20,
+                      native=False)         # a move at every call: a new entry each time
+        seen.append(Exchange.sampled(ex, "all_gather", entry, False))
+    assert [i + 1 for i, s in enumerate(seen) if s] == list(range(1, SAMPLE_FIRST + 1)) + [SAMPLE_EVERY, 2 * SAMPLE_EVERY]
+    other = Entry(None, None, mixed, ["ce", "host"], 1 << 21, native=False)
+    assert Exchange.sampled(ex, "all_gather", other, False)                   # its own first call
 
 
 def test_which_split_reductions_one_program_holds():

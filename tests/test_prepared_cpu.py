@@ -243,3 +243,35 @@ def test_what_cannot_be_captured_says_why_and_what_to_do():
     assert "['ce', 'host']" in str(split) and "fixed_shares({'ce': 1.0})" in str(split)
     staged = not_capturable("reduce", {"ce": 1.0})
     assert "fewer elements than ranks" in str(staged) and "fixed_shares({'nccl': 1.0})" in str(staged)
+
+
+def test_a_move_of_one_shape_leaves_another_shapes_entry():
+    """The balancer's version is not in the word: a split whose shares did not move (a broadcast
+    on shares fixed for its op alone) keeps its entry (a hit, nothing built) while the balancer
+    moves an all_gather's shares, call after call."""
+    res = run_world(_two_shapes, 2, env=ENV, timeout=300)
+    assert res[0] == res[1]
+    moves = [i for i in range(1, len(res[0])) if res[0][i]["version"] != res[0][i - 1]["version"]]
+    assert len(moves) >= 2, "the slowed all_gather made the balancer move"
+    assert all([tuple(x) for x in r["b_shares"]] == sorted(SPLIT.items()) for r in res[0]), res[0][:3]
+    assert res[0][0]["b_built"] == 1 and all(r["b_built"] == 0 for r in res[0][1:]), res[0]
+
+
+def _two_shapes(rank: int, w: int) -> list:
+    import braid
+    comm = braid.init()
+    rows = []
+    with comm.fixed_shares(SPLIT, op="broadcast"):
+        for call in range(30):
+            comm.slowdown = {"shm": 4.0} if call >= 4 else {}     # the all_gather's lanes are slowed
+            x = _data(("a", call, rank), 1 << 20)
+            out = torch.empty((1 << 20) * w)
+            comm.all_gather_into_tensor(out, x)
+            comm.slowdown = {}
+            before = comm._prepared.stats["built"]
+            t = _data(("b", call, rank), 1 << 20)
+            comm.broadcast(t, 0)
+            assert torch.equal(t, _data(("b", call, 0), 1 << 20))
+            rows.append({"version": comm.balancer.version, "b_built": comm._prepared.stats["built"] - before,
+                         "b_shares": sorted(comm.last_handle.shares.items())})
+    return rows

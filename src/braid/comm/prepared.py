@@ -8,8 +8,8 @@ it; a repeat costs one round of a few words and, on GPUs, one CUDA graph launch.
 
 One split collective call on rank r:
 
-    word  = hash of what this rank knows alone: op, dtype, sizes, root, lanes, shares, calibration,
-            balancer version, cache epoch, the buffers' addresses (where the copy engines or the
+    word  = hash of what this rank knows alone: op, dtype, sizes, root, lanes, shares (the
+            balancer's moves show there), calibration, cache epoch, the buffers' addresses (where the copy engines or the
             host lane can run) and, where the copy engines read it, the driver's id of the input's
             allocation (a new allocation at the same address has
             another id: a peer's mapping of the old one is never read)
@@ -26,8 +26,9 @@ One split collective call on rank r:
 
 A split over several lanes whose shares the balancer still moves is posted at its first
 SAMPLE_FIRST calls and every SAMPLE_EVERY-th (its lanes timed, their times in the next round),
-replayed between: every rank counts the same calls of the same entry, so every rank takes the
-same way. Fixed shares always replay. Measured on 2 x H200 (2026-11-28), a repeated split with
+replayed between: every rank counts the same calls of the same shape (across the entries its
+balancer's moves build), so every rank takes the same way. Fixed shares always replay (but under
+fixed_shares(..., timed=True), the calibration's balancing, where every split call posts). Measured on 2 x H200 (2026-11-28), a repeated split with
 the host lane cost 29-87 us of host time a call (ce + host, nccl + host, 1-64 MiB), against
 520-1747 us posted.
 
@@ -116,7 +117,7 @@ class Entry:
     """One prepared call: what every rank agreed (descriptors, lanes, shares, plan) and, where
     one program can hold it on GPUs, the captured program."""
 
-    __slots__ = ("descs", "plan", "shares", "agreed", "size", "native", "graph", "exec_ptr", "keep", "calls", "done",
+    __slots__ = ("descs", "plan", "shares", "agreed", "size", "native", "graph", "exec_ptr", "keep", "done",
                  "graph_ok")
 
     def __init__(self, descs, plan, shares, agreed, size, native: bool):
@@ -125,7 +126,6 @@ class Entry:
         self.graph = None
         self.exec_ptr = 0
         self.keep: list = []            # events the captured program records (alive with it)
-        self.calls = 0                  # calls of a balanced split (SAMPLE_FIRST, SAMPLE_EVERY)
         self.graph_ok = None            # one CUDA graph can hold the call (Exchange.run_prepared)
         self.done = _DONE if ce_alone(shares) else _Replayed(shares)      # a synchronous replay's handle
 
@@ -221,9 +221,12 @@ class PreparedCalls:
 
     # the word and the round ----------------------------------------------------------------
     def word_base(self, op: str, desc: dict, inp, outs, lanes: list[str], shares: dict[str, float],
-                  calib: str, bal: int, capturing: bool) -> int:
-        """This rank's facts of the call but the input's allocation, hashed (within this process)."""
-        facts = [op, tuple(desc.items()), tuple(lanes), tuple(shares.items()), calib, bal, self.epoch, capturing,
+                  calib: str, capturing: bool) -> int:
+        """This rank's facts of the call but the input's allocation, hashed (within this process).
+        Not the balancer's version: a move shows in the shares of its own bucket's calls, and an
+        entry of another shape stays good (with the version in every word, each move built every
+        shape anew)."""
+        facts = [op, tuple(desc.items()), tuple(lanes), tuple(shares.items()), calib, self.epoch, capturing,
                  -1 if inp is None else inp.numel(), tuple(o.numel() for o in outs)]
         if self.cuda and ("ce" in lanes or "host" in lanes):   # programs read and write these buffers in place
             facts += [inp.data_ptr() if inp is not None else 0, tuple(o.data_ptr() for o in outs)]
