@@ -530,11 +530,12 @@ def test_small_cpu_calls_take_gloos_own_call():
         assert all(cached), cached
 
 
-@pytest.mark.parametrize("split_us, want", [(1020.0, "ce"), (990.0, "split"), (1300.0, "ce")])
-def test_a_split_must_beat_the_fastest_lane_by_the_margin(monkeypatch, split_us, want):
-    """split_pays: a split over several lanes that measured within SPLIT_MARGIN of the fastest
-    single lane (here the copy engines, 1050 us) leaves the call to that lane; beyond it, the
-    split's balanced shares are the verdict."""
+@pytest.mark.parametrize("split_us, margin, want", [(1020.0, None, "ce"), (990.0, None, "split"), (1300.0, None, "ce"),
+                                                     (1020.0, "0", "split"), (990.0, "10", "ce")])
+def test_a_split_must_beat_the_fastest_lane_by_the_margin(monkeypatch, split_us, margin, want):
+    """split_pays: a split over several lanes that measured within SPLIT_MARGIN (5%,
+    BRAID_SPLIT_MARGIN_PCT) of the fastest single lane (here the copy engines, 1050 us) leaves the
+    call to that lane; beyond it, the split's balanced shares are the verdict."""
     import contextlib
     from braid import calibrate, workloads
     from braid.planner.model import LaneCost
@@ -556,6 +557,8 @@ def test_a_split_must_beat_the_fastest_lane_by_the_margin(monkeypatch, split_us,
         def __init__(self, n):
             self.nbytes, self.braid = n, lambda: None
 
+    if margin is not None:
+        monkeypatch.setenv("BRAID_SPLIT_MARGIN_PCT", margin)
     comm = FakeComm()
     alone = {"nccl": 1400.0, "ce": 1050.0}
     monkeypatch.setattr(calibrate, "time_call",

@@ -219,7 +219,7 @@ NATIVE_MARGIN = 0.05
 # anew). On 2 x H200 (2026-11-28) a DDP job's 64 MiB all_reduce buckets, calibrated to a
 # balanced ce + host split, ran 2270 us a call in the job's trial against 782 whole (the copy
 # engines alone had run 704 and been kept), and the trial sent them whole.
-SPLIT_MARGIN = 0.05
+SPLIT_MARGIN = 0.05          # the default of BRAID_SPLIT_MARGIN_PCT
 
 
 def ce_alone_ok(comm, op: str, costs: dict) -> bool:
@@ -251,6 +251,7 @@ def split_pays(comm, op: str, costs: dict[str, LaneCost], iters: int | None = No
     iters, warm = (iters or LINE_ITERS, LINE_WARMUP) if comm.cuda else (iters or 5, 1)
     if single is None:
         return out
+    split_margin = envs.get("BRAID_SPLIT_MARGIN_PCT") / 100
     for n in (PROBE_SIZES_GPU if comm.cuda else PROBE_SIZES_CPU):
         shares = comm.split_rule(op, costs, n)
         alone = [single] + (["ce"] if ce_alone_ok(comm, op, costs) else [])
@@ -272,7 +273,7 @@ def split_pays(comm, op: str, costs: dict[str, LaneCost], iters: int | None = No
         best = min(timed, key=lambda k: (timed[k], str(k)))
         if best is True:            # the split against the fastest single lane: a tie goes to the lane
             lane = min((k for k in timed if k is not True), key=lambda k: (timed[k], str(k)))
-            if timed[True] > (1 - SPLIT_MARGIN) * timed[lane]:
+            if timed[True] > (1 - split_margin) * timed[lane]:
                 best = lane
         if best is not False and False in timed and timed[best] > (1 - NATIVE_MARGIN) * timed[False]:
             best = False            # within the margin of the native library: it keeps the call

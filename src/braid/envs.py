@@ -130,6 +130,10 @@ _define("BRAID_CPU_NATIVE", _bool, True,
         "system's C compiler on first use into BRAID_CACHE_DIR), and smaller reductions of 3 ranks and "
         "more reduce in the same library on the caller's thread; 0: rounds in Python for all of them. "
         "Every rank must have the same setting.")
+_define("BRAID_SPLIT_MARGIN_PCT", _nonneg_int, 5,
+        "Calibration: a split over several lanes is kept for a size only where it measured this many "
+        "percent faster than the fastest single lane (in a job a split costs more than its timed calls "
+        "show: posted calls for the balancer, rebuilds at its moves). Read when calibrating (rank 0's).")
 _define("BRAID_CPU_THREADS", _nonneg_int, 0,
         "Threads per rank of the native CPU collectives (the ranks take the least any of them asks); "
         "0: torch's intra-op threads, at most this process's cores divided by the ranks.")
