@@ -23,20 +23,12 @@ import pytest
 from braid.lanes.host import graph_programs, pair_programs
 from braid.node import GRAPH_SLOTS, Layout
 from braid.planner.plan import p2p_movement, split
+from test_host_graph import _World, _without_free_waits
+
+_flat = _World._flat          # a batch of flag operations runs one step each, in order
 
 CHUNK = 4096
 RELEASE = 0x40000000
-
-
-def _flat(prog: list) -> list:
-    """A batch runs its operations in order, as the driver does: one step each."""
-    out = []
-    for op in prog:
-        if op[0] == "ops":
-            out += [("wait" if w else "write", addr, v) for w, addr, v in op[1]]
-        else:
-            out.append(op)
-    return out
 
 
 class _Pairs:
@@ -205,24 +197,10 @@ def test_a_drain_leaves_the_pair_at_rest():
         assert not any(op[0] == "copy" for k, prog in p.streams.items() if k[1] == "recv" for op in prog)
 
 
-def _without_tail(prog: list) -> list:
-    """The sender without its waits for a slot's reader (neither before its reuse nor at the
-    end): only its settings of a flag to 1 are kept."""
-    out = []
-    for op in prog:
-        if op[0] == "ops":
-            kept = [(w, a, v) for w, a, v in op[1] if not w and v == 1]
-            if kept:
-                out.append(("ops", kept))
-        else:
-            out.append(op)
-    return out
-
-
 def test_negative_control_without_the_senders_waits_for_its_reader():
     caught = 0
     for seed in range(10):
-        p = _Pairs(2, [(0, 1)], {"host": 1.0}, N, edit=_without_tail)
+        p = _Pairs(2, [(0, 1)], {"host": 1.0}, N, edit=_without_free_waits)       # no waits for the slot's reader
         res = p.run(calls=3, seed=seed)
         caught += bool(res["deadlock"] or res["wrong"] or any(p.flags.values()))
     assert caught >= 5, caught
