@@ -15,6 +15,12 @@ import torch
 from gpu_world import BASE_ENV, _port, needs, start_rank
 
 NEEDS = needs(2)
+# 2026-11-28, one H200 shared by 2 ranks, torch 2.11: torch's CUDA-graph trees stop the compiled
+# step at its warm-up on rank 0 ("Detected 1 tensor(s) in the cudagraph pool not tracked as
+# outputs"). The likely cause, not yet confirmed: braid's split calls mark the caller's tensors
+# with record_stream on braid's lane streams, so their memory can stay allocated in the graphs'
+# pool after the step returns
+COMPILED_XFAIL = "a split call's memory stays in torch's CUDA-graph pool after the step (record_stream?)"
 SIZES = [7, 1023, 1_000_003, 3 << 20]
 
 
@@ -225,6 +231,28 @@ def _cases(rank, w, dev, pg):
         assert all(p.grad is not None for p in mod.parameters())
     yield "fsdp2", fsdp2
 
+    def compiled():
+        # torch.compile(mode="reduce-overhead") of a step with a functional all_reduce on this
+        # group: every replay right with new data in the same input (4 MiB: a split size here);
+        # whether torch's CUDA graphs took the step is printed (inductor's counters)
+        import torch.distributed._functional_collectives as fc
+        from torch._dynamo.utils import counters
+        counters.clear()
+
+        def step(x):
+            return fc.all_reduce(x * 2, "sum", dist.group.WORLD) + 1
+        f = torch.compile(step, mode="reduce-overhead")
+        n = 1 << 20
+        x = torch.empty(n, device=dev)
+        for i in range(5):
+            x.copy_(_data(300 + 10 * i + rank, n, torch.float32, dev))
+            got = f(x).clone()
+            want = 2 * (_data(300 + 10 * i, n, torch.float32, dev) + _data(301 + 10 * i, n, torch.float32, dev)) + 1
+            _close(got, want, f"compiled step, call {i}")
+        if rank == 0:
+            print(f"compiled (reduce-overhead): inductor counters {dict(counters['inductor'])}", flush=True)
+    yield "compiled", compiled
+
     def destroy():
         comm = pg._comm
         dist.destroy_process_group()
@@ -328,7 +356,9 @@ def bound_reports(tmp_path_factory):
 
 @NEEDS
 @pytest.mark.parametrize("case", ["backend_name", "batch_first", "batch_first_state", "p2p_first", "reductions", "premul_sum", "moves", "p2p_after",
-                                  "batch_after", "async_and_future", "objects_barrier", "cpu_tensors", "ddp", "functional", "fsdp2", "destroy"])
+                                  "batch_after", "async_and_future", "objects_barrier", "cpu_tensors", "ddp", "functional", "fsdp2",
+                                  pytest.param("compiled", marks=pytest.mark.xfail(reason=COMPILED_XFAIL, strict=False)),
+                                  "destroy"])
 def test_gpu_backend(reports, case):
     bad = {r: rep.get(case, "not run") for r, rep in enumerate(reports) if rep.get(case) != "ok"}
     assert not bad, f"{case}:\n" + "\n".join(f"rank {r}: {v}" for r, v in bad.items())
