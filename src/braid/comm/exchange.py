@@ -370,6 +370,8 @@ class Exchange:
         # entry anew, and a count that restarted with it posted every call while the balancer
         # kept moving (a DDP job's buckets: 117 entries built in 165 calls, 2 x H200)
         key = (op, entry.size, tuple(sorted(entry.shares)))
+        if key not in self.sample_counts and len(self.sample_counts) >= 4096:
+            self.sample_counts.clear()          # at the same call on every rank (the same counts)
         n = self.sample_counts[key] = self.sample_counts.get(key, 0) + 1
         return n <= SAMPLE_FIRST or n % SAMPLE_EVERY == 0
 
