@@ -217,7 +217,7 @@ NATIVE_MARGIN = 0.05
 # faster than that lane: in a job it costs more than its timed calls show (its first calls and
 # every 64th are posted and timed for the balancer, each move of the balancer builds the shape
 # anew). On 2 x H200 (2026-11-28) a DDP job's 64 MiB all_reduce buckets, calibrated to a
-# balanced ce + host split, ran 2270 us a call in the job's trial against 782 whole (the copy
+# balanced split of several lanes, ran 2270 us a call in the job's trial against 782 whole (the copy
 # engines alone had run 704 and been kept), and the trial sent them whole.
 SPLIT_MARGIN = 0.05          # the default of BRAID_SPLIT_MARGIN_PCT
 
