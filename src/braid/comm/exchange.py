@@ -359,7 +359,7 @@ class Exchange:
     def sampled(self, op: str, entry: Entry, capturing: bool) -> bool:
         """Post this call of a balanced split (its lanes timed for the balancer) instead of
         replaying it: its first SAMPLE_FIRST calls and every SAMPLE_EVERY-th after. Every rank
-        counts the same calls of the same entry, so every rank takes the same way."""
+        counts the same calls of the same shape, so every rank takes the same way."""
         if capturing:
             return False
         if self.policy.lane_timing:         # fixed_shares(..., timed=True): every split call
@@ -369,7 +369,9 @@ class Exchange:
         # counted per shape and lane set, not per entry: each balancer move builds the shape's
         # entry anew, and a count that restarted with it posted every call while the balancer
         # kept moving (a DDP job's buckets: 117 entries built in 165 calls, 2 x H200)
-        key = (op, entry.size, tuple(sorted(entry.shares)))
+        key = entry.sample_key
+        if key is None:                         # once per entry
+            key = entry.sample_key = (op, entry.size, tuple(sorted(entry.shares)))
         if key not in self.sample_counts and len(self.sample_counts) >= 4096:
             self.sample_counts.clear()          # at the same call on every rank (the same counts)
         n = self.sample_counts[key] = self.sample_counts.get(key, 0) + 1

@@ -118,7 +118,7 @@ class Entry:
     one program can hold it on GPUs, the captured program."""
 
     __slots__ = ("descs", "plan", "shares", "agreed", "size", "native", "graph", "exec_ptr", "keep", "done",
-                 "graph_ok")
+                 "graph_ok", "sample_key")
 
     def __init__(self, descs, plan, shares, agreed, size, native: bool):
         self.descs, self.plan, self.shares, self.agreed, self.size = descs, plan, shares, agreed, size
@@ -127,6 +127,7 @@ class Entry:
         self.exec_ptr = 0
         self.keep: list = []            # events the captured program records (alive with it)
         self.graph_ok = None            # one CUDA graph can hold the call (Exchange.run_prepared)
+        self.sample_key = None          # the shape whose sampled calls it counts (Exchange.sampled)
         self.done = _DONE if ce_alone(shares) else _Replayed(shares)      # a synchronous replay's handle
 
 
