@@ -160,3 +160,32 @@ def test_a_finished_call_completes_its_future_at_once(monkeypatch):
     work.wait()
     work.get_future()
     assert _World.log == [("future", ("cuda:0",)), ("set_result", "caller", 1)]
+
+
+def test_the_side_streams_future_holds_the_calls_tensors_to_its_event(monkeypatch):
+    # the side stream's wait lets the handle's tensors go (Handle.wait): get_future holds them
+    # until the side stream's event, which follows the call
+    import gc
+    import weakref
+    from braid import executor
+    _patch(monkeypatch)
+    monkeypatch.setattr(executor, "_UNWAITED", [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    done = {"v": False}
+    monkeypatch.setattr(torch.cuda.Event, "query", lambda self: done["v"], raising=False)
+    h = _Handle(stream=None)
+    t = torch.randn(9)
+    ref = weakref.ref(t)
+    h.keep = (t,)
+    work = BraidWork(h, _result())
+    del t
+    work.get_future()
+    h.keep = ()                 # what the real handle's wait does
+    gc.collect()
+    assert ref() is not None and len(executor._UNWAITED) == 1
+    executor.sweep()
+    assert ref() is not None
+    done["v"] = True
+    executor.sweep()
+    gc.collect()
+    assert ref() is None

@@ -327,7 +327,6 @@ def test_gpu_engine_programs_on_a_simulated_device(seed, monkeypatch):
                           "relay_base": lane.buf.data_ptr(), "relay_off": 0}
         lane._begin = lambda ctx, s: None
         lane._end = lambda s: None
-        lane._keep_alive = lambda ctx, *s: None
         lanes.append(lane)
     checks = []
     num_calls = rng.randint(1, 3)

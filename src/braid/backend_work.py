@@ -12,7 +12,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from .executor import Works
+from .executor import Works, hold_until, kept_by
 
 log = logging.getLogger("braid")
 
@@ -150,12 +150,15 @@ class BraidWork(dist._Work):
                     fut.set_result(list(self._result))
                     return fut
                 side = _future_stream(cuda[0])
+                kept = kept_by(self._handle)    # (a wait lets them go: held here to the side's event)
                 with torch.cuda.stream(side):
                     self._handle.wait()     # the side stream waits for the call, no CPU block
                     done = torch.cuda.Event()
                     done.record(side)
                     self._side_done = done
                     fut.set_result(list(self._result))   # its events are recorded on the side stream
+                if kept:
+                    hold_until(done.query, kept)
             except BaseException as exc:
                 self._error = exc
                 fut.set_exception(exc)

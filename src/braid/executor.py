@@ -21,8 +21,67 @@ from .lanes.base import LaneContext, LaneRun, OpContext
 from .planner.plan import Plan
 
 
+# The tensors of async GPU calls whose handles were dropped before their wait(): each with a test
+# of its end, held until that test passes (swept at later calls). braid keeps a call's tensors
+# this way rather than with record_stream: a record_stream'd block stays allocated after its
+# tensor dies until the allocator next looks at its events, which torch's CUDA-graph trees read
+# as a tensor of their pool that the step did not return ("tensor(s) in the cudagraph pool not
+# tracked as outputs") and which a captured region cannot free in order
+_UNWAITED: list = []
+
+
+def hold_until(done: Callable[[], bool], tensors: tuple) -> None:
+    """Keep `tensors` alive until `done()` (an async call's end) is true."""
+    if tensors:
+        _UNWAITED.append((done, tensors))
+        if len(_UNWAITED) % 64 == 0:        # bounded where no later call of braid's sweeps
+            sweep()
+
+
+def sweep() -> None:
+    """Release the tensors of dropped handles whose calls ended (not inside a capture: an event
+    query there is not allowed)."""
+    if _UNWAITED and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        _UNWAITED[:] = [(d, t) for d, t in _UNWAITED if not _ended(d)]
+
+
+def _ended(done: Callable[[], bool]) -> bool:
+    try:
+        return bool(done())
+    except Exception:       # (a closed communicator's counters, a destroyed event: nothing runs any more)
+        return True
+
+
+class _Ended:
+    """A native library's Work after its wait (Handle.wait): done, holding nothing."""
+
+    @staticmethod
+    def wait(timeout=None) -> bool:
+        return True
+
+    @staticmethod
+    def is_completed() -> bool:
+        return True
+
+
+_ENDED = _Ended()
+
+
+def kept_by(handle) -> tuple:
+    """The tensors a handle keeps until its wait (see Handle.keep)."""
+    return getattr(handle, "keep", ()) or getattr(handle, "_tensors", ()) or getattr(handle, "tensors", ()) or ()
+
+
+def _all_done(events: tuple) -> Callable[[], bool]:
+    return lambda: all(e.query() for e in events)
+
+
 class Handle:
-    """What an async braid call returns (torch's Work shape: wait, is_completed)."""
+    """What an async braid call returns (torch's Work shape: wait, is_completed). On GPUs `keep`
+    holds the tensors the call reads and writes on braid's streams: the caller may drop its own
+    references before waiting, and the allocator must not hand their memory to later work on the
+    caller's stream. wait() (the caller's stream after the call) releases them; a handle dropped
+    unwaited passes them to `hold_until` its lanes' end events."""
 
     # GPU: a stream whose last work, when the call returns, is the call's end (its future can be
     # completed there: backend_work.BraidWork.get_future); None where the call ends on several
@@ -38,6 +97,13 @@ class Handle:
         self.plan = plan
         self.waiter = None          # how to wait for `native` (CPU: in steps that see a peer's abort)
         self._waited = False
+        self.keep: tuple = ()
+
+    def __del__(self):
+        if getattr(self, "keep", None) and not self._waited:
+            ends = tuple(e for e in [self.event, *(r.end for r in self.runs)] if e is not None)
+            if ends:
+                hold_until(_all_done(ends), self.keep)
 
     def wait(self, timeout=None) -> bool:
         if self._waited:
@@ -53,9 +119,13 @@ class Handle:
                 self.waiter(self.native)
             else:
                 self.native.wait()
+            # the library's Work holds the call's tensors (NCCL's, in C++) and this handle may be
+            # kept as the communicator's last_handle: let it go once the caller waited
+            self.native = _ENDED
         if self.after is not None:
             with torch.no_grad():        # the call's last step (a division, a copy out) is not autograd's
                 self.after()
+        self.keep = ()
         return True
 
     def is_completed(self) -> bool:
@@ -82,6 +152,7 @@ def execute(lc: LaneContext, plan: Plan, inp: torch.Tensor | None, outs: list[to
     cuda = comm_device_is_cuda(inp, outs)
     ctx = OpContext(lc=lc, plan=plan, inp=inp, outs=outs, descs=descs, peer=peer)
     if cuda:
+        sweep()
         ctx.start_event = start_event
         if ctx.start_event is None:
             ctx.start_event = torch.cuda.Event()
@@ -94,7 +165,10 @@ def execute(lc: LaneContext, plan: Plan, inp: torch.Tensor | None, outs: list[to
         if c.rank == lc.rank and c.nbytes:
             outs[c.buf][c.dst_off: c.dst_off + c.nbytes].copy_(inp[c.src_off: c.src_off + c.nbytes],
                                                                non_blocking=True)
-    return Handle(runs, plan=plan)
+    handle = Handle(runs, plan=plan)
+    if cuda:
+        handle.keep = (inp, *outs)
+    return handle
 
 
 def comm_device_is_cuda(inp, outs) -> bool:

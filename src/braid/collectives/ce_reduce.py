@@ -67,7 +67,7 @@ import torch
 
 from .. import envs
 from ..lanes import _cuda
-from ..lanes.base import LaneRun
+from ..lanes.base import LaneRun, kept_buffer
 from ..lanes.ce import lane_stream
 from ..lanes.signals import Rising
 from ..planner import pieces as _pc
@@ -130,10 +130,6 @@ class CeReduction:
         self.emit(ps, rs, gs, inp=inp, out=out, chunks=chunks, out_offsets=out_offsets, gather=gather,
                   peers=self.peer_ptrs(descs), name=name, factor=factor, sig=sig, slots=slots, events=events,
                   root=root)
-        for s in (ps, rs, gs):
-            for t in (inp, out, slots):
-                if t is not None and t.numel():
-                    t.record_stream(s)
         return LaneRun(LaneKind.CE, start=start, end=lane._end(ps))
 
     def peer_ptrs(self, descs: list) -> dict[int, int]:
@@ -239,7 +235,7 @@ class CeReduction:
         need = rows * n * torch.empty((), dtype=dtype).element_size()
         if self.buf is None or self.buf.numel() < need:
             self.buf = None
-            self.buf = torch.empty(need, dtype=torch.uint8, device=self.lane.device)
+            self.buf = kept_buffer(need, self.lane.device)
         return self.buf[:need].view(dtype).view(rows, n)
 
     def close(self) -> None:

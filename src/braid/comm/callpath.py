@@ -17,7 +17,7 @@ import torch.distributed as dist
 from .. import envs
 from ..collectives.reduce import REDUCE_DTYPES
 from ..errors import BraidError, BraidTimeoutError, LaneFailureError, MisuseError, PeerMismatchError
-from ..executor import Handle
+from ..executor import Handle, sweep
 from ..lanes import _cuda
 from ..node import COLL_MBOX_BYTES, COLL_SLOTS
 from . import native_rounds
@@ -291,10 +291,7 @@ class CallPath:
         # its program beside it (two programs on the same flags)
         prep.dirty = True
         if async_op:
-            stream = self.ce.stream
-            for t in tensors:       # the caller may free them before waiting: the allocator must know
-                if t is not None and t.numel():
-                    t.record_stream(stream)
+            sweep()         # (the handle keeps the tensors until its wait)
             handle = DeferredHandle(rd, n, tensors, tk.entry.plan, self.device.index)
         else:
             rd.stream_wait(caller, n)

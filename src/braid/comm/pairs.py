@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from .. import envs
 from ..errors import BraidTimeoutError, LaneUnavailableError, PeerMismatchError
-from ..executor import Handle, as_handle, execute
+from ..executor import Handle, as_handle, execute, hold_until, sweep
 from ..lanes import _cuda
 from ..lanes.host import graph_programs, pair_programs, run_program
 from ..planner.plan import p2p_movement
@@ -290,6 +290,11 @@ class _FlagRun:
             self.side.open -= 1
             self.tensors = ()
         return True
+
+    def __del__(self):
+        if self.tensors and not self._waited:      # dropped unwaited: kept until its end event
+            end = self.end
+            hold_until(lambda: _cuda.event_query(end), self.tensors)
 
     def is_completed(self) -> bool:
         return self._waited or _cuda.event_query(self.end)
@@ -614,8 +619,7 @@ class Pairs:
         _cuda.event_record(end, sh)
         side.open += 1
         if async_op:
-            if t.numel():
-                t.record_stream(lane)      # the caller may free it before waiting
+            sweep()         # (the run keeps the tensor until its wait)
             return _FlagRun(self, side, end, entry, (t,))
         run = _FlagRun(self, side, end, entry, ())
         run.wait()

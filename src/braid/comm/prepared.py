@@ -63,7 +63,7 @@ import torch
 
 from .. import envs
 from ..errors import LaneFailureError, MisuseError
-from ..executor import Handle
+from ..executor import Handle, hold_until, sweep
 from ..lanes import _cuda
 from ..lanes.ce import lane_stream
 
@@ -161,6 +161,11 @@ class PreparedHandle(Handle):
             _cuda.stream_wait_event(_RAW(self._dev), self._event)
             self._tensors = ()
         return True
+
+    def __del__(self):
+        if getattr(self, "_tensors", None) and not self._waited:    # dropped unwaited: kept until the end event
+            ev = self._event
+            hold_until(lambda: _cuda.event_query(ev), self._tensors)
 
     def is_completed(self) -> bool:
         return _cuda.event_query(self._event)
@@ -433,11 +438,7 @@ class PreparedCalls:
             self.dirty = False          # the caller's stream is now after everything braid posted
             return done if done is not None else _DONE
         self.dirty = True
-        last = None
-        for t in tensors:           # the caller may free them before waiting: the allocator must know
-            if t is not None and t is not last and t.numel():      # (in place: one tensor twice)
-                t.record_stream(stream)
-            last = t
+        sweep()
         return PreparedHandle(end, plan, tensors, self._dev_index, stream)
 
     def close(self) -> None:

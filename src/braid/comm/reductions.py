@@ -17,7 +17,7 @@ from ..errors import MisuseError
 from ..collectives.ce_reduce import CeReduction, slot_rows
 from ..executor import Handle, execute
 from ..lanes import _cuda
-from ..lanes.base import LaneRun
+from ..lanes.base import LaneRun, kept_buffer
 from ..planner.plan import LaneKind, Plan
 
 from ..collectives.reduce import check_reduce_dtype, divide, op_name, reduce_factor, reduce_slots, torch_op
@@ -117,7 +117,7 @@ class GpuReductionParts:
         need = n * torch.empty((), dtype=dtype).element_size()
         if self._scratch is None or self._scratch.numel() < need:
             self._scratch = None
-            self._scratch = torch.empty(max(need, 1), dtype=torch.uint8, device=dev)
+            self._scratch = kept_buffer(max(need, 1), dev)
         return self._scratch[:need].view(dtype)
 
     def close(self) -> None:
@@ -434,7 +434,10 @@ class Reductions:
                 event = torch.cuda.Event()
                 event.record(join)
             staged_plan = None if cuts.ce_f > 0 or cuts.base else plan1
-            return Handle(runs, plan=self.reduce_record(rc, cuts, shares, staged_plan), event=event)
+            handle = Handle(runs, plan=self.reduce_record(rc, cuts, shares, staged_plan), event=event)
+            if cuda:
+                handle.keep = (rc.input, rc.output, rc.ib, rc.ob)
+            return handle
         return self.reduce_staged(rc, desc, descs, shares, agreed, cuts, runs, start_event)
 
     def reduce_staged(self, rc: "_ReduceCall", desc: dict, descs, shares, agreed, cuts: "_Cuts", runs,
@@ -458,6 +461,7 @@ class Reductions:
             slots = self.gpu.scratch(w * n_me, output.dtype, dev)
             h1 = execute(self.lane_ctx, p1, rc.ib, [rc.ob, flat_bytes(slots)], descs)
             h1.wait()
+            target = None
             if opname == "reduce_scatter":
                 c = cuts.cut[me]
                 reduce_slots(slots, w, rc.name, output.reshape(-1)[c: c + n_me], rc.factor)
@@ -485,10 +489,10 @@ class Reductions:
                 event = torch.cuda.Event()
                 event.record(stream)
                 self.gpu.staged_end = event
-                for t in (output, rc.input, slots):
-                    if t.numel():
-                        t.record_stream(stream)
-        return Handle(runs + staged, plan=self.reduce_record(rc, cuts, shares, p1), event=event)
+        handle = Handle(runs + staged, plan=self.reduce_record(rc, cuts, shares, p1), event=event)
+        if cuda:        # (the slots are the communicator's own, kept from call to call)
+            handle.keep = (rc.input, output, rc.ib, rc.ob, target)
+        return handle
 
     def native_share(self, view: torch.Tensor, top, start_event) -> LaneRun:
         """NCCL's own all_reduce of `view` on braid's NCCL stream, after `start_event` (where the
@@ -502,5 +506,4 @@ class Reductions:
             t0.record(ns)
             dist.all_reduce(view, op=top, group=self.nccl_group)
             t1.record(ns)
-        view.record_stream(ns)
         return LaneRun(LaneKind.NCCL, start=t0, end=t1)

@@ -64,7 +64,7 @@ import torch
 
 from .. import envs
 from ..errors import BraidError, LaneFailureError, PeerMismatchError
-from ..executor import Handle
+from ..executor import Handle, hold_until
 from ..lanes import _cuda
 from ..node import COLL_MBOX_BYTES, COLL_SLOTS, DEFER_DEPTH
 from .prepared import _RAW, NO_OBS
@@ -101,6 +101,11 @@ class DeferredHandle(Handle):
             self._rounds.stream_wait(_RAW(self._dev), self._n)
             self._tensors = ()
         return True
+
+    def __del__(self):
+        if getattr(self, "_tensors", None) and not self._waited:    # dropped unwaited: kept until its end
+            rounds, n = self._rounds, self._n
+            hold_until(lambda: rounds.reached(n), self._tensors)
 
     def is_completed(self) -> bool:
         return self._rounds.reached(self._n)

@@ -22,6 +22,33 @@ if TYPE_CHECKING:
     from ..node import Layout, NodeSegment
 
 
+def kept_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A GPU buffer braid keeps from call to call (scratch, staging), allocated outside any memory
+    pool the calling thread's allocations are routed to. torch's CUDA-graph trees route a thread's
+    allocations to their pool while they warm up or capture a step; a buffer of braid's made in a
+    step's first call would stay there and stop them ("tensor(s) in the cudagraph pool not tracked
+    as outputs"). So a short-lived thread allocates it, on the caller's current stream. Inside a
+    capture (where another thread's allocation would break it) the caller's own allocation."""
+    device = torch.device(device)
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    stream = torch.cuda.current_stream(device)
+    got: list = []
+
+    def alloc() -> None:
+        try:
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                got.append(torch.empty(nbytes, dtype=torch.uint8, device=device))
+        except BaseException as exc:        # raised in the caller
+            got.append(exc)
+    t = threading.Thread(target=alloc, name="braid-alloc", daemon=True)
+    t.start()
+    t.join()
+    if isinstance(got[0], BaseException):
+        raise got[0]
+    return got[0]
+
+
 @dataclass
 class LaneContext:
     """What the lanes of one communicator share: who this rank is, its device, the node segment
@@ -147,13 +174,3 @@ class GpuLaneMixin:
         end = torch.cuda.Event(enable_timing=True)
         end.record(stream)
         return end
-
-    @staticmethod
-    def _keep_alive(ctx: OpContext, *streams) -> None:
-        """Tell the caching allocator the user's tensors are in use on our streams."""
-        for s in streams:
-            if ctx.inp is not None and ctx.inp.numel():
-                ctx.inp.record_stream(s)
-            for o in ctx.outs:
-                if o.numel():
-                    o.record_stream(s)

@@ -138,7 +138,6 @@ class CeLane(GpuLaneMixin, Lane):
             peers = self.peer_ptrs(transfers, ctx.rank, ctx.descs)
             self.emit(s.cuda_stream, ctx.rank, transfers, peers, [o.data_ptr() for o in ctx.outs],
                       Rising(self.lc.seg_dev_ptr, self.lc.layout, self.coll_seq))
-            self._keep_alive(ctx, s)
             return LaneRun(self.kind, start=start, end=self._end(s))
         return self._post_p2p(ctx, transfers)
 
@@ -185,7 +184,6 @@ class CeLane(GpuLaneMixin, Lane):
             _cuda.write_value(sh, finish(me, ctx.peer), seq)
         for p in readers:
             _cuda.wait_value(sh, finish(p, me), seq)
-        self._keep_alive(ctx, s)
         return LaneRun(self.kind, start=start, end=self._end(s))
 
     def close(self) -> None:

@@ -86,7 +86,6 @@ class HostLane(GpuLaneMixin, Lane):
                 _cuda.memcpy_async(outs[b] + off, slot, st.nbytes, ch)
             _cuda.write_value(ch, dev_base + lay.done_counter(st.ring, me), st.g + 1)
         cs.wait_stream(ps)
-        self._keep_alive(ctx, ps, cs)
         return LaneRun(self.kind, start=start, end=self._end(cs))
 
     # captured programs (see the module docstring) ----------------------------------------------

@@ -44,5 +44,4 @@ class NcclLane(GpuLaneMixin, Lane):
             if ops:
                 for w in dist.batch_isend_irecv(ops):
                     w.wait()
-        self._keep_alive(ctx, s)
         return LaneRun(self.kind, start=start, end=self._end(s))

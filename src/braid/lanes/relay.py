@@ -50,7 +50,7 @@ from ..node import geq
 from ..planner.plan import LaneKind, Transfer
 from ..planner.relay import NUM_SLOTS, RelayCursor, geometry, schedule
 from . import _cuda
-from .base import GpuLaneMixin, Lane, LaneRun, OpContext
+from .base import GpuLaneMixin, Lane, LaneRun, OpContext, kept_buffer
 
 
 def _tensors_on_cuda(ctx: OpContext) -> bool:
@@ -113,7 +113,7 @@ class RelayLane(GpuLaneMixin, Lane):
     def _staging_desc(self) -> dict:
         if self._buf_desc is None:
             slots, slot_bytes = self.gpu_geom
-            self.buf = torch.empty(slots * slot_bytes, dtype=torch.uint8, device=self.device)
+            self.buf = kept_buffer(slots * slot_bytes, self.device)
             ptr = self.buf.data_ptr()
             base, _ = _cuda.address_range(ptr)
             self._buf_desc = {"relay_geom": [slots, slot_bytes], "relay_h": _cuda.ipc_handle(base).hex(),
@@ -183,7 +183,6 @@ class RelayLane(GpuLaneMixin, Lane):
             _cuda.wait_value(ch, base + finish(v), seq)
         for q, value in sched.drain.get(me, ()):
             _cuda.wait_value(ch, base + done(me, q), value)
-        self._keep_alive(ctx, ps, cs)
         return LaneRun(self.kind, start=start, end=self._end(cs))
 
     def _peer(self, ctx: OpContext, peer: int, h: str, b: str, o: str) -> int:
