@@ -24,9 +24,9 @@ from .planner.plan import Plan
 # The tensors of async GPU calls whose handles were dropped before their wait(): each with a test
 # of its end, held until that test passes (swept at later calls). braid keeps a call's tensors
 # this way rather than with record_stream: a record_stream'd block stays allocated after its
-# tensor dies until the allocator next looks at its events, which torch's CUDA-graph trees read
-# as a tensor of their pool that the step did not return ("tensor(s) in the cudagraph pool not
-# tracked as outputs") and which a captured region cannot free in order
+# tensor dies until the allocator next polls its events, and torch's CUDA-graph trees can read
+# that as a tensor of their pool the step did not return ("tensor(s) in the cudagraph pool not
+# tracked as outputs"); a handle's wait lets them go in the caller's stream order instead
 _UNWAITED: list = []
 
 
@@ -53,7 +53,8 @@ def _ended(done: Callable[[], bool]) -> bool:
 
 
 class _Ended:
-    """A native library's Work after its wait (Handle.wait): done, holding nothing."""
+    """A native library's Work once waited (Handle.wait), holding nothing: is_completed() says
+    True from then on, as BraidWork's does after its wait (the caller's stream is after the call)."""
 
     @staticmethod
     def wait(timeout=None) -> bool:
