@@ -315,25 +315,55 @@ def test_fast_prepared_books_a_late_peer_and_launches_from_python(world, monkeyp
     assert not [c for c in drv.calls if c[0] == "graph_launch"]     # the native call did not launch
 
 
-def test_an_async_replay_tells_the_allocator_of_each_tensor_once():
-    """PreparedCalls.joined: every tensor the call holds is recorded on the lane stream once (an
-    in-place call passes its tensor as input and output), an empty one not at all; the handle
-    carries the lane stream its end was recorded on."""
+def test_an_async_replay_holds_its_tensors_in_its_handle(monkeypatch):
+    """PreparedCalls.joined: an async replay's handle holds the call's tensors (no record_stream,
+    which would leave their blocks allocated after the step in torch's CUDA-graph pools) and lets
+    them go at its wait; dropped unwaited, it hands them on until its end event has completed.
+    The handle carries the lane stream its end was recorded on."""
+    import gc
+    import weakref
+    from braid import executor
     from braid.comm.prepared import PreparedCalls, PreparedHandle
 
     class T:
         def __init__(self, n):
-            self.n, self.recorded = n, []
+            self.n = n
 
         def numel(self):
             return self.n
 
         def record_stream(self, s):
-            self.recorded.append(s)
+            raise AssertionError("record_stream called")
 
+    ended = {0xE0: False, 0xE2: False}
+    waits = []
+    monkeypatch.setattr(executor, "_UNWAITED", [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(prepared_mod._cuda, "event_query", lambda ev: ended[ev])
+    monkeypatch.setattr(prepared_mod._cuda, "stream_wait_event", lambda s, ev: waits.append(ev))
+    monkeypatch.setattr(prepared_mod, "_RAW", lambda dev: 1)
     me = SimpleNamespace(dirty=False, _dev_index=0)
-    t, empty, out = T(8), T(0), T(4)
-    h = PreparedCalls.joined(me, True, 0xE0, "lane", (t, t, None, empty, out), None)
-    assert t.recorded == ["lane"] and empty.recorded == [] and out.recorded == ["lane"]
+    t, out = T(8), T(4)
+    ref = weakref.ref(t)
+    h = PreparedCalls.joined(me, True, 0xE0, "lane", (t, t, None, out), None)
     assert isinstance(h, PreparedHandle) and h.stream == "lane" and me.dirty is True
-    assert PreparedCalls.joined(me, False, 0xE1, "lane", (t,), None) is prepared_mod._DONE and me.dirty is False
+    del t
+    gc.collect()
+    assert ref() is not None                # held by the handle
+    h.wait()
+    assert waits == [0xE0]
+    gc.collect()
+    assert ref() is None                    # let go at the wait
+    t2 = T(3)
+    ref2 = weakref.ref(t2)
+    h2 = PreparedCalls.joined(me, True, 0xE2, "lane", (t2,), None)
+    del t2, h2                              # dropped unwaited
+    gc.collect()
+    assert ref2() is not None and len(executor._UNWAITED) == 1
+    executor.sweep()
+    assert ref2() is not None
+    ended[0xE2] = True
+    executor.sweep()
+    gc.collect()
+    assert ref2() is None
+    assert PreparedCalls.joined(me, False, 0xE1, "lane", (T(1),), None) is prepared_mod._DONE and me.dirty is False
