@@ -12,7 +12,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from .executor import Works, hold_until, kept_by
+from .executor import Works, hold_until
 
 log = logging.getLogger("braid")
 
@@ -150,7 +150,7 @@ class BraidWork(dist._Work):
                     fut.set_result(list(self._result))
                     return fut
                 side = _future_stream(cuda[0])
-                kept = kept_by(self._handle)    # (a wait lets them go: held here to the side's event)
+                kept = getattr(self._handle, "keep", ())    # (a wait lets them go: held to the side's event)
                 with torch.cuda.stream(side):
                     self._handle.wait()     # the side stream waits for the call, no CPU block
                     done = torch.cuda.Event()

@@ -68,11 +68,6 @@ class _Ended:
 _ENDED = _Ended()
 
 
-def kept_by(handle) -> tuple:
-    """The tensors a handle keeps until its wait (see Handle.keep)."""
-    return getattr(handle, "keep", ()) or getattr(handle, "_tensors", ()) or getattr(handle, "tensors", ()) or ()
-
-
 def _all_done(events: tuple) -> Callable[[], bool]:
     return lambda: all(e.query() for e in events)
 
@@ -101,10 +96,15 @@ class Handle:
         self.keep: tuple = ()
 
     def __del__(self):
-        if getattr(self, "keep", None) and not self._waited:
-            ends = tuple(e for e in [self.event, *(r.end for r in self.runs)] if e is not None)
-            if ends:
-                hold_until(_all_done(ends), self.keep)
+        if getattr(self, "keep", None) and not self._waited:    # dropped unwaited: kept until its end
+            done = self.end_test()
+            if done is not None:
+                hold_until(done, self.keep)
+
+    def end_test(self) -> Callable[[], bool] | None:
+        """A test that the call has ended on the GPU (None: nothing to wait for)."""
+        ends = tuple(e for e in [self.event, *(r.end for r in self.runs)] if e is not None)
+        return _all_done(ends) if ends else None
 
     def wait(self, timeout=None) -> bool:
         if self._waited:

@@ -275,10 +275,10 @@ class _FlagRun:
     """A program of the pair flags: synchronous ones are already in the caller's stream; an
     async one's wait() makes the caller's current stream wait for its end (no CPU block)."""
 
-    __slots__ = ("pairs", "side", "end", "entry", "tensors", "_waited", "native", "runs")
+    __slots__ = ("pairs", "side", "end", "entry", "keep", "_waited", "native", "runs")
 
-    def __init__(self, pairs, side, end: int, entry: PairEntry, tensors: tuple):
-        self.pairs, self.side, self.end, self.entry, self.tensors = pairs, side, end, entry, tensors
+    def __init__(self, pairs, side, end: int, entry: PairEntry, keep: tuple):
+        self.pairs, self.side, self.end, self.entry, self.keep = pairs, side, end, entry, keep
         self._waited = not end
         self.native, self.runs = None, []
 
@@ -288,13 +288,13 @@ class _FlagRun:
             _cuda.stream_wait_event(_RAW(self.pairs.dev_index), self.end)
             self.pairs.give_event(self.end)
             self.side.open -= 1
-            self.tensors = ()
+            self.keep = ()
         return True
 
     def __del__(self):
-        if self.tensors and not self._waited:      # dropped unwaited: kept until its end event
+        if self.keep and not self._waited:      # dropped unwaited: kept until its end event
             end = self.end
-            hold_until(lambda: _cuda.event_query(end), self.tensors)
+            hold_until(lambda: _cuda.event_query(end), self.keep)
 
     def is_completed(self) -> bool:
         return self._waited or _cuda.event_query(self.end)

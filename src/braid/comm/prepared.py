@@ -63,7 +63,7 @@ import torch
 
 from .. import envs
 from ..errors import LaneFailureError, MisuseError
-from ..executor import Handle, hold_until, sweep
+from ..executor import Handle, sweep
 from ..lanes import _cuda
 from ..lanes.ce import lane_stream
 
@@ -152,20 +152,19 @@ class PreparedHandle(Handle):
 
     def __init__(self, event: int, plan, tensors: tuple, device_index: int, stream=None):
         super().__init__(plan=plan)
-        self._event, self._tensors, self._dev = event, tensors, device_index
+        self._event, self.keep, self._dev = event, tensors, device_index
         self.stream = stream
 
     def wait(self, timeout=None) -> bool:
         if not self._waited:
             self._waited = True
             _cuda.stream_wait_event(_RAW(self._dev), self._event)
-            self._tensors = ()
+            self.keep = ()
         return True
 
-    def __del__(self):
-        if getattr(self, "_tensors", None) and not self._waited:    # dropped unwaited: kept until the end event
-            ev = self._event
-            hold_until(lambda: _cuda.event_query(ev), self._tensors)
+    def end_test(self):
+        ev = self._event
+        return lambda: _cuda.event_query(ev)
 
     def is_completed(self) -> bool:
         return _cuda.event_query(self._event)

@@ -64,7 +64,7 @@ import torch
 
 from .. import envs
 from ..errors import BraidError, LaneFailureError, PeerMismatchError
-from ..executor import Handle, hold_until
+from ..executor import Handle
 from ..lanes import _cuda
 from ..node import COLL_MBOX_BYTES, COLL_SLOTS, DEFER_DEPTH
 from .prepared import _RAW, NO_OBS
@@ -92,20 +92,19 @@ class DeferredHandle(Handle):
 
     def __init__(self, rounds: "Rounds", n: int, tensors: tuple, plan, device_index: int):
         super().__init__(plan=plan)
-        self._rounds, self._n, self._tensors, self._dev = rounds, n, tensors, device_index
+        self._rounds, self._n, self.keep, self._dev = rounds, n, tensors, device_index
 
     def wait(self, timeout=None) -> bool:
         if not self._waited:
             self._waited = True
             self._rounds.raise_error()
             self._rounds.stream_wait(_RAW(self._dev), self._n)
-            self._tensors = ()
+            self.keep = ()
         return True
 
-    def __del__(self):
-        if getattr(self, "_tensors", None) and not self._waited:    # dropped unwaited: kept until its end
-            rounds, n = self._rounds, self._n
-            hold_until(lambda: rounds.reached(n), self._tensors)
+    def end_test(self):
+        rounds, n = self._rounds, self._n
+        return lambda: rounds.reached(n)
 
     def is_completed(self) -> bool:
         return self._rounds.reached(self._n)
