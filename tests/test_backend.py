@@ -726,3 +726,28 @@ def test_coalescing_calls_pass_the_device_only_where_it_is_wanted():
         return "b"
     assert _coalescing(with_dev, "cuda:0") == "b"
     assert seen == ["none", "cuda:0"]
+
+
+def test_a_destroy_that_does_not_return_says_why(caplog):
+    # torch's destroy_process_group stuck in an inner group's shutdown (NCCL's destroy waits for
+    # every CUDA graph that captured one of its calls): after the watch's bound a warning names
+    # the wait and its usual cause; a destroy that returns in time leaves no warning
+    import logging
+    import threading
+    import time
+
+    from braid.backend import _watch_teardown
+
+    def destroy_process_group(stuck_s):         # the name the watch looks for on the stack
+        watch = _watch_teardown(threading.get_ident(), after_s=0.3)
+        time.sleep(stuck_s)
+        return watch
+
+    with caplog.at_level(logging.WARNING, logger="braid"):
+        destroy_process_group(0.0).join(5)
+    assert not [r for r in caplog.records if "destroy_process_group" in r.getMessage()]
+    with caplog.at_level(logging.WARNING, logger="braid"):
+        destroy_process_group(2.0).join(5)
+    said = [r.getMessage() for r in caplog.records if "destroy_process_group has not returned" in r.getMessage()]
+    assert len(said) == 1, caplog.records
+    assert "CUDA graph" in said[0] and "torch._dynamo.reset()" in said[0] and "test_backend.py" in said[0], said

@@ -66,6 +66,7 @@ def _rank(rank: int, world: int, port: int, backend: str, sets: list[str], n: in
             what = f"FAILED: {type(exc).__name__}: {msg[:200]}"
         if rank == 0:
             print(f"{backend} {text}: {what}", flush=True)
+    torch._dynamo.reset()       # the graphs go first: NCCL's destroy waits for every graph holding its calls
     dist.destroy_process_group()
 
 

@@ -326,6 +326,10 @@ def _cases(rank, w, dev, pg):
                 last = comm.ledger.last_handle
                 bad.append(f"{shares}: {type(exc).__name__}: {msg[:160]} {msg[i: i + 1200] if i >= 0 else msg[-1500:]}"
                            f"\nlast call {comm.last_call}, its shares {getattr(last, 'shares', None)}\n{holders(exc)}")
+        # the graphs go before destroy: NCCL's communicator destroy waits until every graph that
+        # captured one of its calls is freed (the step's whole call was NCCL's), on any backend
+        torch._dynamo.reset()
+        gc.collect()
         assert not bad, "\n".join(bad)
     yield "compiled", compiled
 
