@@ -302,13 +302,16 @@ class Rounds:
         if comm is not None and isinstance(exc, BraidError):
             comm._faults.give_up(exc)
         with self.cv:           # no push after this (push checks the error under the same lock)
-            self.error = exc
-            self.queue.clear()
-            self.missing = False
             if self._native is not None:
                 self._native.clear()
                 self._seen = self._pushed
-            self.release()      # before anyone who sees the error looks at the counter
+            # in this order, for callers that read without the lock (_settle, drain, room): one
+            # that sees the error finds the counter released, one that sees the queue empty (or
+            # no miss running) finds the error
+            self.release()
+            self.error = exc
+            self.queue.clear()
+            self.missing = False
             self.cv.notify_all()
 
     def release(self) -> None:
