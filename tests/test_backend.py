@@ -729,25 +729,49 @@ def test_coalescing_calls_pass_the_device_only_where_it_is_wanted():
 
 
 def test_a_destroy_that_does_not_return_says_why(caplog):
-    # torch's destroy_process_group stuck in an inner group's shutdown (NCCL's destroy waits for
-    # every CUDA graph that captured one of its calls): after the watch's bound a warning names
-    # the wait and its usual cause; a destroy that returns in time leaves no warning
+    # torch's destroy_process_group stuck in a group's shutdown (NCCL's destroy waits for every
+    # CUDA graph that captured one of its calls): after the watch's bound a warning names the
+    # wait and its usual cause, once; a destroy that returns in time leaves no warning, and a
+    # look outside any destroy finds nothing to watch
     import logging
     import threading
     import time
 
-    from braid.backend import _watch_teardown
+    from braid.comm.ledger import TeardownWatch
 
     def destroy_process_group(stuck_s):         # the name the watch looks for on the stack
-        watch = _watch_teardown(threading.get_ident(), after_s=0.3)
+        watch = TeardownWatch.start(after_s=0.3, period_s=0.02)
         time.sleep(stuck_s)
         return watch
 
+    assert TeardownWatch.frame() is None and not TeardownWatch(0.0).look(time.monotonic())
     with caplog.at_level(logging.WARNING, logger="braid"):
         destroy_process_group(0.0).join(5)
     assert not [r for r in caplog.records if "destroy_process_group" in r.getMessage()]
     with caplog.at_level(logging.WARNING, logger="braid"):
-        destroy_process_group(2.0).join(5)
+        t = destroy_process_group(1.5)
+        t.join(5)
+    assert not t.is_alive()
     said = [r.getMessage() for r in caplog.records if "destroy_process_group has not returned" in r.getMessage()]
     assert len(said) == 1, caplog.records
     assert "CUDA graph" in said[0] and "torch._dynamo.reset()" in said[0] and "test_backend.py" in said[0], said
+
+    # the watchdog's form: it looks from its own thread while another is inside a destroy
+    out = threading.Event()
+    w = TeardownWatch(after_s=1.0)
+    th = threading.Thread(target=_stuck_in_destroy, args=(out,))
+    th.start()
+    t_end = time.monotonic() + 5
+    while TeardownWatch.frame() is None and time.monotonic() < t_end:
+        time.sleep(0.01)
+    seen = {"first": w.look(100.0), "early": w.look(100.5) and not w.said, "late": w.look(101.5)}
+    out.set()
+    th.join(5)
+    seen["after"] = w.look(102.0)
+    assert seen == {"first": True, "early": True, "late": False, "after": False} and w.said, seen
+
+
+def _stuck_in_destroy(out):
+    def destroy_process_group():
+        out.wait(5)
+    destroy_process_group()

@@ -23,9 +23,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import sys
-import threading
-import time
 
 import torch
 import torch.distributed as dist
@@ -35,6 +32,7 @@ from .backend_work import (_OP_OF, BraidWork, _AnySourceWork, _coalescing, _deta
                            _make_nccl, _method, _QueuedWork, _record_begin, _record_end, _tensors_in, _together,
                            profiler_on)
 from .collectives.reduce import REDUCE_DTYPES, PremulSum, check_reduce_dtype, divide, op_name, reduce_factor
+from .comm.ledger import TeardownWatch
 
 NAME = "braid"
 log = logging.getLogger("braid")
@@ -768,8 +766,8 @@ class BraidProcessGroup(dist.ProcessGroup):
         if self._closed:
             return
         self._closed = True
-        if torch.cuda.is_available() and _inside(threading.get_ident(), "destroy_process_group"):
-            _watch_teardown(threading.get_ident())
+        if torch.cuda.is_available() and TeardownWatch.frame() is not None:
+            TeardownWatch.start()           # the inner groups' shutdown may wait (its doc says why)
         self._take_back()
         self._handoff_every = 0
         self._p2p_queue = []                 # never posted: nothing of theirs is in flight
@@ -794,41 +792,6 @@ class BraidProcessGroup(dist.ProcessGroup):
 
     def abort(self) -> None:
         self._release("abort")
-
-
-def _inside(thread_id: int, name: str) -> bool:
-    """Whether the thread's Python stack holds a frame of a function called `name`."""
-    f = sys._current_frames().get(thread_id)
-    while f is not None:
-        if f.f_code.co_name == name:
-            return True
-        f = f.f_back
-    return False
-
-
-TEARDOWN_WARN_S = 10.0
-
-
-def _watch_teardown(thread_id: int, after_s: float = TEARDOWN_WARN_S) -> threading.Thread:
-    """Say why where torch's destroy_process_group, on the thread `thread_id`, has not returned
-    after `after_s`. The usual cause is outside braid: NCCL's communicator destroy waits until
-    every CUDA graph that captured one of its calls is freed (torch's NCCL backend waits the
-    same), and a graph torch.compile made lives until torch._dynamo.reset()."""
-    def watch():
-        end = time.monotonic() + after_s
-        while time.monotonic() < end:
-            time.sleep(min(0.25, after_s))
-            if not _inside(thread_id, "destroy_process_group"):
-                return
-        f = sys._current_frames().get(thread_id)
-        where = f"{f.f_code.co_filename}:{f.f_lineno} ({f.f_code.co_name})" if f is not None else "unknown"
-        log.warning("braid: destroy_process_group has not returned in %.0f s (it waits at %s). NCCL's "
-                    "communicator destroy waits until every CUDA graph that captured one of its calls "
-                    "is freed: delete such graphs (torch._dynamo.reset() frees torch.compile's) before "
-                    "destroy_process_group", after_s, where)
-    t = threading.Thread(target=watch, name="braid-teardown-watch", daemon=True)
-    t.start()
-    return t
 
 
 # the hand-off's methods (torch's names in 2.11-2.13) -> the communicator's table of kept answers

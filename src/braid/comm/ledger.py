@@ -6,6 +6,7 @@ could be blocked in. The watchdog thread does the polling.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from threading import get_ident
 
@@ -49,6 +50,7 @@ class _Watchdog:
         # GPUs: seconds a peer may stay behind this rank's count of calls (None: no such check)
         self._late_after = envs.get("BRAID_TIMEOUT_S") if cuda else None
         self._behind: dict[int, tuple[int, float]] = {}     # peer -> (its count, since when)
+        self._teardown = TeardownWatch()
         self._thread = threading.Thread(target=self._run, name="braid-watchdog", daemon=True)
         self._thread.start()
 
@@ -89,6 +91,8 @@ class _Watchdog:
             self._segment.mark_aborted(2, f"BraidTimeoutError: {why}")     # the peers raise too
             return why
         if ticks % 5 == 0:
+            if self._cuda:
+                self._teardown.look(time.monotonic())
             for peer in range(self._world):
                 if peer != self._rank:
                     try:
@@ -124,6 +128,64 @@ class _Watchdog:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2.0)
+
+
+class TeardownWatch:
+    """Says why where torch's destroy_process_group has not returned after AFTER_S. The usual
+    cause is outside braid: NCCL's communicator destroy waits until every CUDA graph that captured
+    one of its calls is freed (under torch's NCCL backend too), and a graph torch.compile made
+    lives until torch._dynamo.reset(). torch shuts its groups down one by one (braid's communicator
+    and its NCCL subgroups, then the backend's inner groups), so two look: the watchdog of a
+    communicator, once a second while it runs, and from the backend's shutdown a thread of its own
+    (`start`) to the end of the destroy."""
+
+    AFTER_S = 10.0
+
+    def __init__(self, after_s: float | None = None):
+        self.after_s = self.AFTER_S if after_s is None else after_s
+        self.since: float | None = None
+        self.said = False
+
+    @staticmethod
+    def frame():
+        """The innermost frame of a thread whose stack holds torch's destroy_process_group, or None."""
+        for top in sys._current_frames().values():
+            f = top
+            while f is not None:
+                if f.f_code.co_name == "destroy_process_group":
+                    return top
+                f = f.f_back
+        return None
+
+    def look(self, now: float) -> bool:
+        """One look at `now` (monotonic seconds); False once no destroy is under way (or it was said)."""
+        top = self.frame()
+        if top is None:
+            self.since = None
+            return False
+        if self.since is None:
+            self.since = now
+        elif not self.said and now - self.since >= self.after_s:
+            self.said = True
+            log.warning("braid: destroy_process_group has not returned in %.0f s (it waits at %s:%d in %s). "
+                        "If a CUDA graph that captured NCCL calls is still alive, that is why: NCCL's "
+                        "communicator destroy waits until every such graph is freed. Delete them "
+                        "(torch._dynamo.reset() frees torch.compile's) before destroy_process_group",
+                        self.after_s, top.f_code.co_filename, top.f_lineno, top.f_code.co_name)
+        return not self.said
+
+    @classmethod
+    def start(cls, after_s: float | None = None, period_s: float = 0.25):
+        """A daemon thread that looks every `period_s` until the destroy returned or was said."""
+        import threading
+        watch = cls(after_s)
+
+        def run():
+            while watch.look(time.monotonic()):
+                time.sleep(period_s)
+        t = threading.Thread(target=run, name="braid-teardown-watch", daemon=True)
+        t.start()
+        return t
 
 
 def _nccl_abort_stuck() -> bool:
