@@ -775,3 +775,46 @@ def _stuck_in_destroy(out):
     def destroy_process_group():
         out.wait(5)
     destroy_process_group()
+
+
+def _destroy_closes_first(rank, world, backend_api):
+    # torch's destroy_process_group (braid wraps it) closes a communicator before any of its
+    # groups is shut down: a prepared all_reduce with NCCL's share keeps a CUDA graph that holds
+    # an NCCL call of braid's NCCL group, whose destroy waits for the graph (and torch shuts the
+    # groups a communicator made down before the default group)
+    import torch.distributed as dist
+    import braid
+    from braid.comm import Communicator
+    if backend_api:
+        dist.init_process_group("braid", rank=rank, world_size=world)
+        t = torch.ones(5)
+        dist.all_reduce(t)
+        comm = dist.distributed_c10d._get_default_group()._comm
+    else:
+        comm = Communicator()
+        t = torch.ones(5)
+        comm.all_reduce(t)
+    seen = {}
+    groups = [comm.gloo_group]
+    close = comm.close
+
+    def watched_close():                            # (the backend's shutdown closes it again: a no-op)
+        import traceback
+        if not seen:
+            seen["before_shutdowns"] = not any(f.name == "shutdown" for f in traceback.extract_stack())
+            seen["groups_alive"] = all(g in dist.distributed_c10d._world.pg_map for g in groups)
+            seen["initialized"] = dist.is_initialized()
+        close()
+    comm.close = watched_close
+    from torch.distributed import destroy_process_group     # the name as code imports it after braid
+    destroy_process_group()
+    return {"sum": t.tolist(), "closed": comm.closed, **seen, "wrapped": destroy_process_group is dist.destroy_process_group
+            and getattr(destroy_process_group, "_braid_wraps", None) is not None, "braid": bool(braid)}
+
+
+@pytest.mark.parametrize("backend_api", [False, True], ids=["direct", "backend"])
+def test_destroy_process_group_closes_braids_communicators_before_their_groups(backend_api):
+    out = run_world(_destroy_closes_first, 2, backend_api, init_pg=not backend_api)
+    for r in out:
+        assert r["sum"] == [2.0] * 5 and r["closed"] and r["wrapped"], r
+        assert r["before_shutdowns"] and r["groups_alive"] and r["initialized"], r

@@ -22,6 +22,7 @@ the group for its backend (group names, eager NCCL connect with device_id) finds
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 
 import torch
@@ -882,10 +883,35 @@ def world_group() -> BraidProcessGroup | None:
 
 
 def register() -> None:
-    """Register the "braid" backend with torch.distributed (idempotent)."""
-    if not dist.is_available() or NAME in dist.Backend.backend_list:
+    """Register the "braid" backend with torch.distributed, and have torch's destroy_process_group
+    close braid's communicators before it shuts their groups down (idempotent)."""
+    if not dist.is_available():
+        return
+    _wrap_destroy()
+    if NAME in dist.Backend.backend_list:
         return
     dist.Backend.register_backend(NAME, _create, devices=["cpu", "cuda"])
+
+
+def _wrap_destroy() -> None:
+    """torch.distributed.destroy_process_group (and distributed_c10d's, the same function) closes
+    the braid communicators that use the groups it destroys first (comm/communicator.py
+    close_before_destroy says why), then runs torch's own. Code that bound torch's function
+    before braid was imported calls torch's alone."""
+    c10d = dist.distributed_c10d
+    if getattr(c10d.destroy_process_group, "_braid_wraps", None) is not None:
+        return
+    torch_destroy = c10d.destroy_process_group
+
+    @functools.wraps(torch_destroy)
+    def destroy_process_group(*args, **kwargs):
+        from .comm.communicator import close_before_destroy
+        close_before_destroy(args[0] if args else kwargs.get("group"))
+        return torch_destroy(*args, **kwargs)
+    destroy_process_group._braid_wraps = torch_destroy
+    c10d.destroy_process_group = destroy_process_group
+    if getattr(dist, "destroy_process_group", None) is torch_destroy:
+        dist.destroy_process_group = destroy_process_group
 
 
 register()

@@ -192,6 +192,8 @@ class Communicator:
                                         overdue=lambda: _call(fw, "p2p_overdue") or "")
         self._closer = weakref.finalize(self, _finalize, self.segment, self.seg_dev_ptr, faults.watchdog)
         self.load_calibration()
+        if _node is None:
+            _LIVE.add(self)
 
     # set-up -----------------------------------------------------------------------------------
     def _init_state(self, lanes) -> None:
@@ -838,6 +840,30 @@ class Communicator:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# the communicators made over a torch.distributed world (not a node's sub-communicators, which
+# their parent closes), for close_before_destroy
+_LIVE: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+
+
+def close_before_destroy(group=None) -> None:
+    """Close every open communicator that destroying `group` (None or WORLD: every group) takes
+    groups from, before torch shuts a group down (torch's destroy_process_group, wrapped by
+    braid's backend module). Why: a prepared all_reduce with NCCL's share keeps a CUDA graph that
+    holds an NCCL call of the communicator's NCCL group, NCCL's destroy of that group waits until
+    the graph is freed, and torch shuts the groups a communicator made down before the default
+    group, whose shutdown (under the braid backend) would have closed it: the destroy never
+    returned. Closing frees the graphs first; a failed close is reported, the destroy goes on."""
+    world = group is None or group is dist.group.WORLD
+    for comm in list(_LIVE):
+        if comm.closed:
+            continue
+        if world or any(g is group for g in (comm.gloo_group, comm.nccl_group, comm.native_group)):
+            try:
+                comm.close()
+            except Exception as exc:     # noqa: BLE001  shutting down: report, go on
+                log.warning("braid: closing a communicator before destroy_process_group failed: %s", exc)
 
 
 def usable_lanes(lanes: dict, unavailable: dict[str, str], wanted: set | None, device: torch.device) -> list[str]:
