@@ -818,3 +818,18 @@ def test_destroy_process_group_closes_braids_communicators_before_their_groups(b
     for r in out:
         assert r["sum"] == [2.0] * 5 and r["closed"] and r["wrapped"], r
         assert r["before_shutdowns"] and r["groups_alive"] and r["initialized"], r
+
+
+def test_the_destroy_wrap_starts_the_watch_on_machines_with_gpus_and_runs_torchs_own(monkeypatch):
+    import torch.distributed as dist
+    import braid.backend as bk
+    from braid.comm import communicator as cm
+    calls = []
+    monkeypatch.setattr(bk.TeardownWatch, "start", classmethod(lambda cls, *a, **k: calls.append("watch")))
+    monkeypatch.setattr(cm, "close_before_destroy", lambda group=None: calls.append(("close", group)))
+    for gpus in (True, False):
+        calls.clear()
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus)
+        with pytest.raises((ValueError, RuntimeError, AssertionError)):   # torch's own: no group here
+            dist.destroy_process_group()
+        assert calls == (["watch", ("close", None)] if gpus else [("close", None)]), calls

@@ -767,8 +767,6 @@ class BraidProcessGroup(dist.ProcessGroup):
         if self._closed:
             return
         self._closed = True
-        if torch.cuda.is_available() and TeardownWatch.frame() is not None:
-            TeardownWatch.start()           # the inner groups' shutdown may wait (its doc says why)
         self._take_back()
         self._handoff_every = 0
         self._p2p_queue = []                 # never posted: nothing of theirs is in flight
@@ -896,8 +894,9 @@ def register() -> None:
 def _wrap_destroy() -> None:
     """torch.distributed.destroy_process_group (and distributed_c10d's, the same function) closes
     the braid communicators that use the groups it destroys first (comm/communicator.py
-    close_before_destroy says why), then runs torch's own. Code that bound torch's function
-    before braid was imported calls torch's alone."""
+    close_before_destroy says why), then runs torch's own; on a machine with GPUs a watch says
+    why where it has not returned in 10 s (comm/ledger.py TeardownWatch). Code that bound
+    torch's function before braid was imported calls torch's alone."""
     c10d = dist.distributed_c10d
     if getattr(c10d.destroy_process_group, "_braid_wraps", None) is not None:
         return
@@ -906,6 +905,8 @@ def _wrap_destroy() -> None:
     @functools.wraps(torch_destroy)
     def destroy_process_group(*args, **kwargs):
         from .comm.communicator import close_before_destroy
+        if torch.cuda.is_available():
+            TeardownWatch.start()       # a group's shutdown may wait for CUDA graphs (its doc says why)
         close_before_destroy(args[0] if args else kwargs.get("group"))
         return torch_destroy(*args, **kwargs)
     destroy_process_group._braid_wraps = torch_destroy

@@ -50,7 +50,6 @@ class _Watchdog:
         # GPUs: seconds a peer may stay behind this rank's count of calls (None: no such check)
         self._late_after = envs.get("BRAID_TIMEOUT_S") if cuda else None
         self._behind: dict[int, tuple[int, float]] = {}     # peer -> (its count, since when)
-        self._teardown = TeardownWatch()
         self._thread = threading.Thread(target=self._run, name="braid-watchdog", daemon=True)
         self._thread.start()
 
@@ -91,8 +90,6 @@ class _Watchdog:
             self._segment.mark_aborted(2, f"BraidTimeoutError: {why}")     # the peers raise too
             return why
         if ticks % 5 == 0:
-            if self._cuda:
-                self._teardown.look(time.monotonic())
             for peer in range(self._world):
                 if peer != self._rank:
                     try:
@@ -134,10 +131,8 @@ class TeardownWatch:
     """Says why where torch's destroy_process_group has not returned after AFTER_S. The usual
     cause is outside braid: NCCL's communicator destroy waits until every CUDA graph that captured
     one of its calls is freed (under torch's NCCL backend too), and a graph torch.compile made
-    lives until torch._dynamo.reset(). torch shuts its groups down one by one (braid's communicator
-    and its NCCL subgroups, then the backend's inner groups), so two look: the watchdog of a
-    communicator, once a second while it runs, and from the backend's shutdown a thread of its own
-    (`start`) to the end of the destroy."""
+    lives until torch._dynamo.reset(). braid's wrap of destroy_process_group (backend.py) starts
+    the watch's thread (`start`) as the destroy begins; it looks until the destroy returned."""
 
     AFTER_S = 10.0
 
