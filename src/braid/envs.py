@@ -93,6 +93,11 @@ _define("BRAID_ABORT_EXIT_S", _nonneg_float, 30.0,
         "it lets NCCL's abort take to release a call blocked in NCCL before it ends the process "
         "itself (exit code 70, the cause on stderr), as torch ends a process after an NCCL error: "
         "a rank stuck in an NCCL kernel cannot be given an exception. 0: never end it.")
+_define("BRAID_BENCH_HOST_MEMORY_GB", _nonneg_float, 0.0,
+        "Host memory in GiB that `braid bench` on CPU tensors may fill with a point's buffers, "
+        "every rank's together (braid's, the baseline's, the check's); a point that would need "
+        "more than 80% of it is not run, and its table says so, rather than have the kernel kill "
+        "a rank. 0: what the host (or its memory cgroup, if smaller) can give at that point.")
 _define("BRAID_CACHE_DIR", str, os.path.join(os.path.expanduser("~"), ".cache", "braid"),
         "Where lane calibrations are cached (one JSON per machine/software key).")
 _define("BRAID_CALIBRATE", str, "auto",

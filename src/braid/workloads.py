@@ -101,8 +101,25 @@ class _At:
         return torch.empty(numel, dtype=self.dtype, device=self.device)
 
 
-def _differ(a: torch.Tensor, b: torch.Tensor) -> int:
-    return int((a.view(torch.uint8) != b.view(torch.uint8)).sum())
+def _differ(a: torch.Tensor, b: torch.Tensor, chunk: int = 16 << 20) -> int:
+    """Bytes where `a` and `b` differ, compared `chunk` bytes at a time (a whole-tensor compare
+    would hold a byte of mask per byte compared: 1 GiB beside a 1 GiB all_gather output)."""
+    a, b = a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
+    return sum(int((a[i:i + chunk] != b[i:i + chunk]).sum()) for i in range(0, a.numel(), chunk))
+
+
+def footprint(op: str, nbytes: int, world: int, esz: int) -> int:
+    """Bytes of memory one rank's point of `make(op, nbytes)` holds at its peak, roughly: braid's
+    and the baseline's buffers, the baseline's own copy of a gathered output (gloo's all_gather
+    gathers into a flat buffer of its own first) and the check's float64 copies of a reduction."""
+    n = max(nbytes, esz)
+    if op == "all_gather":
+        return n + 3 * n * world
+    if op in ("all_reduce", "reduce", "reduce_scatter"):
+        return 3 * n + 4 * 8 * (n // esz)      # x, braid's and the baseline's; scale, a64, b64, |a64-b64|
+    if op in ("all_to_all_single", "moe"):
+        return 6 * n                            # x, out, ref (moe: mid, back and their refs) and a skew's excess
+    return 3 * n                                # broadcast, send_recv
 
 
 def _all_gather(at: _At, **_) -> Workload:

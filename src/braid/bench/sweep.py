@@ -234,6 +234,12 @@ def _sweep(comm, cfg: Config, plan, common: dict, info: dict, baseline: str, ui,
                     f"{k}: {'timed beside ' + baseline if not v else 'unavailable (' + v + ')'}" for k, v in others.items()))
         if r0:
             ui.status(f"{op} {'skewed' if nbytes is None else human_bytes(nbytes)}")
+        too_big = _too_big_for_host(comm, op, nbytes, esz) if nbytes is not None else ""
+        if too_big:
+            if r0:
+                ui.line(f"# {human_bytes(nbytes)}: not run: {too_big}")
+                ui.advance()
+            continue
         if nbytes is None:
             load = make(comm, op, 0, dtype, hot_nbytes=cfg.hot_bytes, cold_nbytes=cfg.cold_bytes)
         else:
@@ -264,6 +270,65 @@ def _sweep(comm, cfg: Config, plan, common: dict, info: dict, baseline: str, ui,
         bad += wrong or 0
         del load
     return bad
+
+
+def host_memory_free(root: str = "/") -> int | None:
+    """Bytes this host (or the memory cgroup this process runs in, if smaller) can still give:
+    /proc/meminfo's MemAvailable and the cgroup's limit less its usage (page cache it can drop not
+    counted as used), v2 or v1, the files read under `root`. None where neither can be read."""
+    free = []
+    try:
+        with open(os.path.join(root, "proc/meminfo")) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    free.append(int(line.split()[1]) << 10)
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_f, usage_f, stat_f, cache_key in (
+            ("memory.max", "memory.current", "memory.stat", "inactive_file"),
+            ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat", "total_inactive_file")):
+        limit_f, usage_f, stat_f = (os.path.join(root, "sys/fs/cgroup", f) for f in (limit_f, usage_f, stat_f))
+        try:
+            with open(limit_f) as f:
+                raw = f.read().strip()
+            if raw == "max" or int(raw) >= 1 << 60:     # no limit
+                continue
+            with open(usage_f) as f:
+                used = int(f.read().strip())
+            try:
+                with open(stat_f) as f:
+                    stat = dict(line.split() for line in f if line.strip())
+                used -= int(stat.get(cache_key, 0))
+            except (OSError, ValueError):
+                pass
+            free.append(max(int(raw) - used, 0))
+        except (OSError, ValueError):
+            continue
+    return min(free) if free else None
+
+
+def _too_big_for_host(comm, op: str, nbytes: int, esz: int) -> str:
+    """Why a CPU point cannot run on this host's memory ("" where it can, and on GPUs): every
+    rank of the one host holds the point's buffers at once (`workloads.footprint`), and a point
+    past what the host can give would have a rank killed by the kernel instead of an answer.
+    Rank 0 decides for every rank (a collective call over gloo)."""
+    from .. import envs
+    from ..workloads import footprint
+    if comm.cuda or not comm.single_node:
+        return ""
+    need = comm.world_size * footprint(op, nbytes, comm.world_size, esz)
+    free = None
+    if comm.rank == 0:
+        cap = envs.get("BRAID_BENCH_HOST_MEMORY_GB")
+        free = int(cap * (1 << 30)) if cap > 0 else host_memory_free()
+    t = torch.tensor([need, -1 if free is None else free], dtype=torch.float64)
+    dist.broadcast(t, 0, group=comm.gloo_group)
+    need, free = t.tolist()
+    if free < 0 or need <= 0.8 * free:
+        return ""
+    return (f"its buffers need about {human_bytes(need)} of host memory on {comm.world_size} ranks "
+            f"(braid's, the baseline's and the check's) and the host can give {human_bytes(free)} "
+            f"(BRAID_BENCH_HOST_MEMORY_GB sets what it may use)")
 
 
 def _table_title(op: str, nbytes: int | None, hot: float | None, cfg: Config, world: int, info: dict) -> str:
