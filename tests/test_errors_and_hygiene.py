@@ -356,6 +356,69 @@ def _timeout_worker(rank, w, peer_sleep):
     return {"error": None}
 
 
+_NO_DESTROY = """
+import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+
+def run(rank, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    import braid  # noqa: F401
+    dist.init_process_group("braid", rank=rank, world_size=2)
+    t = torch.full((1 << 18,), rank + 1.0)
+    dist.all_reduce(t)                       # through the node segment: the lanes hold views of it
+    out = torch.empty(2 << 18)
+    dist.all_gather_into_tensor(out, t)
+    assert torch.all(t == 3.0) and torch.all(out == 3.0)
+    print("rank", rank, "done", flush=True)  # and the process ends without destroy_process_group
+
+if __name__ == "__main__":
+    mp.spawn(run, args=(sys.argv[1],), nprocs=2)
+"""
+
+
+def test_a_process_that_ends_without_destroy_ends_quietly(tmp_path):
+    """Most scripts never call destroy_process_group: at their exit the segment's views are still
+    alive, and the exit itself frees them; no warning for that, and nothing left in /dev/shm."""
+    import socket
+    import subprocess
+    import sys
+    script = tmp_path / "no_destroy.py"
+    script.write_text(_NO_DESTROY)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    before = set(braid_shm_entries())
+    proc = subprocess.run([sys.executable, str(script), port], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, BRAID_LOG_LEVEL="WARNING"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 0 done" in proc.stdout and "rank 1 done" in proc.stdout
+    assert "still referenced" not in proc.stderr, proc.stderr[-3000:]
+    assert set(braid_shm_entries()) <= before
+
+
+def test_a_segment_closed_while_viewed_warns_but_not_at_exit(caplog):
+    """A close while views of the segment live on (inside a run: the mapping stays) is a warning;
+    the same at interpreter exit (`quiet`) only a debug line."""
+    from types import SimpleNamespace
+
+    from braid.node import NodeSegment
+
+    class Held:
+        def close(self):
+            raise BufferError("cannot close exported pointers exist")
+
+    for quiet, warned in ((False, True), (True, False)):
+        caplog.clear()
+        seg = SimpleNamespace(closed=False, u32=object(), buf=object(), mm=Held())
+        with caplog.at_level("DEBUG", logger="braid"):
+            NodeSegment.close(seg, quiet=quiet)
+        assert seg.closed and seg.u32 is None and seg.buf is None
+        hits = [r for r in caplog.records if "still referenced" in r.getMessage()]
+        assert len(hits) == 1
+        assert (hits[0].levelname == "WARNING") == warned
+        NodeSegment.close(seg)              # idempotent: a second close does nothing
+        assert len([r for r in caplog.records if "still referenced" in r.getMessage()]) == 1
+
+
 def test_peer_that_never_calls_times_out():
     peer_sleep = 9.0
     results = run_world(_timeout_worker, 2, peer_sleep, env={"BRAID_TIMEOUT_S": "3"}, timeout=90)

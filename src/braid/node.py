@@ -646,7 +646,10 @@ class NodeSegment:
             return {"e": struct.unpack_from("<q", self.mm, off + 4)[0]}
         return json.loads(bytes(self.mm[off + 4: off + 4 + n]))
 
-    def close(self) -> None:
+    def close(self, quiet: bool = False) -> None:
+        """Unmap the segment. Where views of it are still alive the mapping stays until they go
+        (or the process exits): a warning, or a debug line with `quiet` (at interpreter exit,
+        where the exit releases it)."""
         if self.closed:
             return
         self.closed = True
@@ -655,4 +658,4 @@ class NodeSegment:
         try:
             self.mm.close()
         except BufferError:
-            log.warning("braid: node segment still referenced at close; it is freed at exit")
+            (log.debug if quiet else log.warning)("braid: node segment still referenced at close; it is freed at exit")

@@ -8,6 +8,7 @@ until done (CPU), like torch.distributed.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import logging
@@ -191,6 +192,7 @@ class Communicator:
                                         on_peer_abort=lambda why: _call(fw, "abort_native", why, False),
                                         overdue=lambda: _call(fw, "p2p_overdue") or "")
         self._closer = weakref.finalize(self, _finalize, self.segment, self.seg_dev_ptr, faults.watchdog)
+        _hook_exit()
         self.load_calibration()
         if _node is None:
             _LIVE.add(self)
@@ -897,6 +899,20 @@ def _fit_shm(world_size: int, budget: int, chunk: int, relay: int = 0, cpu_area:
     return fitted, fitted_relay
 
 
+# set by an exit hook that runs before weakref's finalizers do at interpreter exit: a process
+# that ends without destroy_process_group (or close) still holds its views of the segment then,
+# which only the exit itself releases; that is no leak, so it is not warned about
+_EXIT = {"hooked": False, "exiting": False}
+
+
+def _hook_exit() -> None:
+    """Register the exit mark once, after this process's first weakref.finalize (made just
+    before): exit hooks run last-registered first, so the mark is set before the finalizers run."""
+    if not _EXIT["hooked"]:
+        _EXIT["hooked"] = True
+        atexit.register(_EXIT.__setitem__, "exiting", True)
+
+
 def _finalize(segment, seg_dev_ptr, watchdog=None) -> None:
     if watchdog is not None:
         watchdog.stop()
@@ -907,7 +923,7 @@ def _finalize(segment, seg_dev_ptr, watchdog=None) -> None:
         except Exception as exc:   # at interpreter exit the driver may be gone already
             log.debug("braid: unregister at close failed: %s", exc)
     if segment is not None:
-        segment.close()
+        segment.close(quiet=_EXIT["exiting"])
 
 
 def _check_gpus_per_host(ids: list) -> None:
