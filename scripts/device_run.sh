@@ -15,7 +15,8 @@ for step in "$@"; do
   case $step in
     info) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nvidia-smi topo -m | head -8;
           python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())";
-          df -h /dev/shm | tail -1; echo "memory cgroup limit: $(cat /sys/fs/cgroup/memory.max 2>/dev/null || echo unknown)" ;;
+          df -h /dev/shm | tail -1; python3 -c "from braid.bench.sweep import host_memory_free as f; m = f(); print('host memory the bench may fill:', 'unknown' if m is None else f'{m / 2**30:.1f} GiB')";
+          cat /sys/fs/cgroup/memory.max /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null | sed 's/^/memory cgroup limit: /' ;;
     tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/gpu -q -x ${TEST_ARGS:-} 2>&1 | tee "$LOGS/gpu_tests${TEST_TAG:-}.log" | tail -30 ;;
     # the GPU tests that guard the hot path (prepared calls, the backend, collectives, the copy
     # engines' pipelined reductions, uneven all_to_all, the fuzz at half its count), over 15 minutes
