@@ -9,10 +9,11 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from braid.bench.sweep import host_memory_free
-from braid.workloads import _differ, footprint
+from braid.workloads import _beyond, _differ, footprint
 
 
 def _write(root, rel, text):
@@ -32,6 +33,40 @@ def test_differ_counts_every_differing_byte_across_chunk_edges():
     for chunk in (1, 7, 4096, 40_028, 1 << 20):        # 40_028 = the byte count: one chunk
         assert _differ(a, b, chunk=chunk) == want
     assert _differ(a, a.clone(), chunk=13) == 0
+
+
+def _peak_mib(fn) -> float:
+    """MiB the process's resident high-water mark rose by while fn ran (Linux: /proc)."""
+    def hwm():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")                            # the high-water mark back to the resident size now
+    before = hwm()
+    fn()
+    return hwm() - before
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
+def test_checks_hold_pieces_not_copies_of_the_whole_output():
+    """A check of 64 MiB holds at most a piece's mask or float64 pieces at once: a bool mask's
+    .sum() goes through an int64 copy (8 bytes per byte compared), float64 copies of the whole
+    tensors 2 x 8 bytes per element; the 64 MiB all_gather on 16 CPU ranks was killed for that."""
+    g = torch.Generator().manual_seed(5)
+    a = torch.randint(0, 255, (64 << 20,), dtype=torch.uint8, generator=g)
+    b = a.clone()
+    b[::4099] += 1
+    want = int(torch.count_nonzero(a != b))
+    got = {}
+    assert _peak_mib(lambda: got.setdefault("d", _differ(a, b))) < 40
+    assert got["d"] == want
+    x = torch.randn(16 << 20, generator=g)                  # 64 MiB of float32
+    y = x.clone()
+    y[::1001] += 1.0
+    scale = torch.ones(x.numel(), dtype=torch.float64)
+    assert _peak_mib(lambda: got.setdefault("b", _beyond(x, y, scale, 1e-5))) < 80
+    assert got["b"] == int(torch.count_nonzero(y != x)) == len(range(0, x.numel(), 1001))
+    assert _beyond(x, y, None, 0.0) == got["b"] and _beyond(x, x.clone(), scale, 1e-5) == 0
 
 
 def test_footprint_grows_with_the_gathered_output():
@@ -69,15 +104,16 @@ def test_host_memory_free_reads_cgroup_v1_and_nothing_gives_none(tmp_path):
 
 def test_bench_names_a_point_the_host_cannot_hold_and_runs_the_rest(tmp_path):
     out = tmp_path / "bench.json"
-    # 51 MiB for the bench: all_gather at 256 KiB on 2 ranks needs ~3.5 MiB, at 4 MiB ~56 MiB
+    # 256 MiB for the bench: all_gather at 256 KiB on 2 ranks needs ~132 MiB (a check's 64 MiB of
+    # pieces a rank included), at 16 MiB ~352 MiB: past 80% of it
     env = dict(os.environ, BRAID_CACHE_DIR=str(tmp_path / "cache"), BRAID_TIMEOUT_S="60",
-               BRAID_BENCH_HOST_MEMORY_GB="0.05")
+               BRAID_BENCH_HOST_MEMORY_GB="0.25")
     proc = subprocess.run(
-        [sys.executable, "-m", "braid", "bench", "--cpu", "--op", "all_gather", "--nproc", "2", "--sizes", "256K:4M",
-         "--factor", "16", "--iters", "2", "--fixed-iters", "--repeat", "1", "--no-calibrate", "--plain",
+        [sys.executable, "-m", "braid", "bench", "--cpu", "--op", "all_gather", "--nproc", "2", "--sizes", "256K:16M",
+         "--factor", "64", "--iters", "2", "--fixed-iters", "--repeat", "1", "--no-calibrate", "--plain",
          "--json", str(out)], env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "# 4 MiB: not run: its buffers need about" in proc.stdout
+    assert "# 16 MiB: not run: its buffers need about" in proc.stdout
     assert "BRAID_BENCH_HOST_MEMORY_GB" in proc.stdout
     points = json.loads(out.read_text())
     assert [(p["op"], p["nbytes"]) for p in points] == [("all_gather", 256 << 10)]

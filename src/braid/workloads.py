@@ -101,25 +101,57 @@ class _At:
         return torch.empty(numel, dtype=self.dtype, device=self.device)
 
 
-def _differ(a: torch.Tensor, b: torch.Tensor, chunk: int = 16 << 20) -> int:
-    """Bytes where `a` and `b` differ, compared `chunk` bytes at a time (a whole-tensor compare
-    would hold a byte of mask per byte compared: 1 GiB beside a 1 GiB all_gather output)."""
+CHECK_CHUNK = 16 << 20      # bytes a check of data movement compares at once
+CHECK_CHUNK_ELEMS = 1 << 20  # elements a check of a reduction compares at once (in float64)
+
+
+def _count(mask: torch.Tensor) -> int:
+    # not mask.sum(): that sums a bool tensor through an int64 copy of it, 8 bytes per element
+    # (the 64 MiB all_gather on 16 CPU ranks: 9 GiB a rank, and the kernel killed one)
+    return int(torch.count_nonzero(mask))
+
+
+def _differ(a: torch.Tensor, b: torch.Tensor, chunk: int = CHECK_CHUNK) -> int:
+    """Bytes where `a` and `b` differ, compared `chunk` bytes at a time (no mask the size of the
+    output beside it)."""
     a, b = a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
-    return sum(int((a[i:i + chunk] != b[i:i + chunk]).sum()) for i in range(0, a.numel(), chunk))
+    return sum(_count(a[i:i + chunk] != b[i:i + chunk]) for i in range(0, a.numel(), chunk))
+
+
+def _beyond(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None, tol: float,
+            chunk: int = CHECK_CHUNK_ELEMS) -> int:
+    """Elements where `a` and `b` differ by more than tol * scale + 1e-3 (in float64), or differ
+    at all with `scale` None (in their own dtype), `chunk` elements at a time (no float64 copy of
+    the whole tensors)."""
+    a, b = a.reshape(-1), b.reshape(-1)
+    bad = 0
+    for i in range(0, a.numel(), chunk):
+        x, y = a[i:i + chunk], b[i:i + chunk]
+        if scale is None:
+            bad += _count(x != y)
+        else:
+            bad += _count((x.double() - y.double()).abs() > tol * scale[i:i + chunk] + 1e-3)
+    return bad
 
 
 def footprint(op: str, nbytes: int, world: int, esz: int) -> int:
     """Bytes of memory one rank's point of `make(op, nbytes)` holds at its peak, roughly: braid's
     and the baseline's buffers, the baseline's own copy of a gathered output (gloo's all_gather
-    gathers into a flat buffer of its own first) and the check's float64 copies of a reduction."""
+    gathers into a flat buffer of its own first), a reduction check's float64 scale, and the
+    check's pieces (CHECK_SLACK)."""
     n = max(nbytes, esz)
     if op == "all_gather":
-        return n + 3 * n * world
-    if op in ("all_reduce", "reduce", "reduce_scatter"):
-        return 3 * n + 4 * 8 * (n // esz)      # x, braid's and the baseline's; scale, a64, b64, |a64-b64|
-    if op in ("all_to_all_single", "moe"):
-        return 6 * n                            # x, out, ref (moe: mid, back and their refs) and a skew's excess
-    return 3 * n                                # broadcast, send_recv
+        own = n + 3 * n * world
+    elif op in ("all_reduce", "reduce", "reduce_scatter"):
+        own = 3 * n + 2 * 8 * (n // esz)       # x, braid's and the baseline's; the float64 scale and gloo's copy of it
+    elif op in ("all_to_all_single", "moe"):
+        own = 6 * n                            # x, out, ref (moe: mid, back and their refs) and a skew's excess
+    else:
+        own = 3 * n                            # broadcast, send_recv
+    return own + CHECK_SLACK
+
+
+CHECK_SLACK = 64 << 20      # a check's pieces at once: 16 MiB of mask, or float64 pieces of 1 Mi elements
 
 
 def _all_gather(at: _At, **_) -> Workload:
@@ -247,15 +279,14 @@ def _reduction(at: _At, **_) -> Workload:
         scale = x.abs().double()
         dist.all_reduce(scale)
         if op == "reduce" and r != 0:
-            return int((a != x).sum())            # non-root tensors must be left unchanged
-        a64, b64 = a.double(), b.double()
+            return _beyond(a, x, None, 0.0)            # non-root tensors must be left unchanged
         if not dtype.is_floating_point:
-            return int((a64 != b64).sum())
+            return _beyond(a, b, None, 0.0)
         if op == "reduce_scatter":
             per = a.numel()
             scale = scale[r * per:(r + 1) * per]     # this rank's chunk of sum_i |x_i|
         tol = 1e-5 if dtype == torch.float32 else 3e-2
-        return int(((a64 - b64).abs() > tol * scale + 1e-3).sum())
+        return _beyond(a, b, scale, tol)
     return Workload(op, size, size, run_braid, run_base, wrong)
 
 
