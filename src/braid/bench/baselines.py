@@ -30,7 +30,7 @@ def _mismatch(got: torch.Tensor, want: torch.Tensor) -> str:
     if got.shape != want.shape:
         return f"output shape {tuple(got.shape)}, NCCL's {tuple(want.shape)}"
     if not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
-        bad = int((~torch.isclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)).sum())
+        bad = int(torch.count_nonzero(~torch.isclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)))
         return f"{bad} of {want.numel()} elements differ from NCCL's output"
     return ""
 
