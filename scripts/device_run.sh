@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One run on a GPU machine: environment, GPU tests, bench. Usage: bash scripts/device_run.sh STEP...
-# Steps: info | tests | guard (or guard1 = guard_prepared + guard_backend, guard2, guard_deferred) | faults | frameworks | bench2 | bench4 | mixed2 | ab2 | ab4 | work2 | work4 | workab2 | hot4 | trace2 | trace4 | first2 |
+# Steps: info | tests | guard (or guard_prepared, guard_p2p, guard_backend, guard_deferred, guard2, guard_fuzz; guard1 = the first three) | faults | frameworks | bench2 | bench4 | mixed2 | ab2 | ab4 | work2 | work4 | workab2 | hot4 | trace2 | trace4 | first2 |
 #        first4 | conformance | hier2 | moe2 | fsdp2 | cpuab | ddphost | fsdphost | relaunch | pack
 # Logs and JSON go to $LOGS (default $OUT); `pack` tars $LOGS into $OUT/run.tgz (one file to copy
 # back). bench: BENCH_OP, BENCH_SIZES, BENCH_FACTOR, BENCH_EXTRA (more flags),
@@ -19,17 +19,20 @@ for step in "$@"; do
           cat /sys/fs/cgroup/memory.max /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null | sed 's/^/memory cgroup limit: /' ;;
     tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/gpu -q -x ${TEST_ARGS:-} 2>&1 | tee "$LOGS/gpu_tests${TEST_TAG:-}.log" | tail -30 ;;
     # the GPU tests that guard the hot path (prepared calls, the backend, collectives, the copy
-    # engines' pipelined reductions, uneven all_to_all, the fuzz at half its count), over 15 minutes
+    # engines' pipelined reductions, uneven all_to_all, the fuzz at half its count), over 25 minutes
     # on one H200 shared by 2-4 ranks: one device command runs 10 minutes at most, so they run in
-    # parts: guard_prepared (prepared calls), guard_backend (the backend: its one run of every case,
-    # a compiled step's five compilations included, takes minutes), guard_deferred (the deferred
-    # calls' tests, BRAID_DEFER=1, ~3 minutes) and guard2 (the rest); guard1 is the first two
-    guard|guard1|guard_prepared|guard_backend|guard2|guard_deferred) gp="tests/gpu/test_gpu_prepared.py tests/gpu/test_gpu_prepared_p2p.py";
-            gb="tests/gpu/test_gpu_backend.py tests/gpu/test_gpu_backend_single.py"; g1="$gp $gb";
-            g2="tests/gpu/test_gpu_collectives.py tests/gpu/test_gpu_reductions.py tests/gpu/test_gpu_uneven_a2a.py tests/gpu/test_gpu_fuzz.py::test_gpu_fuzz";
+    # parts of 5 minutes or less each (2026-12-02, one H200): guard_prepared (prepared calls, ~5
+    # tests in 300 s), guard_p2p (prepared send/recv), guard_backend (the backend: its one run of
+    # every case, a compiled step's five compilations included, 87 s), guard_deferred (the
+    # deferred calls' tests, BRAID_DEFER=1, ~190 s), guard2 (collectives and reductions, ~300 s)
+    # and guard_fuzz (uneven all_to_all and the fuzz); guard1 is prepared calls, send/recv and the
+    # backend at once, guard all of them (for a machine without the 10-minute limit)
+    guard|guard1|guard_prepared|guard_p2p|guard_backend|guard2|guard_fuzz|guard_deferred) gp="tests/gpu/test_gpu_prepared.py";
+            gq="tests/gpu/test_gpu_prepared_p2p.py"; gb="tests/gpu/test_gpu_backend.py tests/gpu/test_gpu_backend_single.py"; g1="$gp $gq $gb";
+            g2="tests/gpu/test_gpu_collectives.py tests/gpu/test_gpu_reductions.py"; gf="tests/gpu/test_gpu_uneven_a2a.py tests/gpu/test_gpu_fuzz.py::test_gpu_fuzz";
             sel=(); case $step in guard1) set_=$g1; sel=(-k "not deferred");; guard_deferred) set_=$g1; sel=(-k deferred);;
-              guard_prepared) set_=$gp; sel=(-k "not deferred");; guard_backend) set_=$gb; sel=(-k "not deferred");;
-              guard2) set_=$g2;; *) set_="$g1 $g2";; esac;
+              guard_prepared) set_=$gp; sel=(-k "not deferred");; guard_p2p) set_=$gq; sel=(-k "not deferred");;
+              guard_backend) set_=$gb; sel=(-k "not deferred");; guard2) set_=$g2;; guard_fuzz) set_=$gf;; *) set_="$g1 $g2 $gf";; esac;
             BRAID_GPU_FUZZ_OPS=${BRAID_GPU_FUZZ_OPS:-1000} timeout ${TEST_TIMEOUT:-540} python3 -m pytest -q -rfEx --timeout ${CASE_TIMEOUT:-420} \
             --durations=10 ${sel[@]+"${sel[@]}"} $set_ 2>&1 | tee "$LOGS/gpu_$step.log" | tail -30 ;;
     # every GPU fault scenario (a peer killed, exiting, raising, skipping, a mismatch, an abort, two
