@@ -327,6 +327,28 @@ def test_the_threads_end_with_the_communicator():
         assert after <= during - 2
 
 
+def _warm_worker(rank, w):
+    import braid
+    comm = braid.init()
+    made = comm._cpu._native is not None           # before any call
+    threads = _threads()
+    t = torch.full((1_000_003,), float(rank + 1))
+    comm.all_reduce(t)
+    return made, threads, comm._cpu._native is not None, t[0].item(), comm._cpu.native_calls
+
+
+@pytest.mark.parametrize("warm", ["1", "0"])
+def test_the_pool_starts_with_the_communicator_unless_warm_is_off(warm):
+    """BRAID_WARM=1 (the default): the library is built and loaded and the pool's threads run
+    when the communicator is made, so its first call does not compile C (1.3 s on 2 cores where
+    nothing was built yet); 0: the first call that takes the native path makes them."""
+    for made, threads, after, first, calls in run_world(_warm_worker, 2, env={"BRAID_WARM": warm}):
+        assert made == (warm == "1")
+        assert after and first == 3.0 and calls >= 1
+        if warm == "1":
+            assert threads >= 3                  # the main thread and the pool's 2 workers at least
+
+
 def test_waits_that_find_their_core_wanted_switch_to_large_chunks_and_back():
     """NativePool.after_call: BUSY_YIELDS slow yields over two calls in a row switch this rank's
     offer to BUSY_CHUNK_KB chunks (its thread count stays) for BUSY_CALLS calls; one alone does

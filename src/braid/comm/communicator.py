@@ -138,6 +138,8 @@ class Communicator:
             cpu = CpuShm(seg, self.layout, self.segment_tensor, self.rank, self.world_size,
                          self.layout.cpu_rings if self.cuda else None)
             cpu = cpu if cpu.ok and cpu.data >= 4096 else None
+        if cpu is not None and not self.cuda and envs.get("BRAID_WARM"):
+            cpu.warm()
         if cpu is not None and not self.cuda:
             from .cpup2p import CpuP2P
             p2p_shm = cpu.p2p = CpuP2P(seg, self.layout, self.segment_tensor, self.rank, self.world_size,
