@@ -85,6 +85,8 @@ class CpuP2P:
         self.took = {s: 0 for s in peers}
         self.queues: dict = {}                   # (sending, peer) -> transfers in call order
         self.pending = 0
+        # a yield that kept the core away this long means other threads want the cores (read once)
+        self.slow_yield_s = envs.get("BRAID_CPU_SLOW_YIELD_US") / 1e6 or float("inf")
 
     def close(self) -> None:
         """Drop every view of the segment (a transfer still held by a caller keeps none)."""
@@ -173,7 +175,7 @@ class CpuP2P:
         that turns a 512 KiB ring several times, 16 ranks on 2 cores, run 0.53-1.20x gloo at 4 MiB.)"""
         seg = self.seg
         limit = envs.get("BRAID_TIMEOUT_S")
-        slow_yield = envs.get("BRAID_CPU_SLOW_YIELD_US") / 1e6 or float("inf")
+        slow_yield = self.slow_yield_s
         last_move = time.monotonic()
         yield_until = time.perf_counter() + YIELD_S
         looks = naps = 0
