@@ -118,3 +118,39 @@ def test_bench_names_a_point_the_host_cannot_hold_and_runs_the_rest(tmp_path):
     points = json.loads(out.read_text())
     assert [(p["op"], p["nbytes"]) for p in points] == [("all_gather", 256 << 10)]
     assert points[0]["wrong"] == 0
+
+
+def _broadcast_check(rank, world):
+    """The broadcast workload on 2 gloo ranks, with a comm whose broadcast is right, then one that
+    does nothing: the check (which refills the non-root buffer itself) must tell them apart, and
+    a timed call must not refill (the host time is the call's own)."""
+    import torch.distributed as dist
+    from braid.workloads import make
+
+    class Comm:
+        def __init__(self, works):
+            self.rank, self.world_size, self.device, self.works, self.calls = rank, world, torch.device("cpu"), works, 0
+
+        def broadcast(self, t, src):
+            self.calls += 1
+            if self.works:
+                dist.broadcast(t, src)
+
+    out = {}
+    for works in (True, False):
+        comm = Comm(works)
+        load = make(comm, "broadcast", 4099 * 4, torch.float32)
+        load.braid()
+        load.baseline()
+        out[str(works)] = load.wrong()
+        assert comm.calls == 2            # the timed call and the check's own
+    return out
+
+
+def test_broadcast_check_refills_and_catches_a_broadcast_that_did_nothing():
+    from conftest import run_world
+    got = run_world(_broadcast_check, 2, init_pg=True)
+    assert got[0] == {"True": 0, "False": 0}          # the root's buffer is its own input either way
+    assert got[1]["True"] == 0
+    # the non-root kept its zeros: every byte differs but the root's own zero bytes (~1 in 256)
+    assert 0.95 * 4099 * 4 < got[1]["False"] <= 4099 * 4
