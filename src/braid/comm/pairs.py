@@ -218,11 +218,12 @@ class PairEntry:
     side's program of the host lane's share (lanes/host.py pair_programs); `rw`: the receiver's
     facts when it was built."""
 
-    __slots__ = ("descs", "plan", "shares", "native", "flags", "copies", "host", "rw")
+    __slots__ = ("descs", "plan", "shares", "native", "flags", "copies", "host", "rw", "progs")
 
     def __init__(self, descs, plan, shares, native: bool, flags: bool = False, copies=(), rw: int = 0, host=()):
         self.descs, self.plan, self.shares, self.native = descs, plan, shares, native
         self.flags, self.copies, self.rw, self.host = flags, copies, rw, host
+        self.progs: dict = {}       # (sending, src, dst, tensor address, drain) -> pair programs
 
 
 class _Send:
@@ -577,13 +578,19 @@ class Pairs:
                drain: bool = False):
         """This side's program on the pair flags (see the module docstring)."""
         p2p = self.p2p
-        ready = done = 0
-        if "ce" in entry.shares:
-            base, lay = p2p.seg_dev_ptr, p2p.layout
-            ready = base + lay.counter("flag_p2p_ready", src, dst)
-            done = base + lay.counter("flag_p2p_done", src, dst)
-        progs = pair_programs(sending, t.data_ptr() if t.numel() else 0, ready, done, entry.copies, entry.host,
-                              drain)
+        ptr = t.data_ptr() if t.numel() else 0
+        key = (sending, src, dst, ptr, drain)
+        progs = entry.progs.get(key)
+        if progs is None:           # built once per tensor address (a repeat reuses the list)
+            ready = done = 0
+            if "ce" in entry.shares:
+                base, lay = p2p.seg_dev_ptr, p2p.layout
+                ready = base + lay.counter("flag_p2p_ready", src, dst)
+                done = base + lay.counter("flag_p2p_done", src, dst)
+            progs = pair_programs(sending, ptr, ready, done, entry.copies, entry.host, drain)
+            if len(entry.progs) >= 8:
+                entry.progs.clear()
+            entry.progs[key] = progs
         caller = _RAW(self.dev_index)
         lane = None
         if async_op or side.open or start:
