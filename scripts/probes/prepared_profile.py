@@ -26,11 +26,13 @@ def _calls(comm, op, nbytes, world, async_op=False):
     out = torch.empty(n * world, device="cuda", dtype=torch.bfloat16)
     y = x.clone()
     rs_out = torch.empty(n // world, device="cuda", dtype=torch.bfloat16)
+    a2a_out = torch.empty_like(x)
     calls = {
         "all_gather": lambda: comm.all_gather_into_tensor(out, x),
         "all_reduce": (lambda: comm.all_reduce(y, async_op=True).wait()) if async_op else (lambda: comm.all_reduce(y)),
         "reduce_scatter": lambda: comm.reduce_scatter_tensor(rs_out, x),
         "broadcast": lambda: comm.broadcast(y, 0),
+        "all_to_all_single": lambda: comm.all_to_all_single(a2a_out, x),
     }
     return calls[op]
 
@@ -105,7 +107,8 @@ def worker(rank, world, port, args):
         torch.cuda.synchronize()
         from braid.comm import callpath, ledger, reductions
         for owner, names in ((type(comm), ("lanes_for", "shares_for", "all_gather_into_tensor", "all_reduce",
-                                           "reduce_scatter_tensor", "broadcast")),
+                                           "reduce_scatter_tensor", "broadcast",
+                                           "all_to_all_single")),
                              (exchange.Exchange, ("run", "run_call", "run_prepared")),
                              (reductions.Reductions, ("reduction", "reduce_call")),
                              (callpath.CallPath, ("fast_prepared", "deferred")),
