@@ -236,9 +236,10 @@ class CpuShm:
         me = stamp[self.rank]
         u32[me] = s & 0xFFFFFFFF
         # a peer sleeps on the stamp (_wait): wake it (a wake missed between the store and this
-        # look costs the sleeper SLEEP_NS at most, after which it looks again)
-        if u32[me + 1]:
-            self._lib32().cpucoll_wake32(self.seg.address + 4 * me)
+        # look costs the sleeper SLEEP_NS at most, after which it looks again; so does a rank
+        # without the native library, BRAID_CPU_NATIVE=0, whose peer sleeps in it)
+        if u32[me + 1] and (lib := self._lib32()) is not None:
+            lib.cpucoll_wake32(self.seg.address + 4 * me)
         far = False
         for r in self._others:
             d = (int(u32[stamp[r]]) - s) & 0xFFFFFFFF
