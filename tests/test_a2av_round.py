@@ -77,23 +77,28 @@ class Rank:
     """One fake rank: its agreement (the real one) over the fake segment, with a policy that
     gives the copy engines 64 MiB and more, and records of what it gave up and aborted."""
 
-    def __init__(self, board, rank, agree_digest="calib"):
+    def __init__(self, board, rank, agree_digest="calib", policy=None):
         self.rank, self.world_size = rank, board.world
         self.segment = Seg(board, rank)
         self.ledger = CallLedger(rank, True, None)
         self.gave_up, self.aborted_native = [], []
         self.uneven = U.UnevenAgreement(
-            rank, board.world, self.segment, _Policy(agree_digest), self.ledger, lambda: ["ce", "nccl", "host"],
+            rank, board.world, self.segment, policy or _Policy(agree_digest), self.ledger, lambda: ["ce", "nccl", "host"],
             lambda: "auto", lambda: None, self.gave_up.append, lambda why, wait=True: self.aborted_native.append(why),
             32 * MiB)
 
     def call(self, matrix):
         """One uneven call with this matrix (bytes; rows: senders): (small, lean?)."""
+        small, lean = self.verdict(matrix)
+        return small, lean is not None
+
+    def verdict(self, matrix):
+        """One uneven call with this matrix: (small, lean) as the round returns them."""
         me, w = self.rank, self.world_size
         row, recv = list(matrix[me]), [matrix[s][me] for s in range(w)]
         big = max([v for d, v in enumerate(row) if d != me] + [v for s, v in enumerate(recv) if s != me])
         _, small, lean = self.uneven.round("all_to_all_single", big, [1000 + me, self.uneven.agreement()] + row, recv)
-        return small, lean is not None
+        return small, lean
 
 
 def world(n, body, **kw):
@@ -270,3 +275,55 @@ def test_split_sizes_that_disagreed_in_a_call_decided_alone_raise_at_the_check_o
     assert all("disagreed in one of the last" in str(e) for e in errs)
     assert all(len(rk.gave_up) == 1 for rk in ranks)         # each gave up (the peer's watchdog aborts)
     assert all(len(rk.aborted_native) == 1 for rk in ranks)  # and aborted its own NCCL calls
+
+
+class _SplitPolicy(_Policy):
+    """Fixed shares over the copy engines and the host lane (a split the full path would post)."""
+
+    def __init__(self, shares):
+        super().__init__("calib")
+        self.fixed, self.shares = {"*": shares}, shares
+
+    def shares_for(self, op, size, lanes):
+        return dict(self.shares)
+
+
+def test_equal_split_sizes_over_several_lanes_are_a_balanced_call():
+    """torch's functional all_to_all_single passes equal split sizes where the user gave none: a
+    matrix whose entries are all equal, split over several lanes, is a balanced call on every rank
+    (the prepared path, which a CUDA graph can capture), not the full path that posts every call;
+    a matrix with one entry off is not, and the copy engines alone keep their own path."""
+    even = [[4 * MiB] * 3 for _ in range(3)]
+    off = [row[:] for row in even]
+    off[2][1] += 4096
+
+    def body(rk):
+        return [rk.verdict(m) for m in (even, off, even)]
+    for shares, want in (({"ce": 0.5, "host": 0.5}, [(False, U.EVEN), (False, None), (False, U.EVEN)]),
+                         ({"nccl": 0.5, "ce": 0.5}, [(False, U.EVEN), (False, None), (False, U.EVEN)])):
+        board = Board(3)
+        ranks = [Rank(board, r, policy=_SplitPolicy(shares)) for r in range(3)]
+        out = [None] * 3
+        ts = [threading.Thread(target=lambda r=r: out.__setitem__(r, body(ranks[r]))) for r in range(3)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+        assert out == [want] * 3, (shares, out)
+    board = Board(2)
+    ranks = [Rank(board, r, policy=_SplitPolicy({"ce": 1.0})) for r in range(2)]
+    out = [None] * 2
+    ts = [threading.Thread(target=lambda r=r: out.__setitem__(r, ranks[r].verdict([[4 * MiB] * 2] * 2)))
+          for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert all(small is False and lean is not None and lean is not U.EVEN for small, lean in out), out
+
+
+def test_even_is_every_entry_the_same_and_more_than_none():
+    assert U.even([[5, 5], [5, 5]])
+    assert not U.even([[5, 5], [5, 6]])
+    assert not U.even([[0, 0], [0, 0]])
+    assert U.even([[7]]) and not U.even([])

@@ -333,6 +333,59 @@ def _cases(rank, w, dev, pg):
         assert not bad, "\n".join(bad)
     yield "compiled", compiled
 
+    def compiled_more():
+        # the same under torch.compile(mode="reduce-overhead") for the other functional
+        # collectives a compiled step traces: all_gather, reduce_scatter and all_to_all_single in
+        # one step (4 MiB each rank), every replay right with new data in the same input, on the
+        # copy engines, a split with the host lane and the built-in model's choice
+        import gc
+        import torch.distributed._functional_collectives as fc
+        from torch._dynamo.utils import counters
+        comm, grp = pg._comm, dist.group.WORLD
+        n = 1 << 20
+
+        def step(x):
+            g = fc.all_gather_tensor(x * 2, 0, grp) + 1
+            rs = fc.reduce_scatter_tensor(x, "sum", 0, grp)
+            a2a = fc.all_to_all_single(x + 3, None, None, grp)
+            return g, rs, a2a
+        bad = []
+        for shares in ({"ce": 1.0}, {"ce": 0.5, "host": 0.5}, None):
+            torch._dynamo.reset()
+            counters.clear()
+            f = torch.compile(step, mode="reduce-overhead")
+            x = torch.empty(n, device=dev)
+            try:
+                with (comm.fixed_shares(shares) if shares else contextlib.nullcontext()):
+                    wrong = []      # every rank makes every call (one that stopped at a wrong result
+                    for i in range(5):      # would leave its peer waiting in the next one)
+                        x.copy_(_data(700 + 10 * i + rank, n, torch.float32, dev))
+                        g, rs, a2a = (t.clone() for t in f(x))
+                        xs = [_data(700 + 10 * i + r, n, torch.float32, dev) for r in range(w)]
+                        part = n // w
+                        for what, got, want in (
+                                ("all_gather", g, torch.cat([2 * v + 1 for v in xs])),
+                                ("reduce_scatter", rs, sum(xs)[rank * part:(rank + 1) * part]),
+                                ("all_to_all_single", a2a, torch.cat([(v + 3)[rank * part:(rank + 1) * part] for v in xs]))):
+                            bad_at = (got - want).abs() > 1e-4 * want.abs() + 1e-4
+                            if bad_at.any():
+                                idx = bad_at.nonzero().flatten()
+                                wrong.append(f"{what} call {i}: {idx.numel()} of {got.numel()} wrong, "
+                                             f"first {int(idx[0])} last {int(idx[-1])}")
+                    assert not wrong, "; ".join(wrong)
+                skips = dict(counters["inductor"]).get("cudagraph_skips", 0)
+                assert not skips, f"torch's CUDA graphs skipped the step ({skips})"
+                if rank == 0:
+                    print(f"compiled (reduce-overhead) gather/scatter/a2a on {shares}: right; last call {comm.last_call}", flush=True)
+            except Exception as exc:
+                last = comm.ledger.last_handle
+                bad.append(f"{shares}: {type(exc).__name__}: {str(exc)[:1500]}\nlast call {comm.last_call}, "
+                           f"its shares {getattr(last, 'shares', None)}")
+        torch._dynamo.reset()
+        gc.collect()
+        assert not bad, "\n".join(bad)
+    yield "compiled_more", compiled_more
+
     def destroy():
         comm = pg._comm
         dist.destroy_process_group()
@@ -437,7 +490,7 @@ def bound_reports(tmp_path_factory):
 @NEEDS
 @pytest.mark.parametrize("case", ["backend_name", "batch_first", "batch_first_state", "p2p_first", "reductions", "premul_sum", "moves", "p2p_after",
                                   "batch_after", "async_and_future", "async_dropped", "objects_barrier", "cpu_tensors", "ddp", "functional", "fsdp2",
-                                  "compiled",
+                                  "compiled", "compiled_more",
                                   "destroy"])
 def test_gpu_backend(reports, case):
     bad = {r: rep.get(case, "not run") for r, rep in enumerate(reports) if rep.get(case) != "ok"}

@@ -62,7 +62,7 @@ class _Case:
 
     def __init__(self, comm, op, n, dtype, rank, world, dev):
         self.comm, self.op, self.n, self.dtype, self.rank, self.world, self.dev = comm, op, n, dtype, rank, world, dev
-        if op in ("reduce_scatter", "all_to_all"):
+        if op in ("reduce_scatter", "all_to_all", "all_to_all_splits"):
             self.n = n * world
         self.alloc()
 
@@ -75,7 +75,7 @@ class _Case:
             self.out = [torch.empty(n, dtype=dt, device=dev) for _ in range(w)]
         elif self.op == "reduce_scatter":
             self.out = torch.empty(n // w, dtype=dt, device=dev)
-        elif self.op == "all_to_all":
+        elif self.op in ("all_to_all", "all_to_all_splits"):
             self.out = torch.empty(n, dtype=dt, device=dev)
         else:
             self.out = self.x
@@ -100,6 +100,9 @@ class _Case:
             return c.reduce_scatter_tensor(self.out, self.x, async_op=async_op)
         if op == "all_to_all":
             return c.all_to_all_single(self.out, self.x, async_op=async_op)
+        if op == "all_to_all_splits":           # equal split sizes given, as torch's functional op does
+            m = [self.n // self.world] * self.world
+            return c.all_to_all_single(self.out, self.x, m, m, async_op=async_op)
         red = dist.ReduceOp.MAX if op.endswith("_max") else dist.ReduceOp.SUM
         if op in ROOT:
             return c.reduce(self.x, self.root, op=red, async_op=async_op)
@@ -120,7 +123,7 @@ class _Case:
         elif op == "reduce_scatter":
             m = self.n // self.world
             exp, got = _reduce(xs, "sum", self.dtype)[self.rank * m:(self.rank + 1) * m], self.out
-        elif op == "all_to_all":
+        elif op in ("all_to_all", "all_to_all_splits"):
             m, r = self.n // self.world, self.rank
             exp, got = torch.cat([x[r * m:(r + 1) * m] for x in xs]), self.out
         elif op in ROOT and self.rank != self.root:      # a reduce leaves the other ranks' tensors as they were
@@ -291,14 +294,40 @@ def _captured(c, op, tag) -> None:
     del graph
 
 
+def _uneven_refused(comm, rank, world, dev):
+    """An uneven all_to_all split over the copy engines and the host lane takes the full path,
+    which posts its lanes with counters that rise from call to call: right eagerly, and refused
+    with a clear error inside a user's capture (captured, its second replay passed its waits
+    before the peers were ready: wrong data)."""
+    from braid.errors import MisuseError
+    m, k = 1 << 18, 4096
+    mat = [[m + (k if (s, d) == (0, 1) else 0) for d in range(world)] for s in range(world)]
+    ins, outs = mat[rank], [mat[s][rank] for s in range(world)]
+    xs = [_data(("uneven", s), sum(mat[s]), torch.float32, dev) for s in range(world)]
+    out = torch.empty(sum(outs), device=dev)
+    comm.all_to_all_single(out, xs[rank], outs, ins)
+    want = torch.cat([xs[s][sum(mat[s][:rank]): sum(mat[s][:rank + 1])] for s in range(world)])
+    assert torch.equal(out, want), "uneven all_to_all on ce + host"
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(MisuseError, match="cannot be captured"):
+        with torch.cuda.graph(graph):
+            comm.all_to_all_single(out, xs[rank], outs, ins)
+    torch.cuda.synchronize()
+    dist.barrier()
+
+
 def _user_graphs(rank, world, comm, dev):
     from braid.errors import MisuseError
     with comm.fixed_shares({"ce": 1.0}):
         for op in OPS:
             _captured(_Case(comm, op, 1_000_003, torch.float32, rank, world, dev), op, "ce")
     with comm.fixed_shares({"ce": 0.5, "host": 0.5}):
-        for op in MOVING + REDUCING:                    # the copy engines and the host lane: captured
+        # the copy engines and the host lane: captured; an all_to_all with equal split sizes (a
+        # compiled step's) as the balanced call it is
+        for op in MOVING + REDUCING + ("all_to_all", "all_to_all_splits"):
             _captured(_Case(comm, op, 1_000_003, torch.float32, rank, world, dev), op, "ce+host")
+        _uneven_refused(comm, rank, world, dev)
     with comm.fixed_shares({"nccl": 0.5, "ce": 0.5}):
         # NCCL's prefix and the copy engines' share in one program
         _captured(_Case(comm, "all_reduce", 1_000_003, torch.float32, rank, world, dev), "all_reduce", "nccl+ce")
@@ -311,7 +340,7 @@ def _user_graphs(rank, world, comm, dev):
                 c.run()
     torch.cuda.synchronize()
     dist.barrier()
-    assert comm._prepared.stats["captured"] >= len(OPS) + len(MOVING) + len(REDUCING) + 1
+    assert comm._prepared.stats["captured"] >= len(OPS) + len(MOVING) + len(REDUCING) + 3
 
 
 @needs(2)

@@ -20,7 +20,7 @@ from ..planner.plan import Plan, split
 
 from ..lanes import _cuda
 from ..lanes.signals import Flags
-from .prepared import SAMPLE_EVERY, SAMPLE_FIRST, Entry, graph_shares, not_capturable
+from .prepared import SAMPLE_EVERY, SAMPLE_FIRST, Entry, graph_shares, not_capturable, posted_not_capturable
 
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 
@@ -249,6 +249,9 @@ class Exchange:
                 routed, shares = None, {"nccl" if device.type == "cuda" else "gloo": 1.0}
             else:
                 shares = self.policy.shares_for(op, size, agreed) if routed is None else routed.shares
+            if (device.type == "cuda" and _capturing()
+                    and (routed is not None or not (self.policy.native_ok(shares) and native is not None))):
+                raise posted_not_capturable(op, shares, routed is not None)
             if routed is not None:
                 opened = _ipc_maps(self.lanes)
                 handle = execute(self.lane_ctx, routed, inp, outs, descs, peer)

@@ -454,6 +454,20 @@ class PreparedCalls:
         self._cap = self._sides = self._pool = self._anchor = None
 
 
+def posted_not_capturable(op: str, shares: dict[str, float], routed: bool) -> MisuseError:
+    """A call on the full path inside a user's CUDA graph capture: its lanes post with counters
+    that rise from call to call, which a captured graph would freeze (its second replay would
+    pass its waits before the peers are ready), so it is refused at capture time."""
+    what = ("planned by the router (a skewed all_to_all)" if routed else
+            f"split over lanes {sorted(shares)} on the full path (an uneven all_to_all, or a call whose "
+            f"descriptors every call exchanges)")
+    return MisuseError(
+        f"{op}: this call is {what}, which posts its lanes call by call and cannot be captured in a "
+        f"CUDA graph. Capture it on NCCL (comm.fixed_shares({{'nccl': 1.0}}) around the capture), "
+        f"or with the copy engines alone (comm.fixed_shares({{'ce': 1.0}})), or take it out of the "
+        f"captured region.")
+
+
 def not_capturable(op: str, shares: dict[str, float]) -> MisuseError:
     if ce_alone(shares):        # the copy engines alone, on a path that is not one program
         return MisuseError(

@@ -17,7 +17,7 @@ from ..planner.plan import all_to_all_movement
 from .a2av import UnevenCe, word_of
 from .exchange import DECLINED
 from .policy import DEFAULT_COSTS
-from .uneven import UnevenAgreement, skewed
+from .uneven import EVEN, UnevenAgreement, skewed
 
 log = logging.getLogger("braid")
 
@@ -160,7 +160,9 @@ class Routing:
                 and output.dim() > 0 and input.is_contiguous() and output.is_contiguous():
             agreed, small, lean = self.a2av_agree(output, input, output_split_sizes, input_split_sizes)
             counted = agreed
-            if lean is not None:
+            if lean is EVEN:        # every rank's split sizes equal (the round showed each the matrix)
+                output_split_sizes = input_split_sizes = None
+            elif lean is not None:
                 h = self.a2av_lean(output, input, *lean, async_op)
                 return h if async_op else None
             if small:

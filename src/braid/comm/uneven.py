@@ -1,5 +1,6 @@
 """The uneven all_to_all's cheap agreement on GPUs: is a call with split sizes NCCL's own, whole,
-or the copy engines' alone, or the full path's (the router, a split over several lanes)?
+or the copy engines' alone, or a balanced call (every rank's split sizes equal: the prepared path
+of a call without split sizes), or the full path's (the router, a split over several lanes)?
 
 Each rank knows only its row and column of the traffic matrix. Rather than exchanging JSON
 descriptors per call (4 x H200, 1 MiB hot: ~400 us per call, NCCL ~45), the ranks post a few
@@ -24,6 +25,19 @@ PAIR_MUL = 1_000_003          # the running hash of two ranks' calls decided alo
 MASK61 = (1 << 61) - 1
 PAIR_CHECK = 64              # two ranks: every PAIR_CHECK-th uneven call NCCL takes whole still agrees in a round
 SMALL_RUN = 16               # agreed-small uneven calls in a row after which their agreement is read one call late
+# the round's verdict for a matrix whose entries are all equal, split over several lanes: the call
+# is a balanced one (torch's functional all_to_all_single and DTensor pass equal split sizes where
+# the user gave none) and takes the prepared path of a call without split sizes, which replays one
+# program and can be captured in a CUDA graph; the full path posts its lanes every call, whose
+# rising counters a captured graph would freeze
+EVEN = ("even",)
+
+
+def even(matrix: list[list[int]]) -> bool:
+    """Every pair (a rank with itself too) carries the same bytes, more than none: the matrix of a
+    call without split sizes."""
+    first = matrix[0][0] if matrix and matrix[0] else 0
+    return first > 0 and all(v == first for row in matrix for v in row)
 
 
 def skewed(matrix: list[list[int]]) -> bool:
@@ -170,7 +184,8 @@ class UnevenAgreement:
 
     def verdict(self, got) -> tuple[str, tuple | None]:
         """From every rank's values of the round, the same on every rank: ('nccl', None): NCCL
-        whole; ('ce', (matrix, words)): the copy engines alone; ('full', None): the full path
+        whole; ('ce', (matrix, words)): the copy engines alone; ('even', EVEN): every entry of the
+        matrix the same, split over several lanes: a balanced call; ('full', None): the full path
         (the router may plan it, or a split over several lanes, or the ranks' calibrations or
         shares differ and the full path says how)."""
         op, w, policy = "all_to_all_single", self.world_size, self.policy
@@ -188,6 +203,8 @@ class UnevenAgreement:
             shares = {"nccl": 1.0}         # posted every call, the copy engines lose below this size
         if set(shares) == {"ce"}:
             return "ce", (matrix, tuple(g[1] for g in got))
+        if not policy.native_ok(shares) and even(matrix):
+            return "even", EVEN
         # two ranks have no relays: the router could only move the hot pair's bytes between the
         # lanes the shares already weigh, so their calls go by the shares
         if (self._routing() != "off" and w > 2 and skewed(matrix)) or not policy.native_ok(shares):
