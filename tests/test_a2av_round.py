@@ -291,8 +291,8 @@ class _SplitPolicy(_Policy):
 def test_equal_split_sizes_over_several_lanes_are_a_balanced_call():
     """torch's functional all_to_all_single passes equal split sizes where the user gave none: a
     matrix whose entries are all equal, split over several lanes, is a balanced call on every rank
-    (the prepared path, which a CUDA graph can capture), not the full path that posts every call;
-    a matrix with one entry off is not, and the copy engines alone keep their own path."""
+    (the prepared path, which a CUDA graph can capture), not the full path or the copy engines'
+    uneven path, which post every call; a matrix with one entry off is not."""
     even = [[4 * MiB] * 3 for _ in range(3)]
     off = [row[:] for row in even]
     off[2][1] += 4096
@@ -301,6 +301,7 @@ def test_equal_split_sizes_over_several_lanes_are_a_balanced_call():
         return [rk.verdict(m) for m in (even, off, even)]
     for shares, want in (({"ce": 0.5, "host": 0.5}, [(False, U.EVEN), (False, None), (False, U.EVEN)]),
                          ({"nccl": 0.5, "ce": 0.5}, [(False, U.EVEN), (False, None), (False, U.EVEN)])):
+        # (one entry off: the full path, lean None)
         board = Board(3)
         ranks = [Rank(board, r, policy=_SplitPolicy(shares)) for r in range(3)]
         out = [None] * 3
@@ -313,13 +314,16 @@ def test_equal_split_sizes_over_several_lanes_are_a_balanced_call():
     board = Board(2)
     ranks = [Rank(board, r, policy=_SplitPolicy({"ce": 1.0})) for r in range(2)]
     out = [None] * 2
-    ts = [threading.Thread(target=lambda r=r: out.__setitem__(r, ranks[r].verdict([[4 * MiB] * 2] * 2)))
-          for r in range(2)]
+    skew = [[4 * MiB, 5 * MiB], [4 * MiB, 4 * MiB]]
+    ts = [threading.Thread(target=lambda r=r: out.__setitem__(r, [ranks[r].verdict(m) for m in
+                                                                  ([[4 * MiB] * 2] * 2, skew)])) for r in range(2)]
     for t in ts:
         t.start()
     for t in ts:
         t.join(30)
-    assert all(small is False and lean is not None and lean is not U.EVEN for small, lean in out), out
+    for (small, lean), (small2, lean2) in out:
+        assert small is False and lean is U.EVEN, out            # the copy engines alone, even
+        assert small2 is False and lean2 is not None and lean2 is not U.EVEN, out    # uneven: their own path
 
 
 def test_even_is_every_entry_the_same_and_more_than_none():

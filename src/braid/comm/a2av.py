@@ -18,7 +18,9 @@ call to call is the buffers. So each call:
 The round replaces the agreement on the largest demand that every uneven call makes anyway
 (comm/routing.py), so the matrix costs no second exchange. A call goes this way when the
 calibration (or fixed shares) gives the call's size to the copy engines alone; ce + host splits
-and routed plans take the full path with its descriptors.
+and routed plans take the full path with its descriptors. A matrix whose entries are all equal is
+a balanced call and takes the prepared path instead (comm/uneven.py, EVEN). The counters rise
+from call to call, so a call here refuses a CUDA graph capture (as the full path does).
 """
 from __future__ import annotations
 
@@ -26,11 +28,12 @@ from collections import OrderedDict
 
 import torch
 
-from ..errors import PeerMismatchError
+from ..errors import MisuseError, PeerMismatchError
 from ..lanes import _cuda
 from ..lanes.signals import Rising
 from .prepared import MASK63
 
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 MAX_MAPS = 64        # tuples of words kept (each holds the peers' mapped inputs, mapped once per allocation)
 
 
@@ -89,6 +92,14 @@ class UnevenCe:
     def run(self, out: torch.Tensor, inp: torch.Tensor, matrix: list[list[int]], words: tuple, async_op: bool):
         """This rank's part of the call: the round is done and the matrix agreed. Returns the
         prepared calls' handle (async) or their done marker."""
+        if _capturing():
+            # the counters below rise from call to call: a captured graph would freeze them, and
+            # its second replay would pass its waits before the peers were ready
+            raise MisuseError(
+                "all_to_all_single: this uneven call runs on the copy engines call by call, which cannot "
+                "be captured in a CUDA graph (an all_to_all whose split sizes are all equal can). Capture "
+                "it on NCCL (comm.fixed_shares({'nccl': 1.0}) around the capture) or take it out of the "
+                "captured region.")
         me, w = self.rank, self.world_size
         peers = self._peers(words, inp)
         row = matrix[me]

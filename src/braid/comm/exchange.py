@@ -515,6 +515,8 @@ class Exchange:
                         check_transfer(t, self.world_size)
                     except ValueError as exc:
                         raise MisuseError(f"{op}: {exc}") from None
+        if dev.type == "cuda" and _capturing() and any(name != "nccl" for name in used):
+            raise posted_not_capturable(op, {name: 1.0 for name in used}, routed=False)
         if self.pending:
             self.pending.flush()
         digest = hashlib.sha1(plan.to_json().encode()).hexdigest()[:16]

@@ -459,6 +459,7 @@ def posted_not_capturable(op: str, shares: dict[str, float], routed: bool) -> Mi
     that rise from call to call, which a captured graph would freeze (its second replay would
     pass its waits before the peers are ready), so it is refused at capture time."""
     what = ("planned by the router (a skewed all_to_all)" if routed else
+            f"a plan over lanes {sorted(shares)}" if op == "run_plan" else
             f"split over lanes {sorted(shares)} on the full path (an uneven all_to_all, or a call whose "
             f"descriptors every call exchanges)")
     return MisuseError(

@@ -25,7 +25,7 @@ PAIR_MUL = 1_000_003          # the running hash of two ranks' calls decided alo
 MASK61 = (1 << 61) - 1
 PAIR_CHECK = 64              # two ranks: every PAIR_CHECK-th uneven call NCCL takes whole still agrees in a round
 SMALL_RUN = 16               # agreed-small uneven calls in a row after which their agreement is read one call late
-# the round's verdict for a matrix whose entries are all equal, split over several lanes: the call
+# the round's verdict for a matrix whose entries are all equal, not NCCL's whole: the call
 # is a balanced one (torch's functional all_to_all_single and DTensor pass equal split sizes where
 # the user gave none) and takes the prepared path of a call without split sizes, which replays one
 # program and can be captured in a CUDA graph; the full path posts its lanes every call, whose
@@ -184,8 +184,8 @@ class UnevenAgreement:
 
     def verdict(self, got) -> tuple[str, tuple | None]:
         """From every rank's values of the round, the same on every rank: ('nccl', None): NCCL
-        whole; ('ce', (matrix, words)): the copy engines alone; ('even', EVEN): every entry of the
-        matrix the same, split over several lanes: a balanced call; ('full', None): the full path
+        whole; ('even', EVEN): every entry of the matrix the same, not NCCL's whole: a balanced
+        call; ('ce', (matrix, words)): the copy engines alone; ('full', None): the full path
         (the router may plan it, or a split over several lanes, or the ranks' calibrations or
         shares differ and the full path says how)."""
         op, w, policy = "all_to_all_single", self.world_size, self.policy
@@ -201,10 +201,10 @@ class UnevenAgreement:
         shares = policy.shares_for(op, size, lanes)
         if policy.fixed is None and "nccl" in lanes and set(shares) == {"ce"} and size < self.ce_min:
             shares = {"nccl": 1.0}         # posted every call, the copy engines lose below this size
-        if set(shares) == {"ce"}:
-            return "ce", (matrix, tuple(g[1] for g in got))
         if not policy.native_ok(shares) and even(matrix):
             return "even", EVEN
+        if set(shares) == {"ce"}:
+            return "ce", (matrix, tuple(g[1] for g in got))
         # two ranks have no relays: the router could only move the hot pair's bytes between the
         # lanes the shares already weigh, so their calls go by the shares
         if (self._routing() != "off" and w > 2 and skewed(matrix)) or not policy.native_ok(shares):
