@@ -295,10 +295,11 @@ def _captured(c, op, tag) -> None:
 
 
 def _uneven_refused(comm, rank, world, dev):
-    """An uneven all_to_all split over the copy engines and the host lane takes the full path,
-    which posts its lanes with counters that rise from call to call: right eagerly, and refused
-    with a clear error inside a user's capture (captured, its second replay passed its waits
-    before the peers were ready: wrong data)."""
+    """An uneven all_to_all split over the copy engines and the host lane takes the full path, on
+    the copy engines alone their uneven path; both post with counters that rise from call to
+    call: right eagerly, and refused with a clear error inside a user's capture (captured, a
+    compiled step's all_to_all was wrong on its second replay: it passed its waits before the
+    peers were ready)."""
     from braid.errors import MisuseError
     m, k = 1 << 18, 4096
     mat = [[m + (k if (s, d) == (0, 1) else 0) for d in range(world)] for s in range(world)]
@@ -322,6 +323,9 @@ def _user_graphs(rank, world, comm, dev):
     with comm.fixed_shares({"ce": 1.0}):
         for op in OPS:
             _captured(_Case(comm, op, 1_000_003, torch.float32, rank, world, dev), op, "ce")
+        _captured(_Case(comm, "all_to_all_splits", 1_000_003, torch.float32, rank, world, dev),
+                  "all_to_all_splits", "ce")
+        _uneven_refused(comm, rank, world, dev)         # the copy engines' uneven path (comm/a2av.py)
     with comm.fixed_shares({"ce": 0.5, "host": 0.5}):
         # the copy engines and the host lane: captured; an all_to_all with equal split sizes (a
         # compiled step's) as the balanced call it is
@@ -340,7 +344,7 @@ def _user_graphs(rank, world, comm, dev):
                 c.run()
     torch.cuda.synchronize()
     dist.barrier()
-    assert comm._prepared.stats["captured"] >= len(OPS) + len(MOVING) + len(REDUCING) + 3
+    assert comm._prepared.stats["captured"] >= len(OPS) + len(MOVING) + len(REDUCING) + 4
 
 
 @needs(2)
