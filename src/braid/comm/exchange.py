@@ -243,15 +243,17 @@ class Exchange:
             # late peer (one that opened buffers, or allocated) read up to 237 ms on 4 x H200
             t_call = time.perf_counter()
             routed = route(descs, agreed) if route is not None else None
-            samples = self.samples
-            cycle = samples.start(device, route is not None and self.routed.wants_sample(len(samples.pending)))
             if routed is DECLINED:        # routing measured against the native call and chose it
                 routed, shares = None, {"nccl" if device.type == "cuda" else "gloo": 1.0}
             else:
                 shares = self.policy.shares_for(op, size, agreed) if routed is None else routed.shares
-            if (device.type == "cuda" and _capturing()
-                    and (routed is not None or not (self.policy.native_ok(shares) and native is not None))):
+            capturing = device.type == "cuda" and _capturing()
+            if capturing and (routed is not None or not (self.policy.native_ok(shares) and native is not None)):
                 raise posted_not_capturable(op, shares, routed is not None)
+            samples = self.samples
+            # the routing's timing events stay out of a capture (a captured call is timed by no one)
+            cycle = None if capturing else samples.start(
+                device, route is not None and self.routed.wants_sample(len(samples.pending)))
             if routed is not None:
                 opened = _ipc_maps(self.lanes)
                 handle = execute(self.lane_ctx, routed, inp, outs, descs, peer)
