@@ -28,10 +28,10 @@ from collections import OrderedDict
 
 import torch
 
-from ..errors import MisuseError, PeerMismatchError
+from ..errors import PeerMismatchError
 from ..lanes import _cuda
 from ..lanes.signals import Rising
-from .prepared import MASK63
+from .prepared import MASK63, posted_not_capturable
 
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 MAX_MAPS = 64        # tuples of words kept (each holds the peers' mapped inputs, mapped once per allocation)
@@ -92,14 +92,8 @@ class UnevenCe:
     def run(self, out: torch.Tensor, inp: torch.Tensor, matrix: list[list[int]], words: tuple, async_op: bool):
         """This rank's part of the call: the round is done and the matrix agreed. Returns the
         prepared calls' handle (async) or their done marker."""
-        if _capturing():
-            # the counters below rise from call to call: a captured graph would freeze them, and
-            # its second replay would pass its waits before the peers were ready
-            raise MisuseError(
-                "all_to_all_single: this uneven call runs on the copy engines call by call, which cannot "
-                "be captured in a CUDA graph (an all_to_all whose split sizes are all equal can). Capture "
-                "it on NCCL (comm.fixed_shares({'nccl': 1.0}) around the capture) or take it out of the "
-                "captured region.")
+        if _capturing():            # the counters below rise from call to call
+            raise posted_not_capturable("all_to_all_single", {"ce": 1.0}, "uneven")
         me, w = self.rank, self.world_size
         peers = self._peers(words, inp)
         row = matrix[me]

@@ -249,7 +249,7 @@ class Exchange:
                 shares = self.policy.shares_for(op, size, agreed) if routed is None else routed.shares
             capturing = device.type == "cuda" and _capturing()
             if capturing and (routed is not None or not (self.policy.native_ok(shares) and native is not None)):
-                raise posted_not_capturable(op, shares, routed is not None)
+                raise posted_not_capturable(op, shares, "routed" if routed is not None else "full")
             samples = self.samples
             # the routing's timing events stay out of a capture (a captured call is timed by no one)
             cycle = None if capturing else samples.start(
@@ -518,7 +518,7 @@ class Exchange:
                     except ValueError as exc:
                         raise MisuseError(f"{op}: {exc}") from None
         if dev.type == "cuda" and _capturing() and any(name != "nccl" for name in used):
-            raise posted_not_capturable(op, {name: 1.0 for name in used}, routed=False)
+            raise posted_not_capturable(op, {name: 1.0 for name in used}, "plan")
         if self.pending:
             self.pending.flush()
         digest = hashlib.sha1(plan.to_json().encode()).hexdigest()[:16]

@@ -454,19 +454,22 @@ class PreparedCalls:
         self._cap = self._sides = self._pool = self._anchor = None
 
 
-def posted_not_capturable(op: str, shares: dict[str, float], routed: bool) -> MisuseError:
-    """A call on the full path inside a user's CUDA graph capture: its lanes post with counters
-    that rise from call to call, which a captured graph would freeze (its second replay would
-    pass its waits before the peers are ready), so it is refused at capture time."""
-    what = ("planned by the router (a skewed all_to_all)" if routed else
-            f"a plan over lanes {sorted(shares)}" if op == "run_plan" else
-            f"split over lanes {sorted(shares)} on the full path (an uneven all_to_all, or a call whose "
-            f"descriptors every call exchanges)")
-    return MisuseError(
-        f"{op}: this call is {what}, which posts its lanes call by call and cannot be captured in a "
-        f"CUDA graph. Capture it on NCCL (comm.fixed_shares({{'nccl': 1.0}}) around the capture), "
-        f"or with the copy engines alone (comm.fixed_shares({{'ce': 1.0}})), or take it out of the "
-        f"captured region.")
+def posted_not_capturable(op: str, shares: dict[str, float], how: str) -> MisuseError:
+    """A call that posts its lanes call by call, inside a user's CUDA graph capture: its signals
+    are counters that rise from call to call, which a captured graph would freeze (its second
+    replay would pass its waits before the peers are ready), so it is refused at capture time.
+    `how`: "routed" (the router's plan), "plan" (run_plan), "uneven" (the copy engines' uneven
+    all_to_all) or "full" (a split on the full path)."""
+    what = {"routed": "planned by the router (a skewed all_to_all)",
+            "plan": f"a plan over lanes {sorted(shares)}",
+            "uneven": "an uneven all_to_all on the copy engines, posted call by call",
+            }.get(how, f"split over lanes {sorted(shares)} on the full path (an uneven all_to_all, or a "
+                       f"call whose descriptors every call exchanges)")
+    even = " (an all_to_all whose split sizes are all equal can)" if op == "all_to_all_single" else ""
+    way = ("Run it outside the captured region." if how == "plan" else
+           "Capture it on NCCL (comm.fixed_shares({'nccl': 1.0}) around the capture) or take it out of "
+           "the captured region.")
+    return MisuseError(f"{op}: this call is {what}, which cannot be captured in a CUDA graph{even}. {way}")
 
 
 def not_capturable(op: str, shares: dict[str, float]) -> MisuseError:
