@@ -31,9 +31,8 @@ import torch
 from ..errors import PeerMismatchError
 from ..lanes import _cuda
 from ..lanes.signals import Rising
-from .prepared import MASK63, posted_not_capturable
+from .prepared import MASK63, _capturing, posted_not_capturable
 
-_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 MAX_MAPS = 64        # tuples of words kept (each holds the peers' mapped inputs, mapped once per allocation)
 
 

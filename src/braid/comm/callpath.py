@@ -21,12 +21,10 @@ from ..executor import Handle, sweep
 from ..lanes import _cuda
 from ..node import COLL_MBOX_BYTES, COLL_SLOTS
 from . import native_rounds
-from .prepared import _RAW, NO_OBS
+from .prepared import _RAW, NO_OBS, _capturing
 from .rounds import DeferredHandle, Job
 
 log = logging.getLogger("braid")
-
-_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 
 GLOO_WAIT_STEP = datetime.timedelta(milliseconds=50)   # how often a wait inside gloo looks for aborts
 

@@ -20,9 +20,9 @@ from ..planner.plan import Plan, split
 
 from ..lanes import _cuda
 from ..lanes.signals import Flags
-from .prepared import SAMPLE_EVERY, SAMPLE_FIRST, Entry, graph_shares, not_capturable, posted_not_capturable
+from .prepared import (SAMPLE_EVERY, SAMPLE_FIRST, Entry, _capturing, graph_shares, not_capturable,
+                       posted_not_capturable)
 
-_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 
 # a skewed call's routing decision: the native collective, not a share split (comm/routing.py)
 DECLINED = object()

@@ -56,9 +56,8 @@ from ..lanes.host import graph_programs, pair_programs, run_program
 from ..planner.plan import p2p_movement
 from ..node import NodeSegment, geq
 from .exchange import agree, agreed_lanes
-from .prepared import GRAPH_LANES, MASK63, _RAW, not_capturable
+from .prepared import GRAPH_LANES, MASK63, _RAW, _capturing, not_capturable
 
-_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 OP = "send_recv"
 
 

@@ -69,6 +69,8 @@ from ..lanes.ce import lane_stream
 
 log = logging.getLogger("braid")
 
+# is the caller's current stream capturing a CUDA graph (torch's own accessor where present)
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 MASK63 = (1 << 63) - 1
 M64 = (1 << 64) - 1
 OBS_LANES = ("ce", "host", "nccl", "gloo", "shm")   # lane times in the round, in this order
