@@ -260,6 +260,13 @@ def _cases(rank, w, dev, pg):
         assert all(p.grad is not None for p in mod.parameters())
     yield "fsdp2", fsdp2
 
+    def took_graphs(counters, what):
+        # torch's CUDA graphs took the compiled step (no skip), reported once
+        skips = dict(counters["inductor"]).get("cudagraph_skips", 0)
+        assert not skips, f"torch's CUDA graphs skipped the step ({skips})"
+        if rank == 0:
+            print(f"compiled (reduce-overhead) {what}: right; last call {pg._comm.last_call}", flush=True)
+
     def compiled():
         # torch.compile(mode="reduce-overhead") of a step with a functional all_reduce on this
         # group, under each lane set (None: the built-in model's split): every replay right with
@@ -316,10 +323,7 @@ def _cases(rank, w, dev, pg):
                         _close(got, want, f"compiled step, call {i}")
                         if i == 0:
                             assert comm.last_call is not None
-                skips = dict(counters["inductor"]).get("cudagraph_skips", 0)
-                assert not skips, f"torch's CUDA graphs skipped the step ({skips})"
-                if rank == 0:
-                    print(f"compiled (reduce-overhead) on {shares}: right; last call {comm.last_call}", flush=True)
+                took_graphs(counters, f"on {shares}")
             except Exception as exc:
                 msg = str(exc)
                 i = msg.find("Allocations:")
@@ -373,10 +377,7 @@ def _cases(rank, w, dev, pg):
                                 wrong.append(f"{what} call {i}: {idx.numel()} of {got.numel()} wrong, "
                                              f"first {int(idx[0])} last {int(idx[-1])}")
                     assert not wrong, "; ".join(wrong)
-                skips = dict(counters["inductor"]).get("cudagraph_skips", 0)
-                assert not skips, f"torch's CUDA graphs skipped the step ({skips})"
-                if rank == 0:
-                    print(f"compiled (reduce-overhead) gather/scatter/a2a on {shares}: right; last call {comm.last_call}", flush=True)
+                took_graphs(counters, f"gather/scatter/a2a on {shares}")
             except Exception as exc:
                 last = comm.ledger.last_handle
                 bad.append(f"{shares}: {type(exc).__name__}: {str(exc)[:1500]}\nlast call {comm.last_call}, "
