@@ -305,6 +305,20 @@ def _a2a_worker(rank, w, seed, case_list):
             out_eq = poison(torch.empty(w * m, dtype=dtype), exp_eq)
             comm.all_to_all_single(out_eq, eq[rank].clone())
             check(out_eq, exp_eq, what + " equal splits")
+            # the same split sizes given (torch's functional op passes them): the same call
+            out_eq = poison(torch.empty(w * m, dtype=dtype), exp_eq)
+            comm.all_to_all_single(out_eq, eq[rank].clone(), [m] * w, [m] * w)
+            check(out_eq, exp_eq, what + " equal split sizes given")
+            # every entry m but the last rank's to itself: the other ranks' own lists are all equal,
+            # yet the call is uneven (no rank can call a matrix balanced from its own lists alone)
+            if m:
+                near = [[m] * w for _ in range(w)]
+                near[w - 1][w - 1] += 1
+                src = [make((seed, ci, "a2a-near", s), (sum(near[s]),), dtype) for s in range(w)]
+                exp_near = _a2a_expected(src, near, rank, w)
+                out_near = poison(torch.empty(exp_near.shape, dtype=dtype), exp_near)
+                comm.all_to_all_single(out_near, src[rank].clone(), [near[s][rank] for s in range(w)], near[rank])
+                check(out_near, exp_near, what + " equal lists on all but one rank")
         done += 1
     # every split zero, and a non-contiguous (transposed) input
     for li, shares in enumerate(LANE_SETS):
