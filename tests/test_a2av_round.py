@@ -92,12 +92,15 @@ class Rank:
         small, lean = self.verdict(matrix)
         return small, lean is not None
 
-    def verdict(self, matrix):
-        """One uneven call with this matrix: (small, lean) as the round returns them."""
+    def verdict(self, matrix, pword=None):
+        """One uneven call with this matrix: (small, lean) as the round returns them; `pword`:
+        this rank's prepared word for the balanced call (default 7000 + rank)."""
         me, w = self.rank, self.world_size
         row, recv = list(matrix[me]), [matrix[s][me] for s in range(w)]
         big = max([v for d, v in enumerate(row) if d != me] + [v for s, v in enumerate(recv) if s != me])
-        _, small, lean = self.uneven.round("all_to_all_single", big, [1000 + me, self.uneven.agreement()] + row, recv)
+        pword = 7000 + me if pword is None else pword
+        _, small, lean = self.uneven.round("all_to_all_single", big,
+                                           [1000 + me, self.uneven.agreement()] + row + [pword], recv)
         return small, lean
 
 
@@ -299,8 +302,9 @@ def test_equal_split_sizes_over_several_lanes_are_a_balanced_call():
 
     def body(rk):
         return [rk.verdict(m) for m in (even, off, even)]
-    for shares, want in (({"ce": 0.5, "host": 0.5}, [(False, U.EVEN), (False, None), (False, U.EVEN)]),
-                         ({"nccl": 0.5, "ce": 0.5}, [(False, U.EVEN), (False, None), (False, U.EVEN)])):
+    words = U.Even((7000, 7001, 7002))        # every rank's prepared word, carried by the round
+    for shares, want in (({"ce": 0.5, "host": 0.5}, [(False, words), (False, None), (False, words)]),
+                         ({"nccl": 0.5, "ce": 0.5}, [(False, words), (False, None), (False, words)])):
         # (one entry off: the full path, lean None)
         board = Board(3)
         ranks = [Rank(board, r, policy=_SplitPolicy(shares)) for r in range(3)]
@@ -315,15 +319,15 @@ def test_equal_split_sizes_over_several_lanes_are_a_balanced_call():
     ranks = [Rank(board, r, policy=_SplitPolicy({"ce": 1.0})) for r in range(2)]
     out = [None] * 2
     skew = [[4 * MiB, 5 * MiB], [4 * MiB, 4 * MiB]]
-    ts = [threading.Thread(target=lambda r=r: out.__setitem__(r, [ranks[r].verdict(m) for m in
-                                                                  ([[4 * MiB] * 2] * 2, skew)])) for r in range(2)]
+    ts = [threading.Thread(target=lambda r=r: out.__setitem__(r, [ranks[r].verdict([[4 * MiB] * 2] * 2, 5 - 5 * r),
+                                                                  ranks[r].verdict(skew)])) for r in range(2)]
     for t in ts:
         t.start()
     for t in ts:
         t.join(30)
     for (small, lean), (small2, lean2) in out:
-        assert small is False and lean is U.EVEN, out            # the copy engines alone, even
-        assert small2 is False and lean2 is not None and lean2 is not U.EVEN, out    # uneven: their own path
+        assert small is False and lean == U.Even((5, 0)), out    # the copy engines alone, even (rank 1: no word)
+        assert small2 is False and lean2 is not None and not isinstance(lean2, U.Even), out    # uneven: their own path
 
 
 def test_even_is_every_entry_the_same_and_more_than_none():

@@ -59,6 +59,8 @@ def _comm(words, key):
         policy=SimpleNamespace(balancer=SimpleNamespace(version=0), pending={}),
         ce=SimpleNamespace(stream=None), ledger=_ledger(), round=None)
     comm.segment = _Segment(comm, words)
+    for name in ("_ticket", "ticket_word", "replay_agreed"):
+        setattr(comm, name, getattr(CallPath, name).__get__(comm))
     return comm
 
 
@@ -94,3 +96,22 @@ def test_the_trials_agreement_counts_the_call_it_belongs_to():
     with pytest.raises(RuntimeError):
         Communicator._trial_exchange(comm, [1])
     assert comm.ledger.ncalls == 81
+
+
+def test_a_round_another_agreement_carried_replays_without_one_of_its_own(monkeypatch):
+    """An all_to_all with equal split sizes: the copy engines' round carried each rank's word
+    (comm/uneven.py, Even); where each is the program's, the launch follows with no second round,
+    and the call keeps the count the agreement gave it."""
+    comm = _comm(words=[], key=(7, 7))
+    tk, word = comm.ticket_word("t", None)
+    assert tk is comm.prepared.tickets["t"] and word == 7
+    assert comm.ticket_word("other", None) == (None, 0)                # nothing prepared for it
+    assert comm.replay_agreed(tk, [7, 7], None, (), False) == "replayed"
+    assert comm.segment.seen == [] and comm.ledger.ncalls == 81 and comm.ledger.last_call[0] == "all_reduce"
+    assert comm.replay_agreed(tk, [7, 0], None, (), False) is None       # a rank without it: no launch
+    assert comm.replay_agreed(tk, [7], None, (), False) is None
+    comm.policy.balancer.version = 1                                     # a balancer move: none
+    assert comm.ticket_word("t", None) == (None, 0)
+    comm.policy.balancer.version = 0
+    monkeypatch.setattr(callpath, "_capturing", lambda: True)          # a capture takes the full path
+    assert comm.ticket_word("t", None) == (None, 0)

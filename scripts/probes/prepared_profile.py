@@ -3,6 +3,7 @@
 
     PYTHONPATH=src python3 scripts/probes/prepared_profile.py [--op all_gather] [--nbytes 1048576] [--nproc 4] [--async-op] [--first [--first-only]]
 
+`--op all_to_all_equal` passes equal split sizes (torch's functional all_to_all_single's form).
 BRAID_WARM=0 leaves out the communicator's warm-up (see comm/prepared.py) for comparison. With
 BRAID_DEFER=1 the deferred call's steps are timed too (comm/rounds.py); --gap-us spins that long
 between calls (as a job's own work would), so a deferred call's cost is the caller's alone, not
@@ -33,6 +34,8 @@ def _calls(comm, op, nbytes, world, async_op=False):
         "reduce_scatter": lambda: comm.reduce_scatter_tensor(rs_out, x),
         "broadcast": lambda: comm.broadcast(y, 0),
         "all_to_all_single": lambda: comm.all_to_all_single(a2a_out, x),
+        # equal split sizes given, as torch's functional all_to_all_single passes them
+        "all_to_all_equal": lambda: comm.all_to_all_single(a2a_out, x, [n // world] * world, [n // world] * world),
     }
     return calls[op]
 
@@ -55,7 +58,9 @@ def worker(rank, world, port, args):
     cnt = collections.Counter()
 
     def wrap(owner, name, label=None):
-        fn = getattr(owner, name)
+        fn = getattr(owner, name, None)
+        if fn is None:              # (an older tree, compared in the same run)
+            return
         label = label or f"{getattr(owner, '__name__', owner)}.{name}"
 
         def timed(*a, **k):
@@ -105,14 +110,18 @@ def worker(rank, world, port, args):
         for _ in range(10):
             fn()
         torch.cuda.synchronize()
-        from braid.comm import callpath, ledger, reductions
+        from braid.comm import callpath, ledger, reductions, routing, uneven
         for owner, names in ((type(comm), ("lanes_for", "shares_for", "all_gather_into_tensor", "all_reduce",
                                            "reduce_scatter_tensor", "broadcast",
                                            "all_to_all_single")),
                              (exchange.Exchange, ("run", "run_call", "run_prepared")),
                              (reductions.Reductions, ("reduction", "reduce_call")),
                              (callpath.CallPath, ("fast_prepared", "deferred")),
-                             (ledger.Faults, ("check_open",))):
+                             (ledger.Faults, ("check_open",)),
+                             (routing.Routing, ("all_to_all_single", "a2av_agree")),
+                             (uneven.UnevenAgreement, ("round", "verdict")),
+                             (callpath.CallPath, ("ticket_word", "replay_agreed")),
+                             (ledger.CallLedger, ("enter",))):
             for name in names:
                 wrap(owner, name)
         comm._fast_prepared = comm._calls.fast_prepared     # the op entries' binding, made at creation

@@ -19,7 +19,7 @@ The round replaces the agreement on the largest demand that every uneven call ma
 (comm/routing.py), so the matrix costs no second exchange. A call goes this way when the
 calibration (or fixed shares) gives the call's size to the copy engines alone; ce + host splits
 and routed plans take the full path with its descriptors. A matrix whose entries are all equal is
-a balanced call and takes the prepared path instead (comm/uneven.py, EVEN). The counters rise
+a balanced call and takes the prepared path instead (comm/uneven.py, Even). The counters rise
 from call to call, so a call here refuses a CUDA graph capture (as the full path does).
 """
 from __future__ import annotations

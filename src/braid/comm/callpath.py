@@ -157,14 +157,11 @@ class CallPath:
         caller takes the full path; after a round that missed, that path goes on from this
         round). `redo()`: the op's own call with the same arguments (the thread's full path)."""
         prep = self.prepared
-        tk = prep.tickets.get(tkey)
+        tk = self._ticket(tkey)
         rd = self.rounds
         faults = self.faults
-        if (tk is None or not prep.enabled or faults.closed or faults.aborted or tk.bal != self.policy.balancer.version
-                or self.pending or (self.policy.pending and tk.op in self.policy.pending)
-                or (faults.watchdog is not None and faults.watchdog.failed)
-                or ((rd is not None or not prep.fast) and _capturing())):   # (else the native call checks)
-            return None         # queued send/recv go first, a balancer report rides the full path
+        if tk is None or ((rd is not None or not prep.fast) and _capturing()):   # (else the native call checks)
+            return None
         if rd is not None and redo is not None and tk.entry.exec_ptr:
             if self.shortcuts.rebuilding():     # the rounds thread's own rebuild: the full path
                 return None
@@ -193,16 +190,46 @@ class CallPath:
             raise
         # the round's host time (this rank's post and read, and its wait for the last peer's word)
         prep.stats["round_us"] += (time.perf_counter() - t0) * 1e6
-        # a hit only where the cache would hit (and with the same least-recently-used update), so
-        # every rank's cache keeps the same keys whichever way its calls came in
-        if (len(got) == len(tk.key) and all(g[0] == k for g, k in zip(got, tk.key))
-                and prep.get(tk.key) is tk.entry):
+        handle = self.replay_agreed(tk, [g[0] for g in got], inp, outs, async_op)
+        if handle is not None:
+            return handle
+        ledger.ncalls -= 1                 # a miss: the full path counts the call
+        self.round = (word, got)        # and goes on from this round
+        return None
+
+    def _ticket(self, tkey):
+        """The Ticket of these arguments while a repeat may replay it, else None (queued
+        send/recv go first, a balancer report rides the full path)."""
+        prep = self.prepared
+        tk = prep.tickets.get(tkey)
+        faults = self.faults
+        if (tk is None or not prep.enabled or faults.closed or faults.aborted or tk.bal != self.policy.balancer.version
+                or self.pending or (self.policy.pending and tk.op in self.policy.pending)
+                or (faults.watchdog is not None and faults.watchdog.failed)):
+            return None
+        return tk
+
+    def ticket_word(self, tkey, inp):
+        """(Ticket, this rank's word) for a call whose round another agreement carries (an
+        all_to_all with equal split sizes: comm/uneven.py, Even), or (None, 0): no replay now
+        (none prepared, or a capture, which takes the full path)."""
+        tk = self._ticket(tkey)
+        if tk is None or _capturing():
+            return None, 0
+        return tk, self.prepared.finish_word(tk.base, inp, tk.lanes)
+
+    def replay_agreed(self, tk, words, inp, outs: tuple, async_op: bool):
+        """The launch of a Ticket's program after a round in which every rank posted its word
+        (`words`, in rank order), where each is the one the program was built with; else None.
+        A hit only where the cache would hit (and with the same least-recently-used update), so
+        every rank's cache keeps the same keys whichever way its calls came in."""
+        prep = self.prepared
+        if len(words) == len(tk.key) and all(w == k for w, k in zip(words, tk.key)) and prep.get(tk.key) is tk.entry:
+            ledger = self.ledger
             ledger.last_call = tk.ledger
             handle = prep.launch(tk.entry, self.ce.stream, async_op, (inp, *outs))
             ledger.last_handle = handle
             return handle
-        ledger.ncalls -= 1                 # a miss: the full path counts the call
-        self.round = (word, got)        # and goes on from this round
         return None
 
     def native_replay(self, fast, prep, seg, tk, inp, outs: tuple, async_op: bool):

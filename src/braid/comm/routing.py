@@ -17,7 +17,7 @@ from ..planner.plan import all_to_all_movement
 from .a2av import UnevenCe, word_of
 from .exchange import DECLINED
 from .policy import DEFAULT_COSTS
-from .uneven import EVEN, UnevenAgreement, skewed
+from .uneven import Even, UnevenAgreement, skewed
 
 log = logging.getLogger("braid")
 
@@ -158,10 +158,27 @@ class Routing:
         if input_split_sizes and output_split_sizes and type(input) is torch.Tensor \
                 and type(output) is torch.Tensor and input.is_cuda and output.is_cuda and input.dim() > 0 \
                 and output.dim() > 0 and input.is_contiguous() and output.is_contiguous():
-            agreed, small, lean = self.a2av_agree(output, input, output_split_sizes, input_split_sizes)
+            # equal lists here may be the balanced call's (where every rank's are): the round
+            # carries this rank's word for that call's program, and is its replay's round too
+            tk, pword = None, 0
+            if input_split_sizes[0] == output_split_sizes[0] and len(set(input_split_sizes)) == 1 \
+                    and len(set(output_split_sizes)) == 1:
+                tk, pword = self.calls.ticket_word(a2a_ticket(input, output), input)
+            agreed, small, lean = self.a2av_agree(output, input, output_split_sizes, input_split_sizes, pword)
             counted = agreed
-            if lean is EVEN:        # every rank's split sizes equal (the round showed each the matrix)
+            if isinstance(lean, Even):      # every rank's split sizes equal (the round showed each the matrix)
+                if tk is not None and (h := self.calls.replay_agreed(tk, lean.words, input, (output,),
+                                                                     async_op)) is not None:
+                    return h if async_op else None
+                # else the balanced call's own round and replay (the round above counted the
+                # call: the prepared call counts it again, or the full path below does)
                 output_split_sizes = input_split_sizes = None
+                self.ledger.ncalls -= 1
+                agreed = counted = False
+                h = self.calls.fast_prepared(a2a_ticket(input, output), input, (output,), async_op,
+                                             lambda: self.all_to_all_single(output, input))
+                if h is not None:
+                    return h if async_op else None
             elif lean is not None:
                 h = self.a2av_lean(output, input, *lean, async_op)
                 return h if async_op else None
@@ -227,8 +244,11 @@ class Routing:
                                  always_exchange=not balanced and (len(self.lanes_for(dev)) > 1 or self.check),
                                  route=None if prepared else route, counted=counted, ticket=tkey)
 
-    def a2av_agree(self, output, input, output_split_sizes, input_split_sizes) -> tuple[bool, bool, tuple | None]:
+    def a2av_agree(self, output, input, output_split_sizes, input_split_sizes,
+                   pword: int = 0) -> tuple[bool, bool, tuple | None]:
         """An uneven all_to_all of CUDA tensors with both split lists: (agreed, small, lean).
+        `pword`: this rank's prepared word for the call as a balanced one (0: none), which the
+        copy engines' round carries (comm/uneven.py, Even).
         agreed: the ranks took part in the cheap agreement (the call is in the ledger); small:
         the call is NCCL's own, whole (no rank has a demand over the routing threshold, or the
         shares for its size are NCCL's); lean: (matrix, words) when the copy engines take it
@@ -274,7 +294,7 @@ class Routing:
                 return True, self.uneven.small(big, op), None
             recv = [x * ent[4] for x in output_split_sizes]
             return self.uneven.round(op, big, [word_of(input), self.uneven.agreement()]
-                                    + [x * ent[3] for x in input_split_sizes], recv)
+                                    + [x * ent[3] for x in input_split_sizes] + [pword], recv)
         return False, False, None
 
     def a2av_lean(self, output, input, matrix, words, async_op):

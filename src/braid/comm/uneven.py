@@ -15,6 +15,7 @@ communicator in a test had to carry every one, and nothing said which must stay 
 from __future__ import annotations
 
 import zlib
+from typing import NamedTuple
 
 from ..errors import PeerMismatchError
 from .a2av import check_columns, matrix_of
@@ -25,12 +26,15 @@ PAIR_MUL = 1_000_003          # the running hash of two ranks' calls decided alo
 MASK61 = (1 << 61) - 1
 PAIR_CHECK = 64              # two ranks: every PAIR_CHECK-th uneven call NCCL takes whole still agrees in a round
 SMALL_RUN = 16               # agreed-small uneven calls in a row after which their agreement is read one call late
-# the round's verdict for a matrix whose entries are all equal, not NCCL's whole: the call
-# is a balanced one (torch's functional all_to_all_single and DTensor pass equal split sizes where
-# the user gave none) and takes the prepared path of a call without split sizes, which replays one
-# program and can be captured in a CUDA graph; the full path posts its lanes every call, whose
-# rising counters a captured graph would freeze
-EVEN = ("even",)
+class Even(NamedTuple):
+    """The round's verdict for a matrix whose entries are all equal, not NCCL's whole: the call is
+    a balanced one (torch's functional all_to_all_single and DTensor pass equal split sizes where
+    the user gave none) and takes the prepared path of a call without split sizes, which replays
+    one program and can be captured in a CUDA graph; the full path posts its lanes every call,
+    whose rising counters a captured graph would freeze. `words`: every rank's prepared word for
+    that balanced call (0 where a rank has none), which the round carried: where each is the one
+    the program was built with, the round was the replay's round too (Routing.all_to_all_single)."""
+    words: tuple
 
 
 def even(matrix: list[list[int]]) -> bool:
@@ -126,8 +130,9 @@ class UnevenAgreement:
 
     def round(self, op: str, big: int, values: list[int], recv: list[int]) -> tuple[bool, bool, tuple | None]:
         """The uneven call's round where the copy engines may take it: every rank posts its
-        largest demand, its input's word, the agreement value and its row of the matrix, and
-        reads every rank's; all decide alike (verdict). As for small calls (small), after
+        largest demand, its input's word, the agreement value, its row of the matrix and its
+        prepared word for the call as a balanced one (0 if none; `values` is all but the
+        demand), and reads every rank's; all decide alike (verdict). As for small calls (small), after
         SMALL_RUN calls in a row that went to NCCL whole the ranks take the next ones whole
         without waiting and read each call's values at the next call; values that say
         otherwise (or split sizes that disagree: PeerMismatchError, one call late) end that
@@ -135,7 +140,7 @@ class UnevenAgreement:
         seg, me = self.segment, self.rank
         last = seg.settle()
         if last is not None:
-            if len(last[0]) != 4 + self.world_size:         # a round of the small-call agreement
+            if len(last[0]) != 5 + self.world_size:         # a round of the small-call agreement
                 if max(last)[0] > ROUTE_MIN_BYTES:
                     self.small_run = 0
             else:
@@ -184,8 +189,8 @@ class UnevenAgreement:
 
     def verdict(self, got) -> tuple[str, tuple | None]:
         """From every rank's values of the round, the same on every rank: ('nccl', None): NCCL
-        whole; ('even', EVEN): every entry of the matrix the same, not NCCL's whole: a balanced
-        call; ('ce', (matrix, words)): the copy engines alone; ('full', None): the full path
+        whole; ('even', Even(words)): every entry of the matrix the same, not NCCL's whole: a
+        balanced call; ('ce', (matrix, words)): the copy engines alone; ('full', None): the full path
         (the router may plan it, or a split over several lanes, or the ranks' calibrations or
         shares differ and the full path says how)."""
         op, w, policy = "all_to_all_single", self.world_size, self.policy
@@ -202,7 +207,7 @@ class UnevenAgreement:
         if policy.fixed is None and "nccl" in lanes and set(shares) == {"ce"} and size < self.ce_min:
             shares = {"nccl": 1.0}         # posted every call, the copy engines lose below this size
         if not policy.native_ok(shares) and even(matrix):
-            return "even", EVEN
+            return "even", Even(tuple(g[-2] for g in got))
         if set(shares) == {"ce"}:
             return "ce", (matrix, tuple(g[1] for g in got))
         # two ranks have no relays: the router could only move the hot pair's bytes between the
