@@ -229,7 +229,8 @@ def _comm(seg, fast, key, monkeypatch):
         policy=SimpleNamespace(balancer=SimpleNamespace(version=0), pending={}), device=torch.device("cpu"),
         ce=SimpleNamespace(stream=SimpleNamespace(cuda_stream=0x70)), ledger=led, round=None, gave_up=[])
     comm.faults = SimpleNamespace(closed=False, aborted=False, watchdog=None, give_up=comm.gave_up.append)
-    comm.native_replay = lambda *args: CallPath.native_replay(comm, *args)
+    for name in ("native_replay", "_ticket", "replay_agreed"):
+        setattr(comm, name, getattr(CallPath, name).__get__(comm))
     monkeypatch.setattr(callpath, "_RAW", lambda dev: 0x900)
     monkeypatch.setattr(callpath, "_capturing", lambda: False)
     return comm, tk
