@@ -113,5 +113,8 @@ def test_a_round_another_agreement_carried_replays_without_one_of_its_own(monkey
     comm.policy.balancer.version = 1                                     # a balancer move: none
     assert comm.ticket_word("t", None) == (None, 0)
     comm.policy.balancer.version = 0
+    comm.rounds = object()                                               # a rounds thread: its own replay
+    assert comm.ticket_word("t", None) == (None, 0)
+    comm.rounds = None
     monkeypatch.setattr(callpath, "_capturing", lambda: True)          # a capture takes the full path
     assert comm.ticket_word("t", None) == (None, 0)

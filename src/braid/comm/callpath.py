@@ -212,9 +212,10 @@ class CallPath:
     def ticket_word(self, tkey, inp):
         """(Ticket, this rank's word) for a call whose round another agreement carries (an
         all_to_all with equal split sizes: comm/uneven.py, Even), or (None, 0): no replay now
-        (none prepared, or a capture, which takes the full path)."""
+        (none prepared; a capture, which takes the full path; a rounds thread, whose rebuilds
+        may change the tickets while this round waits: the balanced call's deferred replay)."""
         tk = self._ticket(tkey)
-        if tk is None or _capturing():
+        if tk is None or self.rounds is not None or _capturing():
             return None, 0
         return tk, self.prepared.finish_word(tk.base, inp, tk.lanes)
 
