@@ -26,6 +26,8 @@ PAIR_MUL = 1_000_003          # the running hash of two ranks' calls decided alo
 MASK61 = (1 << 61) - 1
 PAIR_CHECK = 64              # two ranks: every PAIR_CHECK-th uneven call NCCL takes whole still agrees in a round
 SMALL_RUN = 16               # agreed-small uneven calls in a row after which their agreement is read one call late
+
+
 class Even(NamedTuple):
     """The round's verdict for a matrix whose entries are all equal, not NCCL's whole: the call is
     a balanced one (torch's functional all_to_all_single and DTensor pass equal split sizes where
