@@ -368,7 +368,9 @@ def run(rank, port):
     out = torch.empty(2 << 18)
     dist.all_gather_into_tensor(out, t)
     assert torch.all(t == 3.0) and torch.all(out == 3.0)
-    print("rank", rank, "done", flush=True)  # and the process ends without destroy_process_group
+    # one write (print's pieces of two ranks sharing the pipe interleave), and the process ends
+    # without destroy_process_group
+    print(f"rank {rank} done", flush=True)
 
 if __name__ == "__main__":
     mp.spawn(run, args=(sys.argv[1],), nprocs=2)
