@@ -160,10 +160,11 @@ class Routing:
                 and output.dim() > 0 and input.is_contiguous() and output.is_contiguous():
             # equal lists here may be the balanced call's (where every rank's are): the round
             # carries this rank's word for that call's program, and is its replay's round too
-            tk, pword = None, 0
+            tk, pword, tkey = None, 0, None
             if input_split_sizes[0] == output_split_sizes[0] and len(set(input_split_sizes)) == 1 \
                     and len(set(output_split_sizes)) == 1:
-                tk, pword = self.calls.ticket_word(a2a_ticket(input, output), input)
+                tkey = a2a_ticket(input, output)
+                tk, pword = self.calls.ticket_word(tkey, input)
             agreed, small, lean = self.a2av_agree(output, input, output_split_sizes, input_split_sizes, pword)
             counted = agreed
             if isinstance(lean, Even):      # every rank's split sizes equal (the round showed each the matrix)
@@ -175,7 +176,7 @@ class Routing:
                 output_split_sizes = input_split_sizes = None
                 self.ledger.ncalls -= 1
                 agreed = counted = False
-                h = self.calls.fast_prepared(a2a_ticket(input, output), input, (output,), async_op,
+                h = self.calls.fast_prepared(tkey or a2a_ticket(input, output), input, (output,), async_op,
                                              lambda: self.all_to_all_single(output, input))
                 if h is not None:
                     return h if async_op else None
