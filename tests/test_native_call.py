@@ -368,3 +368,214 @@ def test_an_async_replay_holds_its_tensors_in_its_handle(monkeypatch):
     gc.collect()
     assert ref2() is None
     assert PreparedCalls.joined(me, False, 0xE1, "lane", (T(1),), None) is prepared_mod._DONE and me.dirty is False
+
+
+# the round another agreement shapes (fast_call_vals), and Routing.a2a_even over it ----------------
+
+W2 = 2
+N_EVEN = 5 + W2                             # the uneven round: big, input word, agreement, row, word, pair hash
+
+
+class _Tensor:
+    """What word_of and the native call read of an input: its address and element count."""
+
+    def __init__(self, ptr, n=4):
+        self.ptr, self.n = ptr, n
+
+    def data_ptr(self):
+        return self.ptr
+
+    def numel(self):
+        return self.n
+
+    def element_size(self):
+        return 4
+
+    dtype = torch.float32
+
+
+def _even(big=8 << 20, agree=4242, pair=0):
+    return [big, 0, agree, big, big, 0, pair]
+
+
+def _python_post(seg, vals, inp_word, pword):
+    v = list(vals)
+    v[1], v[-2] = inp_word, pword
+    return seg.post_values(v)
+
+
+def test_a_round_of_values_meets_the_python_uneven_round(world, monkeypatch):
+    from braid.comm import a2av
+    _, segs, fasts, drv = world
+    drv.ids = {0xA000: 11, 0xB000: 12}
+    monkeypatch.setattr(a2av._cuda, "buffer_id", lambda ptr: drv.ids[ptr])
+    key = (mix_word(3, 11), mix_word(-4, 12))
+    t0 = _ticket(fasts[0], 3, key)
+    vals = native_rounds.FastCalls.values(_even())
+    # rank 1 posts the round in Python (its input word is a2av.word_of's), rank 0 natively: every
+    # value but the input words the same, the words the program's: launched
+    token1 = _python_post(segs[1], _even(), a2av.word_of(_Tensor(0xB000)), key[1])
+    seq = segs[0].next_seq()
+    assert fasts[0].call_vals(t0, seq, 0xA000, 0x900, 0, 0, vals, 5, 1) == native_rounds.HIT
+    assert fasts[0].word.value == key[0]
+    assert [c[0] for c in drv.calls] == ["ptr_attr", "graph_launch"]
+    got = segs[1].read_values(token1, "t")
+    mine = _even()
+    mine[1], mine[-2] = a2av.word_of(_Tensor(0xA000)), key[0]
+    assert got[0] == mine and got[0][1] != got[1][1]
+    # each value in turn differs on rank 1 (a row, the agreement, the pair hash, the word): the
+    # round is posted, not launched, and both read it
+    for pos, value in ((0, 1 << 30), (2, 17), (3, 5), (4, 5), (6, 99), (5, key[1] + 1)):
+        drv.calls.clear()
+        other = _even()
+        other[pos] = value
+        token1 = _python_post(segs[1], other, 77, other[5] if pos == 5 else key[1])
+        seq = segs[0].next_seq()
+        assert fasts[0].call_vals(t0, seq, 0xA000, 0x900, 0, 0, vals, 5, 1) == native_rounds.DIFF, pos
+        assert not [c for c in drv.calls if c[0] == "graph_launch"]
+        assert segs[0].read_values((seq, N_EVEN), "t")[1][pos] == value
+        segs[1].read_values(token1, "t")
+    # a peer in the small calls' agreement: another count
+    token1 = segs[1].post_values([1 << 30])
+    seq = segs[0].next_seq()
+    assert fasts[0].call_vals(t0, seq, 0xA000, 0x900, 0, 0, vals, 5, 1) == native_rounds.DIFF
+    with pytest.raises(PeerMismatchError):
+        segs[0].read_values((seq, N_EVEN), "t")
+
+
+def test_a_round_of_values_both_native_and_too_many_values(world):
+    _, segs, fasts, drv = world
+    drv.ids = {0xA000: 1, 0xB000: 2}
+    key = (mix_word(10, 1), mix_word(20, 2))
+    tks = [_ticket(fasts[0], 10, key), _ticket(fasts[1], 20, key, exec_ptr=0x6000)]
+    vals = [native_rounds.FastCalls.values(_even()) for _ in range(2)]
+    codes = [[], []]
+
+    def rank(r):
+        for _ in range(20):
+            seq = segs[r].next_seq()
+            codes[r].append(fasts[r].call_vals(tks[r], seq, (0xA000, 0xB000)[r], 0x900, 0, 0, vals[r], 5, 1))
+    th = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join(30)
+    assert codes == [[native_rounds.HIT] * 20] * 2
+    assert sorted(c[1] for c in drv.calls if c[0] == "graph_launch") == [0x5000] * 20 + [0x6000] * 20
+    before = segs[0].u32[segs[0]._coll_ctr[0] // 4]
+    big = native_rounds.FastCalls.values([1] * (COLL_MBOX_BYTES // 8))
+    assert fasts[0].call_vals(tks[0], 1, 0xA000, 0x900, 0, 0, big, 0, 1) == native_rounds.TOO_MANY
+    assert segs[0].u32[segs[0]._coll_ctr[0] // 4] == before
+
+
+class _EvenPolicy:
+    """The copy engines take every call: a matrix whose entries are all equal is a balanced call."""
+    fixed, digest = None, "calib"
+    balancer = SimpleNamespace(version=0)
+    pending: dict = {}
+
+    @staticmethod
+    def shares_for(op, size, lanes):
+        return {"ce": 1.0}
+
+    @staticmethod
+    def native_ok(shares):
+        return set(shares) == {"nccl"}
+
+
+def _routing(seg, fast, key, rank, monkeypatch):
+    """Routing.a2a_even over the fake call path of _comm and a real UnevenAgreement over `seg`."""
+    from braid.comm import uneven as U
+    from braid.comm.routing import Routing
+    comm, tk = _comm(seg, fast, key, monkeypatch)
+    tk.op = "all_to_all_single"
+    comm.native_calls = lambda: fast
+    comm.faults.check_open = lambda: None
+    comm.policy = _EvenPolicy()
+    uneven = U.UnevenAgreement(rank, W2, seg, comm.policy, comm.ledger, lambda: ["ce"], lambda: "auto",
+                               lambda: None, comm.gave_up.append, lambda why, wait=True: None, 1 << 20)
+    ent = (torch.float32, 8, 8, 1 << 20, 1 << 20, True, True)  # 8 rows of 1 MiB in and out; lean; agreed
+    rt = SimpleNamespace(calls=comm, prepared=comm.prepared, uneven=uneven, world_size=W2, mode="auto",
+                         policy=comm.policy, faults=comm.faults, segment=seg, ledger=comm.ledger,
+                         a2av_entry=lambda i, o: ent)
+    rt.a2a_even = Routing.a2a_even.__get__(rt)
+    return rt, comm, tk
+
+
+def test_a2a_even_launches_where_every_rank_posted_the_even_round(world, monkeypatch):
+    _, segs, fasts, drv = world
+    drv.ids = {0xA000: 7, 0xB000: 8}
+    key = (mix_word(10, 7), mix_word(10, 8))
+    rts = [_routing(segs[r], fasts[r], key, r, monkeypatch) for r in (0, 1)]
+    inps = [_Tensor(0xA000, 8 << 18), _Tensor(0xB000, 8 << 18)]
+    out = [[], []]
+
+    def rank(r):
+        rt, comm, tk = rts[r]
+        for _ in range(10):
+            out[r].append(rt.a2a_even("t", None, inps[r], [4, 4], [4, 4], False))
+    th = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join(30)
+    assert out == [[(prepared_mod._DONE, None)] * 10] * 2
+    for rt, comm, tk in rts:
+        assert comm.ledger.ncalls == 50 and comm.ledger.last_call == tk.ledger
+        assert comm.prepared.stats["native_calls"] == 10 and tk.even[3] is not None
+    # what was posted is the uneven round of equal split sizes: each rank's row 4 MiB per peer
+    got = segs[0].read_values((segs[0].coll_seq, N_EVEN), "t")
+    assert [g[3:5] for g in got] == [[4 << 20, 4 << 20]] * 2 and [g[5] for g in got] == list(key)
+
+
+def test_a2a_even_hands_a_round_that_differs_to_the_python_verdict(world, monkeypatch):
+    """Rank 1's split sizes are not all equal: it takes the Python round (UnevenAgreement.round),
+    rank 0 the native call; both read the same values and reach the same verdict (the copy
+    engines alone, with the uneven matrix)."""
+    _, segs, fasts, drv = world
+    drv.ids = {0xA000: 7, 0xB000: 8}
+    key = (mix_word(10, 7), mix_word(10, 8))
+    rt0, comm0, tk0 = _routing(segs[0], fasts[0], key, 0, monkeypatch)
+    _, comm1, _ = _routing(segs[1], fasts[1], key, 1, monkeypatch)
+    uneven1 = rt0.uneven.__class__(1, W2, segs[1], comm1.policy, comm1.ledger, lambda: ["ce"], lambda: "auto",
+                                   lambda: None, comm1.gave_up.append, lambda why, wait=True: None, 1 << 20)
+    res = [None, None]
+
+    def rank1():
+        mib = 1 << 20
+        res[1] = uneven1.round("all_to_all_single", 4 * mib, [55, uneven1.agreement(), 4 * mib, 2 * mib, 0],
+                               [4 * mib, 2 * mib])
+    th = threading.Thread(target=rank1)
+    th.start()
+    res[0] = rt0.a2a_even("t", None, _Tensor(0xA000, 8 << 18), [4, 4], [4, 4], False)
+    th.join(30)
+    assert res[0][0] is None
+    assert res[0][1] == res[1] and res[1][0] is True and res[1][1] is False
+    assert res[1][2][0] == [[4 << 20, 4 << 20], [4 << 20, 2 << 20]]
+    assert not [c for c in drv.calls if c[0] == "graph_launch"]
+    assert comm0.ledger.ncalls == 41 and comm0.ledger.last_call[3] == "agreeing"
+
+
+def test_a2a_even_declines_what_the_round_would_decide_otherwise(world, monkeypatch):
+    _, segs, fasts, drv = world
+    drv.ids = {0xA000: 7}
+    rt, comm, tk = _routing(segs[0], fasts[0], (mix_word(10, 7), 5), 0, monkeypatch)
+    inp = _Tensor(0xA000, 8 << 18)
+    seq = segs[0].coll_seq
+    # two ranks and a call below the copy engines' size: each decides alone, no round
+    rt.uneven.ce_min = 64 << 20
+    assert rt.a2a_even("t", None, inp, [4, 4], [4, 4], False) is None and tk.even[3] is None
+    rt.uneven.ce_min = 1 << 20
+    tk.even = None
+    # lists that do not make up the shape; a deferred run of NCCL-whole calls; no native calls
+    assert rt.a2a_even("t", None, inp, [3, 3], [3, 3], False) is None
+    rt.uneven.small_run = 100
+    assert rt.a2a_even("t", None, inp, [4, 4], [4, 4], False) is None and tk.even[3] is not None
+    rt.uneven.small_run = 0
+    comm.prepared.fast = None
+    assert rt.a2a_even("t", None, inp, [4, 4], [4, 4], False) is None
+    comm.prepared.fast = fasts[0]
+    # under a capture nothing is posted and nothing counted
+    drv.capturing = True
+    assert rt.a2a_even("t", None, inp, [4, 4], [4, 4], False) is None
+    assert segs[0].coll_seq == seq and comm.ledger.ncalls == 40

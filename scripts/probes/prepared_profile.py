@@ -1,7 +1,7 @@
 """Where a prepared split call's host time goes: each step of the call path timed on its own
 (wrapped functions, nested times included in their callers), ranks sharing one GPU (2, or --nproc), or a GPU each (--own-gpus).
 
-    PYTHONPATH=src python3 scripts/probes/prepared_profile.py [--op all_gather] [--nbytes 1048576] [--nproc 4] [--async-op] [--first [--first-only]]
+    PYTHONPATH=src python3 scripts/probes/prepared_profile.py [--op all_gather] [--nbytes 1048576] [--nproc 4] [--async-op] [--first [--first-only]] [--nccl 3]
 
 `--op all_to_all_equal` passes equal split sizes (torch's functional all_to_all_single's form).
 BRAID_WARM=0 leaves out the communicator's warm-up (see comm/prepared.py) for comparison. With
@@ -28,6 +28,8 @@ def _calls(comm, op, nbytes, world, async_op=False):
     y = x.clone()
     rs_out = torch.empty(n // world, device="cuda", dtype=torch.bfloat16)
     a2a_out = torch.empty_like(x)
+    if comm is None:                # NCCL's own call through torch (--nccl), the same buffers
+        comm = dist
     calls = {
         "all_gather": lambda: comm.all_gather_into_tensor(out, x),
         "all_reduce": (lambda: comm.all_reduce(y, async_op=True).wait()) if async_op else (lambda: comm.all_reduce(y)),
@@ -118,9 +120,9 @@ def worker(rank, world, port, args):
                              (reductions.Reductions, ("reduction", "reduce_call")),
                              (callpath.CallPath, ("fast_prepared", "deferred")),
                              (ledger.Faults, ("check_open",)),
-                             (routing.Routing, ("all_to_all_single", "a2av_agree")),
-                             (uneven.UnevenAgreement, ("round", "verdict")),
-                             (callpath.CallPath, ("ticket_word", "replay_agreed")),
+                             (routing.Routing, ("all_to_all_single", "a2av_agree", "a2a_even")),
+                             (uneven.UnevenAgreement, ("round", "verdict", "read")),
+                             (callpath.CallPath, ("ticket_word", "replay_agreed", "native_replay")),
                              (ledger.CallLedger, ("enter",))):
             for name in names:
                 wrap(owner, name)
@@ -142,20 +144,37 @@ def worker(rank, world, port, args):
         wrap(shortcuts_mod.Shortcuts, "decide")
         wrap(prepared.PreparedHandle, "wait")
         wrap(exchange, "_capturing", "is_capturing")
-        dist.barrier()
-        total = []
-        for i in range(args.calls):
-            if args.busy_cycles:            # the caller's stream busy, as inside a training step
-                torch.cuda._sleep(args.busy_cycles)
-            t0 = time.perf_counter_ns()
-            fn()
-            t1 = time.perf_counter_ns()
-            total.append(t1 - t0)
-            while time.perf_counter_ns() - t1 < args.gap_us * 1000:
-                pass
-            if args.sync_every and i % args.sync_every == 0:
-                torch.cuda.synchronize()
-        torch.cuda.synchronize()
+        def timed_calls(f):
+            dist.barrier()
+            out = []
+            for i in range(args.calls):
+                if args.busy_cycles:            # the caller's stream busy, as inside a training step
+                    torch.cuda._sleep(args.busy_cycles)
+                t0 = time.perf_counter_ns()
+                f()
+                t1 = time.perf_counter_ns()
+                out.append(t1 - t0)
+                while time.perf_counter_ns() - t1 < args.gap_us * 1000:
+                    pass
+                if args.sync_every and i % args.sync_every == 0:
+                    torch.cuda.synchronize()
+            torch.cuda.synchronize()
+            return out
+        total = timed_calls(fn)
+        steps = {k: (v, cnt[k]) for k, v in acc.items()}      # the profile of these calls alone
+        if args.nccl:                   # NCCL's own call in alternating windows with braid's
+            nfn = _calls(None, args.op, args.nbytes, world, args.async_op)
+            for _ in range(10):
+                nfn()
+            windows = []
+            for _ in range(args.nccl):
+                windows.append(("nccl", statistics.median(timed_calls(nfn)) / 1e3))
+                windows.append(("braid", statistics.median(timed_calls(fn)) / 1e3))
+            if rank == 0:
+                print("windows (host per call median, us): " + ", ".join(f"{k} {v:.1f}" for k, v in windows))
+                b = statistics.median(v for k, v in windows if k == "braid")
+                c = statistics.median(v for k, v in windows if k == "nccl")
+                print(f"{args.op} {args.nbytes} B: braid {b:.1f} us, NCCL {c:.1f} us, braid / NCCL {b / c:.2f}")
     if rank == 0:
         st = comm._prepared.stats
         if st.get("deferred"):
@@ -163,8 +182,8 @@ def worker(rank, world, port, args):
                   f"{st['launch_us'] / st['deferred']:.1f} us per deferred call")
         print(f"{args.op} {args.nbytes} B, gap {args.gap_us} us: host per call median {statistics.median(total) / 1e3:.1f} us, "
               f"mean {statistics.mean(total) / 1e3:.1f} us (wrapped: each wrapper adds ~0.3 us)")
-        for k, v in sorted(acc.items(), key=lambda kv: -kv[1]):
-            print(f"  {k:45s} {v / cnt[k] / 1e3:8.2f} us per call x {cnt[k] / args.calls:.1f}")
+        for k, (v, c) in sorted(steps.items(), key=lambda kv: -kv[1][0]):
+            print(f"  {k:45s} {v / c / 1e3:8.2f} us per call x {c / args.calls:.1f}")
     # the cost of the round alone
     seg = comm.segment
     dist.barrier()
@@ -193,5 +212,7 @@ if __name__ == "__main__":
     ap.add_argument("--async-op", action="store_true", help="all_reduce: async_op=True, then wait() (DDP's form)")
     ap.add_argument("--first", action="store_true", help="profile the shape's first call (cProfile) before timing repeats")
     ap.add_argument("--first-only", action="store_true", help="with --first: stop after the first calls")
+    ap.add_argument("--nccl", type=int, default=0,
+                    help="then this many windows each of NCCL's own call through torch and braid's, alternating")
     a = ap.parse_args()
     mp.spawn(worker, args=(a.nproc, 29400 + os.getpid() % 500, a), nprocs=a.nproc)

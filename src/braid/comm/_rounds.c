@@ -378,9 +378,16 @@ void fast_free(fast_t *f) { free(f); }
 /* One repeated call of `t` as round `seq` of the segment. inp: the input's address where its
  * allocation's id goes into the word, else 0. mode 0: launch on `caller`; 1: fork onto the lane
  * stream, launch, record `end` there and make `caller` wait for it; 2: the same without the wait
- * (async). *word: the word posted; *round_ns: post to the last peer's word read. */
-int fast_call(fast_t *f, const ticket_t *t, uint32_t seq, uint64_t inp, void *caller, void *end, int mode,
-              int64_t spin_ns, uint64_t *word, int *rc, int64_t *round_ns) {
+ * (async). *word: the word posted; *round_ns: post to the last peer's word read.
+ * `vals` NULL: the round of a call's word alone (the word, then nothing observed; only the words
+ * are compared). Else the round another agreement shapes (an all_to_all whose split sizes are all
+ * equal: comm/uneven.py): `n` values as `vals` holds them, but for the word at `wpos` and, at
+ * `ipos` (-1: none), the input's own word (mix_word of its address and its allocation's id,
+ * never 0: a2av.word_of); it matches where every rank posted `n` values, its word the ticket's
+ * and every other value but the one at `ipos` equal to this rank's. */
+static int fast_round(fast_t *f, const ticket_t *t, uint32_t seq, uint64_t inp, void *caller, void *end, int mode,
+                      int64_t spin_ns, const uint64_t *vals, int n, int wpos, int ipos, uint64_t *word, int *rc,
+                      int64_t *round_ns) {
     int status = 0;
     *rc = 0;
     if (f->is_capturing(caller, &status) != 0 || status != 0) return FAST_CAPTURING;
@@ -391,13 +398,22 @@ int fast_call(fast_t *f, const ticket_t *t, uint32_t seq, uint64_t inp, void *ca
     }
     uint64_t w = mix_word(t->base, id);
     *word = w;
-    /* the post: the count, the word and nothing observed, then this rank's counter */
+    /* the post: the count and the values, then this rank's counter */
     uint64_t k = seq % (uint64_t)f->nslots;
     uint8_t *mine = f->slots[f->me] + k * f->slot_bytes;
-    uint32_t n = (uint32_t)f->nvals;
-    memcpy(mine, &n, 4);
-    memcpy(mine + 4, &w, 8);
-    memset(mine + 12, 0, 8 * (size_t)(f->nvals - 1));
+    uint32_t cnt = (uint32_t)n;
+    memcpy(mine, &cnt, 4);
+    if (vals == NULL) {
+        memcpy(mine + 4, &w, 8);
+        memset(mine + 12, 0, 8 * (size_t)(n - 1));
+    } else {
+        memcpy(mine + 4, vals, 8 * (size_t)n);
+        memcpy(mine + 4 + 8 * (size_t)wpos, &w, 8);
+        if (ipos >= 0) {
+            uint64_t iw = mix_word(inp, id) | 1;
+            memcpy(mine + 4 + 8 * (size_t)ipos, &iw, 8);
+        }
+    }
     __atomic_store_n(f->ctr[f->me], seq, __ATOMIC_RELEASE);
     int64_t t0 = now_ns();
     for (int p = 0; p < f->world; p++) {
@@ -409,7 +425,22 @@ int fast_call(fast_t *f, const ticket_t *t, uint32_t seq, uint64_t inp, void *ca
     }
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
     *round_ns = now_ns() - t0;
-    if (!slots_match(f->slots, f->slot_bytes, f->world, k, f->nvals, t->expect)) return FAST_DIFF;
+    if (vals == NULL) {
+        if (!slots_match(f->slots, f->slot_bytes, f->world, k, n, t->expect)) return FAST_DIFF;
+    } else {
+        for (int p = 0; p < f->world; p++) {
+            const uint8_t *slot = f->slots[p] + k * f->slot_bytes;
+            uint32_t c;
+            memcpy(&c, slot, 4);
+            if ((int)c != n) return FAST_DIFF;
+            for (int i = 0; i < n; i++) {
+                uint64_t v;
+                if (i == ipos) continue;
+                memcpy(&v, slot + 4 + 8 * (size_t)i, 8);
+                if (v != (i == wpos ? t->expect[p] : vals[i])) return FAST_DIFF;
+            }
+        }
+    }
     int e;
     if (mode == 0) {
         e = f->graph_launch(t->exec, caller);
@@ -422,4 +453,17 @@ int fast_call(fast_t *f, const ticket_t *t, uint32_t seq, uint64_t inp, void *ca
     }
     if (e) { *rc = e; return FAST_LAUNCH_ERR; }
     return FAST_HIT;
+}
+
+int fast_call(fast_t *f, const ticket_t *t, uint32_t seq, uint64_t inp, void *caller, void *end, int mode,
+              int64_t spin_ns, uint64_t *word, int *rc, int64_t *round_ns) {
+    return fast_round(f, t, seq, inp, caller, end, mode, spin_ns, NULL, f->nvals, 0, -1, word, rc, round_ns);
+}
+
+/* fast_call in the round of `n` values `vals` (fast_round); -1: n is not a round's size here. */
+int fast_call_vals(fast_t *f, const ticket_t *t, uint32_t seq, uint64_t inp, void *caller, void *end, int mode,
+                   int64_t spin_ns, const uint64_t *vals, int n, int wpos, int ipos, uint64_t *word, int *rc,
+                   int64_t *round_ns) {
+    if (n < 1 || 4 + 8 * (uint64_t)n > f->slot_bytes || wpos < 0 || wpos >= n || ipos >= n) return -1;
+    return fast_round(f, t, seq, inp, caller, end, mode, spin_ns, vals, n, wpos, ipos, word, rc, round_ns);
 }

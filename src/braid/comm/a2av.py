@@ -31,7 +31,7 @@ import torch
 from ..errors import PeerMismatchError
 from ..lanes import _cuda
 from ..lanes.signals import Rising
-from .prepared import MASK63, _capturing, posted_not_capturable
+from .prepared import _capturing, mix_word, posted_not_capturable
 
 MAX_MAPS = 64        # tuples of words kept (each holds the peers' mapped inputs, mapped once per allocation)
 
@@ -39,10 +39,10 @@ MAX_MAPS = 64        # tuples of words kept (each holds the peers' mapped inputs
 def word_of(inp: torch.Tensor) -> int:
     """This rank's input as one non-zero word: its address and the driver's id of its allocation
     (not its length: an MoE layer's inputs are views of one buffer whose length changes with
-    every batch; what a peer may read of it, the matrix says)."""
+    every batch; what a peer may read of it, the matrix says). The native call of an all_to_all
+    with equal split sizes posts the same word (`_rounds.c` fast_round)."""
     ptr = inp.data_ptr()
-    bid = _cuda.buffer_id(ptr) if inp.numel() else 0
-    return (hash((ptr, bid)) & MASK63) | 1
+    return mix_word(ptr, _cuda.buffer_id(ptr) if inp.numel() else 0) | 1
 
 
 def matrix_of(got: list[list[int]], world: int) -> list[list[int]]:

@@ -233,11 +233,14 @@ class CallPath:
             return handle
         return None
 
-    def native_replay(self, fast, prep, seg, tk, inp, outs: tuple, async_op: bool):
+    def native_replay(self, fast, prep, seg, tk, inp, outs: tuple, async_op: bool, vals=None, wpos: int = 0):
         """The word, its post, the round and the launch of a Ticket's call in one native call
         (native_rounds.FastCalls). Returns (handle, None) where it launched, (None, None) where it
         posted nothing (a capture: the full path takes the call), else (None, (word, token)): the
-        word is posted and the caller reads the round (a word that differs, a late peer)."""
+        word is posted and the caller reads the round (a word that differs, a late peer).
+        `vals`: the round another agreement shapes (FastCalls.call_vals: the word at `wpos`, the
+        input's own word at 1; the input has elements and the ticket's lanes include the copy
+        engines), else the round of the word alone."""
         caller = _RAW(self.device.index)
         mode = 2 if async_op else 1 if prep.dirty else 0     # async; forked; on the caller's stream
         end = prep.end_event() if mode else 0
@@ -246,8 +249,13 @@ class CallPath:
             t = tk.native = fast.ticket(tk.base, tk.entry.exec_ptr, self.ce.stream.cuda_stream,
                                         prep.fork_event(), tk.key)
         seq = seg.next_seq()
-        code = fast.call(t, seq, inp.data_ptr() if inp is not None and inp.numel() and "ce" in tk.lanes else 0,
-                         caller, end, mode)
+        if vals is None:
+            n = 1 + len(NO_OBS)
+            code = fast.call(t, seq, inp.data_ptr() if inp is not None and inp.numel() and "ce" in tk.lanes else 0,
+                             caller, end, mode)
+        else:
+            n = len(vals)
+            code = fast.call_vals(t, seq, inp.data_ptr(), caller, end, mode, vals, wpos, 1)
         if code == native_rounds.HIT:
             prep.stats["round_us"] += fast.round_ns.value * 1e-3
             prep.get(tk.key)
@@ -259,7 +267,7 @@ class CallPath:
                 if mode else tk.entry.done
             ledger.last_handle = handle
             return handle, None
-        if code in (native_rounds.CAPTURING, native_rounds.ID_ERR):     # nothing posted: undone
+        if code in (native_rounds.CAPTURING, native_rounds.ID_ERR, native_rounds.TOO_MANY):     # nothing posted: undone
             seg.coll_seq -= 1
             self.ledger.ncalls -= 1
             if code == native_rounds.ID_ERR:
@@ -269,7 +277,7 @@ class CallPath:
             prep.stats["native_late"] += 1
         elif code != native_rounds.DIFF:
             _cuda.check(fast.rc.value or -1, "the launch of a prepared call")
-        return None, (fast.word.value, (seq, 1 + len(NO_OBS)))
+        return None, (fast.word.value, (seq, n))
 
     def native_calls(self):
         """The communicator's native repeated calls (native_rounds.FastCalls), made at the first

@@ -93,6 +93,10 @@ def build() -> ctypes.CDLL | None:
     lib.fast_call.restype = ctypes.c_int
     lib.fast_call.argtypes = [_vp, ctypes.POINTER(TicketC), ctypes.c_uint32, _u64, _vp, _vp, ctypes.c_int, _i64,
                               ctypes.POINTER(_u64), ctypes.POINTER(ctypes.c_int), ctypes.POINTER(_i64)]
+    lib.fast_call_vals.restype = ctypes.c_int
+    lib.fast_call_vals.argtypes = [_vp, ctypes.POINTER(TicketC), ctypes.c_uint32, _u64, _vp, _vp, ctypes.c_int, _i64,
+                                   ctypes.POINTER(_u64), ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                   ctypes.POINTER(_u64), ctypes.POINTER(ctypes.c_int), ctypes.POINTER(_i64)]
     lib.mix_word.restype = _u64
     lib.mix_word.argtypes = [_u64, _u64]
     _lib = lib
@@ -149,6 +153,7 @@ MAXW = 64       # ranks a node segment's round holds (`_rounds.c` MAXW)
 M64 = (1 << 64) - 1
 # what fast_call returns (`_rounds.c` FAST_*)
 HIT, DIFF, LATE, ID_ERR, CAPTURING, LAUNCH_ERR = range(6)
+TOO_MANY = -1       # fast_call_vals: more values than a slot holds (nothing posted)
 
 
 class TicketC(ctypes.Structure):
@@ -189,6 +194,19 @@ class FastCalls:
         error code and the round's ns are then in self.word, self.rc and self.round_ns."""
         w, rc, rn = self._refs
         return self.lib.fast_call(self._h, t, seq & 0xFFFFFFFF, inp, caller, end, mode, self.spin_ns, w, rc, rn)
+
+    @staticmethod
+    def values(vals) -> ctypes.Array:
+        """A round's values as call_vals takes them (made once per call shape)."""
+        return (_u64 * len(vals))(*[v & M64 for v in vals])
+
+    def call_vals(self, t: TicketC, seq: int, inp: int, caller: int, end: int, mode: int, vals: ctypes.Array,
+                  wpos: int, ipos: int) -> int:
+        """call() in a round of the values `vals` (from values()) whose word is at `wpos` and the
+        input's own word at `ipos` (`_rounds.c` fast_call_vals); -1: more values than a slot holds."""
+        w, rc, rn = self._refs
+        return self.lib.fast_call_vals(self._h, t, seq & 0xFFFFFFFF, inp, caller, end, mode, self.spin_ns, vals,
+                                       len(vals), wpos, ipos, w, rc, rn)
 
     def close(self) -> None:
         if self._h:

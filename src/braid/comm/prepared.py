@@ -139,12 +139,13 @@ class Ticket:
     straight to the round and the launch (CallPath.fast_prepared). Valid while the cache's
     epoch (calibration, fixed shares) and the balancer's version are those it was made under."""
 
-    __slots__ = ("base", "bal", "key", "entry", "op", "ledger", "lanes", "native")
+    __slots__ = ("base", "bal", "key", "entry", "op", "ledger", "lanes", "native", "even")
 
     def __init__(self, base: int, bal: int, key: tuple, entry: Entry, op: str, ledger: tuple, lanes):
         self.base, self.bal, self.key, self.entry, self.op, self.ledger, self.lanes = \
             base, bal, key, entry, op, ledger, lanes
         self.native = None          # its native_rounds.TicketC, made at its first native call
+        self.even = None            # an all_to_all's round values with equal split sizes (Routing.a2a_even)
 
 
 class PreparedHandle(Handle):

@@ -139,18 +139,8 @@ class UnevenAgreement:
         without waiting and read each call's values at the next call; values that say
         otherwise (or split sizes that disagree: PeerMismatchError, one call late) end that
         from the next call on. Returns (agreed, small, lean) as Routing.a2av_agree does."""
-        seg, me = self.segment, self.rank
-        last = seg.settle()
-        if last is not None:
-            if len(last[0]) != 5 + self.world_size:         # a round of the small-call agreement
-                if max(last)[0] > ROUTE_MIN_BYTES:
-                    self.small_run = 0
-            else:
-                self._pair_check(last, op)
-                if [g[3 + me] for g in last] != self.recv:
-                    self._mismatch(last, self.recv, op)
-                if self.verdict(last)[0] != "nccl":
-                    self.small_run = 0
+        seg = self.segment
+        self.settle(op)
         # the values end with the hash of the calls two ranks decided alone since the last round
         token = seg.post_values([big] + values + [self.pair_hash])
         self.pair_hash = 0
@@ -158,13 +148,47 @@ class UnevenAgreement:
             seg.defer(token, op)
             self.recv = recv
             return True, True, None
-        got = seg.read_values(token, op)
+        return self.read(token, recv, op)
+
+    def settle(self, op: str) -> None:
+        """Before a round: the checks of the last round read one call late, if one was."""
+        last = self.segment.settle()
+        if last is not None:
+            if len(last[0]) != 5 + self.world_size:         # a round of the small-call agreement
+                if max(last)[0] > ROUTE_MIN_BYTES:
+                    self.small_run = 0
+            else:
+                self._pair_check(last, op)
+                if [g[3 + self.rank] for g in last] != self.recv:
+                    self._mismatch(last, self.recv, op)
+                if self.verdict(last)[0] != "nccl":
+                    self.small_run = 0
+
+    def read(self, token: tuple, recv: list[int], op: str) -> tuple[bool, bool, tuple | None]:
+        """The rest of a round this rank posted (`token`; round, or the native call of an
+        all_to_all with equal split sizes that did not launch): every rank's values, their
+        checks and the verdict, as round returns them."""
+        got = self.segment.read_values(token, op)
         self._pair_check(got, op)
-        if [g[3 + me] for g in got] != recv:
+        if [g[3 + self.rank] for g in got] != recv:
             self._mismatch(got, recv, op)
         verdict, lean = self.verdict(got)
         self.small_run = self.small_run + 1 if verdict == "nccl" else 0
         return True, verdict == "nccl", lean
+
+    def even_values(self, big: int, row: list[int], words) -> list[int] | None:
+        """The values this rank posts in the round of an all_to_all whose split sizes are all
+        equal here (`row`: its bytes to each rank; `words`: every rank's word for the balanced
+        call's program), with 0 for its input's word and its own prepared word, and 0 for the
+        pair hash, where the verdict of a round in which every rank posted them is the balanced
+        call's (Even): the native call may then launch the program on seeing them all (see
+        Routing.a2a_even). None where that round's verdict would be another."""
+        w = self.world_size
+        agree = self.agreement()
+        got = [[big, 1, agree, *row, k, 0] for k in words]
+        if len(got) != w or self.verdict(got)[0] != "even":
+            return None
+        return [big, 0, agree, *row, 0, 0]
 
     def _pair_check(self, got, op) -> None:
         """The round's hashes of the calls decided alone since the last one must be equal."""
