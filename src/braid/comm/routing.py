@@ -324,9 +324,10 @@ class Routing:
         (handle, None): launched; (None, (agreed, small, lean)): the round posted and read in
         Python (a peer late, or its values differ), as a2av_agree returns it.
 
-        An equal-split call whose matrix is even cost 93-109 us of host time this way in Python
-        (one H200 that 2 ranks share, 1-64 MiB, 2026-12-03): the round's post and read, its
-        verdict and the launch, each a few Python steps over values known from the call's shape."""
+        An equal-split call whose matrix is even cost 93-117 us of host time in Python (one H200
+        that 2 ranks share, 1-64 MiB, 2026-12-03): the round's post and read, its verdict and the
+        launch, each a few Python steps over values known from the call's shape; 51-67 us at 4 MiB
+        this way."""
         calls, prep, uneven = self.calls, self.prepared, self.uneven
         tk = calls._ticket(tkey)
         if tk is None or calls.rounds is not None or not tk.entry.exec_ptr or "ce" not in tk.lanes \
