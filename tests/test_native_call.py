@@ -23,6 +23,7 @@ from braid.comm import prepared as prepared_mod
 from braid.comm.callpath import CallPath
 from braid.comm.ledger import CallLedger
 from braid.comm.prepared import NO_OBS, Entry, Ticket, mix_word
+from braid.comm.uneven import ROUND_TAG, round_len
 from braid.errors import LaneFailureError, PeerMismatchError
 from braid.node import COLL_MBOX_BYTES, COLL_SLOTS, Layout, NodeSegment
 
@@ -373,7 +374,7 @@ def test_an_async_replay_holds_its_tensors_in_its_handle(monkeypatch):
 # the round another agreement shapes (fast_call_vals), and Routing.a2a_even over it ----------------
 
 W2 = 2
-N_EVEN = 5 + W2                             # the uneven round: big, input word, agreement, row, word, pair hash
+N_EVEN = 6 + W2                             # the uneven round: big, input word, agreement, row, word, pair hash, tag
 
 
 class _Tensor:
@@ -394,13 +395,21 @@ class _Tensor:
     dtype = torch.float32
 
 
+def test_the_uneven_round_has_a_count_no_other_round_has():
+    # the segment tells calls apart by their rounds' counts: a balanced call's word round (1 +
+    # len(NO_OBS)) or a small call's (1) against an uneven call's must raise, never be read as it
+    assert N_EVEN == round_len(W2)
+    for w in range(2, 65):
+        assert round_len(w) not in (1, 1 + len(NO_OBS)), w
+
+
 def _even(big=8 << 20, agree=4242, pair=0):
-    return [big, 0, agree, big, big, 0, pair]
+    return [big, 0, agree, big, big, 0, pair, ROUND_TAG]
 
 
 def _python_post(seg, vals, inp_word, pword):
     v = list(vals)
-    v[1], v[-2] = inp_word, pword
+    v[1], v[-3] = inp_word, pword
     return seg.post_values(v)
 
 
@@ -421,11 +430,11 @@ def test_a_round_of_values_meets_the_python_uneven_round(world, monkeypatch):
     assert [c[0] for c in drv.calls] == ["ptr_attr", "graph_launch"]
     got = segs[1].read_values(token1, "t")
     mine = _even()
-    mine[1], mine[-2] = a2av.word_of(_Tensor(0xA000)), key[0]
+    mine[1], mine[-3] = a2av.word_of(_Tensor(0xA000)), key[0]
     assert got[0] == mine and got[0][1] != got[1][1]
     # each value in turn differs on rank 1 (a row, the agreement, the pair hash, the word): the
     # round is posted, not launched, and both read it
-    for pos, value in ((0, 1 << 30), (2, 17), (3, 5), (4, 5), (6, 99), (5, key[1] + 1)):
+    for pos, value in ((0, 1 << 30), (2, 17), (3, 5), (4, 5), (6, 99), (7, 1), (5, key[1] + 1)):
         drv.calls.clear()
         other = _even()
         other[pos] = value
@@ -435,12 +444,15 @@ def test_a_round_of_values_meets_the_python_uneven_round(world, monkeypatch):
         assert not [c for c in drv.calls if c[0] == "graph_launch"]
         assert segs[0].read_values((seq, N_EVEN), "t")[1][pos] == value
         segs[1].read_values(token1, "t")
-    # a peer in the small calls' agreement: another count
-    token1 = segs[1].post_values([1 << 30])
-    seq = segs[0].next_seq()
-    assert fasts[0].call_vals(t0, seq, 0xA000, 0x900, 0, 0, vals, 5, 1) == native_rounds.DIFF
-    with pytest.raises(PeerMismatchError):
-        segs[0].read_values((seq, N_EVEN), "t")
+    # a peer in the small calls' agreement, or in a balanced call's word round: another count
+    for theirs in ([1 << 30], [key[1], *NO_OBS]):
+        token1 = segs[1].post_values(theirs)
+        seq = segs[0].next_seq()
+        assert fasts[0].call_vals(t0, seq, 0xA000, 0x900, 0, 0, vals, 5, 1) == native_rounds.DIFF
+        with pytest.raises(PeerMismatchError, match="different call"):
+            segs[0].read_values((seq, N_EVEN), "t")
+        with pytest.raises(PeerMismatchError, match="different call"):
+            segs[1].read_values(token1, "t")
 
 
 def test_a_round_of_values_both_native_and_too_many_values(world):

@@ -359,7 +359,7 @@ class Routing:
         uneven.settle(op)
         if uneven.small_run >= SMALL_RUN:    # the round is read one call late: a2av_agree's
             return None
-        vals[-1] = uneven.pair_hash
+        vals[-2] = uneven.pair_hash
         ledger = self.ledger
         # counted while its round waits (CallPath.fast_prepared); native_replay undoes it where
         # it posts nothing

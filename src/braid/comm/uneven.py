@@ -26,6 +26,18 @@ PAIR_MUL = 1_000_003          # the running hash of two ranks' calls decided alo
 MASK61 = (1 << 61) - 1
 PAIR_CHECK = 64              # two ranks: every PAIR_CHECK-th uneven call NCCL takes whole still agrees in a round
 SMALL_RUN = 16               # agreed-small uneven calls in a row after which their agreement is read one call late
+# The copy engines' round ends with this value, so that it carries 6 + w values: never as many as
+# a prepared call's word round (1 + len(prepared.NO_OBS) = 7) or the small calls' round (1). A
+# segment round tells calls apart by their counts (node.read_values): with 5 + w values, two ranks
+# where one made a balanced all_to_all and the other an uneven one would read each other's values
+# as their own round's.
+ROUND_TAG = 0xA2A5
+
+
+def round_len(world: int) -> int:
+    """The values of the copy engines' round: big, input word, agreement, row (world), prepared
+    word, pair hash, ROUND_TAG."""
+    return 6 + world
 
 
 class Even(NamedTuple):
@@ -141,8 +153,8 @@ class UnevenAgreement:
         from the next call on. Returns (agreed, small, lean) as Routing.a2av_agree does."""
         seg = self.segment
         self.settle(op)
-        # the values end with the hash of the calls two ranks decided alone since the last round
-        token = seg.post_values([big] + values + [self.pair_hash])
+        # then the hash of the calls two ranks decided alone since the last round, and the tag
+        token = seg.post_values([big] + values + [self.pair_hash, ROUND_TAG])
         self.pair_hash = 0
         if self.small_run >= SMALL_RUN:
             seg.defer(token, op)
@@ -154,7 +166,7 @@ class UnevenAgreement:
         """Before a round: the checks of the last round read one call late, if one was."""
         last = self.segment.settle()
         if last is not None:
-            if len(last[0]) != 5 + self.world_size:         # a round of the small-call agreement
+            if len(last[0]) != round_len(self.world_size):    # a round of the small-call agreement
                 if max(last)[0] > ROUTE_MIN_BYTES:
                     self.small_run = 0
             else:
@@ -185,14 +197,14 @@ class UnevenAgreement:
         Routing.a2a_even). None where that round's verdict would be another."""
         w = self.world_size
         agree = self.agreement()
-        got = [[big, 1, agree, *row, k, 0] for k in words]
+        got = [[big, 1, agree, *row, k, 0, ROUND_TAG] for k in words]
         if len(got) != w or self.verdict(got)[0] != "even":
             return None
-        return [big, 0, agree, *row, 0, 0]
+        return [big, 0, agree, *row, 0, 0, ROUND_TAG]
 
     def _pair_check(self, got, op) -> None:
         """The round's hashes of the calls decided alone since the last one must be equal."""
-        if len({g[-1] for g in got}) > 1:
+        if len({g[-2] for g in got}) > 1:
             exc = PeerMismatchError(
                 f"{op}: the ranks' split sizes disagreed in one of the last {PAIR_CHECK} uneven calls "
                 f"(each rank's input split sizes toward the other must equal the other's output split "
@@ -233,7 +245,7 @@ class UnevenAgreement:
         if policy.fixed is None and "nccl" in lanes and set(shares) == {"ce"} and size < self.ce_min:
             shares = {"nccl": 1.0}         # posted every call, the copy engines lose below this size
         if not policy.native_ok(shares) and even(matrix):
-            return "even", Even(tuple(g[-2] for g in got))
+            return "even", Even(tuple(g[-3] for g in got))
         if set(shares) == {"ce"}:
             return "ce", (matrix, tuple(g[1] for g in got))
         # two ranks have no relays: the router could only move the hot pair's bytes between the
