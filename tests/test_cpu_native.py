@@ -6,6 +6,7 @@ not take goes to the rounds in Python; a peer that dies, aborts or never comes i
 call ends it on time with braid's error; its threads end with the communicator."""
 import os
 import time
+import zlib
 
 import pytest
 import torch
@@ -26,8 +27,7 @@ def run_world(fn, w, *args, env=None, **kw):
 
 
 def _digest(t):
-    b = t.contiguous().view(-1).view(torch.uint8)
-    return int(b.long().mul(torch.arange(1, b.numel() + 1) % 251).sum().item())
+    return zlib.crc32(t.contiguous().view(-1).view(torch.uint8).numpy())
 
 
 def _every_worker(rank, w):
