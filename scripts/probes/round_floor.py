@@ -11,7 +11,7 @@ Each rank, in alternating windows of one run:
                 host memory (no copy, no kernel: the launch's host cost and the round's wait
                 without the GPU's time-slicing of the processes' copies)
 
-The wait for the last peer is in "round" and "round+launch": under this loop the ranks leave
+The wait for the last peer is in every kind with a round: under this loop the ranks leave
 their synchronize at different times (the GPU time-slices between the processes), and a call
 that agrees on the host waits for that; NCCL's call does not wait on the host at all.
 
@@ -59,9 +59,6 @@ def worker(rank, world, name, args):
             while int(ctr[p]) < s:
                 pass
 
-    def barrier():
-        round_()
-
     kinds = {"launch": g.replay, "round": round_, "round+launch": lambda: (round_(), g.replay()),
              "round+memop": lambda: (round_(), gm.replay())}
     res = {k: [] for k in kinds}
@@ -71,7 +68,7 @@ def worker(rank, world, name, args):
     torch.cuda.synchronize()
     for _ in range(args.windows):
         for k, f in kinds.items():
-            barrier()
+            round_()                    # the window starts together on every rank
             ts = []
             for _ in range(args.calls):
                 t0 = time.perf_counter_ns()
@@ -85,7 +82,7 @@ def worker(rank, world, name, args):
               f"per window medians (us), rank 0:")
         for k, v in res.items():
             print(f"  {k:13s} median {statistics.median(v):6.1f}  windows {' '.join(f'{t:.1f}' for t in v)}")
-    barrier()
+    round_()
     shm.close()
 
 
