@@ -3,7 +3,10 @@
 
     PYTHONPATH=src python3 scripts/probes/prepared_profile.py [--op all_gather] [--nbytes 1048576] [--nproc 4] [--async-op] [--first [--first-only]] [--nccl 3]
 
-`--op all_to_all_equal` passes equal split sizes (torch's functional all_to_all_single's form).
+`--op all_to_all_equal` passes equal split sizes (torch's functional all_to_all_single's form);
+`--op all_to_all_uneven` skewed ones (rank s sends rank d (1 + (s + 2d) % 3) parts, an MoE
+layer's kind of matrix; the copy engines take it from BRAID_A2AV_CE_MIN_MB, which the probe sets
+to 1 unless given).
 BRAID_WARM=0 leaves out the communicator's warm-up (see comm/prepared.py) for comparison. With
 BRAID_DEFER=1 the deferred call's steps are timed too (comm/rounds.py); --gap-us spins that long
 between calls (as a job's own work would), so a deferred call's cost is the caller's alone, not
@@ -30,6 +33,13 @@ def _calls(comm, op, nbytes, world, async_op=False):
     a2a_out = torch.empty_like(x)
     if comm is None:                # NCCL's own call through torch (--nccl), the same buffers
         comm = dist
+    # skewed split sizes: rank s sends rank d (1 + (s + 2d) % 3) parts of n / (2 world) elements
+    part = max(n // (2 * world), 1)
+    rank = dist.get_rank()
+    ins = [part * (1 + (rank + 2 * d) % 3) for d in range(world)]
+    outs = [part * (1 + (s + 2 * rank) % 3) for s in range(world)]
+    u_in = torch.randn(sum(ins), device="cuda").to(torch.bfloat16)
+    u_out = torch.empty(sum(outs), device="cuda", dtype=torch.bfloat16)
     calls = {
         "all_gather": lambda: comm.all_gather_into_tensor(out, x),
         "all_reduce": (lambda: comm.all_reduce(y, async_op=True).wait()) if async_op else (lambda: comm.all_reduce(y)),
@@ -38,12 +48,14 @@ def _calls(comm, op, nbytes, world, async_op=False):
         "all_to_all_single": lambda: comm.all_to_all_single(a2a_out, x),
         # equal split sizes given, as torch's functional all_to_all_single passes them
         "all_to_all_equal": lambda: comm.all_to_all_single(a2a_out, x, [n // world] * world, [n // world] * world),
+        "all_to_all_uneven": lambda: comm.all_to_all_single(u_out, u_in, outs, ins),
     }
     return calls[op]
 
 
 def worker(rank, world, port, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.setdefault("BRAID_A2AV_CE_MIN_MB", "1")
     import braid
     if args.own_gpus:               # a GPU per rank
         torch.cuda.set_device(rank)
@@ -112,7 +124,8 @@ def worker(rank, world, port, args):
         for _ in range(10):
             fn()
         torch.cuda.synchronize()
-        from braid.comm import callpath, ledger, reductions, routing, uneven
+        from braid.comm import a2av, callpath, ledger, reductions, routing, uneven
+        from braid.lanes import signals
         for owner, names in ((type(comm), ("lanes_for", "shares_for", "all_gather_into_tensor", "all_reduce",
                                            "reduce_scatter_tensor", "broadcast",
                                            "all_to_all_single")),
@@ -120,8 +133,11 @@ def worker(rank, world, port, args):
                              (reductions.Reductions, ("reduction", "reduce_call")),
                              (callpath.CallPath, ("fast_prepared", "deferred")),
                              (ledger.Faults, ("check_open",)),
-                             (routing.Routing, ("all_to_all_single", "a2av_agree", "a2a_even")),
-                             (uneven.UnevenAgreement, ("round", "verdict", "read")),
+                             (routing.Routing, ("all_to_all_single", "a2av_agree", "a2a_even", "a2av_entry",
+                                                "a2av_lean")),
+                             (uneven.UnevenAgreement, ("round", "verdict", "read", "settle", "agreement")),
+                             (a2av.UnevenCe, ("run", "_peers")),
+                             (signals.Rising, ("ready_then_wait", "wait_ready", "done_then_wait", "ready")),
                              (callpath.CallPath, ("ticket_word", "replay_agreed", "native_replay")),
                              (ledger.CallLedger, ("enter",))):
             for name in names:
@@ -131,7 +147,8 @@ def worker(rank, world, port, args):
             wrap(prepared.PreparedCalls, name)
         for name in ("post_values", "read_values"):
             wrap(node.NodeSegment, name)
-        for name in ("buffer_id", "event_record", "stream_wait_event", "graph_launch", "wait_value", "event_query"):
+        for name in ("buffer_id", "event_record", "stream_wait_event", "graph_launch", "wait_value", "event_query",
+                     "memcpy_async", "memops"):
             wrap(_cuda, name)
         if comm._rounds is not None:
             from braid.comm import native_rounds, rounds
@@ -160,6 +177,15 @@ def worker(rank, world, port, args):
                     torch.cuda.synchronize()
             torch.cuda.synchronize()
             return out
+        if args.cprofile:               # the repeated calls under cProfile (rank 0's top entries by own time)
+            import cProfile
+            import pstats
+            prof = cProfile.Profile()
+            prof.enable()
+            timed_calls(fn)
+            prof.disable()
+            if rank == 0:
+                pstats.Stats(prof).sort_stats("tottime").print_stats(30)
         total = timed_calls(fn)
         steps = {k: (v, cnt[k]) for k, v in acc.items()}      # the profile of these calls alone
         if args.nccl:                   # NCCL's own call in alternating windows with braid's
@@ -211,6 +237,7 @@ if __name__ == "__main__":
                     help="queue a GPU sleep of this many cycles on the caller's stream before each call")
     ap.add_argument("--async-op", action="store_true", help="all_reduce: async_op=True, then wait() (DDP's form)")
     ap.add_argument("--first", action="store_true", help="profile the shape's first call (cProfile) before timing repeats")
+    ap.add_argument("--cprofile", action="store_true", help="profile the repeated calls (cProfile) before timing them")
     ap.add_argument("--first-only", action="store_true", help="with --first: stop after the first calls")
     ap.add_argument("--nccl", type=int, default=0,
                     help="then this many windows each of NCCL's own call through torch and braid's, alternating")

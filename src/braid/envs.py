@@ -251,7 +251,8 @@ _define("BRAID_NATIVE_CALL", _bool, True,
         "1 (default): a repeated GPU call that replays a prepared program on the copy engines does its "
         "word, the round of words with the other ranks and the launch in one native call (comm/_rounds.c, "
         "compiled with the system's C compiler on first use into BRAID_CACHE_DIR); anything unusual (a "
-        "word that differs, a late peer, a capture) goes on in Python. 0, or no compiler: all in Python.")
+        "word that differs, a late peer, a capture) goes on in Python. An uneven all_to_all on the copy "
+        "engines posts its copies and signals in one native call too. 0, or no compiler: all in Python.")
 _define("BRAID_DEFER_SWITCH_US", _nonneg_int, 200,
         "With BRAID_DEFER=1: the interpreter's thread switch interval (sys.setswitchinterval) is lowered "
         "to this many microseconds when the first such communicator is made (never raised; it stays for "

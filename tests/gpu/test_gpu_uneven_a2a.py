@@ -3,8 +3,8 @@
 Split sizes that change at every call (as an MoE layer's do), zero rows, odd row widths, every
 dtype the copy engines move, buffers kept, reallocated elsewhere and reallocated at the same
 address, sync and async calls, bitwise against the matrix every rank draws from one seed; the
-calls really took the copy engines' per-call path (its counts), and mappings were made once per
-tuple of buffers. Split sizes that disagree raise PeerMismatchError on every rank. Calls whose
+calls really took the copy engines' per-call path (its counts), posted in one native call (or in
+Python, BRAID_NATIVE_CALL=0), and mappings were made once per tuple of buffers. Split sizes that disagree raise PeerMismatchError on every rank. Calls whose
 shares are NCCL's go whole and, after a run of them, stop waiting for the round. Runs with any
 GPU (ranks share it where there are fewer GPUs than ranks: gpu_world.py).
 """
@@ -87,6 +87,11 @@ def _uneven(rank, world, comm, dev, shares):
     assert lean is not None and lean.stats["calls"] >= calls // 2, (lean and lean.stats)
     # one mapping exchange per new tuple of buffers, not per call
     assert lean.stats["mapped"] < calls // 2, lean.stats
+    # every call on them posted in one native call, or every one in Python where that is off
+    from braid import envs
+    from braid.comm import native_rounds
+    native = bool(envs.get("BRAID_NATIVE_CALL")) and native_rounds.build() is not None
+    assert lean.stats["native"] == (lean.stats["calls"] if native else 0), lean.stats
 
 
 def _uneven_ce(rank, world, comm, dev):
@@ -101,6 +106,12 @@ def test_uneven_all_to_all_on_the_copy_engines_two_ranks(tmp_path):
 @needs(4)
 def test_uneven_all_to_all_on_the_copy_engines_four_ranks(tmp_path):
     run(4, tmp_path, _uneven_ce, ENV)
+
+
+@needs(2)
+def test_uneven_all_to_all_posted_in_python_two_ranks(tmp_path):
+    """The same calls with the posting in Python (BRAID_NATIVE_CALL=0)."""
+    run(2, tmp_path, _uneven_ce, {**ENV, "BRAID_NATIVE_CALL": "0"})
 
 
 def _changing_calls(rank, world, comm, dev, tag, calls: int, seed: int) -> None:

@@ -317,6 +317,10 @@ typedef int (*ptr_attr_fn)(void *data, int attr, uint64_t ptr);
 typedef int (*event_record_fn)(void *event, void *stream);
 typedef int (*is_capturing_fn)(void *stream, int *status);
 
+typedef int (*memcpy_fn)(uint64_t dst, uint64_t src, size_t n, void *stream);
+typedef int (*wait_value_fn)(void *stream, uint64_t addr, uint32_t value, unsigned flags);
+typedef int (*batch_fn)(void *stream, unsigned count, void *ops, unsigned flags);
+
 #define BUFFER_ID_ATTR 7            /* CU_POINTER_ATTRIBUTE_BUFFER_ID */
 
 typedef struct {
@@ -329,6 +333,9 @@ typedef struct {
     wait_event_fn wait_event;
     graph_launch_fn graph_launch;
     is_capturing_fn is_capturing;
+    memcpy_fn memcpy_async;         /* uneven_post's (fast_set_post) */
+    wait_value_fn wait_value, write_value;
+    batch_fn batch;
 } fast_t;
 
 /* One call shape (a Ticket), filled by Python once; native_rounds.TicketC mirrors it. */
@@ -466,4 +473,124 @@ int fast_call_vals(fast_t *f, const ticket_t *t, uint32_t seq, uint64_t inp, voi
                    int64_t *round_ns) {
     if (n < 1 || 4 + 8 * (uint64_t)n > f->slot_bytes || wpos < 0 || wpos >= n || ipos >= n) return -1;
     return fast_round(f, t, seq, inp, caller, end, mode, spin_ns, vals, n, wpos, ipos, word, rc, round_ns);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * An uneven all_to_all's posting on the copy engines (comm/a2av.py UnevenCe.run), once its round
+ * was read and its verdict is theirs: the matrix comes from that round's slots, the same values
+ * Python read; the driver calls are the ones the Python posting makes, in its order:
+ *
+ *   fork      event_record(start, caller); wait_event(lane, start)
+ *   pulls     for each source s with bytes for me, in the order me+1, me+2, ...: (the first with
+ *             my ready before it, one batch) wait for s's ready; copy s's part for me into my output
+ *   end       my done and the wait for every reader's done (one batch); my own part on the caller
+ *   join      event_record(end, lane); synchronous: wait_event(caller, end)
+ *
+ * Counters as lanes/signals.py Rising: ready is ce_arrive[me] = seq, done ce_finish[me] = seq, the
+ * waits are >= (cyclic). A batch of one operation, or batching off (BRAID_CE_BATCH=0), goes as
+ * single writes and waits, as _cuda.memops does. Returns 0, or what went wrong: UP_COUNT (a slot
+ * holds another count of values), UP_NOPEER (a source with bytes for me has no mapped input),
+ * UP_DRIVER (a driver call failed: its code in *rc; what was posted before it stays posted). */
+
+
+/* CUstreamBatchMemOpParams as _cuda.MemOp lays it out (48 bytes) */
+typedef struct {
+    uint32_t operation, pad0;
+    uint64_t address, value;
+    uint32_t flags, pad1;
+    uint64_t alias, pad2;
+} memop_t;
+
+#define OP_WAIT32 1                 /* CU_STREAM_MEM_OP_WAIT_VALUE_32 */
+#define OP_WRITE32 2                /* CU_STREAM_MEM_OP_WRITE_VALUE_32 */
+#define UP_COUNT 1
+#define UP_NOPEER 2
+#define UP_DRIVER 3
+
+/* The driver functions of uneven_post (its copies and memory operations); batch NULL: single
+ * operations only (BRAID_CE_BATCH=0). */
+void fast_set_post(fast_t *f, void *memcpy_async, void *wait_value, void *write_value, void *batch) {
+    f->memcpy_async = (memcpy_fn)memcpy_async;
+    f->wait_value = (wait_value_fn)wait_value;
+    f->write_value = (wait_value_fn)write_value;
+    f->batch = (batch_fn)batch;
+}
+
+static void op_set(memop_t *m, int wait, uint64_t addr, uint32_t value) {
+    memset(m, 0, sizeof *m);
+    m->operation = wait ? OP_WAIT32 : OP_WRITE32;
+    m->address = addr;
+    m->value = value;               /* flags 0: a wait is >= (cyclic), a write the default */
+}
+
+static int ops_post(const fast_t *f, void *stream, memop_t *ops, int n) {
+    if (n == 0) return 0;
+    if (n == 1 || f->batch == NULL) {
+        for (int i = 0; i < n; i++) {
+            wait_value_fn fn = ops[i].operation == OP_WAIT32 ? f->wait_value : f->write_value;
+            int e = fn(stream, ops[i].address, (uint32_t)ops[i].value, 0);
+            if (e) return e;
+        }
+        return 0;
+    }
+    return f->batch(stream, (unsigned)n, ops, 0);
+}
+
+/* seq: the round's sequence number; n: its count of values; roff: where each rank's row starts
+ * among them; peers[s]: rank s's mapped input (0: none); arrive[r], finish[r]: the device
+ * addresses of rank r's ce_arrive and ce_finish counters; cseq: the call's counter value. */
+int uneven_post(fast_t *f, uint32_t seq, int n, int roff, const uint64_t *peers, const uint64_t *arrive,
+                const uint64_t *finish, uint32_t cseq, uint64_t inp, uint64_t out, void *caller, void *lane,
+                void *start, void *end, int sync, int *rc) {
+    const int w = f->world, me = f->me;
+    const uint64_t k = seq % (uint64_t)f->nslots;
+    uint64_t m[MAXW][MAXW];
+    memop_t ops[2 * MAXW + 2];
+    *rc = 0;
+    if (roff < 0 || roff + w > n || 4 + 8 * (uint64_t)n > f->slot_bytes || !f->memcpy_async || !f->wait_value || !f->write_value) return UP_COUNT;
+    for (int p = 0; p < w; p++) {
+        const uint8_t *slot = f->slots[p] + k * f->slot_bytes;
+        uint32_t c;
+        memcpy(&c, slot, 4);
+        if ((int)c != n) return UP_COUNT;
+        memcpy(m[p], slot + 4 + 8 * (size_t)roff, 8 * (size_t)w);
+    }
+    uint64_t out_at[MAXW], at = 0;
+    for (int s = 0; s < w; s++) { out_at[s] = at; at += m[s][me]; }
+    for (int i = 1; i < w; i++) {
+        int s = (me + i) % w;
+        if (m[s][me] && !peers[s]) return UP_NOPEER;
+    }
+    int e = f->event_record(start, caller);
+    if (!e) e = f->wait_event(lane, start, 0);
+    int nops = 0, first = 1;
+    op_set(&ops[nops++], 0, arrive[me], cseq);          /* my ready: with the first wait, or alone */
+    for (int i = 1; i < w && !e; i++) {
+        int s = (me + i) % w;
+        if (!m[s][me]) continue;
+        if (!first) nops = 0;
+        first = 0;
+        op_set(&ops[nops++], 1, arrive[s], cseq);
+        e = ops_post(f, lane, ops, nops);
+        uint64_t off = 0;                                 /* where my part sits in s's input */
+        for (int d = 0; d < me; d++) off += m[s][d];
+        if (!e) e = f->memcpy_async(out + out_at[s], peers[s] + off, (size_t)m[s][me], lane);
+    }
+    if (!e && first) e = ops_post(f, lane, ops, 1);          /* no sources: my ready alone */
+    if (!e) {
+        nops = 0;
+        op_set(&ops[nops++], 0, finish[me], cseq);
+        for (int d = 0; d < w; d++)
+            if (d != me && m[me][d]) op_set(&ops[nops++], 1, finish[d], cseq);
+        e = ops_post(f, lane, ops, nops);
+    }
+    if (!e && m[me][me]) {
+        uint64_t off = 0;
+        for (int d = 0; d < me; d++) off += m[me][d];
+        e = f->memcpy_async(out + out_at[me], inp + off, (size_t)m[me][me], caller);
+    }
+    if (!e) e = f->event_record(end, lane);
+    if (!e && sync) e = f->wait_event(caller, end, 0);
+    if (e) { *rc = e; return UP_DRIVER; }
+    return 0;
 }

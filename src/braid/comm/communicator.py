@@ -870,11 +870,14 @@ def close_before_destroy(group=None) -> None:
                 log.warning("braid: closing a communicator before destroy_process_group failed: %s", exc)
 
 
+_GPU_NAMES = tuple(k.value for k in GPU_LANES)     # (an enum member's .value costs ~0.5 us a read)
+_CPU_NAMES = tuple(k.value for k in CPU_LANES)
+
+
 def usable_lanes(lanes: dict, unavailable: dict[str, str], wanted: set | None, device: torch.device) -> list[str]:
     """Lane names usable for tensors on `device`, in plan order: made here, available, asked for."""
-    kinds = GPU_LANES if device.type == "cuda" else CPU_LANES
-    return [k.value for k in kinds if k.value in lanes and k.value not in unavailable
-            and (wanted is None or k.value in wanted)]
+    names = _GPU_NAMES if device.type == "cuda" else _CPU_NAMES
+    return [k for k in names if k in lanes and k not in unavailable and (wanted is None or k in wanted)]
 
 
 def _fit_shm(world_size: int, budget: int, chunk: int, relay: int = 0, cpu_area: int = 0,

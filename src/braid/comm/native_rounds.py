@@ -97,6 +97,12 @@ def build() -> ctypes.CDLL | None:
     lib.fast_call_vals.argtypes = [_vp, ctypes.POINTER(TicketC), ctypes.c_uint32, _u64, _vp, _vp, ctypes.c_int, _i64,
                                    ctypes.POINTER(_u64), ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                    ctypes.POINTER(_u64), ctypes.POINTER(ctypes.c_int), ctypes.POINTER(_i64)]
+    lib.fast_set_post.restype = None
+    lib.fast_set_post.argtypes = [_vp, _vp, _vp, _vp, _vp]
+    lib.uneven_post.restype = ctypes.c_int
+    lib.uneven_post.argtypes = [_vp, ctypes.c_uint32, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_u64),
+                                ctypes.POINTER(_u64), ctypes.POINTER(_u64), ctypes.c_uint32, _u64, _u64, _vp, _vp,
+                                _vp, _vp, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
     lib.mix_word.restype = _u64
     lib.mix_word.argtypes = [_u64, _u64]
     _lib = lib
@@ -177,6 +183,9 @@ class FastCalls:
                                fns["is_capturing"])
         if not self._h:
             raise OSError("the native call's state could not be made")
+        self.posts = bool(fns.get("memcpy") and fns.get("wait_value") and fns.get("write_value"))
+        if self.posts:              # uneven_post's driver calls
+            lib.fast_set_post(self._h, fns["memcpy"], fns["wait_value"], fns["write_value"], fns.get("batch") or None)
         self.spin_ns = int(spin_s * 1e9)
         # out-arguments made once (the caller's thread only)
         self.word, self.rc, self.round_ns = _u64(), ctypes.c_int(), _i64()
@@ -207,6 +216,17 @@ class FastCalls:
         w, rc, rn = self._refs
         return self.lib.fast_call_vals(self._h, t, seq & 0xFFFFFFFF, inp, caller, end, mode, self.spin_ns, vals,
                                        len(vals), wpos, ipos, w, rc, rn)
+
+    UP_ERRORS = {1: "a slot of the round holds another count of values", 2: "a source has no mapped input",
+                 3: "a driver call failed"}
+
+    def uneven_post(self, seq: int, n: int, roff: int, peers, arrive, finish, cseq: int, inp: int, out: int,
+                    caller: int, lane: int, start: int, end: int, sync: bool) -> int:
+        """An uneven all_to_all's posting on the copy engines from the matrix in round `seq`'s
+        slots (`_rounds.c` uneven_post; `peers`, `arrive`, `finish`: arrays of world words): 0,
+        or one of UP_ERRORS (the driver's code then in self.rc)."""
+        return self.lib.uneven_post(self._h, seq & 0xFFFFFFFF, n, roff, peers, arrive, finish, cseq & 0xFFFFFFFF,
+                                    inp, out, caller, lane, start, end, 1 if sync else 0, self._refs[1])
 
     def close(self) -> None:
         if self._h:

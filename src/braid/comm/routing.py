@@ -376,15 +376,19 @@ class Routing:
         ledger.publish()
         return None, uneven.read(posted[1], memo[4], op)
 
-    def a2av_lean(self, output, input, matrix, words, async_op):
-        """The uneven call on the copy engines alone (comm/a2av.py), after its round."""
+    def a2av_lean(self, output, input, matrix, words, token, async_op):
+        """The uneven call on the copy engines alone (comm/a2av.py), after its round (`token`)."""
         if self.a2av_ce is None:
             self.a2av_ce = UnevenCe(self.rank, self.world_size, self.segment, self.seg_dev_ptr, self.layout,
                                     self.lanes["ce"], self.prepared)
         if self.pending:
             self.pending.flush()
+        prep = self.prepared
+        fast = prep.fast if prep.fast is not False else self.calls.native_calls()
+        if fast is not None and not fast.posts:
+            fast = None
         try:
-            handle = self.a2av_ce.run(output, input, matrix, words, async_op)
+            handle = self.a2av_ce.run(output, input, matrix, words, async_op, fast, token)
         except (PeerMismatchError, BraidTimeoutError, LaneFailureError) as exc:
             self.faults.give_up(exc)
             raise

@@ -186,6 +186,8 @@ class UnevenAgreement:
             self._mismatch(got, recv, op)
         verdict, lean = self.verdict(got)
         self.small_run = self.small_run + 1 if verdict == "nccl" else 0
+        if verdict == "ce":             # the copy engines' posting reads the matrix from this round
+            lean = (*lean, token)
         return True, verdict == "nccl", lean
 
     def even_values(self, big: int, row: list[int], words) -> list[int] | None:
@@ -228,7 +230,8 @@ class UnevenAgreement:
     def verdict(self, got) -> tuple[str, tuple | None]:
         """From every rank's values of the round, the same on every rank: ('nccl', None): NCCL
         whole; ('even', Even(words)): every entry of the matrix the same, not NCCL's whole: a
-        balanced call; ('ce', (matrix, words)): the copy engines alone; ('full', None): the full path
+        balanced call; ('ce', (matrix, words)): the copy engines alone (read() adds the round's
+        token: their native posting reads the matrix from its slots); ('full', None): the full path
         (the router may plan it, or a split over several lanes, or the ranks' calibrations or
         shares differ and the full path says how)."""
         op, w, policy = "all_to_all_single", self.world_size, self.policy

@@ -249,4 +249,6 @@ def native_fns() -> dict:
     return {"wait_event": addr(cu.cuStreamWaitEvent), "graph_launch": addr(cu.cuGraphLaunch),
             "write_value": addr(cu.cuStreamWriteValue32_v2), "set_ctx": addr(cu.cuCtxSetCurrent),
             "ptr_attr": addr(cu.cuPointerGetAttribute), "event_record": addr(cu.cuEventRecord),
-            "is_capturing": addr(cu.cuStreamIsCapturing), "ctx": ctx.value or 0}
+            "is_capturing": addr(cu.cuStreamIsCapturing), "ctx": ctx.value or 0,
+            "memcpy": addr(cu.cuMemcpyAsync), "wait_value": addr(cu.cuStreamWaitValue32_v2),
+            "batch": addr(cu.cuStreamBatchMemOp_v2) if batched() else 0}
