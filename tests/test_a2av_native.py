@@ -4,16 +4,22 @@ recorded by callbacks. For random matrices (zeros among them: ranks that send no
 nothing, or keep nothing for themselves), 2 to 6 ranks, synchronous and async calls, with batched
 and single memory operations, every rank's native posting makes the same driver calls with the
 same arguments in the same order as the Python posting it replaces. A source with bytes but no
-mapped input, and a driver error, are refused with what went wrong."""
+mapped input, and a driver error, are refused with what went wrong.
+
+The round (`_rounds.c` uneven_round, UnevenAgreement.round_native), ranks in threads over one
+segment: for random matrices each round decides the same on every rank whether all ranks make it
+in Python or some natively, and split sizes that disagree raise on the native path too."""
 from __future__ import annotations
 
 import ctypes
 import random
+import threading
 from types import SimpleNamespace
 
 import pytest
 
 from braid.comm import a2av, native_rounds
+from braid.comm import uneven as U
 from braid.comm.a2av import ROW_AT, UnevenCe
 from braid.comm.uneven import ROUND_TAG, round_len
 from braid.errors import LaneFailureError, PeerMismatchError
@@ -208,6 +214,139 @@ def test_a_source_without_a_mapping_or_a_driver_error_is_refused(tmp_path, monke
         assert [c[0] for c in rec.calls] == ["record", "wait_event", "ops", "copy"]   # it stopped at the copy
         for seg in segs:
             seg.read_values(tokens[0], "t")
+    finally:
+        for f in fasts:
+            f.close()
+        for s in segs:
+            s.close()
+
+
+# the round ---------------------------------------------------------------------------------------
+MiB = 1 << 20
+
+
+class _Policy:
+    """The copy engines from 64 MiB, else NCCL (as tests/test_a2av_round.py's)."""
+
+    def __init__(self):
+        self.fixed, self.digest = None, "calib"
+        self.balancer = SimpleNamespace(version=0)
+
+    def shares_for(self, op, size, lanes):
+        return {"ce": 1.0} if size >= 64 * MiB else {"nccl": 1.0}
+
+    def native_ok(self, shares):
+        return set(shares) == {"nccl"}
+
+
+def _ptr_attr_fns(rec, ids):
+    fns = rec.fns(True)
+
+    def ptr_attr(data, attr, ptr):
+        ctypes.c_uint64.from_address(data).value = ids[ptr]
+        return 0
+    cb = ctypes.CFUNCTYPE(_int, _vp, _int, _u64)(ptr_attr)
+    rec.keep.append(cb)
+    fns["ptr_attr"] = ctypes.cast(cb, _vp).value
+    return fns
+
+
+def _kind(res):
+    agreed, small, lean = res
+    if lean is None:
+        return ("small" if small else "full", None)
+    if isinstance(lean, U.Even):
+        return ("even", lean.words)
+    return ("ce", tuple(lean[1]))
+
+
+@pytest.mark.parametrize("w", [2, 3, 4])
+def test_the_native_round_decides_as_the_python_round(w, tmp_path, monkeypatch):
+    """Random matrices (small, the copy engines' size, even, one rank with nothing to send), each
+    round once with every rank in Python and once with a random half of the ranks native: every
+    rank returns the same verdict in both, with the input words Python's word_of makes; a rank
+    whose split sizes disagree with a peer's raises PeerMismatchError from the native round too."""
+    monkeypatch.setenv("BRAID_CACHE_DIR", str(tmp_path))
+    lib = native_rounds.build()
+    if lib is None:
+        pytest.skip("no C compiler for the native call")
+    from braid.comm.ledger import CallLedger
+    from braid.comm.prepared import mix_word
+    layout = Layout(w, 1 << 16, 4096)
+    name = NodeSegment.new_name()
+    segs = [NodeSegment(name, layout, r, create=(r == 0)) for r in range(w)]
+    segs[0].unlink()
+    rec = Recorder()
+    ptrs = [0xA0000 + 0x1000 * r for r in range(w)]
+    ids = {p: 50 + r for r, p in enumerate(ptrs)}
+    fns = _ptr_attr_fns(rec, ids)
+    fasts = [native_rounds.FastCalls(lib, w, r, COLL_SLOTS, 7, COLL_MBOX_BYTES,
+                                     [seg.address + c for c in seg._coll_ctr],
+                                     [seg.address + s[0] for s in seg._coll_slots], fns, 5.0)
+             for r, seg in enumerate(segs)]
+    words = [mix_word(p, ids[p]) | 1 for p in ptrs]
+    ags = [U.UnevenAgreement(r, w, segs[r], _Policy(), CallLedger(r, True, None), lambda: ["ce", "nccl", "host"],
+                             lambda: "auto", lambda: None, lambda exc: None, lambda why, wait=True: None, 32 * MiB)
+           for r in range(w)]
+    rng = random.Random(w)
+
+    def one_round(matrix, native, recv_of=None):
+        out, errs = [None] * w, [None] * w
+
+        def run(r):
+            try:
+                row = list(matrix[r])
+                recv = recv_of(r) if recv_of else [matrix[s][r] for s in range(w)]
+                big = max([v for d, v in enumerate(row) if d != r] + [v for s, v in enumerate(recv) if s != r])
+                vals = [ags[r].agreement(), *row, 7000 + r]
+                got = ags[r].round_native(fasts[r], "all_to_all_single", big, vals, recv, ptrs[r]) \
+                    if native[r] else None
+                if got is None:
+                    got = ags[r].round("all_to_all_single", big, [words[r], *vals], recv)
+                out[r] = got
+            except BaseException as exc:     # noqa: BLE001 - reported below
+                errs[r] = exc
+        ts = [threading.Thread(target=run, args=(r,)) for r in range(w)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+        return out, errs
+
+    try:
+        seen = set()
+        for trial in range(40):
+            pick = trial % 5
+            if pick == 0:
+                matrix = [[rng.randrange(0, 1 << 19) for _ in range(w)] for _ in range(w)]      # small
+            elif pick == 1:
+                v = rng.randrange(1, 64) * MiB
+                matrix = [[v] * w for _ in range(w)]                                             # even
+            else:
+                matrix = [[rng.randrange(0, 80 * MiB) for _ in range(w)] for _ in range(w)]
+                if pick == 4:
+                    matrix[rng.randrange(w)] = [0] * w
+            ref, errs = one_round(matrix, [False] * w)
+            assert errs == [None] * w, errs
+            native = [rng.random() < 0.5 for _ in range(w)]
+            native[trial % w] = True
+            got, errs = one_round(matrix, native)
+            assert errs == [None] * w, (trial, errs)
+            kinds = {_kind(g) for g in got}
+            assert kinds == {_kind(g) for g in ref} and len(kinds) == 1, (trial, matrix, ref, got)
+            kind = kinds.pop()
+            seen.add(kind[0])
+            if kind[0] == "ce":
+                assert kind[1] == tuple(words)
+                for r, g in enumerate(got):     # a native rank decided from the native round's answer
+                    assert g[2][2][1] == U.round_len(w) and (g[2][0] is None) == native[r], (r, g)
+        assert {"ce", "small", "even"} <= seen, seen
+        # split sizes that disagree: rank 1 expects one byte more from rank 0 than rank 0 sends
+        matrix = [[70 * MiB] * w for _ in range(w)]
+        matrix[0][1] += 3
+        bad = lambda r: [matrix[s][r] + (1 if (s, r) == (0, 1) else 0) for s in range(w)]     # noqa: E731
+        got, errs = one_round(matrix, [True] * w, bad)
+        assert isinstance(errs[1], PeerMismatchError) and "expects" in str(errs[1]), errs
     finally:
         for f in fasts:
             f.close()

@@ -125,6 +125,7 @@ def worker(rank, world, port, args):
             fn()
         torch.cuda.synchronize()
         from braid.comm import a2av, callpath, ledger, reductions, routing, uneven
+        from braid.comm import native_rounds as native_rounds_mod
         from braid.lanes import signals
         for owner, names in ((type(comm), ("lanes_for", "shares_for", "all_gather_into_tensor", "all_reduce",
                                            "reduce_scatter_tensor", "broadcast",
@@ -134,8 +135,10 @@ def worker(rank, world, port, args):
                              (callpath.CallPath, ("fast_prepared", "deferred")),
                              (ledger.Faults, ("check_open",)),
                              (routing.Routing, ("all_to_all_single", "a2av_agree", "a2a_even", "a2av_entry",
-                                                "a2av_lean")),
-                             (uneven.UnevenAgreement, ("round", "verdict", "read", "settle", "agreement")),
+                                                "a2av_lean", "native_posting")),
+                             (uneven.UnevenAgreement, ("round", "round_native", "_copy_engines", "verdict", "read",
+                                                       "settle", "agreement")),
+                             (native_rounds_mod.FastCalls, ("uneven_round", "uneven_post")),
                              (a2av.UnevenCe, ("run", "_peers")),
                              (signals.Rising, ("ready_then_wait", "wait_ready", "done_then_wait", "ready")),
                              (callpath.CallPath, ("ticket_word", "replay_agreed", "native_replay")),

@@ -594,3 +594,76 @@ int uneven_post(fast_t *f, uint32_t seq, int n, int roff, const uint64_t *peers,
     if (e) { *rc = e; return UP_DRIVER; }
     return 0;
 }
+
+/* An uneven all_to_all's round (comm/uneven.py UnevenAgreement.round) in one call: this rank's `n`
+ * values posted as round `seq` (at `ipos`, unless -1, the input's word: mix_word of its address
+ * and its allocation's id, | 1, as a2av.word_of makes it), then every rank's read once each posted
+ * within spin_ns, and the checks that need no decision: every count n, one agreement value (at 2),
+ * one pair hash (at n - 2), and what each rank sends me (its row at ROW_AT, column me) equal to
+ * `recv`. Where they hold, out[] gets the largest demand (max of every rank's value 0), the
+ * matrix's size (its largest row or column sum), 1 where every entry is the same and above 0, and
+ * every rank's input word (value 1), and it returns UR_OK; Python's verdict goes on from those.
+ * UR_LATE (a peer not there yet) and UR_DIFF (a check failed): posted, Python reads the round
+ * (read_values waits, raises or decides as without this call). UR_ID_ERR: nothing posted. */
+#define UR_OK 0
+#define UR_DIFF 1
+#define UR_LATE 2
+#define UR_ID_ERR 3
+#define ROW_AT 3
+
+int uneven_round(fast_t *f, uint32_t seq, const uint64_t *vals, int n, int ipos, uint64_t inp, const uint64_t *recv,
+                 int64_t spin_ns, uint64_t *out, int *rc) {
+    const int w = f->world, me = f->me;
+    *rc = 0;
+    if (n < ROW_AT + w + 2 || n > 2 * MAXW + 8 || 4 + 8 * (uint64_t)n > f->slot_bytes || ipos >= n) return UR_DIFF;
+    uint64_t iw = 0;
+    if (ipos >= 0) {
+        uint64_t id = 0;
+        int e = f->ptr_attr(&id, BUFFER_ID_ATTR, inp);
+        if (e) { *rc = e; return UR_ID_ERR; }
+        iw = mix_word(inp, id) | 1;
+    }
+    const uint64_t k = seq % (uint64_t)f->nslots;
+    uint8_t *mine = f->slots[me] + k * f->slot_bytes;
+    uint32_t cnt = (uint32_t)n;
+    memcpy(mine, &cnt, 4);
+    memcpy(mine + 4, vals, 8 * (size_t)n);
+    if (ipos >= 0) memcpy(mine + 4 + 8 * (size_t)ipos, &iw, 8);
+    __atomic_store_n(f->ctr[me], seq, __ATOMIC_RELEASE);
+    int64_t t0 = now_ns();
+    for (int p = 0; p < w; p++) {
+        if (p == me) continue;
+        while (!reached(f->ctr[p], seq)) {
+            if (now_ns() - t0 > spin_ns) return UR_LATE;
+            for (int i = 0; i < 16; i++) relax();
+        }
+    }
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    uint64_t v[MAXW][2 * MAXW + 8];
+    for (int p = 0; p < w; p++) {
+        const uint8_t *slot = f->slots[p] + k * f->slot_bytes;
+        uint32_t c;
+        memcpy(&c, slot, 4);
+        if ((int)c != n) return UR_DIFF;
+        memcpy(v[p], slot + 4, 8 * (size_t)n);
+    }
+    uint64_t big = 0, size = 0, first = v[0][ROW_AT];
+    int even = first > 0;
+    for (int p = 0; p < w; p++) {
+        if (v[p][2] != v[0][2] || v[p][n - 2] != v[0][n - 2] || v[p][ROW_AT + me] != recv[p]) return UR_DIFF;
+        if (v[p][0] > big) big = v[p][0];
+        uint64_t row = 0, col = 0;
+        for (int d = 0; d < w; d++) {
+            row += v[p][ROW_AT + d];
+            col += v[d][ROW_AT + p];
+            if (v[p][ROW_AT + d] != first) even = 0;
+        }
+        if (row > size) size = row;
+        if (col > size) size = col;
+        out[3 + p] = v[p][1];
+    }
+    out[0] = big;
+    out[1] = size;
+    out[2] = (uint64_t)even;
+    return UR_OK;
+}

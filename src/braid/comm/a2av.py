@@ -94,15 +94,18 @@ class UnevenCe:
 
     def run(self, out: torch.Tensor, inp: torch.Tensor, matrix: list[list[int]], words: tuple, async_op: bool,
             fast=None, token: tuple | None = None):
-        """This rank's part of the call: the round (`token`) is done and the matrix agreed.
-        Returns the prepared calls' handle (async) or their done marker. `fast`: the native
-        calls (native_rounds.FastCalls), which post it in one call from the round's slots."""
+        """This rank's part of the call: the round (`token`) is done and the matrix agreed (None:
+        in the round's slots). Returns the prepared calls' handle (async) or their done marker.
+        `fast`: the native calls (native_rounds.FastCalls), which post it in one call from the
+        round's slots."""
         if _capturing():            # the counters below rise from call to call
             raise posted_not_capturable("all_to_all_single", {"ce": 1.0}, "uneven")
         me, w = self.rank, self.world_size
         peers = self._peers(words, inp)
         if fast is not None and token is not None:
             return self._native(fast, token, out, inp, peers, async_op)
+        if matrix is None:          # a native round's verdict (it left the matrix in the slots)
+            matrix = matrix_of(self.segment.read_values(token, "all_to_all_single"), w)
         row = matrix[me]
         col = [matrix[s][me] for s in range(w)]
         out_at = [sum(col[:s]) for s in range(w)]

@@ -103,6 +103,9 @@ def build() -> ctypes.CDLL | None:
     lib.uneven_post.argtypes = [_vp, ctypes.c_uint32, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_u64),
                                 ctypes.POINTER(_u64), ctypes.POINTER(_u64), ctypes.c_uint32, _u64, _u64, _vp, _vp,
                                 _vp, _vp, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+    lib.uneven_round.restype = ctypes.c_int
+    lib.uneven_round.argtypes = [_vp, ctypes.c_uint32, ctypes.POINTER(_u64), ctypes.c_int, ctypes.c_int, _u64,
+                                 ctypes.POINTER(_u64), _i64, ctypes.POINTER(_u64), ctypes.POINTER(ctypes.c_int)]
     lib.mix_word.restype = _u64
     lib.mix_word.argtypes = [_u64, _u64]
     _lib = lib
@@ -187,6 +190,8 @@ class FastCalls:
         if self.posts:              # uneven_post's driver calls
             lib.fast_set_post(self._h, fns["memcpy"], fns["wait_value"], fns["write_value"], fns.get("batch") or None)
         self.spin_ns = int(spin_s * 1e9)
+        self._ur: dict = {}         # uneven_round's arrays per count of values
+        self.ur_out = None
         # out-arguments made once (the caller's thread only)
         self.word, self.rc, self.round_ns = _u64(), ctypes.c_int(), _i64()
         self._refs = (ctypes.byref(self.word), ctypes.byref(self.rc), ctypes.byref(self.round_ns))
@@ -219,6 +224,21 @@ class FastCalls:
 
     UP_ERRORS = {1: "a slot of the round holds another count of values", 2: "a source has no mapped input",
                  3: "a driver call failed"}
+    UR_OK, UR_DIFF, UR_LATE, UR_ID_ERR = 0, 1, 2, 3     # uneven_round's answers (`_rounds.c`)
+
+    def uneven_round(self, seq: int, vals: list[int], ipos: int, inp: int, recv: list[int]) -> int:
+        """An uneven all_to_all's round `seq` of `vals` (the input's word at `ipos` made here from
+        `inp`, -1: none) with its checks against `recv` (`_rounds.c` uneven_round); on UR_OK
+        self.ur_out holds [largest demand, size, even, every rank's input word...]."""
+        n, w = len(vals), len(recv)
+        bufs = self._ur.get(n)
+        if bufs is None:            # made once per count (the caller's thread only)
+            bufs = self._ur[n] = ((_u64 * n)(), (_u64 * w)(), (_u64 * (3 + w))())
+        v, r, self.ur_out = bufs
+        v[:] = vals                 # (every value is a non-negative 64-bit word)
+        r[:] = recv
+        return self.lib.uneven_round(self._h, seq & 0xFFFFFFFF, v, n, ipos, inp, r, self.spin_ns, self.ur_out,
+                                     self._refs[1])
 
     def uneven_post(self, seq: int, n: int, roff: int, peers, arrive, finish, cseq: int, inp: int, out: int,
                     caller: int, lane: int, start: int, end: int, sync: bool) -> int:

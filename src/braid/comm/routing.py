@@ -288,9 +288,22 @@ class Routing:
             if not ent[5]:
                 return True, self.uneven.small(big, op), None
             recv = [x * ent[4] for x in output_split_sizes]
-            return self.uneven.round(op, big, [word_of(input), self.uneven.agreement()]
-                                    + [x * ent[3] for x in input_split_sizes] + [pword], recv)
+            row = [x * ent[3] for x in input_split_sizes]
+            fast = self.native_posting()
+            if fast is not None and input.numel():
+                got = self.uneven.round_native(fast, op, big, [self.uneven.agreement(), *row, pword], recv,
+                                               input.data_ptr())
+                if got is not None:
+                    return got
+            return self.uneven.round(op, big, [word_of(input), self.uneven.agreement(), *row, pword], recv)
         return False, False, None
+
+    def native_posting(self):
+        """The native calls (native_rounds.FastCalls) where they post an uneven call on the copy
+        engines and make its round (`_rounds.c` uneven_post, uneven_round), else None."""
+        prep = self.prepared
+        fast = prep.fast if prep.fast is not False else self.calls.native_calls()
+        return fast if fast is not None and fast.posts else None
 
     def a2av_entry(self, input, output) -> tuple:
         """The uneven call's kept facts for this shape: (dtype, rows in, rows out, bytes per
@@ -383,12 +396,8 @@ class Routing:
                                     self.lanes["ce"], self.prepared)
         if self.pending:
             self.pending.flush()
-        prep = self.prepared
-        fast = prep.fast if prep.fast is not False else self.calls.native_calls()
-        if fast is not None and not fast.posts:
-            fast = None
         try:
-            handle = self.a2av_ce.run(output, input, matrix, words, async_op, fast, token)
+            handle = self.a2av_ce.run(output, input, matrix, words, async_op, self.native_posting(), token)
         except (PeerMismatchError, BraidTimeoutError, LaneFailureError) as exc:
             self.faults.give_up(exc)
             raise

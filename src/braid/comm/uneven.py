@@ -17,7 +17,7 @@ from __future__ import annotations
 import zlib
 from typing import NamedTuple
 
-from ..errors import PeerMismatchError
+from ..errors import LaneFailureError, PeerMismatchError
 from .a2av import check_columns, matrix_of
 
 ROUTE_MIN_BYTES = 1 << 20    # NIMBLE: multipath off at or below 1 MB
@@ -161,6 +161,45 @@ class UnevenAgreement:
             self.recv = recv
             return True, True, None
         return self.read(token, recv, op)
+
+    def round_native(self, fast, op: str, big: int, values: list[int], recv: list[int], inp: int):
+        """round() with its post, read and checks in one native call (native_rounds.FastCalls
+        uneven_round; `values` as round() takes them but for the input's word, made there from
+        `inp`), where the round is not read one call late. Where the call is the copy engines'
+        (their native posting reads the matrix from the round's slots) it decides here from what
+        the native call returned; anything else (a late peer, a check that failed, another
+        verdict) reads the round in Python (read), as round() would. None: not this way (nothing
+        posted)."""
+        if self.small_run >= SMALL_RUN:
+            return None
+        seg = self.segment
+        self.settle(op)
+        vals = [big, 0, *values, self.pair_hash, ROUND_TAG]
+        seq = seg.next_seq()
+        code = fast.uneven_round(seq, vals, 1, inp, recv)
+        if code == fast.UR_ID_ERR:      # nothing posted
+            seg.coll_seq -= 1
+            raise LaneFailureError(f"{op}: the driver could not tell the input's allocation "
+                                   f"(cuPointerGetAttribute: {fast.rc.value})")
+        self.pair_hash = 0
+        token = (seq, len(vals))
+        if code == fast.UR_OK and self._copy_engines(fast.ur_out):
+            self.small_run = 0
+            return True, False, (None, tuple(fast.ur_out[3:3 + self.world_size]), token)
+        return self.read(token, recv, op)
+
+    def _copy_engines(self, out) -> bool:
+        """From the native round's [largest demand, size, even, ...] (its checks held): is the
+        verdict the copy engines' alone? The same as verdict() says 'ce', else False."""
+        policy = self.policy
+        if policy.fixed is None and out[0] <= ROUTE_MIN_BYTES:
+            return False
+        size = out[1]
+        lanes = self._lanes_here()
+        shares = policy.shares_for("all_to_all_single", size, lanes)
+        if set(shares) != {"ce"} or out[2]:
+            return False            # another lane, or even (a balanced call: verdict() says how)
+        return policy.fixed is not None or "nccl" not in lanes or size >= self.ce_min
 
     def settle(self, op: str) -> None:
         """Before a round: the checks of the last round read one call late, if one was."""
