@@ -492,7 +492,6 @@ int fast_call_vals(fast_t *f, const ticket_t *t, uint32_t seq, uint64_t inp, voi
  * holds another count of values), UP_NOPEER (a source with bytes for me has no mapped input),
  * UP_DRIVER (a driver call failed: its code in *rc; what was posted before it stays posted). */
 
-
 /* CUstreamBatchMemOpParams as _cuda.MemOp lays it out (48 bytes) */
 typedef struct {
     uint32_t operation, pad0;
@@ -547,7 +546,9 @@ int uneven_post(fast_t *f, uint32_t seq, int n, int roff, const uint64_t *peers,
     uint64_t m[MAXW][MAXW];
     memop_t ops[2 * MAXW + 2];
     *rc = 0;
-    if (roff < 0 || roff + w > n || 4 + 8 * (uint64_t)n > f->slot_bytes || !f->memcpy_async || !f->wait_value || !f->write_value) return UP_COUNT;
+    if (roff < 0 || roff + w > n || 4 + 8 * (uint64_t)n > f->slot_bytes || !f->memcpy_async || !f->wait_value
+        || !f->write_value)
+        return UP_COUNT;
     for (int p = 0; p < w; p++) {
         const uint8_t *slot = f->slots[p] + k * f->slot_bytes;
         uint32_t c;
