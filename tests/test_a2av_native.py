@@ -20,7 +20,7 @@ import pytest
 
 from braid.comm import a2av, native_rounds
 from braid.comm import uneven as U
-from braid.comm.a2av import ROW_AT, UnevenCe
+from braid.comm.a2av import UnevenCe
 from braid.comm.uneven import ROUND_TAG, round_len
 from braid.errors import LaneFailureError, PeerMismatchError
 from braid.lanes import _cuda
@@ -115,7 +115,9 @@ def _tensor(ptr):
     return SimpleNamespace(data_ptr=lambda: ptr)
 
 
-def _world(w, tmp_path, monkeypatch, rec, batch):
+def _world(w, tmp_path, monkeypatch, rec, batch, fns=None, spin_s=0.05):
+    """w ranks' segments (one process) and native calls over them, with the recorder's driver
+    (or `fns`); skips where there is no C compiler."""
     monkeypatch.setenv("BRAID_CACHE_DIR", str(tmp_path))
     lib = native_rounds.build()
     if lib is None:
@@ -124,10 +126,10 @@ def _world(w, tmp_path, monkeypatch, rec, batch):
     name = NodeSegment.new_name()
     segs = [NodeSegment(name, layout, r, create=(r == 0)) for r in range(w)]
     segs[0].unlink()
-    fns = rec.fns(batch)
+    fns = fns or rec.fns(batch)
     fasts = [native_rounds.FastCalls(lib, w, r, COLL_SLOTS, 7, COLL_MBOX_BYTES,
                                      [seg.address + c for c in seg._coll_ctr],
-                                     [seg.address + s[0] for s in seg._coll_slots], fns, 0.05)
+                                     [seg.address + s[0] for s in seg._coll_slots], fns, spin_s)
              for r, seg in enumerate(segs)]
     return layout, segs, fasts
 
@@ -141,7 +143,6 @@ def _ce(layout, w, me, peers):
 
 def _round(segs, matrix):
     """Every rank's round with this matrix (its row among the values); the tokens."""
-    w = len(matrix)
     return [seg.post_values([max(matrix[r]), 5 + r, 9, *matrix[r], 0, 0, ROUND_TAG]) for r, seg in enumerate(segs)]
 
 
@@ -266,24 +267,12 @@ def test_the_native_round_decides_as_the_python_round(w, tmp_path, monkeypatch):
     round once with every rank in Python and once with a random half of the ranks native: every
     rank returns the same verdict in both, with the input words Python's word_of makes; a rank
     whose split sizes disagree with a peer's raises PeerMismatchError from the native round too."""
-    monkeypatch.setenv("BRAID_CACHE_DIR", str(tmp_path))
-    lib = native_rounds.build()
-    if lib is None:
-        pytest.skip("no C compiler for the native call")
     from braid.comm.ledger import CallLedger
     from braid.comm.prepared import mix_word
-    layout = Layout(w, 1 << 16, 4096)
-    name = NodeSegment.new_name()
-    segs = [NodeSegment(name, layout, r, create=(r == 0)) for r in range(w)]
-    segs[0].unlink()
     rec = Recorder()
     ptrs = [0xA0000 + 0x1000 * r for r in range(w)]
     ids = {p: 50 + r for r, p in enumerate(ptrs)}
-    fns = _ptr_attr_fns(rec, ids)
-    fasts = [native_rounds.FastCalls(lib, w, r, COLL_SLOTS, 7, COLL_MBOX_BYTES,
-                                     [seg.address + c for c in seg._coll_ctr],
-                                     [seg.address + s[0] for s in seg._coll_slots], fns, 5.0)
-             for r, seg in enumerate(segs)]
+    _, segs, fasts = _world(w, tmp_path, monkeypatch, rec, True, _ptr_attr_fns(rec, ids), 5.0)
     words = [mix_word(p, ids[p]) | 1 for p in ptrs]
     ags = [U.UnevenAgreement(r, w, segs[r], _Policy(), CallLedger(r, True, None), lambda: ["ce", "nccl", "host"],
                              lambda: "auto", lambda: None, lambda exc: None, lambda why, wait=True: None, 32 * MiB)
