@@ -229,6 +229,8 @@ def test_the_receivers_host_share_runs_beside_its_pulls(monkeypatch):
     lay = Layout(2, 1 << 17, CHUNK, graph_rings=True)
     calls: list = []
     monkeypatch.setattr(_cuda, "memops", lambda sh, batch: calls.append(("batch", sh, list(batch))))
+    monkeypatch.setattr(_cuda, "memops_posted", lambda sh, arr: calls.append(
+        ("batch", sh, [(m.operation == _cuda.CU_STREAM_MEM_OP_WAIT_VALUE_32, m.address, m.value) for m in arr])))
     monkeypatch.setattr(_cuda, "memcpy_async", lambda dst, src, n, sh: calls.append(("copy", sh, dst, src, n)))
     monkeypatch.setattr(_cuda, "event_record", lambda ev, sh: calls.append(("record", ev, sh)))
     monkeypatch.setattr(_cuda, "stream_wait_event", lambda sh, ev: calls.append(("wait", sh, ev)))
@@ -264,3 +266,56 @@ def test_the_receivers_host_share_runs_beside_its_pulls(monkeypatch):
     assert last[-2:] == [(True, lay.counter("flag_p2p_done", 0, 1), 1), (False, lay.counter("flag_p2p_done", 0, 1), 0)]
     assert any(a == lay.pair_flag("flag_pair_free", 0, 1, 0) for _, a, _ in last)       # the tail, same batch
     assert all(c[3] >= t.data_ptr() for c in calls if c[0] == "copy")         # staged from this call's input
+
+
+def test_the_posted_form_makes_the_same_driver_calls(monkeypatch):
+    """A prepared send/recv posts its programs in posted_form (each batch of flag operations made
+    once as the driver's array): run_program of that form makes the driver calls run_program of
+    the program makes, batches and single operations alike, with batching on and off."""
+    import ctypes
+
+    from braid.lanes import _cuda
+    from braid.lanes.host import posted_form, run_program
+
+    class Lib:
+        def __init__(self):
+            self.calls = []
+
+        def cuStreamBatchMemOp_v2(self, stream, n, arr, flags):
+            arr = ctypes.cast(arr, ctypes.POINTER(_cuda.MemOp))
+            self.calls.append(("batch", stream, flags, tuple((arr[i].operation, arr[i].address, arr[i].value,
+                                                              arr[i].flags) for i in range(n))))
+            return 0
+
+        def cuStreamWaitValue32_v2(self, stream, addr, value, flags):
+            self.calls.append(("wait", stream, addr, value, flags))
+            return 0
+
+        def cuStreamWriteValue32_v2(self, stream, addr, value, flags):
+            self.calls.append(("write", stream, addr, value, flags))
+            return 0
+
+        def cuMemcpyAsync(self, dst, src, n, stream):
+            self.calls.append(("copy", dst, src, n, stream))
+            return 0
+    fake = Lib()
+    monkeypatch.setattr(_cuda, "lib", lambda: fake)
+    layout = Layout(2, 1 << 17, CHUNK, graph_rings=True)
+    base, n = 1 << 40, 3 * CHUNK + 5
+    staged = split(p2p_movement(2, 0, 1, n), {"ce": 0.5, "host": 0.5}, n, min_split=1024).lanes["host"]
+    for batching in (True, False):
+        monkeypatch.setattr(_cuda, "batched", lambda b=batching: b)
+        for sending in (True, False):
+            both = graph_programs(layout, 0 if sending else 1, staged, 0, [0], base, base, pair=(0, 1))
+            for host in ([], both[0] if sending else both[1]):
+                progs = pair_programs(sending, 0x5000, base + 64, base + 128, ((0, 0x9000, 77),), host)
+                assert progs
+                for prog in progs:
+                    fake.calls.clear()
+                    run_program(0x11, prog)
+                    want = list(fake.calls)
+                    fake.calls.clear()
+                    run_program(0x11, posted_form(prog))
+                    assert fake.calls == want and want, (batching, sending, prog)
+                    kinds = {c[0] for c in want}
+                    assert ("batch" in kinds) == (batching and any(op[0] == "ops" and len(op[1]) > 1 for op in prog))

@@ -769,6 +769,8 @@ def test_a_prepared_send_and_recv_say_and_wait_in_one_batch_each(monkeypatch, dr
     lay = Layout(2, 1 << 20, 64 << 10)
     calls: list = []
     monkeypatch.setattr(_cuda, "memops", lambda sh, batch: calls.append(("batch", sh, list(batch))))
+    monkeypatch.setattr(_cuda, "memops_posted", lambda sh, arr: calls.append(      # (arrays made once: the same)
+        ("batch", sh, [(m.operation == _cuda.CU_STREAM_MEM_OP_WAIT_VALUE_32, m.address, m.value) for m in arr])))
     monkeypatch.setattr(_cuda, "write_value", lambda sh, addr, v: calls.append(("write", sh, addr, v)))
     monkeypatch.setattr(_cuda, "wait_value", lambda sh, addr, v: calls.append(("wait", sh, addr, v)))
     monkeypatch.setattr(_cuda, "memcpy_async", lambda dst, src, n, sh: calls.append(("copy", sh, dst, src, n)))

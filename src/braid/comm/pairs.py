@@ -52,7 +52,7 @@ from .. import envs
 from ..errors import BraidTimeoutError, LaneUnavailableError, PeerMismatchError
 from ..executor import Handle, as_handle, execute, hold_until, sweep
 from ..lanes import _cuda
-from ..lanes.host import graph_programs, pair_programs, run_program
+from ..lanes.host import graph_programs, pair_programs, posted_form, run_program
 from ..planner.plan import p2p_movement
 from ..node import NodeSegment, geq
 from .exchange import agree, agreed_lanes
@@ -586,7 +586,8 @@ class Pairs:
                 base, lay = p2p.seg_dev_ptr, p2p.layout
                 ready = base + lay.counter("flag_p2p_ready", src, dst)
                 done = base + lay.counter("flag_p2p_done", src, dst)
-            progs = pair_programs(sending, ptr, ready, done, entry.copies, entry.host, drain)
+            progs = [posted_form(p) for p in pair_programs(sending, ptr, ready, done, entry.copies, entry.host,
+                                                            drain)]
             if len(entry.progs) >= 8:
                 entry.progs.clear()
             entry.progs[key] = progs

@@ -152,6 +152,26 @@ def memops(stream: int, ops: list[tuple[bool, int, int]]) -> None:
         check(lib().cuStreamBatchMemOp_v2(stream, len(part), arr, 0), "cuStreamBatchMemOp")
 
 
+def memop_batch(ops: list[tuple[bool, int, int]]):
+    """`ops` as cuStreamBatchMemOp's array, made once for a program that posts it call after call
+    (memops_posted); None where memops would post them one by one (a single operation, batching
+    off, or more than one batch holds)."""
+    if len(ops) == 1 or len(ops) > MAX_BATCH or not batched():
+        return None
+    arr = (MemOp * len(ops))()
+    for m, (wait, addr, value) in zip(arr, ops):
+        m.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32 if wait else CU_STREAM_MEM_OP_WRITE_VALUE_32
+        m.address = addr
+        m.value = value & 0xFFFFFFFF
+        m.flags = CU_STREAM_WAIT_VALUE_GEQ if wait else CU_STREAM_WRITE_VALUE_DEFAULT
+    return arr
+
+
+def memops_posted(stream: int, arr) -> None:
+    """A batch from memop_batch on `stream` (what memops does with the same operations)."""
+    check(lib().cuStreamBatchMemOp_v2(stream, len(arr), arr, 0), "cuStreamBatchMemOp")
+
+
 def host_register(ptr: int, nbytes: int) -> int:
     """Pin and map host memory for every context; returns the device pointer of `ptr`."""
     check(lib().cuMemHostRegister_v2(ptr, nbytes, CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP),
