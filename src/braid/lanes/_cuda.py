@@ -143,13 +143,17 @@ def memops(stream: int, ops: list[tuple[bool, int, int]]) -> None:
         return
     for at in range(0, len(ops), MAX_BATCH):
         part = ops[at: at + MAX_BATCH]
-        arr = (MemOp * len(part))()
-        for m, (wait, addr, value) in zip(arr, part):
-            m.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32 if wait else CU_STREAM_MEM_OP_WRITE_VALUE_32
-            m.address = addr
-            m.value = value & 0xFFFFFFFF
-            m.flags = CU_STREAM_WAIT_VALUE_GEQ if wait else CU_STREAM_WRITE_VALUE_DEFAULT
-        check(lib().cuStreamBatchMemOp_v2(stream, len(part), arr, 0), "cuStreamBatchMemOp")
+        check(lib().cuStreamBatchMemOp_v2(stream, len(part), _memop_array(part), 0), "cuStreamBatchMemOp")
+
+
+def _memop_array(ops: list[tuple[bool, int, int]]) -> ctypes.Array:
+    arr = (MemOp * len(ops))()
+    for m, (wait, addr, value) in zip(arr, ops):
+        m.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32 if wait else CU_STREAM_MEM_OP_WRITE_VALUE_32
+        m.address = addr
+        m.value = value & 0xFFFFFFFF
+        m.flags = CU_STREAM_WAIT_VALUE_GEQ if wait else CU_STREAM_WRITE_VALUE_DEFAULT
+    return arr
 
 
 def memop_batch(ops: list[tuple[bool, int, int]]):
@@ -158,13 +162,7 @@ def memop_batch(ops: list[tuple[bool, int, int]]):
     off, or more than one batch holds)."""
     if len(ops) == 1 or len(ops) > MAX_BATCH or not batched():
         return None
-    arr = (MemOp * len(ops))()
-    for m, (wait, addr, value) in zip(arr, ops):
-        m.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32 if wait else CU_STREAM_MEM_OP_WRITE_VALUE_32
-        m.address = addr
-        m.value = value & 0xFFFFFFFF
-        m.flags = CU_STREAM_WAIT_VALUE_GEQ if wait else CU_STREAM_WRITE_VALUE_DEFAULT
-    return arr
+    return _memop_array(ops)
 
 
 def memops_posted(stream: int, arr) -> None:
