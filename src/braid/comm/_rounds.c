@@ -374,6 +374,22 @@ fast_t *fast_new(int world, int me, int nslots, int nvals, uint64_t slot_bytes, 
 
 void fast_free(fast_t *f) { free(f); }
 
+/* Raise this rank's counter to `seq` (its slot written), then spin until every other rank's has
+ * reached it: 1, or 0 when one has not within spin_ns. */
+static int post_and_spin(fast_t *f, uint32_t seq, int64_t spin_ns) {
+    __atomic_store_n(f->ctr[f->me], seq, __ATOMIC_RELEASE);
+    int64_t t0 = now_ns();
+    for (int p = 0; p < f->world; p++) {
+        if (p == f->me) continue;
+        while (!reached(f->ctr[p], seq)) {
+            if (now_ns() - t0 > spin_ns) return 0;
+            for (int i = 0; i < 16; i++) relax();
+        }
+    }
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    return 1;
+}
+
 /* What fast_call returns. */
 #define FAST_HIT 0          /* every word matched; launched */
 #define FAST_DIFF 1         /* posted; a word (or a count) differs: Python reads the round */
@@ -421,16 +437,8 @@ static int fast_round(fast_t *f, const ticket_t *t, uint32_t seq, uint64_t inp, 
             memcpy(mine + 4 + 8 * (size_t)ipos, &iw, 8);
         }
     }
-    __atomic_store_n(f->ctr[f->me], seq, __ATOMIC_RELEASE);
     int64_t t0 = now_ns();
-    for (int p = 0; p < f->world; p++) {
-        if (p == f->me) continue;
-        while (!reached(f->ctr[p], seq)) {
-            if (now_ns() - t0 > spin_ns) return FAST_LATE;
-            for (int i = 0; i < 16; i++) relax();
-        }
-    }
-    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    if (!post_and_spin(f, seq, spin_ns)) return FAST_LATE;
     *round_ns = now_ns() - t0;
     if (vals == NULL) {
         if (!slots_match(f->slots, f->slot_bytes, f->world, k, n, t->expect)) return FAST_DIFF;
@@ -630,25 +638,17 @@ int uneven_round(fast_t *f, uint32_t seq, const uint64_t *vals, int n, int ipos,
     memcpy(mine, &cnt, 4);
     memcpy(mine + 4, vals, 8 * (size_t)n);
     if (ipos >= 0) memcpy(mine + 4 + 8 * (size_t)ipos, &iw, 8);
-    __atomic_store_n(f->ctr[me], seq, __ATOMIC_RELEASE);
-    int64_t t0 = now_ns();
-    for (int p = 0; p < w; p++) {
-        if (p == me) continue;
-        while (!reached(f->ctr[p], seq)) {
-            if (now_ns() - t0 > spin_ns) return UR_LATE;
-            for (int i = 0; i < 16; i++) relax();
-        }
-    }
-    __atomic_thread_fence(__ATOMIC_ACQUIRE);
-    uint64_t v[MAXW][2 * MAXW + 8];
+    if (!post_and_spin(f, seq, spin_ns)) return UR_LATE;
+    uint64_t v[MAXW][2 * MAXW + 8], first = 0;
     for (int p = 0; p < w; p++) {
         const uint8_t *slot = f->slots[p] + k * f->slot_bytes;
         uint32_t c;
         memcpy(&c, slot, 4);
         if ((int)c != n) return UR_DIFF;
         memcpy(v[p], slot + 4, 8 * (size_t)n);
+        if (p == 0) first = v[0][ROW_AT];
     }
-    uint64_t big = 0, size = 0, first = v[0][ROW_AT];
+    uint64_t big = 0, size = 0;
     int even = first > 0;
     for (int p = 0; p < w; p++) {
         if (v[p][2] != v[0][2] || v[p][n - 2] != v[0][n - 2] || v[p][ROW_AT + me] != recv[p]) return UR_DIFF;

@@ -159,7 +159,7 @@ class UnevenCe:
         rc = fast.uneven_post(token[0], token[1], ROW_AT, arr[2], arr[0], arr[1], ce.coll_seq, inp.data_ptr(),
                               out.data_ptr(), caller, ce.stream.cuda_stream, start, end, not async_op)
         if rc:
-            if rc == 3:
+            if rc == fast.UP_DRIVER:
                 _cuda.check(fast.rc.value, "in the uneven all_to_all's posting")
             raise PeerMismatchError(f"all_to_all_single: the copy engines' posting refused the call: "
                                     f"{fast.UP_ERRORS.get(rc, rc)}")

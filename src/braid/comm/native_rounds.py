@@ -222,8 +222,9 @@ class FastCalls:
         return self.lib.fast_call_vals(self._h, t, seq & 0xFFFFFFFF, inp, caller, end, mode, self.spin_ns, vals,
                                        len(vals), wpos, ipos, w, rc, rn)
 
+    UP_DRIVER = 3                   # uneven_post: a driver call failed (its code in self.rc)
     UP_ERRORS = {1: "a slot of the round holds another count of values", 2: "a source has no mapped input",
-                 3: "a driver call failed"}
+                 UP_DRIVER: "a driver call failed"}
     UR_OK, UR_DIFF, UR_LATE, UR_ID_ERR = 0, 1, 2, 3     # uneven_round's answers (`_rounds.c`)
 
     def uneven_round(self, seq: int, vals: list[int], ipos: int, inp: int, recv: list[int]) -> int:

@@ -194,12 +194,18 @@ class UnevenAgreement:
         policy = self.policy
         if policy.fixed is None and out[0] <= ROUTE_MIN_BYTES:
             return False
-        size = out[1]
-        lanes = self._lanes_here()
+        # another lane, or even (a balanced call: verdict() says how)
+        return set(self.shares_at(out[1], self._lanes_here())) == {"ce"} and not out[2]
+
+    def shares_at(self, size: int, lanes: list[str]) -> dict[str, float]:
+        """The shares of an uneven call of this size (its matrix's largest row or column): the
+        policy's, but NCCL's below ce_min where the copy engines alone would take it (posted
+        every call, they lose there), unless the shares are fixed."""
+        policy = self.policy
         shares = policy.shares_for("all_to_all_single", size, lanes)
-        if set(shares) != {"ce"} or out[2]:
-            return False            # another lane, or even (a balanced call: verdict() says how)
-        return policy.fixed is not None or "nccl" not in lanes or size >= self.ce_min
+        if policy.fixed is None and "nccl" in lanes and set(shares) == {"ce"} and size < self.ce_min:
+            return {"nccl": 1.0}
+        return shares
 
     def settle(self, op: str) -> None:
         """Before a round: the checks of the last round read one call late, if one was."""
@@ -273,7 +279,7 @@ class UnevenAgreement:
         token: their native posting reads the matrix from its slots); ('full', None): the full path
         (the router may plan it, or a split over several lanes, or the ranks' calibrations or
         shares differ and the full path says how)."""
-        op, w, policy = "all_to_all_single", self.world_size, self.policy
+        w, policy = self.world_size, self.policy
         if policy.fixed is None and max(g[0] for g in got) <= ROUTE_MIN_BYTES:
             return "nccl", None
         agree = got[0][2]
@@ -282,10 +288,7 @@ class UnevenAgreement:
                 return "full", None
         matrix = matrix_of(got, w)
         size = max(max(map(sum, matrix)), max(map(sum, zip(*matrix))))
-        lanes = self._lanes_here()
-        shares = policy.shares_for(op, size, lanes)
-        if policy.fixed is None and "nccl" in lanes and set(shares) == {"ce"} and size < self.ce_min:
-            shares = {"nccl": 1.0}         # posted every call, the copy engines lose below this size
+        shares = self.shares_at(size, self._lanes_here())
         if not policy.native_ok(shares) and even(matrix):
             return "even", Even(tuple(g[-3] for g in got))
         if set(shares) == {"ce"}:
