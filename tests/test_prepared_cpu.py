@@ -243,6 +243,14 @@ def test_what_cannot_be_captured_says_why_and_what_to_do():
     assert "['ce', 'host']" in str(split) and "fixed_shares({'ce': 1.0})" in str(split)
     staged = not_capturable("reduce", {"ce": 1.0})
     assert "fewer elements than ranks" in str(staged) and "fixed_shares({'nccl': 1.0})" in str(staged)
+    # NCCL itself must have run the call once before a capture takes it (its first run connects)
+    assert "once outside the captured region" in str(staged)
+    from braid.comm.prepared import posted_not_capturable
+    for how in ("uneven", "full", "routed"):
+        msg = str(posted_not_capturable("all_to_all_single", {"ce": 1.0}, how))
+        assert "once outside the captured region" in msg and "all split sizes are all equal" not in msg, msg
+        assert "cannot be captured" in msg
+    assert "outside the captured region" in str(posted_not_capturable("all_reduce", {"ce": 1.0}, "plan"))
 
 
 def test_a_move_of_one_shape_leaves_another_shapes_entry():

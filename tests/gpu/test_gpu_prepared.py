@@ -10,7 +10,8 @@
   other splits with NCCL are posted between;
 - a user's torch.cuda.graph capture of every op, and of every moving and reducing op on
   ce + host, replayed with new data; a split that cannot be captured raises MisuseError at
-  capture time;
+  capture time, and the way it names (the call once on NCCL outside the capture,
+  then captured on NCCL) gives right replays;
 - async replays waited later;
 - abort while a peer's replay waits: every rank ends within BRAID_TIMEOUT_S, the next call raises.
 Runs with any GPU (ranks share it where there are fewer GPUs than ranks: gpu_world.py).
@@ -296,6 +297,20 @@ def _captured(c, op, tag) -> None:
     del graph
 
 
+def _uneven_case(rank, world, dev):
+    m, k = 1 << 18, 4096
+    mat = [[m + (k if (s, d) == (0, 1) else 0) for d in range(world)] for s in range(world)]
+    ins, outs = mat[rank], [mat[s][rank] for s in range(world)]
+    out = torch.empty(sum(outs), device=dev)
+    x = torch.empty(sum(ins), device=dev)
+
+    def fill(key):
+        xs = [_data((key, s), sum(mat[s]), torch.float32, dev) for s in range(world)]
+        x.copy_(xs[rank])
+        return torch.cat([xs[s][sum(mat[s][:rank]): sum(mat[s][:rank + 1])] for s in range(world)])
+    return x, out, ins, outs, fill
+
+
 def _uneven_refused(comm, rank, world, dev):
     """An uneven all_to_all split over the copy engines and the host lane takes the full path, on
     the copy engines alone their uneven path; both post with counters that rise from call to
@@ -303,19 +318,15 @@ def _uneven_refused(comm, rank, world, dev):
     compiled step's all_to_all was wrong on its second replay: it passed its waits before the
     peers were ready)."""
     from braid.errors import MisuseError
-    m, k = 1 << 18, 4096
-    mat = [[m + (k if (s, d) == (0, 1) else 0) for d in range(world)] for s in range(world)]
-    ins, outs = mat[rank], [mat[s][rank] for s in range(world)]
-    xs = [_data(("uneven", s), sum(mat[s]), torch.float32, dev) for s in range(world)]
-    out = torch.empty(sum(outs), device=dev)
-    comm.all_to_all_single(out, xs[rank], outs, ins)
-    want = torch.cat([xs[s][sum(mat[s][:rank]): sum(mat[s][:rank + 1])] for s in range(world)])
-    assert torch.equal(out, want), "uneven all_to_all on ce + host"
+    x, out, ins, outs, fill = _uneven_case(rank, world, dev)
+    want = fill(("uneven",))
+    comm.all_to_all_single(out, x, outs, ins)
+    assert torch.equal(out, want), "uneven all_to_all"
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(MisuseError, match="cannot be captured"):
         with torch.cuda.graph(graph):
-            comm.all_to_all_single(out, xs[rank], outs, ins)
+            comm.all_to_all_single(out, x, outs, ins)
     torch.cuda.synchronize()
     dist.barrier()
 
@@ -352,6 +363,59 @@ def _user_graphs(rank, world, comm, dev):
 @needs(2)
 def test_user_cuda_graph_capture(tmp_path):
     run(2, tmp_path, _user_graphs, ENV)
+
+
+def _captured_on_nccl(rank, world, comm, dev):
+    """What the capture error advises for a call that cannot be captured: the same call once
+    under comm.fixed_shares({'nccl': 1.0}) outside the capture, then captured under it. An
+    uneven all_to_all (eagerly on the copy engines first, refused inside a capture there) and a
+    reduce_scatter split with NCCL: five replays right with new data, the eager calls right after."""
+    from braid.errors import MisuseError
+    x, out, ins, outs, fill = _uneven_case(rank, world, dev)
+    with comm.fixed_shares({"ce": 1.0}):
+        want = fill(("ce",))
+        comm.all_to_all_single(out, x, outs, ins)
+        assert torch.equal(out, want), "uneven all_to_all on ce"
+        with pytest.raises(MisuseError, match="once outside the captured region"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                comm.all_to_all_single(out, x, outs, ins)
+    torch.cuda.synchronize()
+    dist.barrier()
+    c = _Case(comm, "reduce_scatter", 1_000_003, torch.float32, rank, world, dev)
+    with comm.fixed_shares({"nccl": 0.5, "ce": 0.5}):
+        c.call(("split",))
+        assert c.right(), "reduce_scatter on nccl + ce"
+    cases = (("uneven", lambda key: fill(key), lambda: comm.all_to_all_single(out, x, outs, ins),
+              lambda want: torch.equal(out, want)),
+             ("reduce_scatter", lambda key: c.fill(key), c.run, lambda want: c.right()))
+    with comm.fixed_shares({"nccl": 1.0}):
+        for tag, make, call, right in cases:
+            want = make(("eager", tag))
+            call()                                      # NCCL's first run of this call: outside
+            torch.cuda.synchronize()
+            assert right(want), ("eager", tag)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                call()
+            torch.cuda.synchronize()
+            dist.barrier()
+            for i in range(5):
+                want = make(("replay", tag, i))
+                graph.replay()
+                torch.cuda.synchronize()
+                assert right(want), ("replay", tag, i)
+            del graph
+    for tag, make, call, right in cases:                # braid's own choice again, eagerly
+        want = make(("after", tag))
+        call()
+        torch.cuda.synchronize()
+        assert right(want), ("after", tag)
+    dist.barrier()
+
+
+@needs(2)
+def test_a_capture_on_nccl_after_one_call_outside(tmp_path):
+    run(2, tmp_path, _captured_on_nccl, {**ENV, "BRAID_A2AV_CE_MIN_MB": "1"})
 
 
 def _abort_in_replay(rank, world, comm, dev):

@@ -457,6 +457,16 @@ class PreparedCalls:
         self._cap = self._sides = self._pool = self._anchor = None
 
 
+# NCCL connects a pair of ranks for a kind of call at that call's first run (cudaMalloc among it),
+# which a capture forbids: a first NCCL call of its kind inside a user's capture breaks the graph
+# (one H200 shared by 2 ranks, NCCL 2.28: "operation not permitted when stream is capturing"). So
+# the way to capture a call on NCCL is NCCL's own: run it once before.
+ON_NCCL = ("Capture it on NCCL: make the same call once outside the captured region under "
+           "comm.fixed_shares({'nccl': 1.0}) (NCCL connects the ranks at a call's first run, which cannot "
+           "happen inside a capture), then capture it under the same setting; or take it out of the "
+           "captured region.")
+
+
 def posted_not_capturable(op: str, shares: dict[str, float], how: str) -> MisuseError:
     """A call that posts its lanes call by call, inside a user's CUDA graph capture: its signals
     are counters that rise from call to call, which a captured graph would freeze (its second
@@ -469,9 +479,7 @@ def posted_not_capturable(op: str, shares: dict[str, float], how: str) -> Misuse
             }.get(how, f"split over lanes {sorted(shares)} on the full path (an uneven all_to_all, or a "
                        f"call whose descriptors every call exchanges)")
     even = " (an all_to_all whose split sizes are all equal can)" if op == "all_to_all_single" else ""
-    way = ("Run it outside the captured region." if how == "plan" else
-           "Capture it on NCCL (comm.fixed_shares({'nccl': 1.0}) around the capture) or take it out of "
-           "the captured region.")
+    way = "Run it outside the captured region." if how == "plan" else ON_NCCL
     return MisuseError(f"{op}: this call is {what}, which cannot be captured in a CUDA graph{even}. {way}")
 
 
@@ -479,8 +487,7 @@ def not_capturable(op: str, shares: dict[str, float]) -> MisuseError:
     if ce_alone(shares):        # the copy engines alone, on a path that is not one program
         return MisuseError(
             f"{op}: this call takes the copy engines' staged path (a reduce of fewer elements than ranks "
-            f"does), which cannot be captured in a CUDA graph. Capture it on NCCL (comm.fixed_shares({{'nccl': 1.0}}) "
-            f"around the capture) or take it out of the captured region.")
+            f"does), which cannot be captured in a CUDA graph. {ON_NCCL}")
     return MisuseError(
         f"{op}: this call is split over lanes {sorted(shares)}, which cannot be captured in a CUDA graph "
         f"(NCCL's whole call, the copy engines, the host lane and, in an all_reduce, NCCL's share beside "
