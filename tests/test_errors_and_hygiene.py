@@ -7,6 +7,7 @@ check's outcome; the tests below assert on those reports one by one. Timeouts, d
 from __future__ import annotations
 
 import os
+import re
 import time
 import traceback
 
@@ -370,7 +371,7 @@ def run(rank, port):
     assert torch.all(t == 3.0) and torch.all(out == 3.0)
     # one write (print's pieces of two ranks sharing the pipe interleave), and the process ends
     # without destroy_process_group
-    print(f"rank {rank} done", flush=True)
+    print(f"rank {rank} done pid {os.getpid()}", flush=True)
 
 if __name__ == "__main__":
     mp.spawn(run, args=(sys.argv[1],), nprocs=2)
@@ -388,13 +389,16 @@ def test_a_process_that_ends_without_destroy_ends_quietly(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    before = set(braid_shm_entries())
     proc = subprocess.run([sys.executable, str(script), port], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, BRAID_LOG_LEVEL="WARNING"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank 0 done" in proc.stdout and "rank 1 done" in proc.stdout
     assert "still referenced" not in proc.stderr, proc.stderr[-3000:]
-    assert set(braid_shm_entries()) <= before
+    pids = re.findall(r"done pid (\d+)", proc.stdout)
+    assert len(pids) == 2, proc.stdout
+    # segments are named braid-<pid of the rank that made it>-...: none of this script's ranks left one
+    left = {n for n in braid_shm_entries() if any(n.startswith(f"braid-{p}-") for p in pids)}
+    assert not left, left
 
 
 def test_a_segment_closed_while_viewed_warns_but_not_at_exit(caplog):
