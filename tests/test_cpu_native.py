@@ -109,6 +109,20 @@ def test_every_dtype_and_reduction(w):
         assert bad == [], bad
 
 
+def _lagged_worker(rank, w, lags):
+    """_every_worker with this rank's chunks a turn apart or not (lags[rank]; BRAID_CPU_LAG)."""
+    from braid.comm import native_cpu
+    native_cpu.build().cpucoll_set_lag(lags[rank])
+    return _every_worker(rank, w)
+
+
+# every rank a turn apart, and ranks that differ (each wait is for a turn a peer already ran)
+@pytest.mark.parametrize("lags", [(1, 1, 1), (1, 0, 0, 1)], ids=["3-ranks-lag-1", "4-ranks-lags-differ"])
+def test_every_dtype_and_reduction_with_chunks_a_turn_apart(lags):
+    for bad in run_world(_lagged_worker, len(lags), lags, timeout=300):
+        assert bad == [], bad
+
+
 def _mixed_worker(rank, w):
     """Native calls between the rounds in Python of every other op, which write the same areas."""
     import braid

@@ -16,7 +16,9 @@
  *      that rank's `red` reached the chunk, then raises `out`.
  *
  * A slot is written again only when every rank's `out` passed the chunk that used it last; at the
- * end every stripe waits for every rank's `out`, so the area is free when the call returns.
+ * end every stripe waits for every rank's `out`, so the area is free when the call returns. With
+ * BRAID_CPU_LAG=1 the three steps of a chunk fall in three turns of a rank (run_stripe), so a rank
+ * waits only for what its peers did a turn before.
  * Counters are 64-bit: (call's epoch << 32) | chunks done, rising from call to call.
  *
  * A reduce to one root is the same with the root alone writing its tensor: the other ranks write
@@ -60,6 +62,7 @@
 #define BLK 1024                /* elements reduced per block (a block's sums stay in registers/L1) */
 #define SPIN_NS 20000LL         /* a wait spins this long, then yields the core... */
 #define YIELD_NS 5000000LL      /* ...until this long, then sleeps in short steps */
+static int lag_turns = 0;               /* the job's lag (cpucoll_set_lag) */
 static int64_t slow_yield_ns = 500000;  /* a yield this long: another thread held the core for a
                                           * time slice (0: never; cpucoll_set_slow_yield) */
 #define FUTEX_NS 1000000LL      /* longest sleep on a futex between two looks at aborts and peers */
@@ -83,6 +86,7 @@ typedef struct {
     int scatter;                /* 0: all_reduce or reduce, 1: reduce_scatter, 2: all_to_all, 3: all_gather */
     int root;                   /* a reduce's root; -1: all_reduce */
     int esz, dtype, op, stripes;
+    int lag;                    /* turns between a chunk's copy in and its reduction (0 or 1; run_stripe) */
     int dry;                    /* 1: the all_reduce's copies and reductions alone, no counter read or
                                  * written (cpucoll_all_reduce_floor) */
     uint64_t epoch;
@@ -361,43 +365,87 @@ static void run_floor(ctx_t *c, int t) {
     }
 }
 
-/* one stripe, every chunk (the header comment's steps 1-3) ------------------------------------ */
-static void run_stripe(ctx_t *c, int t) {
+/* one stripe, every chunk (the header comment's steps 1-3) ------------------------------------
+ * A chunk's three steps, each a function (nonzero: the call failed). With lag 0 a rank runs the
+ * steps of chunk k back to back; with lag 1 its turn i copies chunk i in, reduces chunk i - 1 and
+ * copies chunk i - 2 out, so each wait is for a counter the peer raised a turn earlier and a peer
+ * that was late by up to a turn holds nobody up. A slot is refilled at turn k + SLOTS once every
+ * rank's `out` passed chunk k, raised at that rank's turn k + 2 (SLOTS > 2: no wait of a turn is
+ * for a later turn of a peer, whatever lag each rank runs). */
+typedef struct {
+    int64_t lo, hi, k0, m;
+    uint8_t *mine, *base;
+    int64_t bd[MAXW + 1];
+} piece_t;
+
+static void piece(ctx_t *c, int t, int64_t k, piece_t *p) {
+    job_t *j = &c->job;
+    const int n = c->world;
+    p->lo = j->count * t / j->stripes;
+    p->hi = j->count * (t + 1) / j->stripes;
+    p->k0 = p->lo + k * j->chunk;
+    p->m = (p->hi - p->k0) < j->chunk ? p->hi - p->k0 : j->chunk;
+    p->mine = slot(c, c->me, t, (int)(k % SLOTS));
+    p->base = j->buf + p->k0 * j->esz;
+    for (int r = 0; r <= n; r++) p->bd[r] = p->m * r / n;
+}
+
+static int step_in(ctx_t *c, int t, int64_t k, uint64_t E) {
+    const int n = c->world, me = c->me, esz = c->job.esz;
+    piece_t p;
+    piece(c, t, k, &p);
+    if (k >= SLOTS)             /* the slot's last chunk is read by every rank */
+        for (int r = 0; r < n; r++)
+            if (r != me && wait_ge(c, ctr(c, r, t, C_OUT), E | (uint64_t)(k - SLOTS + 1), r)) return -1;
+    for (int r = 0; r < n; r++)
+        if (r != me) memcpy(p.mine + p.bd[r] * esz, p.base + p.bd[r] * esz, (p.bd[r + 1] - p.bd[r]) * esz);
+    post(ctr(c, me, t, C_IN), E | (uint64_t)(k + 1));
+    return 0;
+}
+
+static int step_reduce(ctx_t *c, int t, int64_t k, uint64_t E) {
     job_t *j = &c->job;
     const int n = c->world, me = c->me, esz = j->esz;
+    uint8_t *src[MAXW];
+    piece_t p;
+    piece(c, t, k, &p);
+    for (int r = 0; r < n; r++) {
+        if (r == me) { src[r] = p.base + p.bd[me] * esz; continue; }
+        if (wait_ge(c, ctr(c, r, t, C_IN), E | (uint64_t)(k + 1), r)) return -1;
+        src[r] = slot(c, r, t, (int)(k % SLOTS)) + p.bd[me] * esz;
+    }
+    /* all_reduce: into the tensor and the slot; a reduce: the root's tensor, another's slot */
+    uint8_t *own = p.base + p.bd[me] * esz, *handed = p.mine + p.bd[me] * esz;
+    uint8_t *d1 = j->root < 0 || j->root == me ? own : handed, *d2 = j->root < 0 ? handed : d1;
+    reducer(j->dtype)(src, n, p.bd[me + 1] - p.bd[me], d1, d2, j->op);
+    post(ctr(c, me, t, C_RED), E | (uint64_t)(k + 1));
+    return 0;
+}
+
+static int step_out(ctx_t *c, int t, int64_t k, uint64_t E) {
+    job_t *j = &c->job;
+    const int n = c->world, me = c->me, esz = j->esz;
+    piece_t p;
+    piece(c, t, k, &p);
+    for (int i = 1; i < n && (j->root < 0 || j->root == me); i++) {
+        int r = (me + i) % n;
+        if (wait_ge(c, ctr(c, r, t, C_RED), E | (uint64_t)(k + 1), r)) return -1;
+        memcpy(p.base + p.bd[r] * esz, slot(c, r, t, (int)(k % SLOTS)) + p.bd[r] * esz, (p.bd[r + 1] - p.bd[r]) * esz);
+    }
+    post(ctr(c, me, t, C_OUT), E | (uint64_t)(k + 1));
+    return 0;
+}
+
+static void run_stripe(ctx_t *c, int t) {
+    job_t *j = &c->job;
+    const int n = c->world, me = c->me, L = j->lag;
     const int64_t lo = j->count * t / j->stripes, hi = j->count * (t + 1) / j->stripes;
     const int64_t chunks = (hi - lo + j->chunk - 1) / j->chunk;
     const uint64_t E = j->epoch << 32;
-    red_fn red = reducer(j->dtype);
-    uint8_t *src[MAXW];
-    int64_t bd[MAXW + 1];
-    for (int64_t k = 0; k < chunks; k++) {
-        const int s = (int)(k % SLOTS);
-        const int64_t k0 = lo + k * j->chunk, m = (hi - k0) < j->chunk ? hi - k0 : j->chunk;
-        uint8_t *mine = slot(c, me, t, s), *base = j->buf + k0 * esz;
-        for (int r = 0; r <= n; r++) bd[r] = m * r / n;
-        if (k >= SLOTS)             /* the slot's last chunk is read by every rank */
-            for (int r = 0; r < n; r++)
-                if (r != me && wait_ge(c, ctr(c, r, t, C_OUT), E | (uint64_t)(k - SLOTS + 1), r)) return;
-        for (int r = 0; r < n; r++)
-            if (r != me) memcpy(mine + bd[r] * esz, base + bd[r] * esz, (bd[r + 1] - bd[r]) * esz);
-        post(ctr(c, me, t, C_IN), E | (uint64_t)(k + 1));
-        for (int r = 0; r < n; r++) {
-            if (r == me) { src[r] = base + bd[me] * esz; continue; }
-            if (wait_ge(c, ctr(c, r, t, C_IN), E | (uint64_t)(k + 1), r)) return;
-            src[r] = slot(c, r, t, s) + bd[me] * esz;
-        }
-        /* all_reduce: into the tensor and the slot; a reduce: the root's tensor, another's slot */
-        uint8_t *own = base + bd[me] * esz, *handed = mine + bd[me] * esz;
-        uint8_t *d1 = j->root < 0 || j->root == me ? own : handed, *d2 = j->root < 0 ? handed : d1;
-        red(src, n, bd[me + 1] - bd[me], d1, d2, j->op);
-        post(ctr(c, me, t, C_RED), E | (uint64_t)(k + 1));
-        for (int i = 1; i < n && (j->root < 0 || j->root == me); i++) {
-            int r = (me + i) % n;
-            if (wait_ge(c, ctr(c, r, t, C_RED), E | (uint64_t)(k + 1), r)) return;
-            memcpy(base + bd[r] * esz, slot(c, r, t, s) + bd[r] * esz, (bd[r + 1] - bd[r]) * esz);
-        }
-        post(ctr(c, me, t, C_OUT), E | (uint64_t)(k + 1));
+    for (int64_t i = 0; i < chunks + 2 * L; i++) {
+        if (i < chunks && step_in(c, t, i, E)) return;
+        if (i - L >= 0 && i - L < chunks && step_reduce(c, t, i - L, E)) return;
+        if (i - 2 * L >= 0 && i - 2 * L < chunks && step_out(c, t, i - 2 * L, E)) return;
     }
     for (int r = 0; r < n; r++)     /* nobody reads this rank's area after the call */
         if (r != me && wait_ge(c, ctr(c, r, t, C_OUT), E | (uint64_t)chunks, r)) return;
@@ -407,55 +455,67 @@ static void run_stripe(ctx_t *c, int t) {
  * destination; each rank writes the blocks of the other destinations into its slot (block d at
  * d * L), raises `in`, reduces its own block over every rank (its own from its input) straight
  * into its output and raises `red`: every rank has read the chunk's slots then. The all_to_all
- * and the all_gather move their chunks the same way and copy where the reduce_scatter reduces. */
-static void run_scatter_stripe(ctx_t *c, int t) {
+ * and the all_gather move their chunks the same way and copy where the reduce_scatter reduces.
+ * With lag 1 a rank's turn i copies chunk i in and takes chunk i - 1 (as run_stripe's). */
+static int scatter_in(ctx_t *c, int t, int64_t k, uint64_t E) {
     job_t *j = &c->job;
     const int n = c->world, me = c->me, esz = j->esz;
-    const int64_t m = j->count, lo = m * t / j->stripes, hi = m * (t + 1) / j->stripes, L = j->chunk;
-    const int64_t chunks = (hi - lo + L - 1) / L;
-    const uint64_t E = j->epoch << 32;
-    red_fn red = reducer(j->dtype);
+    const int64_t m = j->count, hi = m * (t + 1) / j->stripes, L = j->chunk;
+    const int64_t a = m * t / j->stripes + k * L, len = (hi - a) < L ? hi - a : L;
+    uint8_t *mine = slot(c, me, t, (int)(k % SLOTS));
+    if (k >= SLOTS)
+        for (int r = 0; r < n; r++)
+            if (r != me && wait_ge(c, ctr(c, r, t, C_RED), E | (uint64_t)(k - SLOTS + 1), r)) return -1;
+    if (j->scatter == 3)        /* all_gather: this rank's chunk, once for every reader */
+        memcpy(mine, j->buf + a * esz, len * esz);
+    else
+        for (int d = 0; d < n; d++)
+            if (d != me) memcpy(mine + d * L * esz, j->buf + (d * m + a) * esz, len * esz);
+    post(ctr(c, me, t, C_IN), E | (uint64_t)(k + 1));
+    return 0;
+}
+
+static int scatter_take(ctx_t *c, int t, int64_t k, uint64_t E) {
+    job_t *j = &c->job;
+    const int n = c->world, me = c->me, esz = j->esz, s = (int)(k % SLOTS);
+    const int64_t m = j->count, hi = m * (t + 1) / j->stripes, L = j->chunk;
+    const int64_t a = m * t / j->stripes + k * L, len = (hi - a) < L ? hi - a : L;
     uint8_t *src[MAXW];
-    for (int64_t k = 0; k < chunks; k++) {
-        const int s = (int)(k % SLOTS);
-        const int64_t a = lo + k * L, len = (hi - a) < L ? hi - a : L;
-        uint8_t *mine = slot(c, me, t, s);
-        if (k >= SLOTS)
-            for (int r = 0; r < n; r++)
-                if (r != me && wait_ge(c, ctr(c, r, t, C_RED), E | (uint64_t)(k - SLOTS + 1), r)) return;
-        if (j->scatter == 3)        /* all_gather: this rank's chunk, once for every reader */
-            memcpy(mine, j->buf + a * esz, len * esz);
-        else
-            for (int d = 0; d < n; d++)
-                if (d != me) memcpy(mine + d * L * esz, j->buf + (d * m + a) * esz, len * esz);
-        post(ctr(c, me, t, C_IN), E | (uint64_t)(k + 1));
-        if (j->scatter == 3) {      /* all_gather: every rank's chunk, copied into its block */
-            memcpy(j->out + (me * m + a) * esz, j->buf + a * esz, len * esz);
-            for (int i = 1; i < n; i++) {
-                int r = (me + i) % n;
-                if (wait_ge(c, ctr(c, r, t, C_IN), E | (uint64_t)(k + 1), r)) return;
-                memcpy(j->out + (r * m + a) * esz, slot(c, r, t, s), len * esz);
-            }
-            post(ctr(c, me, t, C_RED), E | (uint64_t)(k + 1));
-            continue;
+    if (j->scatter == 3) {      /* all_gather: every rank's chunk, copied into its block */
+        memcpy(j->out + (me * m + a) * esz, j->buf + a * esz, len * esz);
+        for (int i = 1; i < n; i++) {
+            int r = (me + i) % n;
+            if (wait_ge(c, ctr(c, r, t, C_IN), E | (uint64_t)(k + 1), r)) return -1;
+            memcpy(j->out + (r * m + a) * esz, slot(c, r, t, s), len * esz);
         }
-        if (j->scatter == 2) {      /* all_to_all: every rank's block for this rank, copied */
-            memcpy(j->out + (me * m + a) * esz, j->buf + (me * m + a) * esz, len * esz);
-            for (int i = 1; i < n; i++) {
-                int r = (me + i) % n;
-                if (wait_ge(c, ctr(c, r, t, C_IN), E | (uint64_t)(k + 1), r)) return;
-                memcpy(j->out + (r * m + a) * esz, slot(c, r, t, s) + me * L * esz, len * esz);
-            }
-            post(ctr(c, me, t, C_RED), E | (uint64_t)(k + 1));
-            continue;
+    } else if (j->scatter == 2) {   /* all_to_all: every rank's block for this rank, copied */
+        memcpy(j->out + (me * m + a) * esz, j->buf + (me * m + a) * esz, len * esz);
+        for (int i = 1; i < n; i++) {
+            int r = (me + i) % n;
+            if (wait_ge(c, ctr(c, r, t, C_IN), E | (uint64_t)(k + 1), r)) return -1;
+            memcpy(j->out + (r * m + a) * esz, slot(c, r, t, s) + me * L * esz, len * esz);
         }
+    } else {
         for (int r = 0; r < n; r++) {
             if (r == me) { src[r] = j->buf + (me * m + a) * esz; continue; }
-            if (wait_ge(c, ctr(c, r, t, C_IN), E | (uint64_t)(k + 1), r)) return;
+            if (wait_ge(c, ctr(c, r, t, C_IN), E | (uint64_t)(k + 1), r)) return -1;
             src[r] = slot(c, r, t, s) + me * L * esz;
         }
-        red(src, n, len, j->out + a * esz, j->out + a * esz, j->op);
-        post(ctr(c, me, t, C_RED), E | (uint64_t)(k + 1));
+        reducer(j->dtype)(src, n, len, j->out + a * esz, j->out + a * esz, j->op);
+    }
+    post(ctr(c, me, t, C_RED), E | (uint64_t)(k + 1));
+    return 0;
+}
+
+static void run_scatter_stripe(ctx_t *c, int t) {
+    job_t *j = &c->job;
+    const int n = c->world, me = c->me, lag = j->lag;
+    const int64_t m = j->count, lo = m * t / j->stripes, hi = m * (t + 1) / j->stripes;
+    const int64_t chunks = (hi - lo + j->chunk - 1) / j->chunk;
+    const uint64_t E = j->epoch << 32;
+    for (int64_t i = 0; i < chunks + lag; i++) {
+        if (i < chunks && scatter_in(c, t, i, E)) return;
+        if (i - lag >= 0 && i - lag < chunks && scatter_take(c, t, i - lag, E)) return;
     }
     for (int r = 0; r < n; r++)
         if (r != me && wait_ge(c, ctr(c, r, t, C_RED), E | (uint64_t)chunks, r)) return;
@@ -543,6 +603,9 @@ void cpucoll_wake32(uint64_t addr) { futex_wake((volatile uint32_t *)(uintptr_t)
 /* the yield that says other threads want the core (BRAID_CPU_SLOW_YIELD_US; 0: never) */
 void cpucoll_set_slow_yield(int64_t ns) { slow_yield_ns = ns; }
 
+/* the turns between a chunk's copy in and its reduction, 0 or 1 (BRAID_CPU_LAG; see run_stripe) */
+void cpucoll_set_lag(int turns) { lag_turns = turns > 0 ? 1 : 0; }
+
 /* the last call's slow yields (waits that found their core wanted) */
 uint64_t cpucoll_busy(void *h) { return __atomic_load_n(&((ctx_t *)h)->busy, __ATOMIC_RELAXED); }
 
@@ -570,6 +633,7 @@ static int go(ctx_t *c, void *buf, void *out, int64_t count, int esz, int dtype,
     j->out = (uint8_t *)out;
     j->scatter = scatter;
     j->dry = dry;
+    j->lag = lag_turns;
     j->root = root < 0 || root >= c->world ? -1 : root;
     j->count = count;
     j->esz = esz;

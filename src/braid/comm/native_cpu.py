@@ -76,6 +76,9 @@ def build() -> ctypes.CDLL | None:
     lib.cpucoll_set_slow_yield.restype = None
     lib.cpucoll_set_slow_yield.argtypes = [_i64]
     lib.cpucoll_set_slow_yield(envs.get("BRAID_CPU_SLOW_YIELD_US") * 1000)
+    lib.cpucoll_set_lag.restype = None
+    lib.cpucoll_set_lag.argtypes = [_int]
+    lib.cpucoll_set_lag(envs.get("BRAID_CPU_LAG"))
     lib.cpucoll_has_f16.restype = _int
     lib.cpucoll_free.restype = None
     lib.cpucoll_free.argtypes = [_vp]
