@@ -109,17 +109,22 @@ def test_every_dtype_and_reduction(w):
         assert bad == [], bad
 
 
-def _lagged_worker(rank, w, lags):
-    """_every_worker with this rank's chunks a turn apart or not (lags[rank]; BRAID_CPU_LAG)."""
+def _lagged_worker(rank, w, lags, streams):
+    """_every_worker with this rank's chunks a turn apart or not (lags[rank]: BRAID_CPU_LAG) and its
+    copies into its own tensors past the caches or not (streams[rank]: BRAID_CPU_STREAM)."""
     from braid.comm import native_cpu
-    native_cpu.build().cpucoll_set_lag(lags[rank])
+    lib = native_cpu.build()
+    lib.cpucoll_set_lag(lags[rank])
+    lib.cpucoll_set_stream(streams[rank])
     return _every_worker(rank, w)
 
 
-# every rank a turn apart, and ranks that differ (each wait is for a turn a peer already ran)
-@pytest.mark.parametrize("lags", [(1, 1, 1), (1, 0, 0, 1)], ids=["3-ranks-lag-1", "4-ranks-lags-differ"])
-def test_every_dtype_and_reduction_with_chunks_a_turn_apart(lags):
-    for bad in run_world(_lagged_worker, len(lags), lags, timeout=300):
+# every rank a turn apart with streaming copies, and ranks that differ in both (each wait is for a
+# turn a peer already ran; how a rank writes its own tensor is its own affair)
+@pytest.mark.parametrize("lags, streams", [((1, 1, 1), (1, 1, 1)), ((1, 0, 0, 1), (0, 1, 0, 1))],
+                         ids=["3-ranks-lag-1-streaming", "4-ranks-that-differ"])
+def test_every_dtype_and_reduction_with_chunks_a_turn_apart(lags, streams):
+    for bad in run_world(_lagged_worker, len(lags), lags, streams, timeout=300):
         assert bad == [], bad
 
 

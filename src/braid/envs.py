@@ -153,6 +153,9 @@ _define("BRAID_CPU_LAG", _nonneg_int, 0,
         "Native CPU collectives: 1: a rank copies a chunk in one turn before it reduces it (and "
         "reduces it one turn before it copies it out), so a wait is for what a peer did a turn "
         "earlier; 0: each chunk's steps back to back.")
+_define("BRAID_CPU_STREAM", _nonneg_int, 0,
+        "Native CPU collectives: 1: the copies from other ranks' chunks into a rank's own tensor "
+        "use stores that bypass the caches (x86); 0: plain copies.")
 _define("BRAID_CPU_SLOW_YIELD_US", _nonneg_int, 500,
         "CPU collectives through shared memory: a wait whose yield gave the core away this long "
         "(other processes or threads want the cores) sleeps on its counter from then on, for a few "

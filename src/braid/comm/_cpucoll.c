@@ -55,6 +55,9 @@
 #include <sys/types.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #define MAXW 64
 #define MAXT 32
@@ -63,6 +66,7 @@
 #define SPIN_NS 20000LL         /* a wait spins this long, then yields the core... */
 #define YIELD_NS 5000000LL      /* ...until this long, then sleeps in short steps */
 static int lag_turns = 0;               /* the job's lag (cpucoll_set_lag) */
+static int stream_out = 0;              /* copies into the caller's tensors bypass the caches (cpucoll_set_stream) */
 static int64_t slow_yield_ns = 500000;  /* a yield this long: another thread held the core for a
                                           * time slice (0: never; cpucoll_set_slow_yield) */
 #define FUTEX_NS 1000000LL      /* longest sleep on a futex between two looks at aborts and peers */
@@ -132,6 +136,32 @@ static inline void relax(void) {
 #elif defined(__aarch64__)
     __asm__ __volatile__("yield");
 #endif
+}
+
+/* A copy into the caller's own tensor, which no rank reads during the call: with stream_out its
+ * stores bypass the caches (no read of the destination's lines first, and the chunks the ranks
+ * still read stay cached); the fence orders them before the counter that follows. */
+static void copy_out(uint8_t *dst, const uint8_t *src, size_t n) {
+#if defined(__SSE2__)
+    if (stream_out && n >= 1024) {
+        size_t head = (size_t)(-(uintptr_t)dst) & 15;
+        memcpy(dst, src, head);
+        dst += head, src += head, n -= head;
+        size_t body = n & ~(size_t)63;
+        for (size_t i = 0; i < body; i += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(src + i)), b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32)), d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+            _mm_stream_si128((__m128i *)(dst + i), a);
+            _mm_stream_si128((__m128i *)(dst + i + 16), b);
+            _mm_stream_si128((__m128i *)(dst + i + 32), c);
+            _mm_stream_si128((__m128i *)(dst + i + 48), d);
+        }
+        memcpy(dst + body, src + body, n - body);
+        _mm_sfence();
+        return;
+    }
+#endif
+    memcpy(dst, src, n);
 }
 
 static volatile uint64_t *ctr(ctx_t *c, int r, int t, int kind) {
@@ -430,7 +460,7 @@ static int step_out(ctx_t *c, int t, int64_t k, uint64_t E) {
     for (int i = 1; i < n && (j->root < 0 || j->root == me); i++) {
         int r = (me + i) % n;
         if (wait_ge(c, ctr(c, r, t, C_RED), E | (uint64_t)(k + 1), r)) return -1;
-        memcpy(p.base + p.bd[r] * esz, slot(c, r, t, (int)(k % SLOTS)) + p.bd[r] * esz, (p.bd[r + 1] - p.bd[r]) * esz);
+        copy_out(p.base + p.bd[r] * esz, slot(c, r, t, (int)(k % SLOTS)) + p.bd[r] * esz, (p.bd[r + 1] - p.bd[r]) * esz);
     }
     post(ctr(c, me, t, C_OUT), E | (uint64_t)(k + 1));
     return 0;
@@ -486,14 +516,14 @@ static int scatter_take(ctx_t *c, int t, int64_t k, uint64_t E) {
         for (int i = 1; i < n; i++) {
             int r = (me + i) % n;
             if (wait_ge(c, ctr(c, r, t, C_IN), E | (uint64_t)(k + 1), r)) return -1;
-            memcpy(j->out + (r * m + a) * esz, slot(c, r, t, s), len * esz);
+            copy_out(j->out + (r * m + a) * esz, slot(c, r, t, s), len * esz);
         }
     } else if (j->scatter == 2) {   /* all_to_all: every rank's block for this rank, copied */
         memcpy(j->out + (me * m + a) * esz, j->buf + (me * m + a) * esz, len * esz);
         for (int i = 1; i < n; i++) {
             int r = (me + i) % n;
             if (wait_ge(c, ctr(c, r, t, C_IN), E | (uint64_t)(k + 1), r)) return -1;
-            memcpy(j->out + (r * m + a) * esz, slot(c, r, t, s) + me * L * esz, len * esz);
+            copy_out(j->out + (r * m + a) * esz, slot(c, r, t, s) + me * L * esz, len * esz);
         }
     } else {
         for (int r = 0; r < n; r++) {
@@ -605,6 +635,9 @@ void cpucoll_set_slow_yield(int64_t ns) { slow_yield_ns = ns; }
 
 /* the turns between a chunk's copy in and its reduction, 0 or 1 (BRAID_CPU_LAG; see run_stripe) */
 void cpucoll_set_lag(int turns) { lag_turns = turns > 0 ? 1 : 0; }
+
+/* copies into the caller's tensors with stores that bypass the caches, 0 or 1 (BRAID_CPU_STREAM) */
+void cpucoll_set_stream(int on) { stream_out = on ? 1 : 0; }
 
 /* the last call's slow yields (waits that found their core wanted) */
 uint64_t cpucoll_busy(void *h) { return __atomic_load_n(&((ctx_t *)h)->busy, __ATOMIC_RELAXED); }

@@ -79,6 +79,9 @@ def build() -> ctypes.CDLL | None:
     lib.cpucoll_set_lag.restype = None
     lib.cpucoll_set_lag.argtypes = [_int]
     lib.cpucoll_set_lag(envs.get("BRAID_CPU_LAG"))
+    lib.cpucoll_set_stream.restype = None
+    lib.cpucoll_set_stream.argtypes = [_int]
+    lib.cpucoll_set_stream(envs.get("BRAID_CPU_STREAM"))
     lib.cpucoll_has_f16.restype = _int
     lib.cpucoll_free.restype = None
     lib.cpucoll_free.argtypes = [_vp]
