@@ -12,8 +12,9 @@ lane, 65,537 split over its gloo and shm lanes, and 7 under a calibration that g
 collective the call whole (each 7-element call is made twice: braid's backend hands a repeated
 call shape straight to gloo); a subgroup's calls, 7 and 65,537 elements, all go to the inner group.
 
-Every rank builds every rank's data from the seed, so the reference is computed locally from all
-ranks' inputs with plain torch ops, not by a collective. The reference is NCCL's arithmetic:
+Every rank builds the other ranks' inputs that its result is reduced from (for reduce_scatter,
+their chunk for it) from the seed, so the reference is computed locally from all ranks' inputs
+with plain torch ops, not by a collective. The reference is NCCL's arithmetic:
 - integer SUM and PRODUCT wrap around in the tensor's type; integer AVG is that wrapped sum
   divided with truncation toward zero (`torch.div(sum, n, rounding_mode="trunc")`), as NCCL
   computes it, and as frameworks that send int64 AVG to any backend not named "gloo" expect;
@@ -309,6 +310,28 @@ def set_calibration(comm, mode: str, w: int) -> None:
     comm.set_calibration({f"{op}/{w}": dict(WHOLE_LANES) for op in CAL_OPS} if mode == "whole" else {})
 
 
+def _inputs(seed: int, api: str, w: int, coll: str, dname: str, op: str, call: int, n: int, rank: int,
+            root: int) -> tuple[torch.Tensor, list | None]:
+    """(this rank's input to one call, the inputs its result is reduced from: one per rank, in
+    rank order). For all_reduce and reduce those are every rank's whole input (None on a rank
+    other than reduce's root, which has no result to check); for reduce_scatter, which gives this
+    rank the reduction of chunk `rank` of every rank's input, each input is made of w chunks drawn
+    on their own, so a rank draws its own input and chunk `rank` of the others' (2w - 1 chunks, not
+    w * w)."""
+    dtype = getattr(torch, dname)
+
+    def draw(r, *chunk):
+        return make_data(dtype, op, n, _gen(seed, api, w, coll, dname, op, call, r, *chunk))
+    if coll.startswith("reduce_scatter"):
+        mine = torch.cat([draw(rank, j) for j in range(w)])
+        own = mine[rank * n:(rank + 1) * n].clone()
+        return mine, [own if r == rank else draw(r, rank) for r in range(w)]
+    mine = draw(rank)
+    if coll == "reduce" and rank != root:
+        return mine, None
+    return mine, [mine if r == rank else draw(r) for r in range(w)]     # _call reduces a copy
+
+
 def _cells_worker(rank: int, w: int, api: str, seed: int) -> list:
     import torch.distributed as dist
     import braid
@@ -339,26 +362,21 @@ def _cells_worker(rank: int, w: int, api: str, seed: int) -> list:
                     for call, (cal, n) in enumerate(calls_for(api)):
                         if cal != mode:
                             continue
-                        per_rank = n * (w if coll.startswith("reduce_scatter") else 1)
-                        parts = [make_data(dtype, op, per_rank, _gen(seed, api, w, coll, dname, op, call, r))
-                                 for r in range(w)]
+                        mine, column = _inputs(seed, api, w, coll, dname, op, call, n, rank, root)
                         rec = {"api": api, "world": w, "coll": coll, "dtype": dname, "op": op, "n": n,
                                "call": call, "path": cal}
                         entered = _ENTERED[0]
                         try:
-                            got = _call(api, coll, parts[rank], op, root, w, group)
+                            got = _call(api, coll, mine, op, root, w, group)
                         except Exception as exc:        # refused: record who refused and what it said
                             rec.update(status="refused", error=type(exc).__name__,
                                        origin=_origin(exc, _ENTERED[0] != entered), message=str(exc).strip()[:600])
                         else:
                             rec["status"] = "accepted"
-                            if coll == "reduce" and rank != root:
+                            if column is None:          # reduce, not the root: nothing to check
                                 rec["check"] = None
                             else:
-                                want = reference(parts, op)
-                                if coll.startswith("reduce_scatter"):
-                                    want = want.chunk(w)[rank]
-                                rec["check"] = compare(got, want, tolerance(dtype, op, w)) or "ok"
+                                rec["check"] = compare(got, reference(column, op), tolerance(dtype, op, w)) or "ok"
                         records.append(rec)
     # every rank must reach the same verdict on every call: one exchange at the end (one per call
     # held the worlds in lockstep, most of the matrix's time with six worlds on two cores)
