@@ -373,7 +373,9 @@ def run_worker(backend: str, device: str, names: list[str], variant: str, timeou
               f"({dt_s:.1f} s){why}", flush=True)
     import torch
     report = {"backend": backend, "device": device, "variant": variant, "torch": torch.__version__,
-              "profiler_checks": bool(profiler_checks), "results": results}
+              "profiler_checks": bool(profiler_checks), "results": results,
+              # every test of this torch's _DistTestBase, as list_worker gives them
+              "names": sorted(n for n in dir(dt.DistributedTest._DistTestBase) if n.startswith("test_"))}
     if out_json:
         with open(out_json, "w") as f:
             json.dump(report, f, indent=1)
