@@ -338,12 +338,32 @@ def _profiler_checks(device: str, asked: bool | None) -> bool:
     return (device == "cpu") if asked is None else bool(asked)
 
 
+def _build_native_libraries() -> None:
+    """braid compiles its C libraries on first use into BRAID_CACHE_DIR, a fresh folder for each
+    worker (run_in_subprocess): left to the ranks, every rank of the worker's first test runs the
+    compiler at once (8 of them in the subgroup run). A child of this process builds them once
+    instead (this process's braid stays as it was), and the ranks load them from the folder."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            from braid.comm import native_cpu, native_rounds
+            native_rounds.build()
+            native_cpu.build()
+            code = 0
+        finally:
+            os._exit(code)
+    os.waitpid(pid, 0)
+
+
 def run_worker(backend: str, device: str, names: list[str], variant: str, timeout: int,
                out_json: str | None, profiler_checks: bool = False) -> dict:
     import logging
     import unittest
 
     Case, dt, _ = _load(backend, device, variant, profiler_checks)
+    if backend == "braid" and hasattr(os, "fork"):
+        _build_native_libraries()
     lifted = _lift(dt, [n for n in names if n in torch_tests.LIFTED])
     # torch's harness logs each rank's exception at ERROR level; the result carries it anyway
     logging.getLogger("torch.testing._internal.common_distributed").setLevel(logging.CRITICAL)
