@@ -99,6 +99,18 @@ def free_port() -> int:
                 return port
 
 
+def stay_away(flag: str, limit: float) -> bool:
+    """For a rank that must make no call while its peer waits for it to time out: sleep until the
+    peer creates the file `flag` (it has its answer) or `limit` seconds have passed (the peer's
+    wait outlived the limit: the peer then sees this rank go). True if the flag came."""
+    deadline = time.monotonic() + limit
+    while not os.path.exists(flag):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def braid_shm_entries() -> set[str]:
     """Names in /dev/shm that braid created (its segments are called braid-<pid>-<hex>)."""
     try:

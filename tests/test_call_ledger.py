@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from conftest import run_world
+from conftest import run_world, stay_away
 
 # gloo takes calls up to a few KiB whole; larger ones go to braid's shm lane (alone or split)
 LANE_COSTS = {"gloo": {"latency_us": 10.0, "bw_gbps": 1.0, "floor_us": 10.0},
@@ -99,24 +99,28 @@ def test_abort_reaches_a_peer_waiting_in_an_exchange():
     assert r1["later"] is not None and "rank 0 aborted" in r1["later"], r1
 
 
-def _late_worker(rank: int, w: int):
+def _late_worker(rank: int, w: int, flag: str):
     from braid.errors import BraidTimeoutError
     comm = _comm(w)
     x = torch.ones(100_003)
     out = torch.empty(100_003 * w)
     comm.all_gather_into_tensor(out, x)
     if rank == 1:
-        time.sleep(6)                            # never makes the second call within the limit
+        # never makes the second call within the limit: away until rank 0 has its answer (or 6 s)
+        stay_away(flag, 6)
         return {"slept": True}
     try:
         comm.all_gather_into_tensor(out, x)
         return {"raised": None}
     except BraidTimeoutError as exc:
         return {"raised": "BraidTimeoutError", "msg": str(exc)}
+    finally:
+        open(flag, "w").close()
 
 
-def test_timeout_says_what_each_rank_did():
-    r0, _ = run_world(_late_worker, 2, init_pg=True, env=dict(ENV, BRAID_TIMEOUT_S="2"), timeout=60)
+def test_timeout_says_what_each_rank_did(tmp_path):
+    r0, _ = run_world(_late_worker, 2, str(tmp_path / "answered"), init_pg=True, env=dict(ENV, BRAID_TIMEOUT_S="2"),
+                      timeout=60)
     assert r0["raised"] == "BraidTimeoutError", r0
     msg = r0["msg"]
     assert "rank 0 call #2 is all_gather of 400012 bytes" in msg, msg

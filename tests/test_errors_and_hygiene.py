@@ -18,7 +18,7 @@ import braid
 from braid import envs
 from braid.errors import (BraidError, BraidTimeoutError, LaneFailureError, LaneUnavailableError, MisuseError,
                           PeerMismatchError)
-from conftest import braid_shm_entries, run_world
+from conftest import braid_shm_entries, run_world, stay_away
 
 CHECKS_WORLD = 3
 
@@ -343,17 +343,20 @@ def test_no_segment_left_after_normal_close(checks):
 # timeouts and dead peers
 # ---------------------------------------------------------------------------------------------
 
-def _timeout_worker(rank, w, peer_sleep):
+def _timeout_worker(rank, w, peer_sleep, flag):
     import braid
     comm = braid.init()
     if rank == 1:
-        time.sleep(peer_sleep)      # never makes the call, then exits cleanly
+        # never makes the call, then exits cleanly: once rank 0 has its answer, or after peer_sleep
+        stay_away(flag, peer_sleep)
         return None
     t0 = time.monotonic()
     try:
         comm.all_gather_into_tensor(torch.empty(1000 * w), torch.ones(1000))
     except BraidError as exc:
         return {"error": type(exc).__name__, "msg": str(exc), "waited": time.monotonic() - t0}
+    finally:
+        open(flag, "w").close()
     return {"error": None}
 
 
@@ -425,9 +428,10 @@ def test_a_segment_closed_while_viewed_warns_but_not_at_exit(caplog):
         assert len([r for r in caplog.records if "still referenced" in r.getMessage()]) == 1
 
 
-def test_peer_that_never_calls_times_out():
+def test_peer_that_never_calls_times_out(tmp_path):
     peer_sleep = 9.0
-    results = run_world(_timeout_worker, 2, peer_sleep, env={"BRAID_TIMEOUT_S": "3"}, timeout=90)
+    results = run_world(_timeout_worker, 2, peer_sleep, str(tmp_path / "answered"), env={"BRAID_TIMEOUT_S": "3"},
+                        timeout=90)
     got = results[0]
     # a LaneFailureError would mean the wait outlived the sleeping peer: the timeout did not fire
     assert got["error"] == "BraidTimeoutError", got
