@@ -110,12 +110,14 @@ def test_every_dtype_and_reduction(w):
 
 
 def _lagged_worker(rank, w, lags, streams):
-    """_every_worker with this rank's chunks a turn apart or not (lags[rank]: BRAID_CPU_LAG) and its
-    copies into its own tensors past the caches or not (streams[rank]: BRAID_CPU_STREAM)."""
+    """_every_worker with this rank's chunks a turn apart in every op or none (lags[rank]:
+    BRAID_CPU_LAG) and its copies into its own tensors past the caches or not (streams[rank]:
+    BRAID_CPU_STREAM)."""
     from braid.comm import native_cpu
     lib = native_cpu.build()
-    lib.cpucoll_set_lag(lags[rank])
-    lib.cpucoll_set_stream(streams[rank])
+    every = native_cpu.kinds(native_cpu.envs.NATIVE_CPU_OPS)
+    lib.cpucoll_set_lag(every if lags[rank] else 0)
+    lib.cpucoll_set_stream(every if streams[rank] else 0)
     return _every_worker(rank, w)
 
 

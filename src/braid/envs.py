@@ -149,13 +149,32 @@ _define("BRAID_CPU_STRIPE_KB", _positive_int, 128,
 _define("BRAID_CPU_CHUNK_KB", _positive_int, 256,
         "Native CPU collectives: KiB of data per rank and chunk of a thread's stripe (small enough to "
         "stay in the caches between a rank's copy in and the others' reduction).")
-_define("BRAID_CPU_LAG", _nonneg_int, 0,
-        "Native CPU collectives: 1: a rank copies a chunk in one turn before it reduces it (and "
-        "reduces it one turn before it copies it out), so a wait is for what a peer did a turn "
-        "earlier; 0: each chunk's steps back to back.")
-_define("BRAID_CPU_STREAM", _nonneg_int, 0,
-        "Native CPU collectives: 1: the copies from other ranks' chunks into a rank's own tensor "
-        "use stores that bypass the caches (x86); 0: plain copies.")
+NATIVE_CPU_OPS = ("all_reduce", "reduce", "reduce_scatter", "all_to_all", "all_gather")
+
+
+def _native_ops(text: str) -> tuple[str, ...]:
+    """A comma list of the native CPU collectives' ops, 'all' or 'none'."""
+    low = text.strip().lower()
+    if low == "all":
+        return NATIVE_CPU_OPS
+    if low in ("", "none", "0"):
+        return ()
+    ops = {part.strip() for part in low.split(",") if part.strip()}
+    bad = sorted(ops - set(NATIVE_CPU_OPS))
+    if bad:
+        raise ValueError(f"unknown op(s) {', '.join(bad)}; expected a comma list of "
+                         f"{', '.join(NATIVE_CPU_OPS)}, 'all' or 'none'")
+    return tuple(op for op in NATIVE_CPU_OPS if op in ops)
+
+
+_define("BRAID_CPU_LAG", _native_ops, ("all_gather",),
+        "Native CPU collectives whose chunks run a turn apart (comma list of all_reduce, reduce, "
+        "reduce_scatter, all_to_all, all_gather; 'all'; 'none'): a rank copies a chunk in one turn "
+        "before it takes it (reduces it, or copies it out), so a wait is for what a peer did a turn "
+        "earlier; the others run each chunk's steps back to back.")
+_define("BRAID_CPU_STREAM", _native_ops, ("all_gather",),
+        "Native CPU collectives whose copies from other ranks' chunks into a rank's own tensor use "
+        "stores that bypass the caches (x86; same list as BRAID_CPU_LAG); the others copy plainly.")
 _define("BRAID_CPU_SLOW_YIELD_US", _nonneg_int, 500,
         "CPU collectives through shared memory: a wait whose yield gave the core away this long "
         "(other processes or threads want the cores) sleeps on its counter from then on, for a few "

@@ -16,8 +16,8 @@
  *      that rank's `red` reached the chunk, then raises `out`.
  *
  * A slot is written again only when every rank's `out` passed the chunk that used it last; at the
- * end every stripe waits for every rank's `out`, so the area is free when the call returns. With
- * BRAID_CPU_LAG=1 the three steps of a chunk fall in three turns of a rank (run_stripe), so a rank
+ * end every stripe waits for every rank's `out`, so the area is free when the call returns. For
+ * the ops in BRAID_CPU_LAG a chunk's steps fall in three turns of a rank (run_stripe), so a rank
  * waits only for what its peers did a turn before.
  * Counters are 64-bit: (call's epoch << 32) | chunks done, rising from call to call.
  *
@@ -65,8 +65,9 @@
 #define BLK 1024                /* elements reduced per block (a block's sums stay in registers/L1) */
 #define SPIN_NS 20000LL         /* a wait spins this long, then yields the core... */
 #define YIELD_NS 5000000LL      /* ...until this long, then sleeps in short steps */
-static int lag_turns = 0;               /* the job's lag (cpucoll_set_lag) */
-static int stream_out = 0;              /* copies into the caller's tensors bypass the caches (cpucoll_set_stream) */
+/* per kind of call (bit K_*): chunks a turn apart, copies into the caller's tensors past the caches */
+enum { K_ALL_REDUCE = 0, K_REDUCE = 1, K_REDUCE_SCATTER = 2, K_ALL_TO_ALL = 3, K_ALL_GATHER = 4 };
+static int lag_kinds = 0, stream_kinds = 0;     /* cpucoll_set_lag, cpucoll_set_stream */
 static int64_t slow_yield_ns = 500000;  /* a yield this long: another thread held the core for a
                                           * time slice (0: never; cpucoll_set_slow_yield) */
 #define FUTEX_NS 1000000LL      /* longest sleep on a futex between two looks at aborts and peers */
@@ -91,6 +92,7 @@ typedef struct {
     int root;                   /* a reduce's root; -1: all_reduce */
     int esz, dtype, op, stripes;
     int lag;                    /* turns between a chunk's copy in and its reduction (0 or 1; run_stripe) */
+    int stream;                 /* 1: copy_out's stores bypass the caches */
     int dry;                    /* 1: the all_reduce's copies and reductions alone, no counter read or
                                  * written (cpucoll_all_reduce_floor) */
     uint64_t epoch;
@@ -138,12 +140,12 @@ static inline void relax(void) {
 #endif
 }
 
-/* A copy into the caller's own tensor, which no rank reads during the call: with stream_out its
+/* A copy into the caller's own tensor, which no rank reads during the call: with `stream` its
  * stores bypass the caches (no read of the destination's lines first, and the chunks the ranks
  * still read stay cached); the fence orders them before the counter that follows. */
-static void copy_out(uint8_t *dst, const uint8_t *src, size_t n) {
+static void copy_out(int stream, uint8_t *dst, const uint8_t *src, size_t n) {
 #if defined(__SSE2__)
-    if (stream_out && n >= 1024) {
+    if (stream && n >= 1024) {
         size_t head = (size_t)(-(uintptr_t)dst) & 15;
         memcpy(dst, src, head);
         dst += head, src += head, n -= head;
@@ -160,6 +162,8 @@ static void copy_out(uint8_t *dst, const uint8_t *src, size_t n) {
         _mm_sfence();
         return;
     }
+#else
+    (void)stream;
 #endif
     memcpy(dst, src, n);
 }
@@ -460,7 +464,7 @@ static int step_out(ctx_t *c, int t, int64_t k, uint64_t E) {
     for (int i = 1; i < n && (j->root < 0 || j->root == me); i++) {
         int r = (me + i) % n;
         if (wait_ge(c, ctr(c, r, t, C_RED), E | (uint64_t)(k + 1), r)) return -1;
-        copy_out(p.base + p.bd[r] * esz, slot(c, r, t, (int)(k % SLOTS)) + p.bd[r] * esz, (p.bd[r + 1] - p.bd[r]) * esz);
+        copy_out(j->stream, p.base + p.bd[r] * esz, slot(c, r, t, (int)(k % SLOTS)) + p.bd[r] * esz, (p.bd[r + 1] - p.bd[r]) * esz);
     }
     post(ctr(c, me, t, C_OUT), E | (uint64_t)(k + 1));
     return 0;
@@ -516,14 +520,14 @@ static int scatter_take(ctx_t *c, int t, int64_t k, uint64_t E) {
         for (int i = 1; i < n; i++) {
             int r = (me + i) % n;
             if (wait_ge(c, ctr(c, r, t, C_IN), E | (uint64_t)(k + 1), r)) return -1;
-            copy_out(j->out + (r * m + a) * esz, slot(c, r, t, s), len * esz);
+            copy_out(j->stream, j->out + (r * m + a) * esz, slot(c, r, t, s), len * esz);
         }
     } else if (j->scatter == 2) {   /* all_to_all: every rank's block for this rank, copied */
         memcpy(j->out + (me * m + a) * esz, j->buf + (me * m + a) * esz, len * esz);
         for (int i = 1; i < n; i++) {
             int r = (me + i) % n;
             if (wait_ge(c, ctr(c, r, t, C_IN), E | (uint64_t)(k + 1), r)) return -1;
-            copy_out(j->out + (r * m + a) * esz, slot(c, r, t, s) + me * L * esz, len * esz);
+            copy_out(j->stream, j->out + (r * m + a) * esz, slot(c, r, t, s) + me * L * esz, len * esz);
         }
     } else {
         for (int r = 0; r < n; r++) {
@@ -633,11 +637,11 @@ void cpucoll_wake32(uint64_t addr) { futex_wake((volatile uint32_t *)(uintptr_t)
 /* the yield that says other threads want the core (BRAID_CPU_SLOW_YIELD_US; 0: never) */
 void cpucoll_set_slow_yield(int64_t ns) { slow_yield_ns = ns; }
 
-/* the turns between a chunk's copy in and its reduction, 0 or 1 (BRAID_CPU_LAG; see run_stripe) */
-void cpucoll_set_lag(int turns) { lag_turns = turns > 0 ? 1 : 0; }
+/* the kinds of call (bits 1 << K_*) whose chunks run a turn apart (BRAID_CPU_LAG; see run_stripe) */
+void cpucoll_set_lag(int kinds) { lag_kinds = kinds; }
 
-/* copies into the caller's tensors with stores that bypass the caches, 0 or 1 (BRAID_CPU_STREAM) */
-void cpucoll_set_stream(int on) { stream_out = on ? 1 : 0; }
+/* the kinds of call whose copies into the caller's tensors bypass the caches (BRAID_CPU_STREAM) */
+void cpucoll_set_stream(int kinds) { stream_kinds = kinds; }
 
 /* the last call's slow yields (waits that found their core wanted) */
 uint64_t cpucoll_busy(void *h) { return __atomic_load_n(&((ctx_t *)h)->busy, __ATOMIC_RELAXED); }
@@ -666,7 +670,9 @@ static int go(ctx_t *c, void *buf, void *out, int64_t count, int esz, int dtype,
     j->out = (uint8_t *)out;
     j->scatter = scatter;
     j->dry = dry;
-    j->lag = lag_turns;
+    const int kind = scatter ? scatter + 1 : root >= 0 && root < c->world ? K_REDUCE : K_ALL_REDUCE;
+    j->lag = (lag_kinds >> kind) & 1;
+    j->stream = (stream_kinds >> kind) & 1;
     j->root = root < 0 || root >= c->world ? -1 : root;
     j->count = count;
     j->esz = esz;

@@ -38,6 +38,11 @@ def _machine() -> str:
         return os.uname().machine
 
 
+def kinds(ops) -> int:
+    """The bits of `_cpucoll.c`'s K_* kinds of call for a set of op names (envs.NATIVE_CPU_OPS)."""
+    return sum(1 << envs.NATIVE_CPU_OPS.index(op) for op in ops)
+
+
 def build() -> ctypes.CDLL | None:
     """The library, or None (one log line says why)."""
     global _lib, _tried
@@ -78,10 +83,10 @@ def build() -> ctypes.CDLL | None:
     lib.cpucoll_set_slow_yield(envs.get("BRAID_CPU_SLOW_YIELD_US") * 1000)
     lib.cpucoll_set_lag.restype = None
     lib.cpucoll_set_lag.argtypes = [_int]
-    lib.cpucoll_set_lag(envs.get("BRAID_CPU_LAG"))
+    lib.cpucoll_set_lag(kinds(envs.get("BRAID_CPU_LAG")))
     lib.cpucoll_set_stream.restype = None
     lib.cpucoll_set_stream.argtypes = [_int]
-    lib.cpucoll_set_stream(envs.get("BRAID_CPU_STREAM"))
+    lib.cpucoll_set_stream(kinds(envs.get("BRAID_CPU_STREAM")))
     lib.cpucoll_has_f16.restype = _int
     lib.cpucoll_free.restype = None
     lib.cpucoll_free.argtypes = [_vp]
