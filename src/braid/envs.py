@@ -149,6 +149,7 @@ _define("BRAID_CPU_STRIPE_KB", _positive_int, 128,
 _define("BRAID_CPU_CHUNK_KB", _positive_int, 256,
         "Native CPU collectives: KiB of data per rank and chunk of a thread's stripe (small enough to "
         "stay in the caches between a rank's copy in and the others' reduction).")
+# in the order of _cpucoll.c's K_* kinds of call: op i is bit 1 << i (native_cpu.kinds)
 NATIVE_CPU_OPS = ("all_reduce", "reduce", "reduce_scatter", "all_to_all", "all_gather")
 
 

@@ -491,11 +491,19 @@ static void run_stripe(ctx_t *c, int t) {
  * into its output and raises `red`: every rank has read the chunk's slots then. The all_to_all
  * and the all_gather move their chunks the same way and copy where the reduce_scatter reduces.
  * With lag 1 a rank's turn i copies chunk i in and takes chunk i - 1 (as run_stripe's). */
+/* chunk k of stripe t: its first element `a` of the count per destination, and its length */
+static int64_t span(const job_t *j, int t, int64_t k, int64_t *a) {
+    const int64_t hi = j->count * (t + 1) / j->stripes;
+    *a = j->count * t / j->stripes + k * j->chunk;
+    return (hi - *a) < j->chunk ? hi - *a : j->chunk;
+}
+
 static int scatter_in(ctx_t *c, int t, int64_t k, uint64_t E) {
     job_t *j = &c->job;
     const int n = c->world, me = c->me, esz = j->esz;
-    const int64_t m = j->count, hi = m * (t + 1) / j->stripes, L = j->chunk;
-    const int64_t a = m * t / j->stripes + k * L, len = (hi - a) < L ? hi - a : L;
+    const int64_t m = j->count, L = j->chunk;
+    int64_t a;
+    const int64_t len = span(j, t, k, &a);
     uint8_t *mine = slot(c, me, t, (int)(k % SLOTS));
     if (k >= SLOTS)
         for (int r = 0; r < n; r++)
@@ -512,8 +520,9 @@ static int scatter_in(ctx_t *c, int t, int64_t k, uint64_t E) {
 static int scatter_take(ctx_t *c, int t, int64_t k, uint64_t E) {
     job_t *j = &c->job;
     const int n = c->world, me = c->me, esz = j->esz, s = (int)(k % SLOTS);
-    const int64_t m = j->count, hi = m * (t + 1) / j->stripes, L = j->chunk;
-    const int64_t a = m * t / j->stripes + k * L, len = (hi - a) < L ? hi - a : L;
+    const int64_t m = j->count, L = j->chunk;
+    int64_t a;
+    const int64_t len = span(j, t, k, &a);
     uint8_t *src[MAXW];
     if (j->scatter == 3) {      /* all_gather: every rank's chunk, copied into its block */
         memcpy(j->out + (me * m + a) * esz, j->buf + a * esz, len * esz);
