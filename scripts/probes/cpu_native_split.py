@@ -1,0 +1,111 @@
+"""Where a native CPU collective's time goes: per call, the whole call against the time spent in
+the C call alone and in the Python header round that agrees on the call (the rest: the
+call's own Python), on every rank, back to back with the same tensors.
+
+    python3 scripts/probes/cpu_native_split.py [--nproc 8] [--ops all_reduce,reduce_scatter,all_gather]
+        [--sizes 262144,1048576,4194304,16777216] (bytes of the input)
+
+Each rank takes torch's intra-op threads as `braid bench --cpu` gives them (cores / ranks).
+Prints per op and size, medians over windows: the call, the C part, the rest, and how far the
+ranks' C parts spread (the slowest rank's median against the fastest's).
+"""
+import argparse
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def worker(rank: int, world: int, port: int, ops: list[str], sizes: list[int], q) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
+    import braid
+    from braid.comm import native_cpu
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    comm = braid.init()
+    from braid.comm import cpushm
+    spent, rnd = [0.0], [0.0]
+    orig_round = cpushm.CpuShm._round
+
+    def timed_round(self, *a, **k):
+        t0 = time.perf_counter()
+        r = orig_round(self, *a, **k)
+        rnd[0] += time.perf_counter() - t0
+        return r
+    cpushm.CpuShm._round = timed_round
+    orig_words = cpushm.CpuShm._words
+
+    def timed_words(self, *a, **k):
+        t0 = time.perf_counter()
+        r = orig_words(self, *a, **k)
+        rnd[0] += time.perf_counter() - t0
+        return r
+    cpushm.CpuShm._words = timed_words
+    for name in ("all_reduce", "reduce_scatter", "all_gather"):
+        orig = getattr(native_cpu.NativePool, name)
+
+        def timed(self, *a, _orig=orig, **k):
+            t0 = time.perf_counter()
+            r = _orig(self, *a, **k)
+            spent[0] += time.perf_counter() - t0
+            return r
+        setattr(native_cpu.NativePool, name, timed)
+    rows = []
+    for nbytes in sizes:
+        n = nbytes // 4 // world * world
+        x = torch.randn(n)
+        y, z = torch.empty(n // world), torch.empty(n)
+        fns = {"all_reduce": lambda: comm.all_reduce(x),
+               "reduce_scatter": lambda: comm.reduce_scatter_tensor(y, x),
+               "all_gather": lambda: comm.all_gather_into_tensor(z, y)}
+        for op in ops:
+            fn = fns[op]
+            iters = max(5, min(200, (64 << 20) // max(nbytes, 1)))
+            tot, cpart, rpart = [], [], []
+            for _ in range(7):
+                for _ in range(3):
+                    fn()
+                dist.barrier()
+                spent[0] = rnd[0] = 0.0
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                tot.append((time.perf_counter() - t0) / iters * 1e6)
+                cpart.append(spent[0] / iters * 1e6)
+                rpart.append(rnd[0] / iters * 1e6)
+            rows.append((op, nbytes, statistics.median(tot), statistics.median(cpart), statistics.median(rpart)))
+    q.put((rank, rows))
+    braid.close()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nproc", type=int, default=8)
+    ap.add_argument("--ops", default="all_reduce,reduce_scatter,all_gather")
+    ap.add_argument("--sizes", default="262144,1048576,4194304,16777216")
+    a = ap.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    mp.spawn(worker, args=(a.nproc, port, a.ops.split(","), [int(v) for v in a.sizes.split(",")], q), nprocs=a.nproc)
+    got = dict(q.get() for _ in range(a.nproc))
+    env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("BRAID_CPU"))
+    print(f"{a.nproc} ranks {env or '(defaults)'}: us per call, medians of 7 windows")
+    for i, (op, nbytes, *_) in enumerate(got[0]):
+        tot = [got[r][i][2] for r in range(a.nproc)]
+        cp = [got[r][i][3] for r in range(a.nproc)]
+        rd = statistics.median(got[r][i][4] for r in range(a.nproc))
+        print(f"  {op:15s} {nbytes >> 10:7d} KiB  call {statistics.median(tot):8.1f}  C {statistics.median(cp):8.1f}"
+              f"  round {rd:7.1f}  rest {statistics.median(tot) - statistics.median(cp) - rd:7.1f}  C min-max {min(cp):.1f}-{max(cp):.1f}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
