@@ -458,3 +458,87 @@ def test_calls_stay_right_while_other_processes_keep_the_cores_busy(slow_yield_u
     assert res[0][1] == res[1][1]                           # the same bits on both ranks
     if slow_yield_us == "0":
         assert [tuple(r[2]) for r in res] == [(0, 0), (0, 0)]
+
+
+def _round_worker(rank, w, python_ranks, late_rank):
+    """Every native op, their header rounds in C, except on `python_ranks` (their rounds in
+    Python, as a rank with sends/recvs pending runs them); `late_rank` comes to every other call
+    some 30 ms late, so the others' rounds in C hand over to Python. Every result is checked
+    against the reference and compared across ranks."""
+    import braid
+    comm = braid.init()
+    cpu = comm._cpu
+    comm.all_reduce(torch.ones(1 << 17))            # the pool exists
+    if rank in python_ranks:
+        cpu._native.rounds = False
+    bad, digests = [], []
+    for i in range(24):
+        n = 70_001 + 977 * i                        # float32: above the native path's least size
+        xs = [data(r, n * w, torch.float32, 400 + i) for r in range(w)]
+        if rank == late_rank and i % 2:
+            time.sleep(0.03)
+        op = ("all_reduce", "reduce", "reduce_scatter", "all_gather", "all_to_all")[i % 5]
+        if op == "all_reduce":
+            got = xs[rank].clone()
+            comm.all_reduce(got)
+            ok = close(got, reference(xs, "sum", 1.0), xs, "sum")
+        elif op == "reduce":
+            got = xs[rank].clone()
+            comm.reduce(got, i % w)
+            ok = close(got, reference(xs, "sum", 1.0), xs, "sum") if rank == i % w else torch.equal(got, xs[rank])
+        elif op == "reduce_scatter":
+            got = torch.empty(n)
+            comm.reduce_scatter_tensor(got, xs[rank].clone())
+            part = [x[rank * n:(rank + 1) * n] for x in xs]
+            ok = close(got, reference(part, "sum", 1.0), part, "sum")
+        elif op == "all_gather":
+            got = torch.empty(n * w * w)
+            comm.all_gather_into_tensor(got, xs[rank])
+            ok = torch.equal(got, torch.cat(xs))
+        else:
+            got = torch.empty(n * w)
+            comm.all_to_all_single(got, xs[rank])
+            ok = torch.equal(got, torch.cat([x[rank * n:(rank + 1) * n] for x in xs]))
+        if not ok:
+            bad.append((i, op))
+        digests.append(_digest(got) if op not in ("reduce", "reduce_scatter", "all_to_all") else 0)
+    counts = cpu.native_calls, cpu.late_rounds
+    braid.close()
+    return bad, digests, counts
+
+
+@pytest.mark.parametrize("w,python_ranks,late_rank", [(2, (), None), (3, (1,), None), (3, (), 2), (4, (0, 3), 1)],
+                         ids=["2-ranks-in-c", "3-ranks-one-in-python", "3-ranks-one-late", "4-ranks-mixed-and-late"])
+def test_header_rounds_in_c_meet_rounds_in_python_and_late_peers(w, python_ranks, late_rank):
+    res = run_world(_round_worker, w, python_ranks, late_rank, timeout=300)
+    for rank, (bad, digests, (calls, late)) in enumerate(res):
+        assert bad == [], (rank, bad)
+        assert digests == res[0][1]             # the same bits on every rank
+        assert calls >= 25                      # every call of the loop ran native (and the first)
+        if late_rank is not None and rank != late_rank and rank not in python_ranks:
+            assert late >= 1, (rank, late)      # some rounds began in C and ended in Python
+
+
+def _c_mismatch_worker(rank, w, late):
+    import braid
+    from braid.errors import PeerMismatchError
+    comm = braid.init()
+    comm.all_reduce(torch.ones(1 << 17))            # the pool exists
+    if late and rank == 1:
+        time.sleep(0.05)
+    t = torch.ones(300_001 + 2 * rank)              # every rank native, each its own size
+    try:
+        comm.all_reduce(t)
+        return "no error"
+    except PeerMismatchError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["together", "one-late"])
+def test_ranks_whose_native_calls_differ_raise_naming_every_call(late):
+    """Header rounds in C that meet different headers: PeerMismatchError on every rank naming
+    each rank's call (the round finished in C, or handed over to Python by a late peer)."""
+    for text in run_world(_c_mismatch_worker, 3, late, timeout=60):
+        assert "different calls" in text, text
+        for r in range(3):
+            assert f"rank {r}: all_reduce of {(300_001 + 2 * r) * 4} bytes" in text, text

@@ -1,6 +1,6 @@
 """Where a native CPU collective's time goes: per call, the whole call against the time spent in
-the C call alone and in the Python header round that agrees on the call (the rest: the
-call's own Python), on every rank, back to back with the same tensors.
+the C call alone (with the header round that agrees on the call where it runs in C) and in
+the header round in Python (the rest: the call's own Python), on every rank, back to back with the same tensors.
 
     python3 scripts/probes/cpu_native_split.py [--nproc 8] [--ops all_reduce,reduce_scatter,all_gather]
         [--sizes 262144,1048576,4194304,16777216] (bytes of the input)
@@ -45,8 +45,10 @@ def worker(rank: int, world: int, port: int, ops: list[str], sizes: list[int], q
         rnd[0] += time.perf_counter() - t0
         return r
     cpushm.CpuShm._words = timed_words
-    for name in ("all_reduce", "reduce_scatter", "all_gather"):
-        orig = getattr(native_cpu.NativePool, name)
+    for name in ("all_reduce", "reduce_scatter", "all_gather", "call"):
+        orig = getattr(native_cpu.NativePool, name, None)
+        if orig is None:        # a tree whose rounds all run in Python
+            continue
 
         def timed(self, *a, _orig=orig, **k):
             t0 = time.perf_counter()

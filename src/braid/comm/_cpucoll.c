@@ -80,7 +80,8 @@ static int64_t slow_yield_ns = 500000;  /* a yield this long: another thread hel
 #define CHECK_NS 1000000LL      /* abort words and the deadline: this often while waiting */
 #define ALIVE_NS 200000000LL    /* the peer's process: this often */
 
-enum { E_OK = 0, E_TIMEOUT = 1, E_ABORTED = 2, E_DEAD = 3, E_FORKED = 4, E_ARGS = 5 };
+enum { E_OK = 0, E_TIMEOUT = 1, E_ABORTED = 2, E_DEAD = 3, E_FORKED = 4, E_ARGS = 5, E_MISMATCH = 6, E_LATE = 7 };
+#define ROUND_NS 5000000LL      /* cpucoll_call: a header round waits in C this long, then hands over */
 enum { DT_F32 = 0, DT_F64 = 1, DT_BF16 = 2, DT_F16 = 3, DT_I32 = 4, DT_I64 = 5 };
 enum { OP_SUM = 0, OP_AVG = 1, OP_MIN = 2, OP_MAX = 3, OP_PROD = 4 };
 enum { C_IN = 0, C_RED = 1, C_OUT = 2 };
@@ -124,6 +125,12 @@ struct ctx {
     int sleepy;                 /* calls left whose waits sleep on the counter after their spin */
     job_t job;
     int fail, fail_peer;
+    /* the header round of comm/cpushm.py (cpucoll_call): each rank's header of either parity (8
+     * words: round, op, bytes, dtype, detail, the offer's threads, chunk and stripe KiB) and its
+     * 32-bit stamp, the next 32 bits the count of its sleepers */
+    volatile int64_t *hdr[2][MAXW];
+    volatile uint32_t *stamp[MAXW];
+    int has_round;
 };
 
 static int64_t now_ns(void) {
@@ -228,23 +235,34 @@ static int dead(pid_t pid) {
     return p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X');
 }
 
-/* until *p >= v; 0, or -1 when the call failed (here or in another stripe) */
-static int wait_ge(ctx_t *c, volatile uint64_t *p, uint64_t v, int peer) {
-    if (__atomic_load_n(p, __ATOMIC_ACQUIRE) >= v) return 0;
+/* a 64-bit counter reached v, or (s32) a 32-bit stamp reached v across wrap-around */
+static inline int reached(volatile void *p, uint64_t v, int s32) {
+    if (s32) return (uint32_t)(__atomic_load_n((volatile uint32_t *)p, __ATOMIC_ACQUIRE) - (uint32_t)v) < 0x80000000u;
+    return __atomic_load_n((volatile uint64_t *)p, __ATOMIC_ACQUIRE) >= v;
+}
+
+int cpucoll_sleep32(uint64_t addr, uint32_t v, int64_t ns);
+
+/* until *p reached v (see reached); 0, or -1 when the call failed (here or in another stripe);
+ * with `give_up` > 0, 1 once it waited that long (nothing set: the caller goes on elsewhere) */
+static int wait_for(ctx_t *c, volatile void *p, uint64_t v, int peer, int s32, int64_t give_up) {
+    if (reached(p, v, s32)) return 0;
     int64_t t0 = now_ns(), t = t0, next_check = t0 + CHECK_NS, next_alive = t0 + ALIVE_NS;
     /* a yield took long (here, or BUSY_YIELDS times in a call of the last BUSY_CALLS): other
      * threads want this core, and each further yield would give it away for a time slice */
     int busy = __atomic_load_n(&c->sleepy, __ATOMIC_RELAXED) > 0;
     for (uint64_t i = 1;; i++) {
-        if (__atomic_load_n(p, __ATOMIC_ACQUIRE) >= v) return 0;
+        if (reached(p, v, s32)) return 0;
         if (__atomic_load_n(&c->fail, __ATOMIC_RELAXED)) return -1;
         if ((i & 31) == 0) t = now_ns();
         if (t - t0 < SPIN_NS) {
             relax();
             continue;
         }
+        if (give_up > 0 && t - t0 > give_up) return 1;
         if (busy) {
-            sleep_on(p, v, FUTEX_NS);
+            if (s32) cpucoll_sleep32((uint64_t)(uintptr_t)p, (uint32_t)v, FUTEX_NS);
+            else sleep_on((volatile uint64_t *)p, v, FUTEX_NS);
             t = now_ns();
         } else if (t - t0 < YIELD_NS) {
             int64_t y = t;
@@ -266,12 +284,16 @@ static int wait_ge(ctx_t *c, volatile uint64_t *p, uint64_t v, int peer) {
         if (t >= next_alive) {
             next_alive = t + ALIVE_NS;
             if (dead((pid_t)*c->pid_word[peer])) {
-                if (__atomic_load_n(p, __ATOMIC_ACQUIRE) >= v) return 0;
+                if (reached(p, v, s32)) return 0;
                 set_fail(c, E_DEAD, peer);
                 return -1;
             }
         }
     }
+}
+
+static inline int wait_ge(ctx_t *c, volatile uint64_t *p, uint64_t v, int peer) {
+    return wait_for(c, p, v, peer, 0, 0);
 }
 
 /* reductions: out = src[0] (op) src[1] (op) ... src[n-1], written to d1 and d2 -------------- */
@@ -713,6 +735,88 @@ static int go(ctx_t *c, void *buf, void *out, int64_t count, int esz, int dtype,
     if (!dry && __atomic_load_n(&c->busy, __ATOMIC_RELAXED) + c->busy_before >= BUSY_YIELDS) c->sleepy = BUSY_CALLS;
     *peer = c->fail_peer;
     return c->fail;
+}
+
+/* The header round of comm/cpushm.py (CpuShm._round), in C: this rank's header of the round's
+ * parity (round `seq`, then `words`: op, bytes, dtype, detail, the offer's threads, chunk KiB and
+ * stripe KiB), its stamp raised to the round (its sleepers woken), every peer's stamp awaited, the
+ * headers' words 1-4 compared, and the least offer of every rank into `least`. A rank running
+ * the round in Python meets this one alike. 0; E_MISMATCH (a peer's header differs: Python names
+ * the calls), E_LATE (a peer's stamp did not come within ROUND_NS: the round is left for Python
+ * to finish, with the waits that tell a peer's other call from a slow peer), or a failure. */
+static int round_in(ctx_t *c, uint64_t seq, const int64_t *words, int64_t *least, int *peer) {
+    const int n = c->world, me = c->me, p = (int)(seq & 1);
+    const uint32_t s = (uint32_t)seq;
+    volatile int64_t *h = c->hdr[p][me];
+    h[0] = (int64_t)seq;
+    for (int i = 0; i < 7; i++) h[1 + i] = words[i];
+    volatile uint32_t *st = c->stamp[me];
+    __atomic_store_n(st, s, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(st + 1, __ATOMIC_SEQ_CST)) futex_wake(st);
+    int far = 0;
+    for (int r = 0; r < n; r++) {
+        if (r == me) continue;
+        int w = wait_for(c, c->stamp[r], s, r, 1, ROUND_NS);
+        if (w) {
+            *peer = w > 0 ? r : c->fail_peer;
+            return w > 0 ? E_LATE : c->fail;
+        }
+        far |= (uint32_t)(__atomic_load_n(c->stamp[r], __ATOMIC_ACQUIRE) - s) > 1;
+    }
+    if (far)    /* a peer is at most one round ahead, unless it aborted (all its counters jump) */
+        for (int r = 0; r < n; r++)
+            if (*c->abort_word[r]) { *peer = r; return E_ABORTED; }
+    for (int i = 0; i < 3; i++) least[i] = words[4 + i];
+    for (int r = 0; r < n; r++) {
+        volatile int64_t *o = c->hdr[p][r];
+        if (o[1] != words[0] || o[2] != words[1] || o[3] != words[2] || o[4] != words[3]) {
+            *peer = r;
+            return E_MISMATCH;
+        }
+        for (int i = 0; i < 3; i++) if (o[5 + i] < least[i]) least[i] = o[5 + i];
+    }
+    return E_OK;
+}
+
+/* the header round's places in the segment: each rank's header of parity 0 and 1, and its stamp */
+int cpucoll_set_round(void *h, const uint64_t *hdr0, const uint64_t *hdr1, const uint64_t *stamps) {
+    ctx_t *c = (ctx_t *)h;
+    for (int r = 0; r < c->world; r++) {
+        c->hdr[0][r] = (volatile int64_t *)(uintptr_t)hdr0[r];
+        c->hdr[1][r] = (volatile int64_t *)(uintptr_t)hdr1[r];
+        c->stamp[r] = (volatile uint32_t *)(uintptr_t)stamps[r];
+    }
+    c->has_round = 1;
+    return E_OK;
+}
+
+/* One whole native call with its header round in C (round_in): `what` 0 an all_reduce (root < 0)
+ * or a reduce, 1 a reduce_scatter, 2 an all_to_all, 3 an all_gather, with the arguments of its
+ * cpucoll_* entry below. The stripes and the chunk come from the least offer, as the Python
+ * round's caller makes them (cpushm._cut): stripes = threads, fewer where a thread would get less
+ * than the stripe KiB of `per` bytes; chunk = chunk KiB in elements of `esz`, divided by `div`,
+ * at least `least_chunk`. On E_LATE nothing but the round's own writes happened. */
+int cpucoll_call(void *h, int what, void *buf, void *out, int64_t count, int esz, int dtype, int op, int root,
+                 uint64_t seq, const int64_t *words, int64_t per, int div, int64_t least_chunk, int *peer) {
+    ctx_t *c = (ctx_t *)h;
+    int64_t least[3] = {1, 1, 1};
+    *peer = -1;
+    if (getpid() != c->owner) return E_FORKED;
+    if (!c->has_round || div < 1 || esz < 1 || what < 0 || what > 3) return E_ARGS;
+    c->fail = 0;
+    c->fail_peer = -1;
+    int rc = round_in(c, seq, words, least, peer);
+    if (rc) return rc;
+    const int64_t threads = least[0], chunk_kb = least[1], stripe_kb = least[2] > 1 ? least[2] : 1;
+    int64_t stripes = per / (stripe_kb << 10);
+    if (stripes > threads) stripes = threads;
+    if (stripes < 1) stripes = 1;
+    int64_t chunk = ((chunk_kb << 10) / esz) / div;
+    if (chunk < least_chunk) chunk = least_chunk;
+    if (chunk < 1) chunk = 1;
+    if (what >= 2) esz = 1, dtype = DT_F32, op = OP_SUM;    /* all_to_all and all_gather move bytes */
+    return go(c, buf, what == 0 ? buf : out, count, esz, dtype, op, seq, (int)stripes, chunk, what,
+              what == 0 ? root : -1, peer, 0);
 }
 
 /* The whole all_reduce of `count` elements at `buf`, in place (root < 0), or a reduce into the

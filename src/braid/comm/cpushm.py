@@ -43,6 +43,7 @@ import torch.distributed as dist
 from .. import envs
 from ..collectives.reduce import _writing, check_reduce_dtype, op_name, reduce_factor, reduce_pair, reduce_slots
 from ..errors import MisuseError, PeerMismatchError
+from .native_cpu import LATE, MISMATCH
 
 HEADER = 64                 # bytes before each half's data: the round's header
 SMALL_REDUCE = 256 << 10    # all_reduce chunks up to this size: one round, every rank reduces all
@@ -50,6 +51,10 @@ NATIVE_MIN = 256 << 10      # every op but broadcast (its input) from this size:
 NATIVE_AREA_MIN = 256 << 10     # a half smaller than this: no native calls
 NATIVE_BIT = 1 << 40        # in a header's detail: the call runs native (ranks that differ raise)
 A2A_BLOCK = 64 << 10        # a native all_to_all's least bytes per destination and chunk
+# an op's native call (_cpucoll.c cpucoll_call): its kind, its chunk divided by the world (or
+# not), its least chunk
+_NATIVE_WHAT = {"all_reduce": (0, False, 1), "reduce": (0, False, 1), "reduce_scatter": (1, True, 1),
+                "all_to_all_single": (2, True, A2A_BLOCK), "all_gather": (3, False, 1)}
 # broadcast's pieces: the root's copy in and the others' copies out overlap piece by piece (2 ranks
 # on 2 cores, 2026-11-26, `braid bench --cpu --op broadcast --sizes 4M:64M --repeat 5`, two runs:
 # 16 MiB 9.9-10.1 ms in one 16 MiB piece, 6.7-6.8 ms in 2 MiB pieces; 64 MiB 27.8-28.0 -> 25.6-26.1;
@@ -154,6 +159,7 @@ class CpuShm:
         self._busy_waits = 0        # waits left that sleep on the stamp at once (_wait)
         self._slow_yield_s = envs.get("BRAID_CPU_SLOW_YIELD_US") / 1e6 or float("inf")
         self.native_calls = 0       # calls the native pool ran
+        self.late_rounds = 0        # ...whose header round began in C and was finished in Python
         self._native_tried = not (self.ok and envs.get("BRAID_CPU_NATIVE") and self.half >= NATIVE_AREA_MIN)
 
     def close(self) -> None:
@@ -226,20 +232,25 @@ class CpuShm:
     def _round(self, op: str, nbytes: int, dtype: torch.dtype, detail: int, extra: tuple = ()) -> int:
         """Stamp this rank's half of the round (its data already written), wait for every rank's,
         compare the headers. Returns the round's parity (the half that was read). `extra`: words
-        after the compared ones, each rank's own (read back with `_words`)."""
+        after the compared ones, each rank's own (read back with `_words`). A native call runs
+        the same round in C (NativePool.call), which meets this one alike."""
         s = self.seq = self.seq + 1
-        p = s & 1
-        hdr = self._hdr[p]
-        h = hdr[self.rank]
+        h = self._hdr[s & 1][self.rank]
         self.head[h // 8: h // 8 + 5 + len(extra)] = (s, _OPS[op], nbytes, _dtype_code(dtype), detail, *extra)
-        u32, stamp = self.seg.u32, self._stamp
-        me = stamp[self.rank]
+        u32, me = self.seg.u32, self._stamp[self.rank]
         u32[me] = s & 0xFFFFFFFF
         # a peer sleeps on the stamp (_wait): wake it (a wake missed between the store and this
         # look costs the sleeper SLEEP_NS at most, after which it looks again; so does a rank
         # without the native library, BRAID_CPU_NATIVE=0, whose peer sleeps in it)
         if u32[me + 1] and (lib := self._lib32()) is not None:
             lib.cpucoll_wake32(self.seg.address + 4 * me)
+        return self._gather(s, op)
+
+    def _gather(self, s: int, op: str) -> int:
+        """The rest of round s once this rank's stamp is up: wait for every rank's, compare the
+        headers (a difference raises PeerMismatchError on every rank). Returns the parity."""
+        p = s & 1
+        u32, stamp = self.seg.u32, self._stamp
         far = False
         for r in self._others:
             d = (int(u32[stamp[r]]) - s) & 0xFFFFFFFF
@@ -251,16 +262,20 @@ class CpuShm:
             # an abort pushes every counter far ahead (a GPU communicator's): the peer's data is
             # not there, its abort is the error
             self.seg.raise_if_peer_aborted()
-        mm = self.seg.mm
-        mine = mm[h + 8: h + 40]
+        hdr, mm = self._hdr[p], self.seg.mm
+        mine = mm[hdr[self.rank] + 8: hdr[self.rank] + 40]
         if any(mm[o + 8: o + 40] != mine for o in hdr):
-            head, step = self.head, self.stride // 8
-            first = self._off(0, p) // 8
-            heads = [tuple(int(v) for v in head[first + r * step: first + r * step + 5]) for r in range(self.world)]
-            calls = "; ".join(f"rank {r}: {self._say(x)}" for r, x in enumerate(heads))
-            raise PeerMismatchError(f"{op}: the ranks made different calls ({calls}); every rank must "
-                                    f"issue the same collective with the same size, dtype and root or reduction")
+            self._mismatch(op, p)
         return p
+
+    def _mismatch(self, op: str, p: int) -> None:
+        """Raise PeerMismatchError naming every rank's header of the round of parity p."""
+        head, step = self.head, self.stride // 8
+        first = self._off(0, p) // 8
+        heads = [tuple(int(v) for v in head[first + r * step: first + r * step + 5]) for r in range(self.world)]
+        calls = "; ".join(f"rank {r}: {self._say(x)}" for r, x in enumerate(heads))
+        raise PeerMismatchError(f"{op}: the ranks made different calls ({calls}); every rank must "
+                                f"issue the same collective with the same size, dtype and root or reduction")
 
     def _words(self, p: int, first: int, count: int) -> list[tuple[int, ...]]:
         """Every rank's header words first..first+count-1 of the round of parity p."""
@@ -436,6 +451,9 @@ class CpuShm:
                 self.half - 4096, [seg.address + lay.counter("abort", r) for r in range(self.world)],
                 [seg.address + lay.counter("pid", r) for r in range(self.world)], envs.get("BRAID_TIMEOUT_S"),
                 want - 1)
+            if self.ok:         # the header round's places: every rank's headers and stamp
+                self._native.set_round([seg.address + o for o in self._hdr[0]], [seg.address + o for o in self._hdr[1]],
+                                       [seg.address + o for o in self.ready])
         except OSError as exc:
             import logging
             logging.getLogger("braid").info("braid: %s; the rounds in Python run the CPU collectives", exc)
@@ -447,31 +465,51 @@ class CpuShm:
         native pool moves and reduces every byte (comm/_cpucoll.c): an all_reduce (or, with
         `root`, a reduce) of `out` in place, or (`inp` given) a reduce_scatter of `inp` into
         `out`, or an all_to_all or all_gather of `inp`'s bytes into `out`'s (`dtype`: the
-        tensors' own, for the header)."""
+        tensors' own, for the header). The round runs in C with the call (one native call, no
+        Python between the round and the data), unless a peer is slow to come (then Python
+        finishes the round, with its waits that tell a peer's other call from a slow peer) or
+        sends/recvs are pending (they move while Python waits)."""
         esz = out.element_size()
         nbytes = (inp if inp is not None else out).numel() * esz
-        p = self._round(op, nbytes, dtype or out.dtype, code | NATIVE_BIT, nat.offer)
-        threads, chunk_kb, stripe_kb = (min(col) for col in zip(*self._words(p, 5, 3)))     # every rank's least
         # a reduce_scatter's threads by its output: per byte of it a thread waits on every rank's
         # block (one H200 host's 16 vCPUs, 4 and 8 ranks, 2026-11-27: threads by the input ran
         # 256 KiB-1 MiB at 435-1052 us, one thread at 145-370); an all_to_all's likewise
         per = nbytes if inp is None or op == "all_gather" else nbytes // self.world
-        stripes, chunk = _cut(threads, chunk_kb, stripe_kb, per, esz)
-        if op == "all_to_all_single":
-            # a block per destination of at least A2A_BLOCK: 16 ranks on 16 vCPUs, 2026-11-27,
-            # 16 KiB blocks ran 0.99-1.10x gloo at 16-64 MiB, 64 KiB blocks 1.32-1.65x
-            rc, peer = nat.all_to_all(out, inp, self.seq, stripes, max(1, chunk // self.world, A2A_BLOCK))
-        elif op == "all_gather":
-            rc, peer = nat.all_gather(out, inp, self.seq, stripes, chunk)
-        elif inp is None:
-            rc, peer = nat.all_reduce(out, name, self.seq, stripes, chunk, -1 if root is None else root)
+        # the chunk in elements per destination block: a reduce_scatter's a world's part; an
+        # all_to_all's at least A2A_BLOCK (16 ranks on 16 vCPUs, 2026-11-27, 16 KiB blocks ran
+        # 0.99-1.10x gloo at 16-64 MiB, 64 KiB blocks 1.32-1.65x)
+        what, div, least = _NATIVE_WHAT[op]
+        div = self.world if div else 1
+        rootn = -1 if root is None else root
+        rc, peer = LATE, -1
+        if nat.rounds and (self.p2p is None or not self.p2p.pending):
+            s = self.seq = self.seq + 1
+            rc, peer = nat.call(what, out, inp, name, rootn, s, (_OPS[op], nbytes, _dtype_code(dtype or out.dtype),
+                                code | NATIVE_BIT), per, div, least)
+            if rc == LATE:
+                self.late_rounds += 1
+                p = self._gather(s, op)
         else:
-            rc, peer = nat.reduce_scatter(out, inp, name, self.seq, stripes, max(1, chunk // self.world))
+            p = self._round(op, nbytes, dtype or out.dtype, code | NATIVE_BIT, nat.offer)
+        if rc == LATE:
+            threads, chunk_kb, stripe_kb = (min(col) for col in zip(*self._words(p, 5, 3)))     # every rank's least
+            stripes, chunk = _cut(threads, chunk_kb, stripe_kb, per, esz)
+            chunk = max(1, chunk // div, least)
+            if what == 2:
+                rc, peer = nat.all_to_all(out, inp, self.seq, stripes, chunk)
+            elif what == 3:
+                rc, peer = nat.all_gather(out, inp, self.seq, stripes, chunk)
+            elif what == 0:
+                rc, peer = nat.all_reduce(out, name, self.seq, stripes, chunk, rootn)
+            else:
+                rc, peer = nat.reduce_scatter(out, inp, name, self.seq, stripes, chunk)
         self.native_calls += 1
         nat.after_call()
         if root is None or root == self.rank:
             _written(out)       # C wrote it: autograd's count of in-place writes, as torch's own ops keep
         if rc:
+            if rc == MISMATCH:
+                self._mismatch(op, self.seq & 1)
             self._native_failed(rc, peer, op)
 
     def _native_failed(self, rc: int, peer: int, op: str) -> None:

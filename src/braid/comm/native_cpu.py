@@ -20,8 +20,9 @@ MAX_THREADS = 32            # workers + the caller (MAXT); each rank has 3 count
 BUSY_CHUNK_KB = 4096        # chunks while the host's cores are wanted by other threads (NativePool.after_call)
 BUSY_CALLS = 16             # calls in that offer after waits found their core wanted...
 BUSY_YIELDS = 2             # ...this many times in two calls in a row (as _cpucoll.c's: one alone may be noise)
-# failure codes of cpucoll_all_reduce
-OK, TIMEOUT, ABORTED, DEAD, FORKED, ARGS = range(6)
+# failure codes of cpucoll_all_reduce; cpucoll_call's header round adds MISMATCH (a peer's header
+# differs) and LATE (a peer did not come within the round's spin: Python finishes the round)
+OK, TIMEOUT, ABORTED, DEAD, FORKED, ARGS, MISMATCH, LATE = range(8)
 OPS = {"sum": 0, "avg": 1, "min": 2, "max": 3, "product": 4}
 _lib = None
 _tried = False
@@ -68,6 +69,11 @@ def build() -> ctypes.CDLL | None:
     lib.cpucoll_all_gather.argtypes = [_vp, _vp, _vp, _i64, _u64, _int, _i64, ctypes.POINTER(_int)]
     lib.cpucoll_reduce_scatter.restype = _int
     lib.cpucoll_reduce_scatter.argtypes = [_vp, _vp, _vp, _i64, _int, _int, _int, _u64, _int, _i64, ctypes.POINTER(_int)]
+    lib.cpucoll_call.restype = _int
+    lib.cpucoll_call.argtypes = [_vp, _int, _vp, _vp, _i64, _int, _int, _int, _int, _u64, ctypes.POINTER(_i64), _i64,
+                                 _int, _i64, ctypes.POINTER(_int)]
+    lib.cpucoll_set_round.restype = _int
+    lib.cpucoll_set_round.argtypes = [_vp, ctypes.POINTER(_u64), ctypes.POINTER(_u64), ctypes.POINTER(_u64)]
     lib.cpucoll_reduce_rows.restype = _int
     lib.cpucoll_reduce_rows.argtypes = [ctypes.POINTER(_u64), _int, _i64, _vp, _int, _int]
     lib.cpucoll_workers.restype = _int
@@ -121,6 +127,8 @@ class NativePool:
         self._last_busy = 0         # the last call's waits that found their core wanted
         self._peer = _int(-1)
         self._rows: dict = {}       # (first row's address, row step, rows) -> their addresses (ctypes)
+        self.rounds = False         # set_round gave the header round's places: `call` may run
+        self._words = (_i64 * 7)()  # a call's header words and offer (cpucoll_call)
 
     def after_call(self) -> None:
         """Look at this call's waits: BUSY_YIELDS of them in this call and the one before that
@@ -140,6 +148,29 @@ class NativePool:
         elif self._busy_calls:
             self._busy_calls -= 1
         self.offer = self.busy_offer if self._busy_calls else self.idle_offer
+
+    def set_round(self, hdr0: list[int], hdr1: list[int], stamps: list[int]) -> None:
+        """The addresses of every rank's header of either parity and of its stamp (CpuShm's
+        round), for `call`."""
+        arr = _u64 * self.world
+        self.rounds = self.lib.cpucoll_set_round(self._h, arr(*hdr0), arr(*hdr1), arr(*stamps)) == OK
+
+    def call(self, what: int, out: torch.Tensor, inp: torch.Tensor | None, name: str, root: int, seq: int,
+             header: tuple, per: int, div: int, least: int) -> tuple[int, int]:
+        """Round `seq` (this rank's `header` words and its offer) and the call in one native call
+        (`_cpucoll.c` cpucoll_call): `what` 0 an all_reduce (`root` >= 0: a reduce) of `out` in
+        place, 1 a reduce_scatter of `inp` into `out`, 2 an all_to_all and 3 an all_gather of
+        their bytes. (code, its rank): OK, LATE (nothing but the round's writes happened),
+        MISMATCH or a failure."""
+        w = self._words
+        w[0], w[1], w[2], w[3] = header
+        w[4], w[5], w[6] = self.offer
+        src = out if inp is None else inp
+        count = out.numel() if what < 2 else out.numel() // self.world if what == 2 else inp.numel()
+        rc = self.lib.cpucoll_call(self._h, what, src.data_ptr(), out.data_ptr(), count, out.element_size(),
+                                   _DTYPES.get(out.dtype, 0), OPS.get(name, 0), root, seq, w, per, div, least,
+                                   ctypes.byref(self._peer))
+        return rc, self._peer.value
 
     @staticmethod
     def takes(dtype: torch.dtype, name: str) -> bool:
