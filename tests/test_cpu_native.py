@@ -461,16 +461,17 @@ def test_calls_stay_right_while_other_processes_keep_the_cores_busy(slow_yield_u
 
 
 def _round_worker(rank, w, python_ranks, late_rank):
-    """Every native op, their header rounds in C, except on `python_ranks` (their rounds in
-    Python, as a rank with sends/recvs pending runs them); `late_rank` comes to every other call
+    """Every native op, their header rounds in C, except on `python_ranks` (BRAID_CPU_C_ROUND=0:
+    their rounds in Python, as a rank with sends/recvs pending runs them); `late_rank` comes to every other call
     some 30 ms late, so the others' rounds in C hand over to Python. Every result is checked
     against the reference and compared across ranks."""
+    if rank in python_ranks:
+        os.environ["BRAID_CPU_C_ROUND"] = "0"
     import braid
     comm = braid.init()
     cpu = comm._cpu
     comm.all_reduce(torch.ones(1 << 17))            # the pool exists
-    if rank in python_ranks:
-        cpu._native.rounds = False
+    assert cpu._native.rounds is (rank not in python_ranks)
     bad, digests = [], []
     for i in range(24):
         n = 70_001 + 977 * i                        # float32: above the native path's least size

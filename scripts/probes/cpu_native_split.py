@@ -6,8 +6,10 @@ the header round in Python (the rest: the call's own Python), on every rank, bac
         [--sizes 262144,1048576,4194304,16777216] (bytes of the input)
 
 Each rank takes torch's intra-op threads as `braid bench --cpu` gives them (cores / ranks).
-Prints per op and size, medians over windows: the call, the C part, the rest, and how far the
-ranks' C parts spread (the slowest rank's median against the fastest's).
+Prints per op and size, medians over windows: the call, the C part, the rest, how far the
+ranks' C parts spread (the slowest rank's median against the fastest's), the slow yields the
+native waits counted per call and the share of calls made under the busy offer (large chunks;
+native_cpu.NativePool.after_call), means over ranks and windows.
 """
 import argparse
 import os
@@ -56,6 +58,14 @@ def worker(rank: int, world: int, port: int, ops: list[str], sizes: list[int], q
             spent[0] += time.perf_counter() - t0
             return r
         setattr(native_cpu.NativePool, name, timed)
+    busy = [0, 0]      # slow yields the native calls counted; calls made under the busy offer
+    orig_after = native_cpu.NativePool.after_call
+
+    def counted_after(self):
+        busy[0] += self.lib.cpucoll_busy(self._h)
+        busy[1] += self.offer is self.busy_offer
+        return orig_after(self)
+    native_cpu.NativePool.after_call = counted_after
     rows = []
     for nbytes in sizes:
         n = nbytes // 4 // world * world
@@ -67,19 +77,22 @@ def worker(rank: int, world: int, port: int, ops: list[str], sizes: list[int], q
         for op in ops:
             fn = fns[op]
             iters = max(5, min(200, (64 << 20) // max(nbytes, 1)))
-            tot, cpart, rpart = [], [], []
+            tot, cpart, rpart, bpart = [], [], [], []
             for _ in range(7):
                 for _ in range(3):
                     fn()
                 dist.barrier()
                 spent[0] = rnd[0] = 0.0
+                busy[0] = busy[1] = 0
                 t0 = time.perf_counter()
                 for _ in range(iters):
                     fn()
                 tot.append((time.perf_counter() - t0) / iters * 1e6)
                 cpart.append(spent[0] / iters * 1e6)
                 rpart.append(rnd[0] / iters * 1e6)
-            rows.append((op, nbytes, statistics.median(tot), statistics.median(cpart), statistics.median(rpart)))
+                bpart.append((busy[0] / iters, busy[1] / iters))
+            rows.append((op, nbytes, statistics.median(tot), statistics.median(cpart), statistics.median(rpart),
+                         sum(b[0] for b in bpart) / len(bpart), sum(b[1] for b in bpart) / len(bpart)))
     q.put((rank, rows))
     braid.close()
     dist.destroy_process_group()
@@ -104,8 +117,11 @@ def main() -> None:
         tot = [got[r][i][2] for r in range(a.nproc)]
         cp = [got[r][i][3] for r in range(a.nproc)]
         rd = statistics.median(got[r][i][4] for r in range(a.nproc))
+        yields = sum(got[r][i][5] for r in range(a.nproc)) / a.nproc
+        offered = sum(got[r][i][6] for r in range(a.nproc)) / a.nproc
         print(f"  {op:15s} {nbytes >> 10:7d} KiB  call {statistics.median(tot):8.1f}  C {statistics.median(cp):8.1f}"
-              f"  round {rd:7.1f}  rest {statistics.median(tot) - statistics.median(cp) - rd:7.1f}  C min-max {min(cp):.1f}-{max(cp):.1f}",
+              f"  round {rd:7.1f}  rest {statistics.median(tot) - statistics.median(cp) - rd:7.1f}  C min-max {min(cp):.1f}-{max(cp):.1f}"
+              f"  slow yields/call {yields:.2f}  busy offer {offered:.0%}",
               flush=True)
 
 

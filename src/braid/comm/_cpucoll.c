@@ -269,7 +269,10 @@ static int wait_for(ctx_t *c, volatile void *p, uint64_t v, int peer, int s32, i
             sched_yield();
             t = now_ns();
             busy = slow_yield_ns > 0 && t - y > slow_yield_ns;
-            if (busy) __atomic_add_fetch(&c->busy, 1, __ATOMIC_RELAXED);
+            /* the header round's waits (s32) are for the peers' Python, not their data: they
+             * sleep for the rest of the wait but leave the call's record alone (its count would
+             * put the data's waits to sleep and ask for large chunks) */
+            if (busy && !s32) __atomic_add_fetch(&c->busy, 1, __ATOMIC_RELAXED);
         } else {
             struct timespec ts = {0, 100000};
             nanosleep(&ts, NULL);
