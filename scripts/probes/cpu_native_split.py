@@ -31,33 +31,23 @@ def worker(rank: int, world: int, port: int, ops: list[str], sizes: list[int], q
     comm = braid.init()
     from braid.comm import cpushm
     spent, rnd = [0.0], [0.0]
-    orig_round = cpushm.CpuShm._round
 
-    def timed_round(self, *a, **k):
-        t0 = time.perf_counter()
-        r = orig_round(self, *a, **k)
-        rnd[0] += time.perf_counter() - t0
-        return r
-    cpushm.CpuShm._round = timed_round
-    orig_words = cpushm.CpuShm._words
+    def timing(cls, name, into):
+        """cls.name, its time added to into[0] (absent in an older tree: left out)."""
+        orig = getattr(cls, name, None)
+        if orig is None:
+            return
 
-    def timed_words(self, *a, **k):
-        t0 = time.perf_counter()
-        r = orig_words(self, *a, **k)
-        rnd[0] += time.perf_counter() - t0
-        return r
-    cpushm.CpuShm._words = timed_words
-    for name in ("all_reduce", "reduce_scatter", "all_gather", "call"):
-        orig = getattr(native_cpu.NativePool, name, None)
-        if orig is None:        # a tree whose rounds all run in Python
-            continue
-
-        def timed(self, *a, _orig=orig, **k):
+        def timed(self, *a, **k):
             t0 = time.perf_counter()
-            r = _orig(self, *a, **k)
-            spent[0] += time.perf_counter() - t0
+            r = orig(self, *a, **k)
+            into[0] += time.perf_counter() - t0
             return r
-        setattr(native_cpu.NativePool, name, timed)
+        setattr(cls, name, timed)
+    timing(cpushm.CpuShm, "_round", rnd)
+    timing(cpushm.CpuShm, "_words", rnd)
+    for name in ("all_reduce", "reduce_scatter", "all_gather", "call"):
+        timing(native_cpu.NativePool, name, spent)
     busy = [0, 0]      # slow yields the native calls counted; calls made under the busy offer
     orig_after = native_cpu.NativePool.after_call
 
