@@ -460,18 +460,18 @@ def test_calls_stay_right_while_other_processes_keep_the_cores_busy(slow_yield_u
         assert [tuple(r[2]) for r in res] == [(0, 0), (0, 0)]
 
 
-def _round_worker(rank, w, python_ranks, late_rank):
-    """Every native op, their header rounds in C, except on `python_ranks` (BRAID_CPU_C_ROUND=0:
+def _round_worker(rank, w, python_ranks, late_rank, in_c=None):
+    """Every native op, their header rounds in C, except on `python_ranks` (BRAID_CPU_C_ROUND_RANKS=0:
     their rounds in Python, as a rank with sends/recvs pending runs them); `late_rank` comes to every other call
     some 30 ms late, so the others' rounds in C hand over to Python. Every result is checked
     against the reference and compared across ranks."""
     if rank in python_ranks:
-        os.environ["BRAID_CPU_C_ROUND"] = "0"
+        os.environ["BRAID_CPU_C_ROUND_RANKS"] = "0"
     import braid
     comm = braid.init()
     cpu = comm._cpu
     comm.all_reduce(torch.ones(1 << 17))            # the pool exists
-    assert cpu._native.rounds is (rank not in python_ranks)
+    assert cpu._native.rounds is (rank not in python_ranks if in_c is None else in_c)
     bad, digests = [], []
     for i in range(24):
         n = 70_001 + 977 * i                        # float32: above the native path's least size
@@ -518,6 +518,13 @@ def test_header_rounds_in_c_meet_rounds_in_python_and_late_peers(w, python_ranks
         assert calls >= 25                      # every call of the loop ran native (and the first)
         if late_rank is not None and rank != late_rank and rank not in python_ranks:
             assert late >= 1, (rank, late)      # some rounds began in C and ended in Python
+
+
+def test_a_world_above_the_setting_runs_its_rounds_in_python():
+    """BRAID_CPU_C_ROUND_RANKS=2 and 3 ranks: every round in Python, every result right."""
+    res = run_world(_round_worker, 3, (), None, False, env={"BRAID_CPU_C_ROUND_RANKS": "2"}, timeout=300)
+    for bad, digests, (calls, late) in res:
+        assert bad == [] and digests == res[0][1] and calls >= 25 and late == 0
 
 
 def _c_mismatch_worker(rank, w, late):

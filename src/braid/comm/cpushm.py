@@ -451,7 +451,7 @@ class CpuShm:
                 self.half - 4096, [seg.address + lay.counter("abort", r) for r in range(self.world)],
                 [seg.address + lay.counter("pid", r) for r in range(self.world)], envs.get("BRAID_TIMEOUT_S"),
                 want - 1)
-            if self.ok and envs.get("BRAID_CPU_C_ROUND"):   # the header round's places: headers, stamps
+            if self.ok and self.world <= envs.get("BRAID_CPU_C_ROUND_RANKS"):   # the round's places
                 self._native.set_round([seg.address + o for o in self._hdr[0]], [seg.address + o for o in self._hdr[1]],
                                        [seg.address + o for o in self.ready])
         except OSError as exc:
