@@ -232,7 +232,7 @@ class CpuShm:
     def _round(self, op: str, nbytes: int, dtype: torch.dtype, detail: int, extra: tuple = ()) -> int:
         """Stamp this rank's half of the round (its data already written), wait for every rank's,
         compare the headers. Returns the round's parity (the half that was read). `extra`: words
-        after the compared ones, each rank's own (read back with `_words`). A native call runs
+        after the compared ones, each rank's own (read back with `_words`). A native call may run
         the same round in C (NativePool.call), which meets this one alike."""
         s = self.seq = self.seq + 1
         h = self._hdr[s & 1][self.rank]
@@ -465,10 +465,12 @@ class CpuShm:
         native pool moves and reduces every byte (comm/_cpucoll.c): an all_reduce (or, with
         `root`, a reduce) of `out` in place, or (`inp` given) a reduce_scatter of `inp` into
         `out`, or an all_to_all or all_gather of `inp`'s bytes into `out`'s (`dtype`: the
-        tensors' own, for the header). The round runs in C with the call (one native call, no
-        Python between the round and the data), unless a peer is slow to come (then Python
-        finishes the round, with its waits that tell a peer's other call from a slow peer) or
-        sends/recvs are pending (they move while Python waits)."""
+        tensors' own, for the header). In a world of up to BRAID_CPU_C_ROUND_RANKS ranks the
+        round runs in C with the call (one native call, no Python between the round and the
+        data), unless a peer is slow to come (then Python finishes the round, with its waits that
+        tell a peer's other call from a slow peer) or sends/recvs are pending (they move while
+        Python waits). The stripes and chunk made here for a round in Python are the ones
+        cpucoll_call makes in C: the two must agree."""
         esz = out.element_size()
         nbytes = (inp if inp is not None else out).numel() * esz
         # a reduce_scatter's threads by its output: per byte of it a thread waits on every rank's
