@@ -527,11 +527,15 @@ def test_a_world_above_the_setting_runs_its_rounds_in_python():
         assert bad == [] and digests == res[0][1] and calls >= 25 and late == 0
 
 
-def _c_mismatch_worker(rank, w, late):
+def _c_mismatch_worker(rank, w, late, replayed):
     import braid
     from braid.errors import PeerMismatchError
     comm = braid.init()
     comm.all_reduce(torch.ones(1 << 17))            # the pool exists
+    if replayed:                                    # every rank's shape kept: their calls run again from it
+        for r in range(w):
+            comm.all_reduce(torch.ones(300_001 + 2 * r))
+        replays = comm._cpu_calls.replays
     if late and rank == 1:
         time.sleep(0.05)
     t = torch.ones(300_001 + 2 * rank)              # every rank native, each its own size
@@ -539,14 +543,141 @@ def _c_mismatch_worker(rank, w, late):
         comm.all_reduce(t)
         return "no error"
     except PeerMismatchError as e:
+        if replayed and comm._cpu_calls.replays != replays + 1:
+            return "not replayed"
         return str(e)
 
 
-@pytest.mark.parametrize("late", [False, True], ids=["together", "one-late"])
-def test_ranks_whose_native_calls_differ_raise_naming_every_call(late):
+@pytest.mark.parametrize("late,replayed", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["together", "one-late", "replayed", "replayed-one-late"])
+def test_ranks_whose_native_calls_differ_raise_naming_every_call(late, replayed):
     """Header rounds in C that meet different headers: PeerMismatchError on every rank naming
-    each rank's call (the round finished in C, or handed over to Python by a late peer)."""
-    for text in run_world(_c_mismatch_worker, 3, late, timeout=60):
+    each rank's call (the round finished in C, or handed over to Python by a late peer; the
+    calls run from what a first call of their shape kept, or not)."""
+    for text in run_world(_c_mismatch_worker, 3, late, replayed, timeout=60):
         assert "different calls" in text, text
         for r in range(3):
             assert f"rank {r}: all_reduce of {(300_001 + 2 * r) * 4} bytes" in text, text
+
+
+# shapes a repeated call comes back to (each above the native path's least size, none a multiple of
+# the ranks): every op runs each of them again and again, from what its first call kept
+REPEATED = [(70_001, torch.float32), (150_001, torch.bfloat16), (40_003, torch.float64), (90_007, torch.int64)]
+
+
+def _replay_worker(rank, w, python_ranks, late_rank):
+    """150 calls of the five native ops over a few shapes, fresh random data every call, the
+    output a new tensor, a slice of a larger one (another address) or the same one, some calls
+    async; among them calls the replay must leave to the full path (an output that requires
+    grad, fixed shares, a recv pending) and calls of another op through the same areas. Every
+    result against the reference, the same bits on every rank; `late_rank` sleeps before every
+    fifth call (rounds kept in C hand over to Python), `python_ranks` run their rounds in Python."""
+    import contextlib
+    from torch.distributed import ReduceOp
+    if rank in python_ranks:
+        os.environ["BRAID_CPU_C_ROUND_RANKS"] = "0"
+    import braid
+    comm = braid.init()
+    cpu, calls = comm._cpu, comm._cpu_calls
+    bad, digests, kept = [], [], {}
+    g = torch.Generator().manual_seed(11)
+    spare = torch.empty(4 * 150_001 * w + 64, dtype=torch.float64)     # slices at other addresses
+    full_path = 0
+    for i in range(150):
+        n, dt = REPEATED[int(torch.randint(len(REPEATED), (1,), generator=g))]
+        op = ("all_reduce", "reduce", "reduce_scatter", "all_gather", "all_to_all")[int(torch.randint(5, (1,), generator=g))]
+        how = int(torch.randint(8, (1,), generator=g))       # 0: a new tensor, 1: a slice, else the same
+        special = i % 23 == 22                                # a call of a kept shape for the full path
+        if special:
+            op = ("all_reduce", "all_gather", "all_to_all")[i // 23 % 3]
+            n, dt = REPEATED[0]
+        name = "max" if dt is torch.int64 and i % 2 else "sum"
+        red = getattr(ReduceOp, name.upper())
+        xs = [data(r, n * w, dt, 700 + i) for r in range(w)]
+        if rank == late_rank and i % 5 == 0:
+            time.sleep(0.03)
+
+        def buf(m, key):
+            if how == 0:
+                return torch.empty(m, dtype=dt)
+            if how == 1:
+                off = 8 * (1 + i % 5)
+                return spare.view(torch.uint8)[off: off + m * dt.itemsize].view(dt)
+            return kept.setdefault((key, m, dt), torch.empty(m, dtype=dt))
+        full = False            # this call must take the full path
+        ctx = contextlib.nullcontext()
+        if special and op == "all_gather":
+            full, ctx = True, comm.fixed_shares({"shm": 0.5, "gloo": 0.5})
+        before = calls.replays
+        if op in ("all_reduce", "reduce"):
+            got = buf(n * w, "t")
+            got.copy_(xs[rank])
+            if special:
+                full, got = True, got.clone().requires_grad_(True)
+            version = got._version
+            if op == "all_reduce":
+                comm.all_reduce(got, op=red)
+                ok = close(got.detach(), reference(xs, name, 1.0), xs, name)
+            else:
+                comm.reduce(got, i % w, op=red)
+                ok = (close(got.detach(), reference(xs, name, 1.0), xs, name) if rank == i % w
+                      else torch.equal(got.detach(), xs[rank]))
+            if (op == "all_reduce" or rank == i % w) and got._version == version:
+                bad.append((i, op, "the write did not count for autograd"))
+        elif op == "reduce_scatter":
+            got = buf(n, "rs")
+            h = comm.reduce_scatter_tensor(got, xs[rank], op=red, async_op=i % 4 == 0)
+            if h is not None:
+                h.wait()
+            part = [x[rank * n:(rank + 1) * n] for x in xs]
+            ok = close(got, reference(part, name, 1.0), part, name)
+        elif op == "all_gather":
+            got = buf(n * w * w, "ag")
+            with ctx:
+                comm.all_gather_into_tensor(got, xs[rank])
+            ok = torch.equal(got, torch.cat(xs))
+        else:
+            got = buf(n * w, "a2a")
+            req = None
+            if special and rank == 1:                         # a recv pending: the full path moves it
+                req = comm.recv(sent := torch.empty(5), 0, async_op=True)
+                full = bool(calls.p2p.pending)
+            h = comm.all_to_all_single(got, xs[rank], async_op=i % 4 == 1)
+            if h is not None:
+                h.wait()
+            if special and rank == 0:
+                comm.send(torch.arange(5.0), 1)
+            if req is not None:
+                req.wait()
+                if not torch.equal(sent, torch.arange(5.0)):
+                    bad.append((i, "the send beside it"))
+            ok = torch.equal(got, torch.cat([x[rank * n:(rank + 1) * n] for x in xs]))
+        replayed = calls.replays - before
+        full_path += full
+        if full and replayed:
+            bad.append((i, op, "replayed a call the full path must take"))
+        if not ok:
+            bad.append((i, op, n, str(dt), how, replayed))
+        digests.append(_digest(got.detach()) if op in ("all_reduce", "all_gather") else 0)
+        if i % 37 == 36:                                      # another op through the same areas
+            t = data(rank, 1000, torch.float32, i)
+            comm.broadcast(t, 0)
+            if not torch.equal(t, data(0, 1000, torch.float32, i)):
+                bad.append((i, "broadcast"))
+    counts = calls.replays, cpu.native_calls, cpu.late_rounds, full_path
+    braid.close()
+    return bad, digests, counts
+
+
+@pytest.mark.parametrize("w,python_ranks,late_rank,env", [
+    (2, (), None, None), (3, (1,), 2, None), (3, (), None, {"BRAID_CPU_C_ROUND_RANKS": "2"})],
+    ids=["2-ranks", "3-ranks-one-in-python-one-late", "3-ranks-rounds-in-python"])
+def test_repeated_native_calls_run_again_from_what_they_kept(w, python_ranks, late_rank, env):
+    res = run_world(_replay_worker, w, python_ranks, late_rank, env=env, timeout=300)
+    for rank, (bad, digests, (replays, native, late, full)) in enumerate(res):
+        assert bad == [], (rank, bad)
+        assert digests == res[0][1]             # the same bits on every rank
+        assert replays >= 100, (rank, replays)  # most calls came back to a kept shape
+        assert native >= replays and full >= 4 + 2 * (rank == 1), (native, full)
+        if late_rank is not None and rank != late_rank and rank not in python_ranks:
+            assert late >= 1, (rank, late)      # replayed rounds handed over to Python

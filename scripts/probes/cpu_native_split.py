@@ -46,7 +46,7 @@ def worker(rank: int, world: int, port: int, ops: list[str], sizes: list[int], q
         setattr(cls, name, timed)
     timing(cpushm.CpuShm, "_round", rnd)
     timing(cpushm.CpuShm, "_words", rnd)
-    for name in ("all_reduce", "reduce_scatter", "all_gather", "call"):
+    for name in ("all_reduce", "reduce_scatter", "all_gather", "call", "run"):
         timing(native_cpu.NativePool, name, spent)
     busy = [0, 0]      # slow yields the native calls counted; calls made under the busy offer
     orig_after = native_cpu.NativePool.after_call

@@ -31,6 +31,7 @@ from ..planner.model import LaneCost
 from ..planner.plan import CPU_LANES, GPU_LANES, LaneKind, Plan, all_gather_movement, broadcast_movement
 from ..planner.rings import COLL, PAIR, RingCursor, ring_id
 from .callpath import _RED_T, CallPath, fast_reduce_ok
+from .cpushm import NATIVE_MIN
 from .exchange import Exchange
 from .ledger import CallLedger, Faults, _Watchdog, _call
 from .library import CpuCalls, LibraryCalls, backend_of
@@ -184,6 +185,7 @@ class Communicator:
         # the CPU path's test and call, and the queue of pending sends/recvs (the backend reads it too)
         self._native_fast, self._fast_prepared = calls.native_fast, calls.fast_prepared
         self._cpu, self._cpu_ok, self._cpu_call, self._cpu_done = cpu, cpu_calls.ok, cpu_calls.call, cpu_calls.done
+        self._cpu_replay = cpu_calls.replay
         self._p2p_pending = pending
         if self.segment is not None:
             fw = weakref.ref(faults)        # the segment and the watchdog must not keep the parts alive
@@ -341,9 +343,14 @@ class Communicator:
     # the op (a multi-node world's steps, the full path) in its part.
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
         """In place, like torch.distributed.all_reduce."""
-        tkey = None
+        tkey = ckey = None
+        if (self._cpu is not None and type(tensor) is torch.Tensor and not tensor.is_cuda and type(op) is _RED_T
+                and tensor.numel() * tensor.element_size() >= NATIVE_MIN):
+            ckey = ("ar", tensor.numel(), tensor.dtype, op)      # a repeated native call (CpuCalls.replay)
+            if (h := self._cpu_replay(ckey, tensor, None)) is not None:
+                return h if async_op else None
         if self._cpu is not None and self._cpu_ok(tensor) and (red := self._cpu_calls.reduction(op, tensor.dtype)):
-            return self._cpu_call("all_reduce", tensor, lambda: self._cpu.all_reduce(tensor, *red), async_op)
+            return self._cpu_call("all_reduce", tensor, lambda: self._cpu.all_reduce(tensor, *red), async_op, ckey)
         if type(op) is _RED_T and type(tensor) is torch.Tensor and tensor.is_cuda is self.cuda and tensor.is_contiguous():
             n = tensor.numel()
             if self.shortcuts.decide("ar", n, (tensor.dtype, op), self._rest_ar, tensor, op):
@@ -361,12 +368,18 @@ class Communicator:
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
                               async_op: bool = False):
         """output (numel m) = reduction over ranks of input[rank*m:(rank+1)*m]."""
-        tkey = None
+        tkey = ckey = None
+        if (self._cpu is not None and type(output) is torch.Tensor and not output.is_cuda and type(op) is _RED_T
+                and type(input) is torch.Tensor and input.numel() * input.element_size() >= NATIVE_MIN):
+            ckey = ("rs", output.numel(), input.numel(), output.dtype, input.dtype, op)
+            if (h := self._cpu_replay(ckey, output, input)) is not None:
+                return h if async_op else None
         if (self._cpu is not None and self._cpu_ok(output, input) and input.dtype is output.dtype
                 and input.numel() == output.numel() * self.world_size
                 and (red := self._cpu_calls.reduction(op, output.dtype))):
             src = input.detach() if input.requires_grad else input
-            return self._cpu_call("reduce_scatter", input, lambda: self._cpu.reduce_scatter(output, src, *red), async_op)
+            return self._cpu_call("reduce_scatter", input, lambda: self._cpu.reduce_scatter(output, src, *red), async_op,
+                                  ckey)
         if getattr(input, "requires_grad", False):
             input = input.detach()     # read only: the native library's copies of it stay out of autograd
         if (type(op) is _RED_T and type(input) is torch.Tensor and type(output) is torch.Tensor and input.is_cuda is self.cuda
@@ -392,10 +405,15 @@ class Communicator:
 
     def reduce(self, tensor: torch.Tensor, dst: int = 0, op=dist.ReduceOp.SUM, async_op: bool = False):
         """The reduction lands in `tensor` on rank dst; other ranks' tensors are left unchanged."""
-        tkey = None
+        tkey = ckey = None
+        if (self._cpu is not None and type(tensor) is torch.Tensor and not tensor.is_cuda and type(op) is _RED_T
+                and type(dst) is int and tensor.numel() * tensor.element_size() >= NATIVE_MIN):
+            ckey = ("rd", tensor.numel(), tensor.dtype, op, dst)
+            if (h := self._cpu_replay(ckey, tensor, None)) is not None:
+                return h if async_op else None
         if (self._cpu is not None and self._cpu_ok(tensor) and type(dst) is int and 0 <= dst < self.world_size
                 and (red := self._cpu_calls.reduction(op, tensor.dtype))):
-            return self._cpu_call("reduce", tensor, lambda: self._cpu.all_reduce(tensor, *red, root=dst), async_op)
+            return self._cpu_call("reduce", tensor, lambda: self._cpu.all_reduce(tensor, *red, root=dst), async_op, ckey)
         if (self._calls.fast_ok(tensor) and type(dst) is int and 0 <= dst < self.world_size
                 and fast_reduce_ok(op, tensor.dtype, self.cuda)):
             if self.shortcuts.decide("rd", tensor.numel(), (tensor.dtype, op, dst), self._rest_rd, tensor):
@@ -411,12 +429,19 @@ class Communicator:
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
                           input_split_sizes=None, async_op: bool = False):
         op = "all_to_all_single"
+        ckey = None
+        if (self._cpu is not None and not input_split_sizes and not output_split_sizes and type(output) is torch.Tensor
+                and not output.is_cuda and type(input) is torch.Tensor and input.dim() > 0
+                and input.numel() * input.element_size() >= NATIVE_MIN):
+            ckey = ("a2a", output.numel(), input.numel(), output.dtype, input.dtype, input.size(0))
+            if (h := self._cpu_replay(ckey, output, input)) is not None:
+                return h if async_op else None
         if getattr(input, "requires_grad", False):
             input = input.detach()     # read only: the native library's copies of it stay out of autograd
         if (self._cpu is not None and not input_split_sizes and not output_split_sizes and self._cpu_ok(output, input)
                 and input.dtype is output.dtype and input.dim() > 0 and input.numel() == output.numel()
                 and input.size(0) % self.world_size == 0):
-            return self._cpu_call(op, input, lambda: self._cpu.all_to_all(output, input), async_op)
+            return self._cpu_call(op, input, lambda: self._cpu.all_to_all(output, input), async_op, ckey)
         if (not input_split_sizes and not output_split_sizes and type(input) is torch.Tensor
                 and type(output) is torch.Tensor and input.is_cuda is self.cuda and output.is_cuda is self.cuda
                 and input.dim() > 0 and input.is_contiguous() and output.is_contiguous()):
@@ -433,11 +458,16 @@ class Communicator:
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         op = "all_gather"
-        tkey = None
+        tkey = ckey = None
+        if (self._cpu is not None and type(output) is torch.Tensor and not output.is_cuda
+                and type(input) is torch.Tensor and input.numel() * input.element_size() >= NATIVE_MIN):
+            ckey = ("ag", output.numel(), input.numel(), output.dtype, input.dtype)
+            if (h := self._cpu_replay(ckey, output, input)) is not None:
+                return h if async_op else None
         if (self._cpu is not None and self._cpu_ok(output, input) and input.dtype is output.dtype
                 and output.numel() == input.numel() * self.world_size):
             src = input.detach() if input.requires_grad else input
-            return self._cpu_call(op, input, lambda: self._cpu.all_gather(output, src), async_op)
+            return self._cpu_call(op, input, lambda: self._cpu.all_gather(output, src), async_op, ckey)
         if getattr(input, "requires_grad", False):
             input = input.detach()     # read only: the native library's copies of it stay out of autograd
         if (type(input) is torch.Tensor and type(output) is torch.Tensor and input.is_cuda is self.cuda

@@ -122,6 +122,19 @@ def _cut(threads: int, chunk_kb: int, stripe_kb: int, per: int, esz: int) -> tup
     return max(1, min(threads, per // (max(stripe_kb, 1) << 10))), (chunk_kb << 10) // esz
 
 
+class NativeCall:
+    """What a native call is, made once per shape (CpuShm._native_call) and run by
+    CpuShm.native_run: its op, NativePool.args, its header words, the dtype of its header, the
+    bytes a thread works through (`per`), its chunk's divisor and least size, the element size
+    of its tensors as passed, the reduction, the root (None: every rank's tensor lands) and
+    whether it moves the tensors' bytes (all_to_all, all_gather: byte views)."""
+    __slots__ = ("op", "args", "header", "dtype", "per", "div", "least", "esz", "name", "root", "as_bytes")
+
+    def __init__(self, op, args, header, dtype, per, div, least, esz, name, root, as_bytes):
+        self.op, self.args, self.header, self.dtype, self.per = op, args, header, dtype, per
+        self.div, self.least, self.esz, self.name, self.root, self.as_bytes = div, least, esz, name, root, as_bytes
+
+
 class CpuShm:
     """The whole-call collectives of one CPU communicator (every rank of one node)."""
 
@@ -160,6 +173,9 @@ class CpuShm:
         self._slow_yield_s = envs.get("BRAID_CPU_SLOW_YIELD_US") / 1e6 or float("inf")
         self.native_calls = 0       # calls the native pool ran
         self.late_rounds = 0        # ...whose header round began in C and was finished in Python
+        self.recording = False      # keep the next native call in `recorded` (CpuCalls.call)
+        self.recorded = None
+        self.publish = None         # the call ledger's publish (CpuCalls), before a round waits in Python
         self._native_tried = not (self.ok and envs.get("BRAID_CPU_NATIVE") and self.half >= NATIVE_AREA_MIN)
 
     def close(self) -> None:
@@ -233,7 +249,7 @@ class CpuShm:
         """Stamp this rank's half of the round (its data already written), wait for every rank's,
         compare the headers. Returns the round's parity (the half that was read). `extra`: words
         after the compared ones, each rank's own (read back with `_words`). A native call may run
-        the same round in C (NativePool.call), which meets this one alike."""
+        the same round in C (NativePool.run), which meets this one alike."""
         s = self.seq = self.seq + 1
         h = self._hdr[s & 1][self.rank]
         self.head[h // 8: h // 8 + 5 + len(extra)] = (s, _OPS[op], nbytes, _dtype_code(dtype), detail, *extra)
@@ -465,12 +481,9 @@ class CpuShm:
         native pool moves and reduces every byte (comm/_cpucoll.c): an all_reduce (or, with
         `root`, a reduce) of `out` in place, or (`inp` given) a reduce_scatter of `inp` into
         `out`, or an all_to_all or all_gather of `inp`'s bytes into `out`'s (`dtype`: the
-        tensors' own, for the header). In a world of up to BRAID_CPU_C_ROUND_RANKS ranks the
-        round runs in C with the call (one native call, no Python between the round and the
-        data), unless a peer is slow to come (then Python finishes the round, with its waits that
-        tell a peer's other call from a slow peer) or sends/recvs are pending (they move while
-        Python waits). The stripes and chunk made here for a round in Python are the ones
-        cpucoll_call makes in C: the two must agree."""
+        tensors' own, for the header). What the call is (NativeCall) is made here; `native_run`
+        runs it, and runs it again for a repeated call (CpuCalls.replay). While `recording`, the
+        call is kept in `recorded` (False once a second one came)."""
         esz = out.element_size()
         nbytes = (inp if inp is not None else out).numel() * esz
         # a reduce_scatter's threads by its output: per byte of it a thread waits on every rank's
@@ -481,38 +494,58 @@ class CpuShm:
         # all_to_all's at least A2A_BLOCK (16 ranks on 16 vCPUs, 2026-11-27, 16 KiB blocks ran
         # 0.99-1.10x gloo at 16-64 MiB, 64 KiB blocks 1.32-1.65x)
         what, div, least = _NATIVE_WHAT[op]
-        div = self.world if div else 1
         rootn = -1 if root is None else root
+        dt = dtype or out.dtype
+        c = NativeCall(op, nat.args(what, out, inp, name, rootn), (_OPS[op], nbytes, _dtype_code(dt), code | NATIVE_BIT),
+                       dt, per, self.world if div else 1, least, esz, name, root, what >= 2)
+        if self.recording:
+            self.recorded = c if self.recorded is None else False
+        self.native_run(c, out, inp)
+
+    def native_run(self, c: "NativeCall", out: torch.Tensor, inp: torch.Tensor | None) -> None:
+        """Native call `c` on `out` and `inp` (the caller's tensors, or their byte views for an
+        all_to_all or all_gather). In a world of up to BRAID_CPU_C_ROUND_RANKS ranks the round
+        runs in C with the call (one native call, no Python between the round and the data),
+        unless a peer is slow to come (then Python finishes the round, with its waits that tell
+        a peer's other call from a slow peer) or sends/recvs are pending (they move while Python
+        waits). The stripes and chunk made here for a round in Python are the ones cpucoll_call
+        makes in C: the two must agree."""
+        nat = self._native
         rc, peer = LATE, -1
         if nat.rounds and (self.p2p is None or not self.p2p.pending):
             s = self.seq = self.seq + 1
-            rc, peer = nat.call(what, out, inp, name, rootn, s, (_OPS[op], nbytes, _dtype_code(dtype or out.dtype),
-                                code | NATIVE_BIT), per, div, least)
+            src = out if inp is None else inp
+            rc, peer = nat.run(c.args, src.data_ptr(), out.data_ptr(), s, c.header, c.per, c.div, c.least)
             if rc == LATE:
                 self.late_rounds += 1
-                p = self._gather(s, op)
+                if self.publish is not None:
+                    self.publish()
+                p = self._gather(s, c.op)
         else:
-            p = self._round(op, nbytes, dtype or out.dtype, code | NATIVE_BIT, nat.offer)
+            p = self._round(c.op, c.header[1], c.dtype, c.header[3], nat.offer)
         if rc == LATE:
             threads, chunk_kb, stripe_kb = (min(col) for col in zip(*self._words(p, 5, 3)))     # every rank's least
-            stripes, chunk = _cut(threads, chunk_kb, stripe_kb, per, esz)
-            chunk = max(1, chunk // div, least)
+            stripes, chunk = _cut(threads, chunk_kb, stripe_kb, c.per, c.esz)
+            chunk = max(1, chunk // c.div, c.least)
+            what = c.args[0]
+            if c.as_bytes:          # a replay's tensors as the byte views the first call had
+                out, inp = _as_bytes(out), _as_bytes(inp.detach())
             if what == 2:
                 rc, peer = nat.all_to_all(out, inp, self.seq, stripes, chunk)
             elif what == 3:
                 rc, peer = nat.all_gather(out, inp, self.seq, stripes, chunk)
             elif what == 0:
-                rc, peer = nat.all_reduce(out, name, self.seq, stripes, chunk, rootn)
+                rc, peer = nat.all_reduce(out, c.name, self.seq, stripes, chunk, c.args[5])
             else:
-                rc, peer = nat.reduce_scatter(out, inp, name, self.seq, stripes, chunk)
+                rc, peer = nat.reduce_scatter(out, inp, c.name, self.seq, stripes, chunk)
         self.native_calls += 1
         nat.after_call()
-        if root is None or root == self.rank:
+        if c.root is None or c.root == self.rank:
             _written(out)       # C wrote it: autograd's count of in-place writes, as torch's own ops keep
         if rc:
             if rc == MISMATCH:
-                self._mismatch(op, self.seq & 1)
-            self._native_failed(rc, peer, op)
+                self._mismatch(c.op, self.seq & 1)
+            self._native_failed(rc, peer, c.op)
 
     def _native_failed(self, rc: int, peer: int, op: str) -> None:
         from .native_cpu import ABORTED, DEAD, TIMEOUT

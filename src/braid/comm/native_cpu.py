@@ -126,6 +126,7 @@ class NativePool:
         self._busy_calls = 0        # calls left in the busy offer
         self._last_busy = 0         # the last call's waits that found their core wanted
         self._peer = _int(-1)
+        self._peer_ref = ctypes.byref(self._peer)
         self._rows: dict = {}       # (first row's address, row step, rows) -> their addresses (ctypes)
         self.rounds = False         # set_round gave the header round's places: `call` may run
         self._words = (_i64 * 7)()  # a call's header words and offer (cpucoll_call)
@@ -155,21 +156,24 @@ class NativePool:
         arr = _u64 * self.world
         self.rounds = self.lib.cpucoll_set_round(self._h, arr(*hdr0), arr(*hdr1), arr(*stamps)) == OK
 
-    def call(self, what: int, out: torch.Tensor, inp: torch.Tensor | None, name: str, root: int, seq: int,
-             header: tuple, per: int, div: int, least: int) -> tuple[int, int]:
-        """Round `seq` (this rank's `header` words and its offer) and the call in one native call
-        (`_cpucoll.c` cpucoll_call): `what` 0 an all_reduce (`root` >= 0: a reduce) of `out` in
-        place, 1 a reduce_scatter of `inp` into `out`, 2 an all_to_all and 3 an all_gather of
-        their bytes. (code, its rank): OK, LATE (nothing but the round's writes happened),
-        MISMATCH or a failure."""
+    def args(self, what: int, out: torch.Tensor, inp: torch.Tensor | None, name: str, root: int) -> tuple:
+        """The fixed arguments of a native call (`run`): `what` 0 an all_reduce (`root` >= 0: a
+        reduce) of `out` in place, 1 a reduce_scatter of `inp` into `out`, 2 an all_to_all and 3 an
+        all_gather of their bytes."""
+        count = out.numel() if what < 2 else out.numel() // self.world if what == 2 else inp.numel()
+        return what, count, out.element_size(), _DTYPES.get(out.dtype, 0), OPS.get(name, 0), root
+
+    def run(self, args: tuple, src: int, out: int, seq: int, header: tuple, per: int, div: int,
+            least: int) -> tuple[int, int]:
+        """Round `seq` (this rank's `header` words and its offer) and the call of `args` on the
+        buffers at `src` and `out` in one native call (`_cpucoll.c` cpucoll_call). (code, its
+        rank): OK, LATE (nothing but the round's writes happened), MISMATCH or a failure."""
         w = self._words
         w[0], w[1], w[2], w[3] = header
         w[4], w[5], w[6] = self.offer
-        src = out if inp is None else inp
-        count = out.numel() if what < 2 else out.numel() // self.world if what == 2 else inp.numel()
-        rc = self.lib.cpucoll_call(self._h, what, src.data_ptr(), out.data_ptr(), count, out.element_size(),
-                                   _DTYPES.get(out.dtype, 0), OPS.get(name, 0), root, seq, w, per, div, least,
-                                   ctypes.byref(self._peer))
+        what, count, esz, dt, op, root = args
+        rc = self.lib.cpucoll_call(self._h, what, src, out, count, esz, dt, op, root, seq, w, per, div, least,
+                                   self._peer_ref)
         return rc, self._peer.value
 
     @staticmethod
