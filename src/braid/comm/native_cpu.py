@@ -128,7 +128,7 @@ class NativePool:
         self._peer = _int(-1)
         self._peer_ref = ctypes.byref(self._peer)
         self._rows: dict = {}       # (first row's address, row step, rows) -> their addresses (ctypes)
-        self.rounds = False         # set_round gave the header round's places: `call` may run
+        self.rounds = False         # set_round gave the header round's places: `run` may run
         self._words = (_i64 * 7)()  # a call's header words and offer (cpucoll_call)
 
     def after_call(self) -> None:
