@@ -1,4 +1,4 @@
-"""The native all_reduce, reduce, reduce_scatter, all_to_all and all_gather of CPU tensors (comm/_cpucoll.c
+"""The native all_reduce, reduce, reduce_scatter, all_to_all, all_gather and broadcast of CPU tensors (comm/_cpucoll.c
 through comm/native_cpu.py): every dtype and reduction they take at 2, 3 and 4 ranks with several threads per rank and chunks small enough
 that every slot is reused many times, against references built from every rank's inputs; the same
 bits on every rank; calls interleaved with the other paths through the same areas; what it does
@@ -92,6 +92,15 @@ def _every_worker(rank, w):
                 bad.append(f"all_gather {dt} n={n}: not the native path")
             if not torch.equal(out.view(torch.uint8), torch.cat(xs).view(torch.uint8)):
                 bad.append(f"all_gather {dt} n={n}: wrong")
+            # broadcast from every root in turn, bitwise; the others' tensors start as garbage
+            for root in range(w):
+                t = xs[rank].clone() if rank == root else torch.full_like(xs[rank], 7)
+                before = native()
+                comm.broadcast(t, root)
+                if native() != before + 1:
+                    bad.append(f"broadcast {dt} n={n}: not the native path")
+                if not torch.equal(t.view(torch.uint8), xs[root].view(torch.uint8)):
+                    bad.append(f"broadcast {dt} n={n} root {root}: wrong")
     every = [None] * w
     dist.all_gather_object(every, digests, group=comm.gloo_group)
     for e in every:
@@ -282,6 +291,25 @@ def test_ranks_that_disagree_on_the_native_path_raise(w, n):
     res = run_world(_disagree_worker, w, n, timeout=60)
     for text in res:
         assert "different calls" in text and "in native code" in text, text
+
+
+def _roots_worker(rank, w):
+    import braid
+    from braid.errors import PeerMismatchError
+    comm = braid.init()
+    t = torch.ones(300_001)
+    try:
+        comm.broadcast(t, rank)                     # every rank names itself the root
+        return "no error"
+    except PeerMismatchError as e:
+        return str(e)
+
+
+def test_a_native_broadcast_whose_ranks_name_other_roots_raises():
+    for text in run_world(_roots_worker, 3, timeout=60):
+        assert "different calls" in text, text
+        for r in range(3):
+            assert f"rank {r}: broadcast of {300_001 * 4} bytes (dtype code" in text and f"detail {r}, in native" in text, text
 
 
 def _threads():
@@ -478,11 +506,15 @@ def _round_worker(rank, w, python_ranks, late_rank, in_c=None):
         xs = [data(r, n * w, torch.float32, 400 + i) for r in range(w)]
         if rank == late_rank and i % 2:
             time.sleep(0.03)
-        op = ("all_reduce", "reduce", "reduce_scatter", "all_gather", "all_to_all")[i % 5]
+        op = ("all_reduce", "reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")[i % 6]
         if op == "all_reduce":
             got = xs[rank].clone()
             comm.all_reduce(got)
             ok = close(got, reference(xs, "sum", 1.0), xs, "sum")
+        elif op == "broadcast":
+            got = xs[rank].clone() if rank == i % w else torch.empty_like(xs[rank])
+            comm.broadcast(got, i % w)
+            ok = torch.equal(got, xs[i % w])
         elif op == "reduce":
             got = xs[rank].clone()
             comm.reduce(got, i % w)
@@ -566,7 +598,7 @@ REPEATED = [(70_001, torch.float32), (150_001, torch.bfloat16), (40_003, torch.f
 
 
 def _replay_worker(rank, w, python_ranks, late_rank):
-    """150 calls of the five native ops over a few shapes, fresh random data every call, the
+    """150 calls of the six native ops over a few shapes, fresh random data every call, the
     output a new tensor, a slice of a larger one (another address) or the same one, some calls
     async; among them calls the replay must leave to the full path (an output that requires
     grad, fixed shares, a recv pending) and calls of another op through the same areas. Every
@@ -585,7 +617,8 @@ def _replay_worker(rank, w, python_ranks, late_rank):
     full_path = 0
     for i in range(150):
         n, dt = REPEATED[int(torch.randint(len(REPEATED), (1,), generator=g))]
-        op = ("all_reduce", "reduce", "reduce_scatter", "all_gather", "all_to_all")[int(torch.randint(5, (1,), generator=g))]
+        op = ("all_reduce", "reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")[
+            int(torch.randint(6, (1,), generator=g))]
         how = int(torch.randint(8, (1,), generator=g))       # 0: a new tensor, 1: a slice, else the same
         special = i % 23 == 22                                # a call of a kept shape for the full path
         if special:
@@ -631,6 +664,11 @@ def _replay_worker(rank, w, python_ranks, late_rank):
                 h.wait()
             part = [x[rank * n:(rank + 1) * n] for x in xs]
             ok = close(got, reference(part, name, 1.0), part, name)
+        elif op == "broadcast":
+            got = buf(n * w, "t")
+            got.copy_(xs[rank] if rank == i % w else torch.zeros_like(xs[rank]))
+            comm.broadcast(got, i % w)
+            ok = torch.equal(got, xs[i % w])
         elif op == "all_gather":
             got = buf(n * w * w, "ag")
             with ctx:
@@ -658,8 +696,8 @@ def _replay_worker(rank, w, python_ranks, late_rank):
             bad.append((i, op, "replayed a call the full path must take"))
         if not ok:
             bad.append((i, op, n, str(dt), how, replayed))
-        digests.append(_digest(got.detach()) if op in ("all_reduce", "all_gather") else 0)
-        if i % 37 == 36:                                      # another op through the same areas
+        digests.append(_digest(got.detach()) if op in ("all_reduce", "all_gather", "broadcast") else 0)
+        if i % 37 == 36:                                      # a call of the rounds in Python through the same areas
             t = data(rank, 1000, torch.float32, i)
             comm.broadcast(t, 0)
             if not torch.equal(t, data(0, 1000, torch.float32, i)):

@@ -150,7 +150,7 @@ _define("BRAID_CPU_CHUNK_KB", _positive_int, 256,
         "Native CPU collectives: KiB of data per rank and chunk of a thread's stripe (small enough to "
         "stay in the caches between a rank's copy in and the others' reduction).")
 # in the order of _cpucoll.c's K_* kinds of call: op i is bit 1 << i (native_cpu.kinds)
-NATIVE_CPU_OPS = ("all_reduce", "reduce", "reduce_scatter", "all_to_all", "all_gather")
+NATIVE_CPU_OPS = ("all_reduce", "reduce", "reduce_scatter", "all_to_all", "all_gather", "broadcast")
 
 
 def _native_ops(text: str) -> tuple[str, ...]:
@@ -170,7 +170,7 @@ def _native_ops(text: str) -> tuple[str, ...]:
 
 _define("BRAID_CPU_LAG", _native_ops, ("all_gather",),
         "Native CPU collectives whose chunks run a turn apart (comma list of all_reduce, reduce, "
-        "reduce_scatter, all_to_all, all_gather; 'all'; 'none'): a rank copies a chunk in one turn "
+        "reduce_scatter, all_to_all, all_gather, broadcast; 'all'; 'none'): a rank copies a chunk in one turn "
         "before it takes it (reduces it, or copies it out), so a wait is for what a peer did a turn "
         "earlier; the others run each chunk's steps back to back.")
 _define("BRAID_CPU_STREAM", _native_ops, ("all_gather",),

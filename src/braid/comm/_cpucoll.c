@@ -26,7 +26,8 @@
  *
  * The reduce_scatter is steps 1 and 2 with the reduction written to the output alone
  * (run_scatter_stripe); the all_to_all is the same movement with a copy in place of the reduction,
- * the all_gather the same with one chunk per rank that every rank copies out. Each element is
+ * the all_gather the same with one chunk per rank that every rank copies out, the broadcast with
+ * the root's chunk alone (the root copies in, the others copy out into their tensors). Each element is
  * reduced by one rank in rank order, so every rank ends with the same bits, run after run.
  *
  * A wait spins, then yields the core, then sleeps; while it lasts it looks at every rank's abort
@@ -66,7 +67,7 @@
 #define SPIN_NS 20000LL         /* a wait spins this long, then yields the core... */
 #define YIELD_NS 5000000LL      /* ...until this long, then sleeps in short steps */
 /* per kind of call (bit K_*): chunks a turn apart, copies into the caller's tensors past the caches */
-enum { K_ALL_REDUCE = 0, K_REDUCE = 1, K_REDUCE_SCATTER = 2, K_ALL_TO_ALL = 3, K_ALL_GATHER = 4 };
+enum { K_ALL_REDUCE = 0, K_REDUCE = 1, K_REDUCE_SCATTER = 2, K_ALL_TO_ALL = 3, K_ALL_GATHER = 4, K_BROADCAST = 5 };
 static int lag_kinds = 0, stream_kinds = 0;     /* cpucoll_set_lag, cpucoll_set_stream */
 static int64_t slow_yield_ns = 500000;  /* a yield this long: another thread held the core for a
                                           * time slice (0: never; cpucoll_set_slow_yield) */
@@ -89,7 +90,8 @@ enum { C_IN = 0, C_RED = 1, C_OUT = 2 };
 typedef struct {
     uint8_t *buf, *out;         /* reduce_scatter, all_to_all: `buf` the input (world x count), `out` the output */
     int64_t count, chunk;
-    int scatter;                /* 0: all_reduce or reduce, 1: reduce_scatter, 2: all_to_all, 3: all_gather */
+    int scatter;                /* 0: all_reduce or reduce, 1: reduce_scatter, 2: all_to_all, 3: all_gather,
+                                 * 4: broadcast (from root) */
     int root;                   /* a reduce's root; -1: all_reduce */
     int esz, dtype, op, stripes;
     int lag;                    /* turns between a chunk's copy in and its reduction (0 or 1; run_stripe) */
@@ -530,10 +532,14 @@ static int scatter_in(ctx_t *c, int t, int64_t k, uint64_t E) {
     int64_t a;
     const int64_t len = span(j, t, k, &a);
     uint8_t *mine = slot(c, me, t, (int)(k % SLOTS));
+    if (j->scatter == 4 && j->root != me) {     /* broadcast: only the root writes its slots */
+        post(ctr(c, me, t, C_IN), E | (uint64_t)(k + 1));
+        return 0;
+    }
     if (k >= SLOTS)
         for (int r = 0; r < n; r++)
             if (r != me && wait_ge(c, ctr(c, r, t, C_RED), E | (uint64_t)(k - SLOTS + 1), r)) return -1;
-    if (j->scatter == 3)        /* all_gather: this rank's chunk, once for every reader */
+    if (j->scatter >= 3)        /* all_gather, broadcast: this rank's chunk, once for every reader */
         memcpy(mine, j->buf + a * esz, len * esz);
     else
         for (int d = 0; d < n; d++)
@@ -549,7 +555,13 @@ static int scatter_take(ctx_t *c, int t, int64_t k, uint64_t E) {
     int64_t a;
     const int64_t len = span(j, t, k, &a);
     uint8_t *src[MAXW];
-    if (j->scatter == 3) {      /* all_gather: every rank's chunk, copied into its block */
+    if (j->scatter == 4) {      /* broadcast: the root's chunk, copied into the tensor (in place) */
+        const int r = j->root;
+        if (r != me) {
+            if (wait_ge(c, ctr(c, r, t, C_IN), E | (uint64_t)(k + 1), r)) return -1;
+            copy_out(j->stream, j->out + a * esz, slot(c, r, t, s), len * esz);
+        }
+    } else if (j->scatter == 3) {      /* all_gather: every rank's chunk, copied into its block */
         memcpy(j->out + (me * m + a) * esz, j->buf + a * esz, len * esz);
         for (int i = 1; i < n; i++) {
             int r = (me + i) % n;
@@ -708,6 +720,7 @@ static int go(ctx_t *c, void *buf, void *out, int64_t count, int esz, int dtype,
     j->lag = (lag_kinds >> kind) & 1;
     j->stream = (stream_kinds >> kind) & 1;
     j->root = root < 0 || root >= c->world ? -1 : root;
+    if (scatter == 4 && j->root < 0) return E_ARGS;
     j->count = count;
     j->esz = esz;
     j->dtype = dtype;
@@ -794,8 +807,8 @@ int cpucoll_set_round(void *h, const uint64_t *hdr0, const uint64_t *hdr1, const
 }
 
 /* One whole native call with its header round in C (round_in): `what` 0 an all_reduce (root < 0)
- * or a reduce, 1 a reduce_scatter, 2 an all_to_all, 3 an all_gather, with the arguments of its
- * cpucoll_* entry below. The stripes and the chunk come from the least offer, as the Python
+ * or a reduce, 1 a reduce_scatter, 2 an all_to_all, 3 an all_gather, 4 a broadcast from `root`,
+ * with the arguments of its cpucoll_* entry below. The stripes and the chunk come from the least offer, as the Python
  * round's caller makes them (cpushm._cut): stripes = threads, fewer where a thread would get less
  * than the stripe KiB of `per` bytes; chunk = chunk KiB in elements of `esz`, divided by `div`,
  * at least `least_chunk`. On E_LATE nothing but the round's own writes happened. */
@@ -805,7 +818,7 @@ int cpucoll_call(void *h, int what, void *buf, void *out, int64_t count, int esz
     int64_t least[3] = {1, 1, 1};
     *peer = -1;
     if (getpid() != c->owner) return E_FORKED;
-    if (!c->has_round || div < 1 || esz < 1 || what < 0 || what > 3) return E_ARGS;
+    if (!c->has_round || div < 1 || esz < 1 || what < 0 || what > 4) return E_ARGS;
     c->fail = 0;
     c->fail_peer = -1;
     int rc = round_in(c, seq, words, least, peer);
@@ -817,9 +830,9 @@ int cpucoll_call(void *h, int what, void *buf, void *out, int64_t count, int esz
     int64_t chunk = ((chunk_kb << 10) / esz) / div;
     if (chunk < least_chunk) chunk = least_chunk;
     if (chunk < 1) chunk = 1;
-    if (what >= 2) esz = 1, dtype = DT_F32, op = OP_SUM;    /* all_to_all and all_gather move bytes */
-    return go(c, buf, what == 0 ? buf : out, count, esz, dtype, op, seq, (int)stripes, chunk, what,
-              what == 0 ? root : -1, peer, 0);
+    if (what >= 2) esz = 1, dtype = DT_F32, op = OP_SUM;    /* all_to_all, all_gather, broadcast move bytes */
+    return go(c, buf, what == 0 || what == 4 ? buf : out, count, esz, dtype, op, seq, (int)stripes, chunk, what,
+              what == 0 || what == 4 ? root : -1, peer, 0);
 }
 
 /* The whole all_reduce of `count` elements at `buf`, in place (root < 0), or a reduce into the
@@ -851,6 +864,13 @@ int cpucoll_all_to_all(void *h, void *out, void *inp, int64_t count, uint64_t ep
 int cpucoll_all_gather(void *h, void *out, void *inp, int64_t count, uint64_t epoch, int stripes, int64_t chunk,
                        int *peer) {
     return go((ctx_t *)h, inp, out, count, 1, DT_F32, OP_SUM, epoch, stripes, chunk, 3, -1, peer, 0);
+}
+
+/* The whole broadcast of `count` bytes at `buf` from rank `root` (in place), as
+ * cpucoll_all_reduce; `chunk` is bytes. */
+int cpucoll_broadcast(void *h, void *buf, int64_t count, int root, uint64_t epoch, int stripes, int64_t chunk,
+                      int *peer) {
+    return go((ctx_t *)h, buf, buf, count, 1, DT_F32, OP_SUM, epoch, stripes, chunk, 4, root, peer, 0);
 }
 
 /* The whole reduce_scatter of `inp` (world x count elements) into `out` (count elements), as

@@ -525,9 +525,14 @@ class Communicator:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         op = "broadcast"
-        tkey = None
+        tkey = ckey = None
+        if (self._cpu is not None and type(tensor) is torch.Tensor and not tensor.is_cuda and type(src) is int
+                and tensor.numel() * tensor.element_size() >= NATIVE_MIN):
+            ckey = ("bc", tensor.numel(), tensor.dtype, src)
+            if (h := self._cpu_replay(ckey, tensor, None)) is not None:
+                return h if async_op else None
         if self._cpu is not None and self._cpu_ok(tensor) and type(src) is int and 0 <= src < self.world_size:
-            return self._cpu_call(op, tensor, lambda: self._cpu.broadcast(tensor, src), async_op)
+            return self._cpu_call(op, tensor, lambda: self._cpu.broadcast(tensor, src), async_op, ckey)
         if type(tensor) is torch.Tensor and type(src) is int and tensor.is_cuda is self.cuda and tensor.is_contiguous():
             n = tensor.numel()
             if self.shortcuts.decide("bc", n, (tensor.dtype, src), self._rest_bc, tensor, src):

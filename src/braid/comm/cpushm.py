@@ -47,14 +47,14 @@ from .native_cpu import LATE, MISMATCH
 
 HEADER = 64                 # bytes before each half's data: the round's header
 SMALL_REDUCE = 256 << 10    # all_reduce chunks up to this size: one round, every rank reduces all
-NATIVE_MIN = 256 << 10      # every op but broadcast (its input) from this size: the native pool (comm/_cpucoll.c)
+NATIVE_MIN = 256 << 10      # every op from this size (its input): the native pool (comm/_cpucoll.c)
 NATIVE_AREA_MIN = 256 << 10     # a half smaller than this: no native calls
 NATIVE_BIT = 1 << 40        # in a header's detail: the call runs native (ranks that differ raise)
 A2A_BLOCK = 64 << 10        # a native all_to_all's least bytes per destination and chunk
 # an op's native call (_cpucoll.c cpucoll_call): its kind, its chunk divided by the world (or
 # not), its least chunk
 _NATIVE_WHAT = {"all_reduce": (0, False, 1), "reduce": (0, False, 1), "reduce_scatter": (1, True, 1),
-                "all_to_all_single": (2, True, A2A_BLOCK), "all_gather": (3, False, 1)}
+                "all_to_all_single": (2, True, A2A_BLOCK), "all_gather": (3, False, 1), "broadcast": (4, False, 1)}
 # broadcast's pieces: the root's copy in and the others' copies out overlap piece by piece (2 ranks
 # on 2 cores, 2026-11-26, `braid bench --cpu --op broadcast --sizes 4M:64M --repeat 5`, two runs:
 # 16 MiB 9.9-10.1 ms in one 16 MiB piece, 6.7-6.8 ms in 2 MiB pieces; 64 MiB 27.8-28.0 -> 25.6-26.1;
@@ -126,13 +126,14 @@ class NativeCall:
     """What a native call is, made once per shape (CpuShm._native_call) and run by
     CpuShm.native_run: its op, NativePool.args, its header words, the dtype of its header, the
     bytes a thread works through (`per`), its chunk's divisor and least size, the element size
-    of its tensors as passed, the reduction, the root (None: every rank's tensor lands) and
-    whether it moves the tensors' bytes (all_to_all, all_gather: byte views)."""
-    __slots__ = ("op", "args", "header", "dtype", "per", "div", "least", "esz", "name", "root", "as_bytes")
+    of its tensors as passed, the reduction, whether it writes this rank's output (`writes`: a
+    reduce's root alone, a broadcast's other ranks) and whether it moves the tensors' bytes
+    (all_to_all, all_gather, broadcast: byte views)."""
+    __slots__ = ("op", "args", "header", "dtype", "per", "div", "least", "esz", "name", "writes", "as_bytes")
 
-    def __init__(self, op, args, header, dtype, per, div, least, esz, name, root, as_bytes):
+    def __init__(self, op, args, header, dtype, per, div, least, esz, name, writes, as_bytes):
         self.op, self.args, self.header, self.dtype, self.per = op, args, header, dtype, per
-        self.div, self.least, self.esz, self.name, self.root, self.as_bytes = div, least, esz, name, root, as_bytes
+        self.div, self.least, self.esz, self.name, self.writes, self.as_bytes = div, least, esz, name, writes, as_bytes
 
 
 class CpuShm:
@@ -480,10 +481,11 @@ class CpuShm:
         """One header round (the ranks agree on the call, the stripes and the chunk), then the
         native pool moves and reduces every byte (comm/_cpucoll.c): an all_reduce (or, with
         `root`, a reduce) of `out` in place, or (`inp` given) a reduce_scatter of `inp` into
-        `out`, or an all_to_all or all_gather of `inp`'s bytes into `out`'s (`dtype`: the
-        tensors' own, for the header). What the call is (NativeCall) is made here; `native_run`
-        runs it, and runs it again for a repeated call (CpuCalls.replay). While `recording`, the
-        call is kept in `recorded` (False once a second one came)."""
+        `out`, or an all_to_all or all_gather of `inp`'s bytes into `out`'s, or a broadcast of
+        `out`'s bytes from `root` (`dtype`: the tensors' own, for the header). What the call is
+        (NativeCall) is made here; `native_run` runs it, and runs it again for a repeated call
+        (CpuCalls.replay). While `recording`, the call is kept in `recorded` (False once a
+        second one came)."""
         esz = out.element_size()
         nbytes = (inp if inp is not None else out).numel() * esz
         # a reduce_scatter's threads by its output: per byte of it a thread waits on every rank's
@@ -496,8 +498,9 @@ class CpuShm:
         what, div, least = _NATIVE_WHAT[op]
         rootn = -1 if root is None else root
         dt = dtype or out.dtype
+        writes = root is None or (root == self.rank) != (what == 4)
         c = NativeCall(op, nat.args(what, out, inp, name, rootn), (_OPS[op], nbytes, _dtype_code(dt), code | NATIVE_BIT),
-                       dt, per, self.world if div else 1, least, esz, name, root, what >= 2)
+                       dt, per, self.world if div else 1, least, esz, name, writes, what >= 2)
         if self.recording:
             self.recorded = c if self.recorded is None else False
         self.native_run(c, out, inp)
@@ -529,8 +532,10 @@ class CpuShm:
             chunk = max(1, chunk // c.div, c.least)
             what = c.args[0]
             if c.as_bytes:          # a replay's tensors as the byte views the first call had
-                out, inp = _as_bytes(out), _as_bytes(inp.detach())
-            if what == 2:
+                out, inp = _as_bytes(out), None if inp is None else _as_bytes(inp.detach())
+            if what == 4:
+                rc, peer = nat.broadcast(out, c.args[5], self.seq, stripes, chunk)
+            elif what == 2:
                 rc, peer = nat.all_to_all(out, inp, self.seq, stripes, chunk)
             elif what == 3:
                 rc, peer = nat.all_gather(out, inp, self.seq, stripes, chunk)
@@ -540,7 +545,7 @@ class CpuShm:
                 rc, peer = nat.reduce_scatter(out, inp, c.name, self.seq, stripes, chunk)
         self.native_calls += 1
         nat.after_call()
-        if c.root is None or c.root == self.rank:
+        if c.writes:
             _written(out)       # C wrote it: autograd's count of in-place writes, as torch's own ops keep
         if rc:
             if rc == MISMATCH:
@@ -735,6 +740,9 @@ class CpuShm:
                 (dst if c == n else dst[:, start: start + c]).copy_(rows)
 
     def broadcast(self, t: torch.Tensor, root: int) -> None:
+        if t.numel() * t.element_size() >= NATIVE_MIN and (nat := self._native_pool()) is not None:
+            with _guard(t):
+                return self._native_call(nat, "broadcast", _as_bytes(t), None, "sum", root, root, dtype=t.dtype)
         flat, esz = _as_words(t)
         wd, n = flat.dtype, flat.numel()
         step = min(self.data, BCAST_CHUNK) // esz    # the root writes piece k+1 while the others copy piece k

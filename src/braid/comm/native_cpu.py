@@ -67,6 +67,8 @@ def build() -> ctypes.CDLL | None:
     lib.cpucoll_all_to_all.argtypes = [_vp, _vp, _vp, _i64, _u64, _int, _i64, ctypes.POINTER(_int)]
     lib.cpucoll_all_gather.restype = _int
     lib.cpucoll_all_gather.argtypes = [_vp, _vp, _vp, _i64, _u64, _int, _i64, ctypes.POINTER(_int)]
+    lib.cpucoll_broadcast.restype = _int
+    lib.cpucoll_broadcast.argtypes = [_vp, _vp, _i64, _int, _u64, _int, _i64, ctypes.POINTER(_int)]
     lib.cpucoll_reduce_scatter.restype = _int
     lib.cpucoll_reduce_scatter.argtypes = [_vp, _vp, _vp, _i64, _int, _int, _int, _u64, _int, _i64, ctypes.POINTER(_int)]
     lib.cpucoll_call.restype = _int
@@ -159,8 +161,9 @@ class NativePool:
     def args(self, what: int, out: torch.Tensor, inp: torch.Tensor | None, name: str, root: int) -> tuple:
         """The fixed arguments of a native call (`run`): `what` 0 an all_reduce (`root` >= 0: a
         reduce) of `out` in place, 1 a reduce_scatter of `inp` into `out`, 2 an all_to_all and 3 an
-        all_gather of their bytes."""
-        count = out.numel() if what < 2 else out.numel() // self.world if what == 2 else inp.numel()
+        all_gather of their bytes, 4 a broadcast of `out`'s bytes from `root`."""
+        count = (out.numel() if what < 2 or what == 4 else out.numel() // self.world if what == 2
+                 else inp.numel())
         return what, count, out.element_size(), _DTYPES.get(out.dtype, 0), OPS.get(name, 0), root
 
     def run(self, args: tuple, src: int, out: int, seq: int, header: tuple, per: int, div: int,
@@ -187,6 +190,12 @@ class NativePool:
         rc = self.lib.cpucoll_all_reduce(self._h, flat.data_ptr(), flat.numel(), flat.element_size(),
                                          _DTYPES[flat.dtype], OPS[name], epoch, stripes, chunk, root,
                                          ctypes.byref(self._peer))
+        return rc, self._peer.value
+
+    def broadcast(self, buf: torch.Tensor, root: int, epoch: int, stripes: int, chunk: int) -> tuple[int, int]:
+        """Bytes, in place: rank `root`'s `buf` into every rank's."""
+        rc = self.lib.cpucoll_broadcast(self._h, buf.data_ptr(), buf.numel(), root, epoch, stripes, chunk,
+                                        ctypes.byref(self._peer))
         return rc, self._peer.value
 
     def all_reduce_floor(self, scratch: torch.Tensor, name: str, stripes: int, chunk: int) -> None:
