@@ -130,8 +130,8 @@ def _nonneg_int(text: str) -> int:
 
 _define("BRAID_CPU_NATIVE", _bool, True,
         "1 (default): a CPU communicator's all_reduce, reduce and reduce_scatter (float32, float64, "
-        "bfloat16, float16, int32 and int64 sums, averages, minima, maxima and products), all_gather and "
-        "all_to_all_single of 256 KiB and more run in native threads (comm/_cpucoll.c, compiled with the "
+        "bfloat16, float16, int32 and int64 sums, averages, minima, maxima and products), all_gather, "
+        "all_to_all_single and broadcast of 256 KiB and more run in native threads (comm/_cpucoll.c, compiled with the "
         "system's C compiler on first use into BRAID_CACHE_DIR), and smaller reductions of 3 ranks and "
         "more reduce in the same library on the caller's thread; 0: rounds in Python for all of them. "
         "Every rank must have the same setting.")

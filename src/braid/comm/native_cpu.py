@@ -1,6 +1,6 @@
-"""The native all_reduce, reduce, reduce_scatter, all_to_all and all_gather of CPU tensors
-(`_cpucoll.c`): built on first use with the system's C compiler for this machine's CPU, loaded with
-ctypes, run without Python's interpreter lock in a pool of threads per communicator. Where it does
+"""The native all_reduce, reduce, reduce_scatter, all_to_all, all_gather and broadcast of CPU
+tensors (`_cpucoll.c`): built on first use with the system's C compiler for this machine's CPU,
+loaded with ctypes, run without Python's interpreter lock in a pool of threads per communicator. Where it does
 not build (no compiler), or a dtype or reduction it does not have, CpuShm's own rounds run the call
 (comm/cpushm.py)."""
 from __future__ import annotations
