@@ -3,7 +3,8 @@ through comm/native_cpu.py): every dtype and reduction they take at 2, 3 and 4 r
 that every slot is reused many times, against references built from every rank's inputs; the same
 bits on every rank; calls interleaved with the other paths through the same areas; what it does
 not take goes to the rounds in Python; a peer that dies, aborts or never comes inside the native
-call ends it on time with braid's error; its threads end with the communicator."""
+call, or leaves between replayed calls of every op, ends it on time with braid's error; its
+threads end with the communicator."""
 import os
 import time
 import zlib
@@ -356,6 +357,52 @@ def test_a_peer_that_fails_inside_the_native_call(how, error):
     if how == "abort":
         assert "given up for the test" in text
     assert took < (5 if how != "away" else 6)
+
+
+def _replayed_fault_worker(rank, w, op, how):
+    """Every rank repeats one native call until it replays; then rank 1 dies or stays away, and
+    rank 0's next replay (its header round in C, then the data's waits) must end with braid's
+    error naming rank 1."""
+    import braid
+    comm = braid.init()
+    n = 300_000
+    def call():
+        if op == "all_reduce":
+            comm.all_reduce(torch.ones(n))
+        elif op == "reduce_scatter":
+            comm.reduce_scatter_tensor(torch.empty(n // w), torch.ones(n))
+        elif op == "all_gather":
+            comm.all_gather_into_tensor(torch.empty(n * w), torch.ones(n))
+        elif op == "all_to_all_single":
+            comm.all_to_all_single(torch.empty(n), torch.ones(n))
+        else:
+            comm.broadcast(torch.ones(n), 1)
+    for _ in range(4):
+        call()
+    replays = comm._cpu_calls.replays
+    if rank == 1:
+        if how == "die":
+            os._exit(3)
+        time.sleep(8)
+        return replays, None
+    t0 = time.monotonic()
+    try:
+        call()
+        return replays, ("no error", 0.0, "")
+    except Exception as e:       # noqa: BLE001  the type, the text and the time are checked
+        return replays, (type(e).__name__, time.monotonic() - t0, str(e))
+
+
+@pytest.mark.parametrize("how,error", [("die", "LaneFailureError"), ("away", "BraidTimeoutError")])
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_gather", "all_to_all_single", "broadcast"])
+def test_a_peer_that_leaves_between_replayed_calls(op, how, error):
+    res = run_world(_replayed_fault_worker, 2, op, how, env={"BRAID_TIMEOUT_S": "3"},
+                    allowed_exit={1: 3} if how == "die" else None, timeout=60)
+    replays, (name, took, text) = res[0]
+    assert replays >= 2, replays            # the calls before were replays
+    assert name == error, (name, text)
+    assert "rank 1" in text
+    assert took < (5 if how == "die" else 6)
 
 
 def _close_worker(rank, w):
