@@ -2,7 +2,7 @@
 the C call alone (with the header round that agrees on the call where it runs in C) and in
 the header round in Python (the rest: the call's own Python), on every rank, back to back with the same tensors.
 
-    python3 scripts/probes/cpu_native_split.py [--nproc 8] [--ops all_reduce,reduce_scatter,all_gather]
+    python3 scripts/probes/cpu_native_split.py [--nproc 8] [--ops all_reduce,reduce,reduce_scatter,all_gather,all_to_all_single,broadcast]
         [--sizes 262144,1048576,4194304,16777216] (bytes of the input)
 
 Each rank takes torch's intra-op threads as `braid bench --cpu` gives them (cores / ranks).
@@ -46,7 +46,7 @@ def worker(rank: int, world: int, port: int, ops: list[str], sizes: list[int], q
         setattr(cls, name, timed)
     timing(cpushm.CpuShm, "_round", rnd)
     timing(cpushm.CpuShm, "_words", rnd)
-    for name in ("all_reduce", "reduce_scatter", "all_gather", "call", "run"):
+    for name in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "call", "run"):
         timing(native_cpu.NativePool, name, spent)
     busy = [0, 0]      # slow yields the native calls counted; calls made under the busy offer
     orig_after = native_cpu.NativePool.after_call
@@ -63,7 +63,10 @@ def worker(rank: int, world: int, port: int, ops: list[str], sizes: list[int], q
         y, z = torch.empty(n // world), torch.empty(n)
         fns = {"all_reduce": lambda: comm.all_reduce(x),
                "reduce_scatter": lambda: comm.reduce_scatter_tensor(y, x),
-               "all_gather": lambda: comm.all_gather_into_tensor(z, y)}
+               "all_gather": lambda: comm.all_gather_into_tensor(z, y),
+               "all_to_all_single": lambda: comm.all_to_all_single(z, x),
+               "broadcast": lambda: comm.broadcast(x, 0),
+               "reduce": lambda: comm.reduce(x, 0)}
         for op in ops:
             fn = fns[op]
             iters = max(5, min(200, (64 << 20) // max(nbytes, 1)))

@@ -74,6 +74,16 @@ _PLAIN: dict = {}
 _PLAIN_WRITE = contextlib.nullcontext()
 
 
+def c_round_in_c(world: int) -> bool:
+    """Whether a native call's header round runs in C with the call in a world of `world` ranks
+    (BRAID_CPU_C_ROUND_RANKS): up to 4 ranks, and in a world of more ranks than this process's
+    cores, where a round in Python costs each rank a turn on a core its peers wait for."""
+    limit = envs.get("BRAID_CPU_C_ROUND_RANKS")
+    if limit is None:
+        return world <= 4 or world > len(os.sched_getaffinity(0))
+    return world <= limit
+
+
 def _guard(out: torch.Tensor):
     """The mode in which a call here writes `out` (reduce._writing) where it needs one: a tensor
     that requires grad or an inference tensor. Every other write needs none (what is read here is
@@ -468,7 +478,7 @@ class CpuShm:
                 self.half - 4096, [seg.address + lay.counter("abort", r) for r in range(self.world)],
                 [seg.address + lay.counter("pid", r) for r in range(self.world)], envs.get("BRAID_TIMEOUT_S"),
                 want - 1)
-            if self.ok and self.world <= envs.get("BRAID_CPU_C_ROUND_RANKS"):   # the round's places
+            if self.ok and c_round_in_c(self.world):   # the round's places
                 self._native.set_round([seg.address + o for o in self._hdr[0]], [seg.address + o for o in self._hdr[1]],
                                        [seg.address + o for o in self.ready])
         except OSError as exc:
@@ -507,7 +517,7 @@ class CpuShm:
 
     def native_run(self, c: "NativeCall", out: torch.Tensor, inp: torch.Tensor | None) -> None:
         """Native call `c` on `out` and `inp` (the caller's tensors, or their byte views for an
-        all_to_all or all_gather). In a world of up to BRAID_CPU_C_ROUND_RANKS ranks the round
+        all_to_all or all_gather). Where c_round_in_c says so the round
         runs in C with the call (one native call, no Python between the round and the data),
         unless a peer is slow to come (then Python finishes the round, with its waits that tell
         a peer's other call from a slow peer) or sends/recvs are pending (they move while Python
