@@ -405,6 +405,35 @@ def test_a_peer_that_leaves_between_replayed_calls(op, how, error):
     assert took < (5 if how == "die" else 6)
 
 
+def _big_a2a_worker(rank, w):
+    """all_to_all_single below and above BRAID_CPU_A2A_BIG_MB (1 MiB here), odd block sizes:
+    bitwise right, and how the native call ran (a turn apart with copies past the caches, or as
+    BRAID_CPU_LAG / BRAID_CPU_STREAM say: neither here)."""
+    import braid
+    comm = braid.init()
+    nat = comm._cpu._native_pool()
+    got = []
+    for m in (30_011, 100_003):             # int32 elements per block: 0.34-0.46 / 1.1-1.5 MiB a rank
+        xs = [data(r, m * w, torch.int32, m) for r in range(w)]
+        out = torch.full((m * w,), 7, dtype=torch.int32)
+        for _ in range(2):                  # the full path, then the replay
+            comm.all_to_all_single(out, xs[rank])
+            want = torch.cat([x[rank * m:(rank + 1) * m] for x in xs])
+            got.append((m, torch.equal(out, want), nat.lib.cpucoll_last_mode(nat._h)))
+    braid.close()
+    return got
+
+
+@pytest.mark.parametrize("w,big,modes", [(4, "1", (0, 3)), (3, "1", (0, 0)), (4, "0", (0, 0))],
+                         ids=["4-ranks", "3-ranks", "off"])
+def test_a_big_all_to_all_runs_a_turn_apart_past_the_caches(w, big, modes):
+    res = run_world(_big_a2a_worker, w, env={"BRAID_CPU_A2A_BIG_MB": big, "BRAID_CPU_LAG": "none",
+                                             "BRAID_CPU_STREAM": "none"}, timeout=120)
+    for rank, got in enumerate(res):
+        assert [ok for _, ok, _ in got] == [True] * 4, (rank, got)
+        assert [mode for _, _, mode in got] == [modes[0]] * 2 + [modes[1]] * 2, (rank, got)
+
+
 def _close_worker(rank, w):
     import braid
     before = _threads()

@@ -176,6 +176,13 @@ _define("BRAID_CPU_LAG", _native_ops, ("all_gather",),
 _define("BRAID_CPU_STREAM", _native_ops, ("all_gather",),
         "Native CPU collectives whose copies from other ranks' chunks into a rank's own tensor use "
         "stores that bypass the caches (x86; same list as BRAID_CPU_LAG); the others copy plainly.")
+_define("BRAID_CPU_A2A_BIG_MB", _nonneg_int, 16,
+        "Native CPU all_to_all_single of this many MiB a rank and more, in communicators of 4 ranks "
+        "and more, runs a turn apart with copies past the caches (as BRAID_CPU_LAG and "
+        "BRAID_CPU_STREAM with all_to_all would; 16-64 MiB at 4-16 ranks took 0.68-0.92 of the "
+        "time on a 2-core and a 16-vCPU host); 0: never. Smaller ones and 2-3 ranks keep those settings.")
+
+
 def _c_round(text: str) -> int | None:
     """'auto' (or empty): None; else a rank count, 0 or more."""
     return None if text.strip().lower() in ("", "auto") else _nonneg_int(text)

@@ -69,6 +69,10 @@
 /* per kind of call (bit K_*): chunks a turn apart, copies into the caller's tensors past the caches */
 enum { K_ALL_REDUCE = 0, K_REDUCE = 1, K_REDUCE_SCATTER = 2, K_ALL_TO_ALL = 3, K_ALL_GATHER = 4, K_BROADCAST = 5 };
 static int lag_kinds = 0, stream_kinds = 0;     /* cpucoll_set_lag, cpucoll_set_stream */
+/* kinds of call that run a turn apart with copies past the caches from big_bytes a rank in
+ * worlds of big_world ranks and more (cpucoll_set_big) */
+static int big_kinds = 0, big_world = 4;
+static int64_t big_bytes = 0;
 static int64_t slow_yield_ns = 500000;  /* a yield this long: another thread held the core for a
                                           * time slice (0: never; cpucoll_set_slow_yield) */
 #define FUTEX_NS 1000000LL      /* longest sleep on a futex between two looks at aborts and peers */
@@ -689,6 +693,14 @@ void cpucoll_set_lag(int kinds) { lag_kinds = kinds; }
 /* the kinds of call whose copies into the caller's tensors bypass the caches (BRAID_CPU_STREAM) */
 void cpucoll_set_stream(int kinds) { stream_kinds = kinds; }
 
+/* the kinds of call (bits 1 << K_*) that, from `bytes` a rank (0: never) in worlds of `world`
+ * ranks and more, run a turn apart with copies past the caches whatever cpucoll_set_lag and
+ * cpucoll_set_stream say (BRAID_CPU_A2A_BIG_MB) */
+void cpucoll_set_big(int kinds, int64_t bytes, int world) { big_kinds = kinds; big_bytes = bytes; big_world = world; }
+
+/* how the last call ran: bit 0 a turn apart, bit 1 copies past the caches */
+int cpucoll_last_mode(void *h) { const job_t *j = &((ctx_t *)h)->job; return j->lag | j->stream << 1; }
+
 /* the last call's slow yields (waits that found their core wanted) */
 uint64_t cpucoll_busy(void *h) { return __atomic_load_n(&((ctx_t *)h)->busy, __ATOMIC_RELAXED); }
 
@@ -719,6 +731,10 @@ static int go(ctx_t *c, void *buf, void *out, int64_t count, int esz, int dtype,
     const int kind = scatter ? scatter + 1 : root >= 0 && root < c->world ? K_REDUCE : K_ALL_REDUCE;
     j->lag = (lag_kinds >> kind) & 1;
     j->stream = (stream_kinds >> kind) & 1;
+    /* a rank's bytes: an all_to_all's count is per destination block */
+    if (((big_kinds >> kind) & 1) && big_bytes > 0 && c->world >= big_world
+        && count * esz * (scatter == 2 ? c->world : 1) >= big_bytes)
+        j->lag = j->stream = 1;
     j->root = root < 0 || root >= c->world ? -1 : root;
     if (scatter == 4 && j->root < 0) return E_ARGS;
     j->count = count;

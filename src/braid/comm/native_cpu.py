@@ -17,6 +17,7 @@ from .. import envs
 SOURCE = pathlib.Path(__file__).with_name("_cpucoll.c")
 _u64, _vp, _i64, _int = ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 MAX_THREADS = 32            # workers + the caller (MAXT); each rank has 3 counters per thread
+BIG_WORLD = 4                # BRAID_CPU_A2A_BIG_MB's all_to_all: in worlds of this many ranks and more
 BUSY_CHUNK_KB = 4096        # chunks while the host's cores are wanted by other threads (NativePool.after_call)
 BUSY_CALLS = 16             # calls in that offer after waits found their core wanted...
 BUSY_YIELDS = 2             # ...this many times in two calls in a row (as _cpucoll.c's: one alone may be noise)
@@ -95,6 +96,10 @@ def build() -> ctypes.CDLL | None:
     lib.cpucoll_set_stream.restype = None
     lib.cpucoll_set_stream.argtypes = [_int]
     lib.cpucoll_set_stream(kinds(envs.get("BRAID_CPU_STREAM")))
+    lib.cpucoll_last_mode.argtypes = [_vp]
+    lib.cpucoll_set_big.restype = None
+    lib.cpucoll_set_big.argtypes = [_int, _i64, _int]
+    lib.cpucoll_set_big(kinds(("all_to_all",)), envs.get("BRAID_CPU_A2A_BIG_MB") << 20, BIG_WORLD)
     lib.cpucoll_has_f16.restype = _int
     lib.cpucoll_free.restype = None
     lib.cpucoll_free.argtypes = [_vp]
