@@ -502,6 +502,55 @@ def test_waits_that_find_their_core_wanted_switch_to_large_chunks_and_back():
     assert pool.offer == pool.idle_offer
 
 
+def test_a_crowded_world_offers_large_chunks_but_for_broadcast():
+    """NativePool.offer_for: with more ranks than cores every kind of call but broadcast (4)
+    offers the busy offer's large chunks; otherwise, and for broadcast, the offer of the moment."""
+    from braid.comm import native_cpu as N
+    pool = N.NativePool.__new__(N.NativePool)
+    pool.idle_offer, pool.busy_offer = (2, 256, 128), (2, N.BUSY_CHUNK_KB, 128)
+    pool.offer, pool.crowded = pool.idle_offer, True
+    assert [pool.offer_for(w) for w in range(5)] == [pool.busy_offer] * 4 + [pool.idle_offer]
+    pool.crowded = False
+    assert [pool.offer_for(w) for w in range(5)] == [pool.idle_offer] * 5
+    pool.offer = pool.busy_offer                    # busy cores seen: every kind takes it
+    assert [pool.offer_for(w) for w in range(5)] == [pool.busy_offer] * 5
+
+
+def _crowded_worker(rank, w):
+    """In a world of more ranks than cores every rank's pool knows it and offers the large
+    chunks for the calls it runs, and every result is right."""
+    import braid
+    from braid.comm import cpushm
+    comm = braid.init()
+    nat = comm._cpu._native_pool()
+    n = 600_011
+    xs = [data(r, n, torch.float32, 5) for r in range(w)]
+    t = xs[rank].clone()
+    comm.all_reduce(t)
+    ok = close(t, reference(xs, "sum", 1.0), xs, "sum")
+    out = torch.empty(n - n % w)
+    comm.all_to_all_single(out, xs[rank][: n - n % w].clone())
+    m = n // w
+    ok = ok and torch.equal(out, torch.cat([x[rank * m:(rank + 1) * m] for x in xs]))
+    b = xs[rank].clone() if rank == 1 else torch.zeros(n)
+    comm.broadcast(b, 1)
+    ok = ok and torch.equal(b, xs[1])
+    res = cpushm.crowded(w), nat.crowded, nat.offer_for(0), nat.busy_offer, ok
+    braid.close()
+    return res
+
+
+def test_a_crowded_world_runs_its_calls_with_large_chunks():
+    cores = len(os.sched_getaffinity(0))
+    w = max(3, cores + 1) if cores < 8 else None
+    if w is None:
+        pytest.skip("more cores than the ranks a test world starts here")
+    res = run_world(_crowded_worker, w, env={"BRAID_CPU_THREADS": "1"}, timeout=120)
+    for rank, (crowded, pool_crowded, offer, busy, ok) in enumerate(res):
+        assert ok, rank
+        assert crowded and pool_crowded and offer == busy, (rank, offer, busy)
+
+
 def _busy_cores_worker(rank, w):
     """Calls while other processes keep every core busy: every result right, the same bits on
     every rank (the native waits and the rounds' waits in Python may sleep on their counters,

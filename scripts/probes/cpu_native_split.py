@@ -53,7 +53,7 @@ def worker(rank: int, world: int, port: int, ops: list[str], sizes: list[int], q
 
     def counted_after(self):
         busy[0] += self.lib.cpucoll_busy(self._h)
-        busy[1] += self.offer is self.busy_offer
+        busy[1] += self.offer is self.busy_offer or getattr(self, "crowded", False)
         return orig_after(self)
     native_cpu.NativePool.after_call = counted_after
     rows = []

@@ -74,13 +74,19 @@ _PLAIN: dict = {}
 _PLAIN_WRITE = contextlib.nullcontext()
 
 
+def crowded(world: int) -> bool:
+    """Whether a world of `world` ranks has more ranks than this process's cores: each rank's
+    turn on a core is then time its peers wait for."""
+    return world > len(os.sched_getaffinity(0))
+
+
 def c_round_in_c(world: int) -> bool:
     """Whether a native call's header round runs in C with the call in a world of `world` ranks
-    (BRAID_CPU_C_ROUND_RANKS): up to 4 ranks, and in a world of more ranks than this process's
-    cores, where a round in Python costs each rank a turn on a core its peers wait for."""
+    (BRAID_CPU_C_ROUND_RANKS): up to 4 ranks, and in a crowded world, where a round in Python
+    costs each rank a turn on a core its peers wait for."""
     limit = envs.get("BRAID_CPU_C_ROUND_RANKS")
     if limit is None:
-        return world <= 4 or world > len(os.sched_getaffinity(0))
+        return world <= 4 or crowded(world)
     return world <= limit
 
 
@@ -477,7 +483,7 @@ class CpuShm:
                 [seg.address + lay.counter("cpu_native", r * native_cpu.MAX_THREADS * 3) for r in range(self.world)],
                 self.half - 4096, [seg.address + lay.counter("abort", r) for r in range(self.world)],
                 [seg.address + lay.counter("pid", r) for r in range(self.world)], envs.get("BRAID_TIMEOUT_S"),
-                want - 1)
+                want - 1, crowded(self.world))
             if self.ok and c_round_in_c(self.world):   # the round's places
                 self._native.set_round([seg.address + o for o in self._hdr[0]], [seg.address + o for o in self._hdr[1]],
                                        [seg.address + o for o in self.ready])
@@ -535,7 +541,7 @@ class CpuShm:
                     self.publish()
                 p = self._gather(s, c.op)
         else:
-            p = self._round(c.op, c.header[1], c.dtype, c.header[3], nat.offer)
+            p = self._round(c.op, c.header[1], c.dtype, c.header[3], nat.offer_for(c.args[0]))
         if rc == LATE:
             threads, chunk_kb, stripe_kb = (min(col) for col in zip(*self._words(p, 5, 3)))     # every rank's least
             stripes, chunk = _cut(threads, chunk_kb, stripe_kb, c.per, c.esz)
