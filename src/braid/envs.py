@@ -193,7 +193,7 @@ _define("BRAID_CPU_C_ROUND_RANKS", _c_round, None,
         "ranks agree on the call, its stripes and chunk) in C with the call, handed to Python when a "
         "peer is over 5 ms late; larger ones, and 0, run it in Python before the call. auto "
         "(default): 4, and any world of more ranks than the cores this process may run on (2 cores: "
-        "2 ranks' 256 KiB-1 MiB calls 13-29% faster in C, 8 and 16 ranks' 0.5-0.97 of the time; 8 ranks "
+        "2 ranks' 256 KiB-1 MiB calls 13-29% faster in C, 8 and 16 ranks' 256 KiB-4 MiB calls 0.51-0.96 of the time; 8 ranks "
         "of 16 vCPUs not yet measured with it). Ranks may differ: both write the same header.")
 _define("BRAID_CPU_SLOW_YIELD_US", _nonneg_int, 500,
         "CPU collectives through shared memory: a wait whose yield gave the core away this long "
