@@ -143,8 +143,9 @@ class NativePool:
         """What this rank offers in the header round of a call of kind `what` (`args`): in a
         world of more ranks than cores (`crowded`), the busy offer's large chunks for every kind
         but broadcast, whose copies out would then wait for the root's whole chunk (2 cores:
-        all_reduce, reduce_scatter and all_to_all of 1-4 MiB at 3-8 ranks in 0.55-0.90 of the
-        time with them, broadcast of 1-4 MiB at 4 ranks in 1.13-1.29); else `offer`."""
+        all_reduce and reduce_scatter of 1-4 MiB at 8 ranks in 0.55-0.90 of the time with them,
+        the reductions and all_to_all at 3-4 ranks 0.62-0.96 in 35 pairs of 36, broadcast of 1-4
+        MiB at 4 ranks 1.13-1.29); else `offer`."""
         return self.busy_offer if self.crowded and what != 4 else self.offer
 
     def after_call(self) -> None:
