@@ -523,8 +523,8 @@ class CpuShm:
 
     def native_run(self, c: "NativeCall", out: torch.Tensor, inp: torch.Tensor | None) -> None:
         """Native call `c` on `out` and `inp` (the caller's tensors, or their byte views for an
-        all_to_all or all_gather). Where c_round_in_c says so the round
-        runs in C with the call (one native call, no Python between the round and the data),
+        all_to_all, all_gather or broadcast). Where c_round_in_c says so the round runs in C
+        with the call (one native call, no Python between the round and the data),
         unless a peer is slow to come (then Python finishes the round, with its waits that tell
         a peer's other call from a slow peer) or sends/recvs are pending (they move while Python
         waits). The stripes and chunk made here for a round in Python are the ones cpucoll_call
